@@ -1,0 +1,1 @@
+"""Wiring: main window, CLI entry point, settings."""

@@ -1,0 +1,1 @@
+"""Shardscope's Qt-free core: checkpoint reading, layout analysis, export and training runs."""

@@ -1,0 +1,91 @@
+"""A cache of parsed metadata in the user's cache directory, keyed by the metadata files' identity.
+
+Never written into the checkpoint folder. Stored as JSON plus ``.npy`` arrays (no pickle), so
+a damaged or planted cache file cannot run code; any problem reading it means a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
+
+FORMAT = 1
+ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("SHARDSCOPE_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "shardscope" / "metadata"
+
+
+def key_for(folder: Path, meta_names: list[str]) -> str | None:
+    if os.environ.get("SHARDSCOPE_NO_CACHE"):
+        return None
+    h = hashlib.sha256(f"v{FORMAT}\0{folder.resolve()}".encode())
+    for name in meta_names:
+        try:
+            st = os.stat(folder / name)
+        except OSError:
+            return None
+        h.update(f"\0{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_dev}".encode())
+    return h.hexdigest()[:40]
+
+
+def load(key: str, path: str) -> Checkpoint | None:
+    d = cache_dir() / key
+    try:
+        head = json.loads((d / "head.json").read_text())
+        if head.get("format_version") != FORMAT:
+            return None
+        arrays = {a: np.load(d / f"{a}.npy", allow_pickle=False) for a in ARRAYS}
+    except (OSError, ValueError, KeyError):
+        return None
+    files = [FileInfo(n, r, b, k) for n, r, b, k in head["files"]]
+    ckpt = Checkpoint(path, head["format"], head["version"], files, [], [], ChunkTable(**arrays),
+                      save_id=head["save_id"], metadata_files=head["metadata_files"],
+                      extra_files=head["extra_files"])
+    ckpt.tensors = [TensorEntry(f, dt, tuple(s), a, b, ckpt) for f, dt, s, a, b in head["tensors"]]
+    ckpt.objects = [ObjectEntry(*o) for o in head["objects"]]
+    ckpt.planner_data = {k: tuple(v) for k, v in head["planner_data"].items()}
+    ckpt.problems = [Problem(**p) for p in head["problems"]]
+    ckpt.reindex()
+    return ckpt
+
+
+def store(key: str, ckpt: Checkpoint) -> None:
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+        t = ckpt.chunk_table
+        for a in ARRAYS:
+            np.save(tmp / f"{a}.npy", getattr(t, a), allow_pickle=False)
+        head = {
+            "format_version": FORMAT, "format": ckpt.format, "version": ckpt.version, "save_id": ckpt.save_id,
+            "files": [[f.name, f.rank, f.bytes, f.kind] for f in ckpt.files],
+            "tensors": [[e.fqn, e.dtype, list(e.shape), e.first_chunk, e.chunk_count] for e in ckpt.tensors],
+            "objects": [[o.fqn, o.file, o.offset, o.length, o.rank] for o in ckpt.objects],
+            "planner_data": {k: list(v) for k, v in ckpt.planner_data.items()},
+            "problems": [{"kind": p.kind, "message": p.message, "fqn": p.fqn, "file": p.file}
+                         for p in ckpt.problems],
+            "metadata_files": ckpt.metadata_files, "extra_files": ckpt.extra_files,
+        }
+        (tmp / "head.json").write_text(json.dumps(head))
+        final = root / key
+        if final.exists():
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        os.replace(tmp, final)
+    except (OSError, TypeError, ValueError):
+        pass  # a cache that cannot be written is only a slower next open

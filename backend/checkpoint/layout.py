@@ -1,0 +1,207 @@
+"""Layout analysis: does each tensor's chunk set tile it exactly; per-rank and per-file balance."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .model import Checkpoint, Problem, TensorEntry, itemsize
+
+MAX_GRID_CELLS = 4_000_000
+MAX_REPORTED_REGIONS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box of tensor indices: ``[start, stop)`` per dimension."""
+
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+
+    def __str__(self) -> str:
+        if not self.start:
+            return "[scalar]"
+        return "[" + ", ".join(f"{a}:{b}" for a, b in zip(self.start, self.stop, strict=True)) + "]"
+
+
+@dataclass(slots=True)
+class Coverage:
+    """How a tensor's chunks cover it."""
+
+    exact: bool
+    gaps: list[Region] = field(default_factory=list)
+    overlaps: list[Region] = field(default_factory=list)
+    gap_elements: int = 0
+    overlap_elements: int = 0
+    out_of_bounds: list[int] = field(default_factory=list)  # chunk indices reaching past the shape
+
+
+def _chunk_boxes(ckpt: Checkpoint, entry: TensorEntry) -> tuple[np.ndarray, np.ndarray]:
+    t = ckpt.chunk_table
+    nd = entry.ndim
+    n = entry.chunk_count
+    if n == 0:
+        return np.zeros((0, nd), np.int64), np.zeros((0, nd), np.int64)
+    starts = t.dim_start[entry.first_chunk:entry.first_chunk + n]
+    idx = starts[:, None] + np.arange(2 * nd)[None, :]
+    d = t.dims[idx] if nd else np.zeros((n, 0), np.int64)
+    return d[:, :nd], d[:, :nd] + d[:, nd:]
+
+
+def coverage(ckpt: Checkpoint, entry: TensorEntry) -> Coverage:
+    shape = np.asarray(entry.shape, np.int64)
+    nd = entry.ndim
+    lo, hi = _chunk_boxes(ckpt, entry)
+    numel = math.prod(entry.shape)
+    oob = [int(i) for i in np.nonzero(((lo < 0) | (hi > shape) | (hi < lo)).any(axis=1))[0]] if nd else []
+    if nd == 0:
+        n = entry.chunk_count
+        if n == 1:
+            return Coverage(True)
+        if n == 0:
+            return Coverage(False, gaps=[Region((), ())], gap_elements=1)
+        return Coverage(False, overlaps=[Region((), ())], overlap_elements=n - 1)
+    if numel == 0:
+        return Coverage(not oob, out_of_bounds=oob)
+    lo = np.clip(lo, 0, shape)
+    hi = np.clip(hi, 0, shape)
+    # Fast path: every chunk spans all trailing dims (row-wise sharding, FSDP/DDP): 1-D intervals.
+    if (lo[:, 1:] == 0).all() and (hi[:, 1:] == shape[1:]).all():
+        order = np.argsort(lo[:, 0], kind="stable")
+        a, b = lo[order, 0], hi[order, 0]
+        if len(a) and a[0] == 0 and b[-1] == shape[0] and (a[1:] == b[:-1]).all() and (b >= a).all():
+            return Coverage(not oob, out_of_bounds=oob)
+    return _grid_coverage(entry, lo, hi, shape, oob)
+
+
+def _grid_coverage(entry: TensorEntry, lo: np.ndarray, hi: np.ndarray, shape: np.ndarray,
+                   oob: list[int]) -> Coverage:
+    nd = entry.ndim
+    bounds = [np.unique(np.concatenate(([0, shape[d]], lo[:, d], hi[:, d]))) for d in range(nd)]
+    cells = math.prod(len(b) - 1 for b in bounds)
+    if cells > MAX_GRID_CELLS:
+        vol = int(np.prod(hi - lo, axis=1).sum())
+        numel = int(np.prod(shape))
+        return Coverage(vol == numel and not oob, gap_elements=max(0, numel - vol),
+                        overlap_elements=max(0, vol - numel), out_of_bounds=oob)
+    count = np.zeros([len(b) - 1 for b in bounds], np.int32)
+    for i in range(len(lo)):
+        sl = tuple(slice(int(np.searchsorted(bounds[d], lo[i, d])), int(np.searchsorted(bounds[d], hi[i, d])))
+                   for d in range(nd))
+        count[sl] += 1
+    widths = np.ones(count.shape, np.int64)
+    for d in range(nd):
+        w = np.diff(bounds[d])
+        widths = widths * w.reshape([-1 if k == d else 1 for k in range(nd)])
+    cov = Coverage(True, out_of_bounds=oob)
+    gap_cells = np.argwhere((count == 0) & (widths > 0))
+    over_cells = np.argwhere(count > 1)
+    cov.gap_elements = int(widths[count == 0].sum())
+    cov.overlap_elements = int((widths * np.maximum(count - 1, 0)).sum())
+    cov.gaps = _regions(gap_cells, bounds)
+    cov.overlaps = _regions(over_cells, bounds)
+    cov.exact = not cov.gap_elements and not cov.overlap_elements and not oob
+    return cov
+
+
+def _regions(cells: np.ndarray, bounds: list[np.ndarray]) -> list[Region]:
+    """Merge runs of grid cells along the first dimension into boxes (a readable summary)."""
+    out: list[Region] = []
+    for c in cells[: MAX_REPORTED_REGIONS * 16]:
+        start = tuple(int(bounds[d][c[d]]) for d in range(len(c)))
+        stop = tuple(int(bounds[d][c[d] + 1]) for d in range(len(c)))
+        if out and out[-1].stop[0] == start[0] and out[-1].start[1:] == start[1:] and out[-1].stop[1:] == stop[1:]:
+            out[-1] = Region(out[-1].start, (stop[0], *stop[1:]))
+        else:
+            out.append(Region(start, stop))
+        if len(out) > MAX_REPORTED_REGIONS:
+            break
+    return out[:MAX_REPORTED_REGIONS]
+
+
+def coverage_problems(ckpt: Checkpoint) -> list[Problem]:
+    problems = []
+    for e in ckpt.tensors:
+        cov = coverage(ckpt, e)
+        if cov.exact:
+            continue
+        if cov.gap_elements:
+            where = ", ".join(map(str, cov.gaps)) or "(too many chunks to list)"
+            problems.append(Problem("gap", f"{e.fqn}: {cov.gap_elements} of {e.numel} elements are in no chunk: "
+                                    f"{where}.", fqn=e.fqn))
+        if cov.overlap_elements:
+            where = ", ".join(map(str, cov.overlaps)) or "(too many chunks to list)"
+            problems.append(Problem("overlap", f"{e.fqn}: chunks overlap on {cov.overlap_elements} elements: "
+                                    f"{where}.", fqn=e.fqn))
+        if cov.out_of_bounds:
+            problems.append(Problem("out_of_bounds", f"{e.fqn}: {len(cov.out_of_bounds)} chunk(s) reach outside "
+                                    f"the shape {list(e.shape)}.", fqn=e.fqn))
+    return problems
+
+
+@dataclass(frozen=True, slots=True)
+class RankBalance:
+    rank: int  # -1: files whose name carries no rank
+    chunks: int
+    bytes: int  # tensor bytes written by this rank
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "chunks": self.chunks, "bytes": self.bytes}
+
+
+def chunk_nbytes(ckpt: Checkpoint) -> np.ndarray:
+    """Value bytes of every chunk (elements × item size), from the metadata."""
+    t = ckpt.chunk_table
+    out = np.zeros(len(t), np.int64)
+    for e in ckpt.tensors:
+        if not e.chunk_count:
+            continue
+        lo, hi = _chunk_boxes(ckpt, e)
+        out[e.first_chunk:e.first_chunk + e.chunk_count] = np.prod(hi - lo, axis=1) * itemsize(e.dtype)
+    return out
+
+
+def rank_balance(ckpt: Checkpoint) -> list[RankBalance]:
+    t = ckpt.chunk_table
+    ranks = ckpt.file_ranks[t.file]  # file -1 maps to the trailing -1
+    nbytes = chunk_nbytes(ckpt)
+    out = []
+    for r in sorted(set(ranks.tolist()) | set(ckpt.ranks)):
+        m = ranks == r
+        out.append(RankBalance(int(r), int(m.sum()), int(nbytes[m].sum())))
+    return out
+
+
+def tensor_rank_bytes(ckpt: Checkpoint) -> tuple[list[int], np.ndarray]:
+    """A tensors × ranks matrix of value bytes (the heat map)."""
+    ranks = ckpt.ranks or [0]
+    col = {r: i for i, r in enumerate(ranks)}
+    t = ckpt.chunk_table
+    nbytes = chunk_nbytes(ckpt)
+    mat = np.zeros((len(ckpt.tensors), len(ranks)), np.int64)
+    lookup = np.full(max(ranks) + 2, -1, np.int64)
+    for r, i in col.items():
+        lookup[r] = i
+    chunk_cols = lookup[ckpt.file_ranks[t.file]]  # rank -1 indexes the trailing -1
+    keep = chunk_cols >= 0
+    np.add.at(mat, (t.tensor[keep], chunk_cols[keep]), nbytes[keep])
+    return ranks, mat
+
+
+def file_usage(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
+    """Per file: the (byte offset, length, entry) of every item it holds, sorted by offset."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    t = ckpt.chunk_table
+    for e in ckpt.tensors:
+        for j in range(e.first_chunk, e.first_chunk + e.chunk_count):
+            fi = int(t.file[j])
+            if fi >= 0:
+                out.setdefault(ckpt.files[fi].name, []).append((int(t.byte_offset[j]), int(t.length[j]), e.fqn))
+    for o in ckpt.objects:
+        if o.file:
+            out.setdefault(o.file, []).append((o.offset, o.length, o.fqn))
+    for v in out.values():
+        v.sort()
+    return out

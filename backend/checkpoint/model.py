@@ -1,0 +1,221 @@
+"""Plain dataclasses for what a distributed checkpoint holds and where its bytes are.
+
+Chunks live in one columnar :class:`ChunkTable` (numpy arrays), so a checkpoint with a
+million chunks costs a few arrays, not a million objects; :class:`Chunk` objects are
+made on demand for one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex32": 4, "complex64": 8,
+    "complex128": 16, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "int8": 1, "int16": 2,
+    "int32": 4, "int64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1, "qint8": 1, "quint8": 1,
+    "qint32": 4, "quint4x2": 1, "quint2x4": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1,
+    "bits4x2": 1,
+}
+
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                          "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
+
+
+def itemsize(dtype: str) -> int:
+    return ITEMSIZE.get(dtype, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Something wrong with a checkpoint, found by reading or verifying it."""
+
+    kind: str  # gap, overlap, missing_file, short_file, unreadable, corrupt, incomplete, leftover_tmp, ...
+    message: str
+    fqn: str | None = None
+    file: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "fqn": self.fqn, "file": self.file, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """One file of the checkpoint folder; ``rank`` is the writer rank parsed from ``__R_N.distcp``."""
+
+    name: str
+    rank: int | None
+    bytes: int | None  # None: the file is referenced but missing
+    kind: str = "data"  # data, metadata, meta.pt, other
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One stored piece of a tensor: where it sits in the tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int  # byte offset of the item in the file
+    length: int  # byte length of the item
+    rank: int | None  # the rank that wrote it (DCP writes a replicated tensor once)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "rank": self.rank,
+                "file": self.file, "offset": self.offset, "length": self.length}
+
+
+@dataclass(slots=True)
+class ChunkTable:
+    """All chunks of a checkpoint, columnar. Chunk ``j`` of a tensor with ``ndim`` dims stores its
+    offsets at ``dims[dim_start[j]:dim_start[j]+ndim]`` and sizes right after them."""
+
+    tensor: np.ndarray  # int32: index of the tensor
+    file: np.ndarray  # int32: index into Checkpoint.files, -1 when the metadata names no storage
+    byte_offset: np.ndarray  # int64
+    length: np.ndarray  # int64
+    dim_start: np.ndarray  # int64
+    dims: np.ndarray  # int64
+
+    @classmethod
+    def empty(cls) -> ChunkTable:
+        z32, z64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        return cls(z32, z32, z64, z64, z64, z64)
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+
+@dataclass(slots=True, eq=False)
+class TensorEntry:
+    """A tensor of the checkpoint by its flattened FQN (``model.blocks.0.fc1.weight``)."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    first_chunk: int
+    chunk_count: int
+    checkpoint: Checkpoint = field(repr=False)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.checkpoint.chunks_of(self)
+
+    @property
+    def ranks(self) -> list[int]:
+        t = self.checkpoint.chunk_table
+        sl = slice(self.first_chunk, self.first_chunk + self.chunk_count)
+        ranks = self.checkpoint.file_ranks[t.file[sl]]
+        return sorted({int(r) for r in ranks if r >= 0})
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
+                "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEntry:
+    """A non-tensor entry (``step``, ``optimizer.param_groups.0.lr``): pickled bytes in a file."""
+
+    fqn: str
+    file: str | None
+    offset: int
+    length: int
+    rank: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "file": self.file, "rank": self.rank, "offset": self.offset,
+                "length": self.length}
+
+
+@dataclass(slots=True, eq=False)
+class Checkpoint:
+    """What a checkpoint folder holds: its files, tensors, chunks and non-tensor entries."""
+
+    path: str
+    format: str  # "dcp", "lightning"
+    version: str | None
+    files: list[FileInfo]
+    tensors: list[TensorEntry]
+    objects: list[ObjectEntry]
+    chunk_table: ChunkTable
+    save_id: str | None = None
+    planner_data: dict[str, tuple] = field(default_factory=dict)  # flattened FQN -> nested key path
+    problems: list[Problem] = field(default_factory=list)  # found while reading (more come from verify)
+    extra_files: dict[str, str] = field(default_factory=dict)  # e.g. {"meta.pt": "meta.pt"}
+    metadata_files: list[str] = field(default_factory=list)
+    _by_fqn: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
+    file_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+
+    def __post_init__(self) -> None:
+        self.reindex()
+
+    def reindex(self) -> None:
+        self._by_fqn = {t.fqn: t for t in self.tensors}
+        self.file_ranks = np.array([-1 if f.rank is None else f.rank for f in self.files] + [-1], np.int32)
+
+    def tensor(self, fqn: str) -> TensorEntry:
+        try:
+            return self._by_fqn[fqn]
+        except KeyError:
+            raise KeyError(f"no tensor named {fqn!r} in {self.path}") from None
+
+    def has_tensor(self, fqn: str) -> bool:
+        return fqn in self._by_fqn
+
+    def object(self, fqn: str) -> ObjectEntry:
+        for o in self.objects:
+            if o.fqn == fqn:
+                return o
+        raise KeyError(f"no entry named {fqn!r} in {self.path}")
+
+    def chunks_of(self, entry: TensorEntry) -> list[Chunk]:
+        t = self.chunk_table
+        nd = entry.ndim
+        out = []
+        for j in range(entry.first_chunk, entry.first_chunk + entry.chunk_count):
+            s = int(t.dim_start[j])
+            d = t.dims[s:s + 2 * nd].tolist()
+            fi = int(t.file[j])
+            info = self.files[fi] if fi >= 0 else None
+            out.append(Chunk(tuple(d[:nd]), tuple(d[nd:]), info.name if info else "",
+                             int(t.byte_offset[j]), int(t.length[j]), info.rank if info else None))
+        return out
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({f.rank for f in self.files if f.rank is not None})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def data_files(self) -> list[FileInfo]:
+        return [f for f in self.files if f.kind == "data"]
+
+    def file_index(self, name: str) -> int:
+        for i, f in enumerate(self.files):
+            if f.name == name:
+                return i
+        return -1

@@ -1,0 +1,238 @@
+"""Open a checkpoint folder: find its metadata, read it safely, and build the checkpoint model.
+
+Handles torch ``FileSystemWriter`` folders (FSDP2, FSDP1 sharded, DDP, no process group),
+per-rank ``__R.metadata`` files written with ``use_collectives=False`` (merged), the older
+module paths and missing optional fields of torch 2.0 to 2.13, Lightning/Fabric folders with
+``meta.pt``, and leftover ``.metadata.tmp`` files from an interrupted save.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..progress import Progress
+from . import cache
+from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
+from .safe_pickle import BytesStorageRecord, TensorStorageRecord, load_metadata_pickle
+
+DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
+LIGHTNING_META = "meta.pt"
+
+
+def rank_of_file(name: str) -> int | None:
+    """The writer rank in a ``__R_N.distcp`` name (None for other names)."""
+    m = DATA_FILE_RE.match(os.path.basename(name))
+    return int(m.group(1)) if m else None
+
+
+def _listing(folder: Path) -> dict[str, int]:
+    out = {}
+    with os.scandir(folder) as it:
+        for e in it:
+            if e.is_file():
+                out[e.name] = e.stat().st_size
+    return out
+
+
+def resolve_folder(path: str | os.PathLike) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or folder.", path=str(p))
+    if p.is_file():
+        if p.name == ".metadata" or RANK_METADATA_RE.match(p.name):
+            return p.parent
+        raise CheckpointError(
+            f"{p}: is a file, not a checkpoint folder.",
+            path=str(p), hint="Give the folder that holds .metadata and the __R_N.distcp files.")
+    return p
+
+
+def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
+                    use_cache: bool = True) -> Checkpoint:
+    """Read a checkpoint folder's metadata (never its tensor data) into a :class:`Checkpoint`."""
+    folder = resolve_folder(path)
+    try:
+        listing = _listing(folder)
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot list the folder ({exc.strerror}).", path=str(folder)) from None
+    problems: list[Problem] = []
+    for name in sorted(listing):
+        if name.endswith(".metadata.tmp"):
+            problems.append(Problem("leftover_tmp", f"{name} is left from an interrupted save; the save that "
+                                    "wrote it did not finish (safe to delete once you know which save).",
+                                    file=name))
+    if ".metadata" in listing:
+        meta_names = [".metadata"]
+    else:
+        meta_names = sorted((n for n in listing if RANK_METADATA_RE.match(n)),
+                            key=lambda n: int(RANK_METADATA_RE.match(n).group(1)))  # type: ignore[union-attr]
+    if not meta_names:
+        data = sorted(n for n in listing if n.endswith(".distcp"))
+        if data:
+            return _incomplete(folder, listing, data, problems)
+        raise CheckpointError(
+            f"{folder}: not a distributed checkpoint (no .metadata file and no .distcp files).",
+            path=str(folder), hint="Open the folder that dcp.save or Lightning's sharded save wrote.")
+
+    key = cache.key_for(folder, meta_names) if use_cache else None
+    if key is not None:
+        cached = cache.load(key, str(folder))
+        if cached is not None:
+            cached.problems[:0] = problems
+            _refresh_files(cached, listing)
+            return cached
+
+    if progress:
+        progress.start(len(meta_names), "reading metadata")
+    parsed = []
+    for name in meta_names:
+        fp = folder / name
+        try:
+            with open(fp, "rb") as fh:
+                parsed.append(load_metadata_pickle(fh, str(fp)))
+        except OSError as exc:
+            raise CheckpointError(f"{fp}: cannot read ({exc.strerror}).", path=str(fp)) from None
+        if progress:
+            progress.advance(1)
+        if type(parsed[-1]).__name__ != "MetadataRecord":
+            raise CheckpointError(f"{fp}: does not hold DCP Metadata.", path=str(fp))
+    ckpt = build_checkpoint(str(folder), parsed, listing, meta_names)
+    ckpt.problems[:0] = problems
+    if key is not None:
+        cache.store(key, ckpt)
+    return ckpt
+
+
+def _incomplete(folder: Path, listing: dict[str, int], data: list[str], problems: list[Problem]) -> Checkpoint:
+    files = [FileInfo(n, rank_of_file(n), listing[n]) for n in data]
+    problems.append(Problem(
+        "incomplete", f"{len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
+        "coordinator writes .metadata last), so this checkpoint cannot be loaded."))
+    return Checkpoint(str(folder), "dcp", None, files, [], [], ChunkTable.empty(), problems=problems)
+
+
+def _refresh_files(ckpt: Checkpoint, listing: dict[str, int]) -> None:
+    """Sizes on disk change without the metadata changing (a truncated shard): read them anew."""
+    ckpt.files = [FileInfo(f.name, f.rank, listing.get(f.name), f.kind) for f in ckpt.files]
+    ckpt.reindex()
+
+
+def _merge(parsed: list[Any]) -> tuple[dict, dict, dict, Any, str | None]:
+    if len(parsed) == 1:
+        m = parsed[0]
+        return (m.state_dict_metadata, m.get("storage_data") or {}, m.get("planner_data") or {},
+                m.get("storage_meta"), m.get("version"))
+    sdm: dict[str, Any] = {}
+    storage: dict = {}
+    planner: dict = {}
+    for m in parsed:
+        for fqn, md in m.state_dict_metadata.items():
+            have = sdm.get(fqn)
+            if have is None:
+                if isinstance(md, TensorStorageRecord):
+                    copy = TensorStorageRecord()
+                    copy.__dict__.update(md.__dict__)
+                    copy.chunks = list(md.chunks)
+                    md = copy
+                sdm[fqn] = md
+            elif isinstance(md, TensorStorageRecord) and isinstance(have, TensorStorageRecord):
+                seen = {c.offsets for c in have.chunks}
+                have.chunks.extend(c for c in md.chunks if c.offsets not in seen)
+        storage.update(m.get("storage_data") or {})
+        planner.update(m.get("planner_data") or {})
+    return sdm, storage, planner, parsed[0].get("storage_meta"), parsed[0].get("version")
+
+
+def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
+                     meta_names: list[str]) -> Checkpoint:
+    sdm, storage_data, planner_data, storage_meta, version = _merge(parsed)
+    problems: list[Problem] = []
+    if not isinstance(sdm, dict):
+        raise CheckpointError(f"{folder}: metadata has no state_dict_metadata mapping.", path=folder)
+
+    store: dict[tuple, Any] = {}
+    for idx, info in storage_data.items():
+        store[(idx.get("fqn"), idx.get("offset"))] = info
+
+    file_ids: dict[str, int] = {}
+    files: list[FileInfo] = []
+
+    def file_id(rel: str) -> int:
+        fid = file_ids.get(rel)
+        if fid is None:
+            fid = file_ids[rel] = len(files)
+            files.append(FileInfo(rel, rank_of_file(rel), listing.get(rel)))
+        return fid
+
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    t_idx: list[int] = []
+    f_idx: list[int] = []
+    b_off: list[int] = []
+    b_len: list[int] = []
+    dim_start: list[int] = []
+    dims: list[int] = []
+    ckpt = Checkpoint(folder, "dcp", version, files, tensors, objects, ChunkTable.empty(),
+                      metadata_files=list(meta_names))
+    for fqn, md in sdm.items():
+        if isinstance(md, TensorStorageRecord):
+            props = md.get("properties")
+            dtype = str(props.get("dtype")) if props is not None else "float32"
+            shape = tuple(md.get("size") or ())
+            ti = len(tensors)
+            first = len(t_idx)
+            for c in md.get("chunks") or ():
+                offsets = c.get("offsets")
+                info = store.get((fqn, offsets))
+                t_idx.append(ti)
+                if info is None:
+                    f_idx.append(-1)
+                    b_off.append(0)
+                    b_len.append(0)
+                    problems.append(Problem("no_storage", f"{fqn}: chunk at offsets {list(offsets)} has no "
+                                            "storage entry in the metadata.", fqn=fqn))
+                else:
+                    f_idx.append(file_id(info.get("relative_path")))
+                    b_off.append(info.get("offset"))
+                    b_len.append(info.get("length"))
+                dim_start.append(len(dims))
+                dims.extend(offsets)
+                dims.extend(c.get("sizes"))
+            tensors.append(TensorEntry(fqn, dtype, shape, first, len(t_idx) - first, ckpt))
+        elif isinstance(md, BytesStorageRecord):
+            info = store.get((fqn, None))
+            if info is None:
+                objects.append(ObjectEntry(fqn, None, 0, 0, None))
+                problems.append(Problem("no_storage", f"{fqn}: non-tensor entry has no storage entry.", fqn=fqn))
+            else:
+                rel = info.get("relative_path")
+                file_id(rel)
+                objects.append(ObjectEntry(fqn, rel, info.get("offset"), info.get("length"), rank_of_file(rel)))
+        else:
+            problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(md).__name__}.", fqn=fqn))
+
+    ckpt.chunk_table = ChunkTable(
+        np.asarray(t_idx, np.int32), np.asarray(f_idx, np.int32), np.asarray(b_off, np.int64),
+        np.asarray(b_len, np.int64), np.asarray(dim_start, np.int64), np.asarray(dims, np.int64))
+    for name in sorted(listing):
+        if name not in file_ids and name.endswith(".distcp"):
+            files.append(FileInfo(name, rank_of_file(name), listing[name]))
+    for name in meta_names:
+        files.append(FileInfo(name, None, listing.get(name), "metadata"))
+    if LIGHTNING_META in listing:
+        ckpt.format = "lightning"
+        ckpt.extra_files[LIGHTNING_META] = LIGHTNING_META
+        files.append(FileInfo(LIGHTNING_META, None, listing[LIGHTNING_META], "meta.pt"))
+    if storage_meta is not None:
+        ckpt.save_id = storage_meta.get("save_id")
+    ckpt.planner_data = {k: tuple(v) for k, v in planner_data.items()} if isinstance(planner_data, dict) else {}
+    ckpt.problems = problems
+    ckpt.reindex()
+    return ckpt

@@ -1,0 +1,218 @@
+"""A restricted unpickler for DCP ``.metadata`` files.
+
+torch's ``FileSystemReader.read_metadata`` calls plain ``pickle.load``, so a hostile
+checkpoint folder runs code on open. Here every global is looked up in an exact
+(module, name) allow-list and mapped to an inert stand-in: nothing from the file is
+imported or called, and torch is not needed at all. A dotted name such as
+``os.system`` reached through an allowed module is refused like any other.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+from ..errors import RefusedPickleError
+
+
+class Record:
+    """Plain stand-in for a DCP dataclass: pickle's BUILD fills ``__dict__``."""
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+
+class MetadataRecord(Record):
+    kind = "Metadata"
+
+
+class TensorStorageRecord(Record):
+    kind = "TensorStorageMetadata"
+
+
+class ChunkRecord(Record):
+    kind = "ChunkStorageMetadata"
+
+
+class BytesStorageRecord(Record):
+    kind = "BytesStorageMetadata"
+
+
+class MetadataIndexRecord(Record):
+    kind = "MetadataIndex"
+
+
+class StorageInfoRecord(Record):
+    kind = "_StorageInfo"
+
+
+class StorageMetaRecord(Record):
+    kind = "StorageMeta"
+
+
+class StoragePrefixRecord(Record):
+    kind = "_StoragePrefix"
+
+
+class TensorPropertiesRecord(Record):
+    """TensorProperties pickles a 5-tuple since torch 2.1 and a plain dict before."""
+
+    kind = "TensorProperties"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+
+class ShardMetadataRecord(Record):
+    kind = "ShardMetadata"
+
+
+# torch dtypes as their short names, which is how we report them everywhere.
+DTYPE_NAMES = (
+    "float64 float32 float16 bfloat16 complex32 complex64 complex128 uint8 uint16 uint32 uint64 "
+    "int8 int16 int32 int64 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
+    "float8_e8m0fnu float4_e2m1fn_x2 qint8 quint8 qint32 quint4x2 quint2x4 bits8 bits16 "
+    "bits1x8 bits2x4 bits4x2 "
+).split()
+DTYPE_ALIASES = {
+    "float": "float32", "double": "float64", "half": "float16", "cfloat": "complex64",
+    "cdouble": "complex128", "short": "int16", "int": "int32", "long": "int64",
+    "chalf": "complex32",
+}
+MEMORY_FORMATS = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
+LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged")
+
+
+class DType(str):
+    """A dtype name (``float32``) standing in for ``torch.float32``."""
+
+
+def _get_layout(name: str) -> str:
+    # torch.serialization._get_layout("torch.strided")
+    if not isinstance(name, str) or name.removeprefix("torch.") not in LAYOUTS:
+        raise RefusedPickleError(f"unknown tensor layout {name!r} in pickle")
+    return name.removeprefix("torch.")
+
+
+def _mem_format_encoding(value: Any) -> Any:
+    return value
+
+
+def _posix_path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise RefusedPickleError("path parts in pickle are not strings")
+    return str(PurePosixPath(*parts))
+
+
+def _windows_path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise RefusedPickleError("path parts in pickle are not strings")
+    return str(PureWindowsPath(*parts))
+
+
+def _size(values: Any = ()) -> tuple:
+    return tuple(values)
+
+
+def _codecs_encode(text: Any, encoding: str = "latin1") -> bytes:
+    # protocol <= 2 writes bytes as _codecs.encode(str, "latin1")
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise RefusedPickleError("refused _codecs.encode call in pickle")
+    return text.encode("latin1")
+
+
+def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
+    # protocol 0/1 objects: copyreg._reconstructor(cls, object, None)
+    if not (isinstance(cls, type) and issubclass(cls, Record) and base is object and state is None):
+        raise RefusedPickleError("refused copyreg._reconstructor call in pickle")
+    return cls.__new__(cls)
+
+
+_CHECKPOINT_CLASSES: dict[str, type] = {
+    "Metadata": MetadataRecord,
+    "TensorStorageMetadata": TensorStorageRecord,
+    "ChunkStorageMetadata": ChunkRecord,
+    "BytesStorageMetadata": BytesStorageRecord,
+    "MetadataIndex": MetadataIndexRecord,
+    "TensorProperties": TensorPropertiesRecord,
+    "StorageMeta": StorageMetaRecord,
+    "_MEM_FORMAT_ENCODING": _mem_format_encoding,  # type: ignore[dict-item]
+}
+
+ALLOWED: dict[tuple[str, str], Any] = {}
+for _module in ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata"):
+    for _name, _cls in _CHECKPOINT_CLASSES.items():
+        ALLOWED[(_module, _name)] = _cls
+for _module in ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem"):
+    ALLOWED[(_module, "_StorageInfo")] = StorageInfoRecord
+    ALLOWED[(_module, "_StoragePrefix")] = StoragePrefixRecord
+for _name, _cls in (
+    ("TensorProperties", TensorPropertiesRecord),
+    ("MEM_FORMAT_ENCODING", _mem_format_encoding),
+    ("ShardMetadata", ShardMetadataRecord),
+):
+    ALLOWED[("torch.distributed._shard.sharded_tensor.metadata", _name)] = _cls
+ALLOWED[("torch.distributed._shard.metadata", "ShardMetadata")] = ShardMetadataRecord
+ALLOWED[("torch", "Size")] = _size
+ALLOWED[("torch.serialization", "_get_layout")] = _get_layout
+for _name in DTYPE_NAMES:
+    ALLOWED[("torch", _name)] = DType(_name)
+for _alias, _name in DTYPE_ALIASES.items():
+    ALLOWED[("torch", _alias)] = DType(_name)
+for _name in MEMORY_FORMATS:
+    ALLOWED[("torch", _name)] = _name
+for _name in LAYOUTS:
+    ALLOWED[("torch", _name)] = _name
+for _name in ("PosixPath", "PurePosixPath", "Path"):
+    ALLOWED[("pathlib", _name)] = _posix_path
+for _name in ("WindowsPath", "PureWindowsPath"):
+    ALLOWED[("pathlib", _name)] = _windows_path
+for _module in ("collections", "builtins", "__builtin__"):
+    ALLOWED[(_module, "OrderedDict")] = dict
+for _module in ("builtins", "__builtin__"):
+    for _name, _obj in (("set", set), ("frozenset", frozenset), ("tuple", tuple), ("list", list),
+                        ("dict", dict), ("slice", slice), ("bytearray", bytearray)):
+        ALLOWED[(_module, _name)] = _obj
+ALLOWED[("_codecs", "encode")] = _codecs_encode
+ALLOWED[("copy_reg", "_reconstructor")] = _reconstructor
+ALLOWED[("copyreg", "_reconstructor")] = _reconstructor
+ALLOWED[("builtins", "object")] = object
+ALLOWED[("__builtin__", "object")] = object
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, source: str) -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED[(module, name)]
+        except (KeyError, TypeError):
+            raise RefusedPickleError(
+                f"{self._source}: refused to load the pickled global {module}.{name}; a DCP .metadata file "
+                "never contains it, so the file is damaged or hostile. Nothing from it was run.",
+                path=self._source,
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RefusedPickleError(f"{self._source}: unexpected persistent id in metadata pickle", path=self._source)
+
+
+def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str) -> Any:
+    """Unpickle DCP metadata with the allow-list; return the tree of :class:`Record` objects."""
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    try:
+        return _Unpickler(stream, source).load()
+    except RefusedPickleError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+            KeyError, OverflowError, MemoryError, UnicodeDecodeError) as exc:
+        raise RefusedPickleError(
+            f"{source}: not a readable DCP metadata pickle ({type(exc).__name__}: {exc}).", path=source
+        ) from None

@@ -1,0 +1,49 @@
+"""The progress/cancel object long backend operations take (Qt-free, like Orange3's ``state``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from .errors import Cancelled
+
+
+class Progress:
+    """Reports progress of a long operation and carries a cooperative cancel flag.
+
+    ``callback(done, total, message)`` is called from the working thread; GUI code turns it
+    into a queued signal. ``check()`` raises :class:`Cancelled` once ``cancel()`` was called.
+    """
+
+    def __init__(self, callback: Callable[[int, int, str], None] | None = None) -> None:
+        self._callback = callback
+        self._cancel = threading.Event()
+        self.done = 0
+        self.total = 0
+        self.message = ""
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def check(self) -> None:
+        if self._cancel.is_set():
+            raise Cancelled()
+
+    def start(self, total: int, message: str = "") -> None:
+        self.total, self.done, self.message = total, 0, message
+        self._emit()
+
+    def advance(self, amount: int = 1, message: str | None = None) -> None:
+        self.done += amount
+        if message is not None:
+            self.message = message
+        self._emit()
+        self.check()
+
+    def _emit(self) -> None:
+        if self._callback is not None:
+            self._callback(self.done, self.total, self.message)

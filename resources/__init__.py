@@ -1,0 +1,1 @@
+"""Icons and stylesheets."""

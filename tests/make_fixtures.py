@@ -1,0 +1,139 @@
+"""Write real DCP checkpoints with torch's own ``dcp.save`` from multi-process gloo runs.
+
+Run as ``python tests/make_fixtures.py OUTDIR``; the test session calls :func:`make_all` once.
+Every checkpoint here is written the way users write them (see shared/seeds).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class TinyNet(nn.Module):
+    """Small model with 1-D, 2-D and odd-sized tensors, so shards are uneven."""
+
+    def __init__(self, vocab: int = 37, dim: int = 12, depth: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_steps(model, opt, rank: int, steps: int = 2) -> None:
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        idx = torch.randint(0, 37, (4, 8), generator=g)
+        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _worker(rank: int, world: int, port: int, kind: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        torch.manual_seed(0)
+        model = TinyNet()
+        if kind.startswith("fsdp"):
+            from torch.distributed.fsdp import fully_shard
+
+            for b in model.blocks:
+                fully_shard(b)
+            fully_shard(model)
+        elif kind == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train_steps(model, opt, rank)
+        msd, osd = get_state_dict(model, opt)
+        if kind == "fsdp_safetensors":
+            from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+            writer = dcp.FileSystemWriter(out, serialization_format=SerializationFormat.SAFETENSORS)
+            dcp.save({"model": msd, "optimizer": osd, "step": 2}, storage_writer=writer)
+        elif kind == "fsdp_nocollectives":
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out, use_collectives=False)
+        elif kind == "lightning":
+            # What Lightning/Fabric's ModelParallel/FSDP strategy writes for a sharded save:
+            # model and optimizer through DCP, everything else in meta.pt on rank 0.
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out)
+            if rank == 0:
+                torch.save({"epoch": 1, "global_step": 2, "hparams": {"lr": 0.01}}, Path(out) / "meta.pt")
+        else:
+            dcp.save({"model": msd, "optimizer": osd, "step": 2, "extra": {"note": "x", "ints": [1, 2]}}, checkpoint_id=out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def make(kind: str, world: int, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    if kind == "nopg":
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _train_steps(model, opt, 0)
+        dcp.save({"model": model.state_dict(), "step": 2}, checkpoint_id=str(out), no_dist=True)
+        return out
+    mp.start_processes(_worker, args=(world, _free_port(), kind, str(out)), nprocs=world, start_method="spawn")
+    return out
+
+
+FIXTURES = {
+    "fsdp2_r2": ("fsdp", 2),
+    "fsdp2_r4": ("fsdp", 4),
+    "ddp_r2": ("ddp", 2),
+    "nopg": ("nopg", 1),
+    "lightning_r2": ("lightning", 2),
+    "fsdp_nocoll_r2": ("fsdp_nocollectives", 2),
+    "fsdp_safetensors_r2": ("fsdp_safetensors", 2),
+}
+
+
+def make_all(root: Path) -> dict[str, Path]:
+    paths = {}
+    for name, (kind, world) in FIXTURES.items():
+        target = root / name
+        if not (target / ".done").exists():
+            make(kind, world, target)
+            (target / ".done").write_text("ok")
+        paths[name] = target
+    return paths
+
+
+if __name__ == "__main__":
+    make_all(Path(sys.argv[1]))

@@ -1,0 +1,1 @@
+"""Qt widgets and item models that adapt backend objects; no file I/O or torch logic."""
