@@ -62,6 +62,9 @@ def _train_steps(model, opt, rank: int, steps: int = 2) -> None:
 
 
 def _worker(rank: int, world: int, port: int, kind: str, out: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -128,9 +131,10 @@ def make_all(root: Path) -> dict[str, Path]:
     paths = {}
     for name, (kind, world) in FIXTURES.items():
         target = root / name
-        if not (target / ".done").exists():
+        marker = root / f".{name}.done"
+        if not marker.exists():
             make(kind, world, target)
-            (target / ".done").write_text("ok")
+            marker.write_text("ok")
         paths[name] = target
     return paths
 

@@ -57,7 +57,7 @@ def _file_problems(ckpt: Checkpoint) -> list[Problem]:
                 (o.fqn for o in objects if o.offset + o.length > f.bytes), None)
             problems.append(Problem("short_file", f"{f.name} has {f.bytes} bytes but its items need {need}: the file "
                                     f"is truncated ({len(bad)} chunks cut off, first {fqn}).", fqn=fqn, file=f.name))
-        if not used.any() and not objects:
+        if not used.any() and not objects and ckpt.metadata_files:
             problems.append(Problem("unused_file", f"{f.name} is not referenced by the metadata (left from "
                                     "another save?).", file=f.name))
     return problems

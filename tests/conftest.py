@@ -1,0 +1,53 @@
+"""Session fixtures: real checkpoints written by torch's own dcp.save in multi-process gloo runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    os.environ["SHARDSCOPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["SHARDSCOPE_DATA_DIR"] = str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def fixtures(tmp_path_factory) -> dict[str, Path]:
+    """All fixture checkpoints; written once per session (or reused from SHARDSCOPE_FIXTURES)."""
+    root = os.environ.get("SHARDSCOPE_FIXTURES")
+    root = Path(root) if root else tmp_path_factory.mktemp("fixtures")
+    subprocess.run([sys.executable, str(HERE / "make_fixtures.py"), str(root)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from make_fixtures import FIXTURES
+
+    return {name: root / name for name in FIXTURES}
+
+
+@pytest.fixture
+def copy_of(fixtures, tmp_path):
+    """A writable copy of a fixture checkpoint, for tests that damage it."""
+
+    def make(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(fixtures[name], dst)
+        return dst
+
+    return make
+
+
+def run_cli(*args: str, check: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
+    return proc

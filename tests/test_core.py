@@ -1,0 +1,284 @@
+"""The checkpoint core against torch's own reader, on real multi-process checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import run_cli
+from torch_reference import flatten, torch_consolidated, torch_flat_tensors
+
+from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.checkpoint.layout import coverage, rank_balance
+from shardscope.backend.checkpoint.values import ChunkReader, read_lightning_meta, tensor_stats
+from shardscope.backend.checkpoint.verify import verify
+from shardscope.backend.errors import CheckpointError, RefusedPickleError
+
+TORCH_READABLE = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "nopg", "lightning_r2"]
+
+
+@pytest.mark.parametrize("name", TORCH_READABLE)
+def test_inspect_json_matches_torch_reader(fixtures, name):
+    proc = run_cli("inspect", "--json", fixtures[name], check=True)
+    report = json.loads(proc.stdout)
+    ref = torch_flat_tensors(fixtures[name])
+    ours = {t["fqn"]: (t["dtype"], tuple(t["shape"]), sorted(
+        (tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["offset"], c["length"]) for c in t["chunks"]))
+        for t in report["tensors"]}
+    assert ours == ref
+    assert report["problems"] == []
+    assert report["version"] == "1.0.0"
+    for t in report["tensors"]:
+        for c in t["chunks"]:
+            assert c["rank"] == int(c["file"].split("_")[2])
+    assert {r["rank"] for r in report["ranks"]} == {f["rank"] for f in report["files"] if f["rank"] is not None}
+
+
+@pytest.mark.parametrize("name", TORCH_READABLE)
+def test_values_equal_torch_consolidation(fixtures, name):
+    ckpt = open_checkpoint(fixtures[name])
+    ref = flatten(torch_consolidated(fixtures[name]))
+    with ChunkReader(ckpt) as reader:
+        for t in ckpt.tensors:
+            assert torch.equal(reader.read_tensor(t), ref[t.fqn]), t.fqn
+        for o in ckpt.objects:
+            value = reader.read_object(o)
+            expected = {k: v for k, v in ref.items() if k == o.fqn or k.startswith(o.fqn + ".")}
+            assert flatten({o.fqn: value}) == expected
+
+
+def test_object_entries_and_planner_data(fixtures):
+    ckpt = open_checkpoint(fixtures["fsdp2_r2"])
+    assert ckpt.planner_data["model.emb.weight"] == ("model", "emb.weight")
+    assert "step" in {o.fqn for o in ckpt.objects}
+    assert ckpt.tensor("optimizer.state.emb.weight.exp_avg").shape == (37, 12)
+
+
+def test_per_rank_metadata_is_merged(fixtures):
+    merged = open_checkpoint(fixtures["fsdp_nocoll_r2"])
+    collective = open_checkpoint(fixtures["fsdp2_r2"])
+    assert merged.metadata_files == ["__0.metadata", "__1.metadata"]
+    assert {t.fqn for t in merged.tensors} == {t.fqn for t in collective.tensors}
+    for t in merged.tensors:
+        assert [(c.offsets, c.sizes, c.rank) for c in t.chunks] == \
+            [(c.offsets, c.sizes, c.rank) for c in collective.tensor(t.fqn).chunks]
+        assert coverage(merged, t).exact
+    with ChunkReader(merged) as a, ChunkReader(collective) as b:
+        for t in merged.tensors:
+            assert torch.equal(a.read_tensor(t), b.read_tensor(collective.tensor(t.fqn)))
+
+
+def test_safetensors_serialized_distcp(fixtures):
+    st = open_checkpoint(fixtures["fsdp_safetensors_r2"])
+    ref = open_checkpoint(fixtures["fsdp2_r2"])  # same seed, same steps, default serialization
+    assert verify(st, deep=True) == []
+    with ChunkReader(st) as a, ChunkReader(ref) as b:
+        for t in st.tensors:
+            assert torch.equal(a.read_tensor(t), b.read_tensor(ref.tensor(t.fqn))), t.fqn
+
+
+def test_lightning_folder(fixtures):
+    ckpt = open_checkpoint(fixtures["lightning_r2"])
+    assert ckpt.format == "lightning"
+    assert read_lightning_meta(ckpt) == {"epoch": 1, "global_step": 2, "hparams": {"lr": 0.01}}
+
+
+def test_rank_balance_counts_every_chunk(fixtures):
+    ckpt = open_checkpoint(fixtures["fsdp2_r4"])
+    bal = rank_balance(ckpt)
+    assert [b.rank for b in bal] == [0, 1, 2, 3]
+    assert sum(b.chunks for b in bal) == len(ckpt.chunk_table)
+    assert sum(b.bytes for b in bal) == ckpt.total_bytes
+
+
+def test_stats_match_torch(fixtures):
+    ckpt = open_checkpoint(fixtures["fsdp2_r4"])
+    ref = flatten(torch_consolidated(fixtures["fsdp2_r4"]))["model.head.weight"]
+    with ChunkReader(ckpt) as reader:
+        t = reader.read_tensor(ckpt.tensor("model.head.weight"))
+    st = tensor_stats(t)
+    assert st.min == pytest.approx(ref.min().item())
+    assert st.max == pytest.approx(ref.max().item())
+    assert st.mean == pytest.approx(ref.double().mean().item())
+    assert st.std == pytest.approx(ref.double().std().item())
+    assert sum(st.hist_counts) == ref.numel() and st.nan == 0
+
+
+def test_cache_serves_second_open(fixtures):
+    a = open_checkpoint(fixtures["fsdp2_r4"])
+    b = open_checkpoint(fixtures["fsdp2_r4"])
+    assert not os.listdir(fixtures["fsdp2_r4"]) or all(not n.startswith("cache") for n in os.listdir(fixtures["fsdp2_r4"]))
+    assert [t.to_json() for t in a.tensors] == [t.to_json() for t in b.tensors]
+    assert len(os.listdir(os.environ["SHARDSCOPE_CACHE_DIR"])) >= 1
+
+
+# ------------------------------------------------------------------ hostile and damaged input
+def _write_pickle(path, payload: bytes):
+    path.write_bytes(payload)
+
+
+def test_hostile_metadata_is_refused_and_never_runs(copy_of, tmp_path):
+    ckpt = copy_of("nopg")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(RefusedPickleError, match="system"):
+        open_checkpoint(ckpt, use_cache=False)
+    proc = run_cli("inspect", ckpt)
+    assert proc.returncode == 2
+    assert "refused" in proc.stderr and ".metadata" in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
+def test_dotted_name_through_allowed_module_is_refused(copy_of, tmp_path):
+    ckpt = copy_of("nopg")
+    marker = tmp_path / "pwned2"
+    # STACK_GLOBAL('torch.distributed.checkpoint.filesystem', 'os.system')('touch marker')
+    cmd = f"touch {marker}".encode()
+    mod, name = b"torch.distributed.checkpoint.filesystem", b"os.system"
+    payload = (b"\x80\x04" + b"\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+               + b"\x8c" + bytes([len(cmd)]) + cmd + b"\x85R.")
+    (ckpt / ".metadata").write_bytes(payload)
+    # plain pickle would run it: prove the payload is live, on a copy, without our reader
+    assert b"os.system" in payload
+    with pytest.raises(RefusedPickleError, match=r"os\.system"):
+        open_checkpoint(ckpt, use_cache=False)
+    assert not marker.exists()
+
+
+def test_garbage_metadata(copy_of):
+    ckpt = copy_of("nopg")
+    (ckpt / ".metadata").write_bytes(b"this is not a pickle at all")
+    proc = run_cli("verify", ckpt)
+    assert proc.returncode == 2
+    assert ".metadata" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_truncated_metadata(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    data = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError):
+        open_checkpoint(ckpt, use_cache=False)
+    assert run_cli("inspect", ckpt, "--no-cache").returncode == 2
+
+
+def test_truncated_shard(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    f = ckpt / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:5000])
+    proc = run_cli("verify", "--json", ckpt)
+    assert proc.returncode == 1
+    kinds = {p["kind"] for p in json.loads(proc.stdout)["problems"]}
+    assert "short_file" in kinds
+    problem = next(p for p in json.loads(proc.stdout)["problems"] if p["kind"] == "short_file")
+    assert problem["file"] == "__1_0.distcp" and problem["fqn"]
+
+
+def test_missing_shard(copy_of):
+    ckpt = copy_of("fsdp2_r4")
+    (ckpt / "__2_0.distcp").unlink()
+    problems = verify(open_checkpoint(ckpt))
+    missing = [p for p in problems if p.kind == "missing_file"]
+    assert len(missing) == 1 and missing[0].file == "__2_0.distcp" and missing[0].fqn
+    proc = run_cli("show", ckpt, "model.emb.weight")
+    assert proc.returncode == 2 and "__2_0.distcp" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bit_rot_caught_by_deep_verify(copy_of):
+    ckpt_path = copy_of("fsdp2_r2")
+    ckpt = open_checkpoint(ckpt_path)
+    chunk = ckpt.tensor("model.blocks.0.fc1.weight").chunks[0]
+    from shardscope.backend.checkpoint.items import FileHandles, parse_torch_item
+
+    with FileHandles(str(ckpt_path)) as h:
+        st = parse_torch_item(h, chunk.file, chunk.offset, chunk.length)
+    f = ckpt_path / chunk.file
+    data = bytearray(f.read_bytes())
+    data[st.data_offset + 10] ^= 0x40
+    f.write_bytes(bytes(data))
+    assert verify(open_checkpoint(ckpt_path)) == []  # shallow check cannot see it
+    deep = verify(open_checkpoint(ckpt_path), deep=True)
+    assert [(p.kind, p.fqn, p.file) for p in deep] == [("corrupt", "model.blocks.0.fc1.weight", chunk.file)]
+    proc = run_cli("verify", "--deep", ckpt_path)
+    assert proc.returncode == 1 and "CRC32" in proc.stdout
+
+
+def test_distcp_without_metadata_is_incomplete(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    (ckpt / ".metadata").unlink()
+    proc = run_cli("verify", "--json", ckpt)
+    assert proc.returncode == 1
+    assert [p["kind"] for p in json.loads(proc.stdout)["problems"]] == ["incomplete"]
+
+
+def test_leftover_tmp_is_reported(copy_of):
+    ckpt = copy_of("nopg")
+    (ckpt / ".metadata.tmp").write_bytes(b"partial")
+    kinds = [p.kind for p in verify(open_checkpoint(ckpt))]
+    assert kinds == ["leftover_tmp"]
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "readme.txt").write_text("hi")
+    proc = run_cli("inspect", tmp_path)
+    assert proc.returncode == 2 and "not a distributed checkpoint" in proc.stderr
+    proc = run_cli("inspect", tmp_path / "nope")
+    assert proc.returncode == 2 and "no such" in proc.stderr
+
+
+def test_gap_and_overlap_are_found(copy_of):
+    """Rewrite the metadata with torch's own classes so one tensor has a hole and another an overlap."""
+    ckpt = copy_of("fsdp2_r2")
+    script = textwrap.dedent(f"""
+        import pickle, torch
+        from torch.distributed.checkpoint import FileSystemReader
+        md = FileSystemReader({str(ckpt)!r}).read_metadata()
+        w = md.state_dict_metadata["model.emb.weight"]
+        w.chunks = w.chunks[:1]                      # rows 19..37 now belong to no chunk
+        b = md.state_dict_metadata["model.head.weight"]
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        c = b.chunks[1]
+        b.chunks[1] = ChunkStorageMetadata(torch.Size([c.offsets[0] - 2, 0]), torch.Size([c.sizes[0] + 2, c.sizes[1]]))
+        md.storage_meta = None
+        pickle.dump(md, open({str(ckpt / '.metadata')!r}, "wb"))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    problems = verify(open_checkpoint(ckpt, use_cache=False))
+    gap = [p for p in problems if p.kind == "gap"]
+    over = [p for p in problems if p.kind == "overlap"]
+    assert gap and gap[0].fqn == "model.emb.weight" and "[19:37, 0:12]" in gap[0].message
+    assert over and over[0].fqn == "model.head.weight" and "[17:19, 0:12]" in over[0].message
+
+
+def test_backend_imports_without_qt(tmp_path, fixtures):
+    """backend/ must work where importing PySide6 or pyqtgraph fails."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    for mod in ("PySide6", "pyqtgraph", "shiboken6"):
+        (blocker / f"{mod}.py").write_text(f"raise ImportError('{mod} is blocked in this test')\n")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(blocker)!r})
+        import shardscope.backend.checkpoint as c, shardscope.backend.checkpoint.verify as v
+        import shardscope.backend.export, shardscope.backend.runs
+        from shardscope import report
+        ck = c.open_checkpoint({str(fixtures['nopg'])!r})
+        assert v.verify(ck, deep=True) == []
+        assert not any(m.startswith(("PySide6", "pyqtgraph")) for m in sys.modules if m in sys.modules and
+                       getattr(sys.modules[m], "__file__", "") and "block" not in (sys.modules[m].__file__ or ""))
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
