@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..errors import CheckpointError
 from ..progress import Progress
 from . import cache
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
-from .safe_pickle import BytesStorageRecord, TensorStorageRecord, load_metadata_pickle
+from .safe_pickle import BytesStorageRecord, MetadataIndexRecord, TensorStorageRecord, gc_paused, load_metadata_pickle
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
@@ -103,7 +104,9 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
             progress.advance(1)
         if type(parsed[-1]).__name__ != "MetadataRecord":
             raise CheckpointError(f"{fp}: does not hold DCP Metadata.", path=str(fp))
-    ckpt = build_checkpoint(str(folder), parsed, listing, meta_names)
+    with gc_paused():
+        ckpt = build_checkpoint(str(folder), parsed, listing, meta_names)
+        del parsed
     ckpt.problems[:0] = problems
     if key is not None:
         cache.store(key, ckpt)
@@ -157,9 +160,7 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
     if not isinstance(sdm, dict):
         raise CheckpointError(f"{folder}: metadata has no state_dict_metadata mapping.", path=folder)
 
-    store: dict[tuple, Any] = {}
-    for idx, info in storage_data.items():
-        store[(idx.get("fqn"), idx.get("offset"))] = info
+    probe = MetadataIndexRecord.probe
 
     file_ids: dict[str, int] = {}
     files: list[FileInfo] = []
@@ -173,12 +174,13 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
 
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
-    t_idx: list[int] = []
-    f_idx: list[int] = []
-    b_off: list[int] = []
-    b_len: list[int] = []
-    dim_start: list[int] = []
-    dims: list[int] = []
+    # array.array, not lists: 8 bytes an entry instead of a pointer plus an int object
+    t_idx = array("i")
+    f_idx = array("i")
+    b_off = array("q")
+    b_len = array("q")
+    dim_start = array("q")
+    dims = array("q")
     ckpt = Checkpoint(folder, "dcp", version, files, tensors, objects, ChunkTable.empty(),
                       metadata_files=list(meta_names))
     for fqn, md in sdm.items():
@@ -190,7 +192,7 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
             first = len(t_idx)
             for c in md.get("chunks") or ():
                 offsets = c.get("offsets")
-                info = store.get((fqn, offsets))
+                info = storage_data.get(probe(fqn, offsets))
                 t_idx.append(ti)
                 if info is None:
                     f_idx.append(-1)
@@ -207,7 +209,7 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
                 dims.extend(c.get("sizes"))
             tensors.append(TensorEntry(fqn, dtype, shape, first, len(t_idx) - first, ckpt))
         elif isinstance(md, BytesStorageRecord):
-            info = store.get((fqn, None))
+            info = storage_data.get(probe(fqn, None))
             if info is None:
                 objects.append(ObjectEntry(fqn, None, 0, 0, None))
                 problems.append(Problem("no_storage", f"{fqn}: non-tensor entry has no storage entry.", fqn=fqn))
@@ -219,8 +221,8 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
             problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(md).__name__}.", fqn=fqn))
 
     ckpt.chunk_table = ChunkTable(
-        np.asarray(t_idx, np.int32), np.asarray(f_idx, np.int32), np.asarray(b_off, np.int64),
-        np.asarray(b_len, np.int64), np.asarray(dim_start, np.int64), np.asarray(dims, np.int64))
+        np.frombuffer(t_idx, np.int32), np.frombuffer(f_idx, np.int32), np.frombuffer(b_off, np.int64),
+        np.frombuffer(b_len, np.int64), np.frombuffer(dim_start, np.int64), np.frombuffer(dims, np.int64))
     for name in sorted(listing):
         if name not in file_ids and name.endswith(".distcp"):
             files.append(FileInfo(name, rank_of_file(name), listing[name]))

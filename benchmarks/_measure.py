@@ -1,0 +1,47 @@
+"""Run one measured step in a fresh process; prints JSON {seconds, peak_rss}. Used by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+
+def peak_rss() -> int:
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec from the parent.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def emit(seconds: float, **extra) -> None:
+    print(json.dumps({"seconds": seconds, "peak_rss": peak_rss(), **extra}))
+
+
+if __name__ == "__main__":
+    what, path = sys.argv[1], sys.argv[2]
+    if what == "baseline":
+        import torch  # noqa: F401  (both sides import torch; count only what opening adds)
+
+        emit(0.0)
+    elif what == "torch":
+        import torch  # noqa: F401
+        from torch.distributed.checkpoint import FileSystemReader
+
+        t0 = time.perf_counter()
+        md = FileSystemReader(path).read_metadata()
+        emit(time.perf_counter() - t0, chunks=sum(len(getattr(v, "chunks", ())) for v in md.state_dict_metadata.values()))
+    elif what in ("shardscope", "shardscope-cached"):
+        import torch  # noqa: F401
+
+        from shardscope.backend.checkpoint import open_checkpoint
+
+        t0 = time.perf_counter()
+        ck = open_checkpoint(path, use_cache=(what == "shardscope-cached"))
+        emit(time.perf_counter() - t0, chunks=len(ck.chunk_table))
