@@ -1,0 +1,307 @@
+"""The main window: checkpoints in tabs, menus, recent list, drag and drop, screenshots."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
+from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
+from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget, QWidget
+
+from shardscope.widgets.checkpoint_view import CheckpointView
+
+MAX_RECENT = 10
+
+
+def settings() -> QSettings:
+    return QSettings("Shardscope", "Shardscope")
+
+
+class MainWindow(QMainWindow):
+    def __init__(self) -> None:
+        super().__init__()
+        self.setWindowTitle("Shardscope")
+        self.setAcceptDrops(True)
+        self.tabs = QTabWidget()
+        self.tabs.setTabsClosable(True)
+        self.tabs.setDocumentMode(True)
+        self.tabs.tabCloseRequested.connect(self.close_tab)
+        self.tabs.currentChanged.connect(lambda _i: self._update_badge())
+        self.setCentralWidget(self.tabs)
+        self.welcome = QLabel("<h2>Shardscope</h2><p>Open a checkpoint folder (Ctrl+O) or drop one here.</p>"
+                              "<p>A DCP folder holds <tt>.metadata</tt> and <tt>__R_N.distcp</tt> files; "
+                              "Lightning/Fabric folders also hold <tt>meta.pt</tt>.</p>")
+        self.welcome.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.badge = QLabel("")
+        self.statusBar().addPermanentWidget(self.badge)
+        self._build_menus()
+        self._show_welcome_if_empty()
+        s = settings()
+        geo = s.value("window/geometry")
+        if geo is not None:
+            self.restoreGeometry(geo)
+        else:
+            self.resize(1400, 900)
+
+    # ------------------------------------------------------------------ menus
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        act = QAction("&Open folder…", self)
+        act.setShortcut(QKeySequence.StandardKey.Open)
+        act.triggered.connect(self.open_dialog)
+        file_menu.addAction(act)
+        self.recent_menu = file_menu.addMenu("Open &recent")
+        self.recent_menu.aboutToShow.connect(self._fill_recent)
+        act = QAction("&Reload", self)
+        act.setShortcut(QKeySequence("F5"))
+        act.triggered.connect(self.reload_current)
+        file_menu.addAction(act)
+        self.export_action = QAction("&Export…", self)
+        self.export_action.setShortcut(QKeySequence("Ctrl+E"))
+        self.export_action.triggered.connect(lambda: self.export_current(""))
+        file_menu.addAction(self.export_action)
+        file_menu.addSeparator()
+        act = QAction("&Quit", self)
+        act.setShortcut(QKeySequence.StandardKey.Quit)
+        act.triggered.connect(self.close)
+        file_menu.addAction(act)
+        edit = self.menuBar().addMenu("&Edit")
+        act = QAction("&Find", self)
+        act.setShortcut(QKeySequence.StandardKey.Find)
+        act.triggered.connect(self._focus_filter)
+        edit.addAction(act)
+        help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction("About Shardscope", lambda: QMessageBox.about(
+            self, "Shardscope", "Browse, train and export PyTorch distributed checkpoints."))
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        recent = recent_paths()
+        if not recent:
+            self.recent_menu.addAction("(none)").setEnabled(False)
+        for p in recent:
+            self.recent_menu.addAction(p, lambda p=p: self.open_path(p))
+
+    def _focus_filter(self) -> None:
+        view = self.current_view()
+        if view:
+            view.focus_filter()
+
+    # ------------------------------------------------------------------ checkpoints
+    def current_view(self) -> CheckpointView | None:
+        w = self.tabs.currentWidget()
+        return w if isinstance(w, CheckpointView) else None
+
+    def open_dialog(self) -> None:
+        start = (recent_paths() or [str(Path.home())])[0]
+        path = QFileDialog.getExistingDirectory(self, "Open checkpoint folder", start)
+        if path:
+            self.open_path(path)
+
+    def open_path(self, path: str) -> CheckpointView:
+        path = os.path.abspath(os.path.expanduser(path))
+        view = CheckpointView(path)
+        view.failed.connect(lambda msg, v=view: self._on_failed(v, msg))
+        view.loaded.connect(lambda _d, v=view: self._on_loaded(v))
+        view.exportRequested.connect(self.export_current)
+        if self.tabs.count() == 1 and self.tabs.widget(0) is self.welcome:
+            self.tabs.removeTab(0)
+        idx = self.tabs.addTab(view, Path(path).name or path)
+        self.tabs.setTabToolTip(idx, path)
+        self.tabs.setCurrentIndex(idx)
+        self._restore_splitters(view)
+        view.load()
+        self.statusBar().showMessage(f"Opening {path} …")
+        return view
+
+    def _on_loaded(self, view: CheckpointView) -> None:
+        add_recent(view.path)
+        self.statusBar().showMessage(f"Opened {view.path}", 5000)
+        self._update_badge()
+
+    def _on_failed(self, view: CheckpointView, message: str) -> None:
+        self.statusBar().showMessage("Could not open the checkpoint", 5000)
+        if not getattr(self, "_quiet", False):
+            QMessageBox.warning(self, "Cannot open checkpoint", f"{message}\n\nNothing was loaded or run; "
+                                "choose another folder with File › Open.")
+        self._update_badge()
+
+    def _update_badge(self) -> None:
+        view = self.current_view()
+        if view is None or view.data is None:
+            self.badge.setText("")
+            return
+        n = len(view.data.problems)
+        self.badge.setText("● healthy" if n == 0 else f"● {n} problem{'s' if n != 1 else ''}")
+        self.badge.setStyleSheet(f"color: {'#2ca02c' if n == 0 else '#d62728'}; font-weight: bold;")
+
+    def reload_current(self) -> None:
+        view = self.current_view()
+        if view is None:
+            return
+        idx = self.tabs.currentIndex()
+        selected = view.selected_node().path if view.selected_node() else None
+        self.close_tab(idx)
+        new = self.open_path(view.path)
+        if selected:
+            new.loaded.connect(lambda _d: new.select_path(selected))
+
+    def close_tab(self, idx: int) -> None:
+        w = self.tabs.widget(idx)
+        if isinstance(w, CheckpointView):
+            self._save_splitters(w)
+            w.shutdown()
+        self.tabs.removeTab(idx)
+        if w is not None and w is not self.welcome:
+            w.deleteLater()
+        self._show_welcome_if_empty()
+
+    def _show_welcome_if_empty(self) -> None:
+        if self.tabs.count() == 0:
+            self.tabs.addTab(self.welcome, "Welcome")
+
+    def export_current(self, prefix: str = "") -> None:
+        view = self.current_view()
+        if view is None or view.data is None:
+            QMessageBox.information(self, "Export", "Open a checkpoint first.")
+            return
+        try:
+            from shardscope.widgets.export_dialog import ExportDialog
+        except ImportError:
+            QMessageBox.information(self, "Export", "Export is not available in this build.")
+            return
+        dlg = ExportDialog(view.data.ckpt, prefix, self)
+        dlg.exec()
+
+    # ------------------------------------------------------------------ drag and drop
+    def dragEnterEvent(self, event) -> None:  # noqa: N802
+        if event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:  # noqa: N802
+        for url in event.mimeData().urls():
+            if url.isLocalFile():
+                self.open_path(url.toLocalFile())
+
+    # ------------------------------------------------------------------ settings
+    def _restore_splitters(self, view: CheckpointView) -> None:
+        s = settings()
+        for name, split in (("main", view.main_split), ("right", view.right_split)):
+            state = s.value(f"splitters/{name}")
+            if state is not None:
+                split.restoreState(state)
+
+    def _save_splitters(self, view: CheckpointView) -> None:
+        s = settings()
+        s.setValue("splitters/main", view.main_split.saveState())
+        s.setValue("splitters/right", view.right_split.saveState())
+
+    def closeEvent(self, event) -> None:  # noqa: N802
+        s = settings()
+        s.setValue("window/geometry", self.saveGeometry())
+        view = self.current_view()
+        if view is not None:
+            self._save_splitters(view)
+        for i in range(self.tabs.count()):
+            w = self.tabs.widget(i)
+            if isinstance(w, CheckpointView):
+                w.shutdown()
+        super().closeEvent(event)
+
+
+def recent_paths() -> list[str]:
+    value = settings().value("recent", [])
+    if isinstance(value, str):
+        value = [value]
+    return [str(v) for v in (value or [])]
+
+
+def add_recent(path: str) -> None:
+    recent = [p for p in recent_paths() if p != path]
+    settings().setValue("recent", [path, *recent][:MAX_RECENT])
+
+
+def show_in_folder(path: str) -> None:
+    QDesktopServices.openUrl(QUrl.fromLocalFile(str(Path(path).parent)))
+
+
+def make_app() -> QApplication:
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Shardscope")
+    app.setOrganizationName("Shardscope")
+    app.setStyle("Fusion")  # follows the system colour scheme (dark or light) in Qt 6
+    return app  # type: ignore[return-value]
+
+
+def _parse_size(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+        return w, h
+    except ValueError:
+        raise SystemExit(f"shardscope: --size wants WxH, e.g. 1400x900, not {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    app = make_app()
+    win = MainWindow()
+    size = _parse_size(getattr(args, "size", None))
+    if size:
+        win.resize(*size)
+    shot = getattr(args, "screenshot", None)
+    win._quiet = bool(shot)
+    target: QWidget = win
+    if getattr(args, "path", None):
+        view = win.open_path(args.path)
+        if shot:
+            return _screenshot(app, win, view, args.select, shot)
+    elif shot:
+        win.show()
+        app.processEvents()
+        target.grab().save(shot)
+        return 0
+    win.show()
+    return app.exec()
+
+
+def _screenshot(app: QApplication, win: MainWindow, view: CheckpointView, select: str | None, shot: str) -> int:
+    """Render the window once the checkpoint is loaded (and the selection's values shown)."""
+    win.show()
+    state = {"code": 0}
+
+    def grab() -> None:
+        app.processEvents()
+        win.grab().save(shot)
+        print(f"wrote {shot}")
+        app.quit()
+
+    def after_stats(_s=None) -> None:
+        QTimer.singleShot(150, grab)
+
+    def loaded(_data) -> None:
+        if select:
+            view.statsReady.connect(after_stats)
+            if not view.select_path(select):
+                print(f"shardscope: no entry {select!r} to select", file=sys.stderr)
+                state["code"] = 2
+                QTimer.singleShot(100, grab)
+                return
+            if view.inspector.load_button.isVisible() and view._stats_worker is None:
+                QTimer.singleShot(150, grab)
+            QTimer.singleShot(30000, grab)  # a value load that takes too long does not block the picture
+        else:
+            QTimer.singleShot(150, grab)
+
+    def failed(message: str) -> None:
+        print(f"shardscope: {message}", file=sys.stderr)
+        state["code"] = 2
+        QTimer.singleShot(100, grab)
+
+    view.loaded.connect(loaded)
+    view.failed.connect(failed)
+    app.exec()
+    return state["code"]

@@ -1,0 +1,70 @@
+"""Everything the browser window shows for a checkpoint, computed in one background call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..progress import Progress
+from .layout import RankBalance, rank_balance, tensor_rank_bytes
+from .model import Checkpoint, Problem
+from .reader import open_checkpoint
+from .tree import TreeNode, build_tree
+from .verify import verify
+
+SMALL_OBJECT_BYTES = 4096
+MAX_OBJECT_VALUES = 2000
+
+
+@dataclass
+class BrowseData:
+    ckpt: Checkpoint
+    tree: TreeNode
+    problems: list[Problem]
+    balance: list[RankBalance]
+    heat: tuple[list[int], np.ndarray]
+    values: dict[str, str]  # small non-tensor values as text
+
+
+def load_browse_data(path: str, progress: Progress | None = None) -> BrowseData:
+    progress = progress or Progress()
+    progress.start(5, "reading metadata")
+    ckpt = open_checkpoint(path, progress=None)
+    progress.advance(1, "checking layout and files")
+    problems = verify(ckpt)
+    progress.advance(1, "building the tree")
+    tree = build_tree(ckpt)
+    progress.advance(1, "rank balance")
+    balance = rank_balance(ckpt)
+    heat = tensor_rank_bytes(ckpt)
+    progress.advance(1, "small values")
+    values = small_values(ckpt)
+    progress.advance(1, "done")
+    return BrowseData(ckpt, tree, problems, balance, heat, values)
+
+
+def small_values(ckpt: Checkpoint) -> dict[str, str]:
+    from .values import ChunkReader, small_value_repr
+
+    out: dict[str, str] = {}
+    missing = {f.name for f in ckpt.files if f.bytes is None}
+    with ChunkReader(ckpt) as reader:
+        for o in ckpt.objects[:MAX_OBJECT_VALUES]:
+            if o.file and o.file not in missing and o.length <= SMALL_OBJECT_BYTES:
+                try:
+                    out[o.fqn] = small_value_repr(reader.read_object(o), 60)
+                except CheckpointError:
+                    out[o.fqn] = "(not decodable safely)"
+    return out
+
+
+def value_stats(ckpt: Checkpoint, fqn: str, progress: Progress | None = None) -> Any:
+    """Load one tensor's values and compute statistics (the inspector's background job)."""
+    from .values import ChunkReader, tensor_stats
+
+    with ChunkReader(ckpt) as reader:
+        tensor = reader.read_tensor(ckpt.tensor(fqn), progress)
+    return tensor_stats(tensor, progress=progress)

@@ -1,0 +1,161 @@
+"""The browser window under pytest-qt (QT_QPA_PLATFORM=offscreen) on real checkpoints."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+pytest.importorskip("PySide6")
+
+import torch  # noqa: E402
+from PySide6.QtCore import QThreadPool  # noqa: E402
+from torch_reference import flatten, torch_consolidated  # noqa: E402
+
+from shardscope.backend.checkpoint.tree import TreeNode  # noqa: E402
+from shardscope.widgets.checkpoint_view import CheckpointView  # noqa: E402
+from shardscope.widgets.palette import rank_color  # noqa: E402
+from shardscope.widgets.tensor_tree import NodeRole, TensorTreeModel  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_running():
+    yield
+    assert QThreadPool.globalInstance().waitForDone(10000), "a background worker was left running"
+
+
+def open_view(qtbot, path) -> CheckpointView:
+    view = CheckpointView(str(path))
+    qtbot.addWidget(view)
+    view.resize(1200, 800)
+    view.show()
+    with qtbot.waitSignal(view.loaded, timeout=30000):
+        view.load()
+    return view
+
+
+def leaf_paths(model, parent=None):
+    from PySide6.QtCore import QModelIndex
+
+    parent = parent or QModelIndex()
+    out = []
+    for r in range(model.rowCount(parent)):
+        idx = model.index(r, 0, parent)
+        node: TreeNode = idx.data(NodeRole)
+        if node.entry is not None:
+            out.append(node.path)
+        out += leaf_paths(model, idx)
+    return out
+
+
+def test_tree_has_every_entry(qtbot, qtmodeltester, fixtures):
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    ck = view.data.ckpt
+    assert sorted(leaf_paths(view.proxy)) == sorted([t.fqn for t in ck.tensors] + [o.fqn for o in ck.objects])
+    qtmodeltester.check(TensorTreeModel(view.data.tree, view.data.values))
+
+
+def test_filter_narrows_rows(qtbot, fixtures):
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    view.filter_edit.setText("fc1.weight")
+    qtbot.waitUntil(lambda: len(leaf_paths(view.proxy)) < 10, timeout=3000)
+    assert set(leaf_paths(view.proxy)) == {
+        "model.blocks.0.fc1.weight", "model.blocks.1.fc1.weight",
+        "optimizer.state.blocks.0.fc1.weight.exp_avg", "optimizer.state.blocks.0.fc1.weight.exp_avg_sq",
+        "optimizer.state.blocks.1.fc1.weight.exp_avg", "optimizer.state.blocks.1.fc1.weight.exp_avg_sq",
+        "optimizer.state.blocks.0.fc1.weight.step", "optimizer.state.blocks.1.fc1.weight.step"}
+    view.filter_mode.setCurrentText("regex")
+    view.filter_edit.setText(r"^model\.head\.")
+    qtbot.waitUntil(lambda: set(leaf_paths(view.proxy)) == {"model.head.weight", "model.head.bias"}, timeout=3000)
+
+
+def test_shard_map_draws_one_rect_per_chunk(qtbot, fixtures):
+    view = open_view(qtbot, fixtures["fsdp2_r4"])
+    with qtbot.waitSignal(view.statsReady, timeout=30000):
+        assert view.select_path("model.emb.weight")
+    entry = view.data.ckpt.tensor("model.emb.weight")  # 37 x 12 over 4 ranks: 10, 10, 10, 7 rows
+    items = view.map.chunk_items
+    assert len(items) == entry.chunk_count == 4
+    total_h = sum(i.rect.height() for i in items)
+    for item, chunk in zip(items, entry.chunks, strict=True):
+        assert item.chunk == chunk
+        assert item.item.brush().color() == rank_color(chunk.rank)
+        assert item.rect.width() == pytest.approx(800.0)
+        assert item.rect.height() == pytest.approx(total_h * chunk.sizes[0] / 37)
+    assert not view.map.gap_items and not view.map.overlap_items
+
+
+def test_inspector_stats_equal_torch(qtbot, fixtures):
+    view = open_view(qtbot, fixtures["ddp_r2"])
+    with qtbot.waitSignal(view.statsReady, timeout=30000) as blocker:
+        view.select_path("optimizer.state.head.weight.exp_avg_sq")
+    stats = blocker.args[0]
+    ref = flatten(torch_consolidated(fixtures["ddp_r2"]))["optimizer.state.head.weight.exp_avg_sq"]
+    assert stats.min == pytest.approx(ref.min().item())
+    assert stats.max == pytest.approx(ref.max().item())
+    assert stats.mean == pytest.approx(ref.double().mean().item())
+    assert stats.std == pytest.approx(ref.double().std().item())
+    assert view.inspector.chunks.rowCount() == 1
+    assert "exp_avg_sq" in view.inspector.title.text()
+    text = view.inspector.copy_chunks()
+    assert "__" in text and "offsets" in text
+
+
+def test_hostile_folder_shows_error_and_runs_nothing(qtbot, copy_of, tmp_path):
+    ckpt = copy_of("nopg")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    view = CheckpointView(str(ckpt))
+    qtbot.addWidget(view)
+    with qtbot.waitSignal(view.failed, timeout=30000) as blocker:
+        view.load()
+    assert "refused" in blocker.args[0] and "os.system" in blocker.args[0].replace("posix.system", "os.system")
+    assert "Cannot open" in view.header.text()
+    assert not marker.exists()
+
+
+def test_missing_shard_in_health_panel(qtbot, copy_of):
+    ckpt = copy_of("fsdp2_r4")
+    (ckpt / "__3_0.distcp").unlink()
+    view = open_view(qtbot, ckpt)
+    kinds = [p.kind for p in view.health.problems]
+    assert "missing_file" in kinds
+    item = view.health.item(kinds.index("missing_file"))
+    assert "__3_0.distcp" in item.text()
+    fqn = view.health.problems[kinds.index("missing_file")].fqn
+    view.health.itemClicked.emit(item)
+    assert view.selected_node() is not None and view.selected_node().path == fqn
+    qtbot.waitUntil(lambda: view._stats_worker is None, timeout=30000)
+
+
+def test_rank_click_filters_tree_and_highlights(qtbot, fixtures):
+    view = open_view(qtbot, fixtures["ddp_r2"])
+    before = set(leaf_paths(view.proxy))
+    view.ranks.select_rank(1)
+    after = set(leaf_paths(view.proxy))
+    ck = view.data.ckpt
+    expected = {t.fqn for t in ck.tensors if 1 in t.ranks} | {o.fqn for o in ck.objects if o.rank == 1}
+    assert after == expected and after < before
+    view.ranks.select_rank(None)
+    assert set(leaf_paths(view.proxy)) == before
+
+
+def test_main_window_screenshot(tmp_path, fixtures):
+    """`shardscope gui PATH --select FQN --screenshot FILE` writes a PNG and exits 0."""
+    from conftest import run_cli
+
+    out = tmp_path / "shot.png"
+    proc = run_cli("gui", fixtures["fsdp2_r2"], "--select", "model.emb.weight", "--screenshot", out,
+                   "--size", "1000x700", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from PySide6.QtGui import QImage
+
+    img = QImage(str(out))
+    assert img.width() == 1000 and img.height() == 700
+    assert torch.tensor(0).item() == 0

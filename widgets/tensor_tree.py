@@ -1,0 +1,182 @@
+"""The tensor tree: a QAbstractItemModel over backend ``TreeNode``s, and its filter proxies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QAbstractItemModel, QModelIndex, QPersistentModelIndex, QRegularExpression, \
+    QSortFilterProxyModel, Qt
+
+from shardscope.backend.checkpoint.model import ObjectEntry, TensorEntry
+from shardscope.backend.checkpoint.tree import TreeNode
+from shardscope.backend.format import human_bytes
+
+NodeRole = Qt.ItemDataRole.UserRole + 1  # the TreeNode itself
+SortRole = Qt.ItemDataRole.UserRole + 2  # numeric sort keys
+PathRole = Qt.ItemDataRole.UserRole + 3  # full dotted path, for the text filter
+RanksRole = Qt.ItemDataRole.UserRole + 4  # " 0 1 3 " for the rank filter
+
+COLUMNS = ("Name", "dtype", "shape", "size", "chunks", "ranks")
+
+
+class TensorTreeModel(QAbstractItemModel):
+    """Adapter only: the backend tree is the source of truth; no per-row widgets."""
+
+    def __init__(self, root: TreeNode | None = None, values: dict[str, str] | None = None, parent=None) -> None:
+        super().__init__(parent)
+        self._root = root or TreeNode("", "", None)
+        self._values = values or {}  # small non-tensor values, fqn -> text
+
+    def set_root(self, root: TreeNode, values: dict[str, str] | None = None) -> None:
+        self.beginResetModel()
+        self._root = root
+        self._values = values or {}
+        self.endResetModel()
+
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+    def node(self, index: QModelIndex) -> TreeNode:
+        # NOTE: internalPointer is the TreeNode; the tree keeps every node alive for the model's life.
+        return index.internalPointer() if index.isValid() else self._root
+
+    def index(self, row: int, column: int, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> QModelIndex:
+        p = self.node(parent)
+        if 0 <= row < len(p.children) and 0 <= column < len(COLUMNS):
+            return self.createIndex(row, column, p.children[row])
+        return QModelIndex()
+
+    def parent(self, index: QModelIndex | QPersistentModelIndex = QModelIndex()) -> QModelIndex:  # type: ignore[override]
+        if not index.isValid():
+            return QModelIndex()
+        n = self.node(index).parent
+        if n is None or n is self._root:
+            return QModelIndex()
+        return self.createIndex(n.row, 0, n)
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        if parent.isValid() and parent.column() != 0:
+            return 0
+        return len(self.node(parent).children)
+
+    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return len(COLUMNS)
+
+    def hasChildren(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> bool:
+        return self.rowCount(parent) > 0
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return COLUMNS[section]
+        return None
+
+    def flags(self, index: QModelIndex | QPersistentModelIndex) -> Qt.ItemFlag:
+        if not index.isValid():
+            return Qt.ItemFlag.NoItemFlags
+        return Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
+
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        n: TreeNode = index.internalPointer()
+        col = index.column()
+        e = n.entry
+        if role == Qt.ItemDataRole.DisplayRole:
+            if col == 0:
+                return n.name
+            if isinstance(e, TensorEntry):
+                return (None, e.dtype, "×".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes),
+                        str(e.chunk_count), _ranks_text(n.ranks))[col]
+            if isinstance(e, ObjectEntry):
+                return (None, "object", self._values.get(e.fqn, ""), human_bytes(e.length), "",
+                        _ranks_text(n.ranks))[col]
+            return (None, "", f"{n.tensors} tensors", human_bytes(n.nbytes), str(n.chunks),
+                    _ranks_text(n.ranks))[col]
+        if role == SortRole:
+            if col == 0:
+                return n.name
+            if isinstance(e, TensorEntry):
+                return (None, e.dtype, e.numel, e.nbytes, e.chunk_count, len(n.ranks))[col]
+            return (None, "", 0, n.nbytes, n.chunks, len(n.ranks))[col]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            if isinstance(e, TensorEntry):
+                return f"{e.fqn}\n{e.dtype} {list(e.shape)}, {e.chunk_count} chunks written by ranks {sorted(n.ranks)}"
+            return n.path
+        if role == NodeRole:
+            return n
+        if role == PathRole:
+            return n.path
+        if role == RanksRole:
+            return " " + " ".join(map(str, sorted(n.ranks))) + " "
+        if role == Qt.ItemDataRole.TextAlignmentRole and col in (3, 4):
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        return None
+
+    def index_for_path(self, path: str) -> QModelIndex:
+        node = self._root
+        for part in _split(path, node):
+            nxt = node.child(part)
+            if nxt is None:
+                return QModelIndex()
+            node = nxt
+        return self.createIndex(node.row, 0, node) if node is not self._root else QModelIndex()
+
+
+def _split(path: str, root: TreeNode) -> list[str]:
+    return [p for p in path.split(".") if p] if path else []
+
+
+def _ranks_text(ranks: frozenset[int]) -> str:
+    if not ranks:
+        return ""
+    r = sorted(ranks)
+    if len(r) > 3 and r == list(range(r[0], r[-1] + 1)):
+        return f"{r[0]}–{r[-1]}"
+    return ", ".join(map(str, r[:8])) + ("…" if len(r) > 8 else "")
+
+
+class RankFilterProxy(QSortFilterProxyModel):
+    """Shows only entries with chunks written by one rank (C++ regex filter on RanksRole)."""
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.setRecursiveFilteringEnabled(True)
+        self.setFilterRole(RanksRole)
+        self.rank: int | None = None
+
+    def set_rank(self, rank: int | None) -> None:
+        self.rank = rank
+        self.setFilterRegularExpression(QRegularExpression("" if rank is None else f" {rank} "))
+
+
+class TextFilterProxy(QSortFilterProxyModel):
+    """Substring (default), glob or regular expression over the full dotted path; sorts numerically."""
+
+    MODES = ("substring", "glob", "regex")
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.setRecursiveFilteringEnabled(True)
+        self.setFilterRole(PathRole)
+        self.setSortRole(SortRole)
+        self.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
+        self.mode = "substring"
+        self.text = ""
+        self.valid = True
+
+    def set_filter(self, text: str, mode: str = "substring") -> bool:
+        self.text, self.mode = text, mode
+        if mode == "regex":
+            rx = QRegularExpression(text, QRegularExpression.PatternOption.CaseInsensitiveOption)
+        elif mode == "glob":
+            rx = QRegularExpression(QRegularExpression.wildcardToRegularExpression(
+                text, QRegularExpression.WildcardConversionOption.UnanchoredWildcardConversion),
+                QRegularExpression.PatternOption.CaseInsensitiveOption)
+        else:
+            rx = QRegularExpression(QRegularExpression.escape(text),
+                                    QRegularExpression.PatternOption.CaseInsensitiveOption)
+        self.valid = rx.isValid()
+        if self.valid:
+            self.setFilterRegularExpression(rx)
+        return self.valid

@@ -1,0 +1,82 @@
+"""One way to run background work: a QRunnable with a QObject of signals (as superqt does).
+
+The work is a plain backend function taking ``progress=``; results come back through queued
+signals, so nothing here touches a widget from the worker thread.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
+
+from shardscope.backend.errors import Cancelled, ShardscopeError
+from shardscope.backend.progress import Progress
+
+
+class WorkerSignals(QObject):
+    started = Signal()
+    progress = Signal(int, int, str)
+    returned = Signal(object)
+    errored = Signal(str)
+    cancelled = Signal()
+    finished = Signal()
+
+
+class Worker(QRunnable):
+    """Runs ``func(*args, progress=Progress, **kwargs)`` on the global thread pool."""
+
+    _alive: set[Worker] = set()  # NOTE: keeps the Python wrapper (and its signals) alive until finished
+
+    def __init__(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.setAutoDelete(False)
+        self.signals = WorkerSignals()
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.progress = Progress(self.signals.progress.emit)
+
+    def quit(self) -> None:
+        """Cooperative cancel: the backend function stops at its next progress check."""
+        self.progress.cancel()
+
+    def start(self) -> Worker:
+        Worker._alive.add(self)
+        self.signals.finished.connect(lambda: Worker._alive.discard(self))
+        QThreadPool.globalInstance().start(self)
+        return self
+
+    def run(self) -> None:  # worker thread
+        self.signals.started.emit()
+        try:
+            result = self.func(*self.args, progress=self.progress, **self.kwargs)
+        except Cancelled:
+            self.signals.cancelled.emit()
+        except ShardscopeError as exc:
+            self.signals.errored.emit(str(exc))
+        except MemoryError:
+            self.signals.errored.emit("Out of memory while doing this.")
+        except Exception as exc:  # noqa: BLE001 - reported to the user, never a crash
+            last = traceback.extract_tb(exc.__traceback__)[-1:]
+            where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
+            self.signals.errored.emit(f"Unexpected error: {type(exc).__name__}: {exc}{where}")
+        else:
+            self.signals.returned.emit(result)
+        finally:
+            self.signals.finished.emit()
+
+
+def run_in_background(func: Callable[..., Any], *args: Any, on_result: Callable | None = None,
+                      on_error: Callable | None = None, on_progress: Callable | None = None,
+                      on_finished: Callable | None = None, **kwargs: Any) -> Worker:
+    w = Worker(func, *args, **kwargs)
+    if on_result:
+        w.signals.returned.connect(on_result)
+    if on_error:
+        w.signals.errored.connect(on_error)
+    if on_progress:
+        w.signals.progress.connect(on_progress)
+    if on_finished:
+        w.signals.finished.connect(on_finished)
+    return w.start()
