@@ -1,0 +1,158 @@
+"""Export against torch's own dcp_to_torch_save, on real multi-process checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+from conftest import run_cli
+from make_fixtures import TinyNet
+from safetensors import safe_open
+from torch_reference import flatten, torch_consolidated
+
+from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.errors import Cancelled, CheckpointError
+from shardscope.backend.export import ExportError, export, plan_export
+from shardscope.backend.progress import Progress
+
+
+@pytest.mark.parametrize("name", ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "lightning_r2"])
+def test_torch_export_equals_dcp_to_torch_save(fixtures, tmp_path, name):
+    dst = tmp_path / "out.pt"
+    proc = run_cli("export", fixtures[name], dst)
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(dst, weights_only=True)
+    ref = torch_consolidated(fixtures[name])
+    if name == "lightning_r2":  # meta.pt merged at the top level, as Lightning's consolidation does
+        assert {k: got.pop(k) for k in ("epoch", "global_step", "hparams")} == {
+            "epoch": 1, "global_step": 2, "hparams": {"lr": 0.01}}
+    fr, fg = flatten(ref), flatten(got)
+    assert set(fr) == set(fg)
+    for k, v in fr.items():
+        assert (torch.equal(v, fg[k]) if isinstance(v, torch.Tensor) else v == fg[k]), k
+    assert os.listdir(tmp_path) == ["out.pt"]
+
+
+@pytest.mark.parametrize("name", ["fsdp2_r4", "ddp_r2", "fsdp_safetensors_r2"])
+def test_safetensors_export_equals_reference(fixtures, tmp_path, name):
+    dst = tmp_path / "model.safetensors"
+    proc = run_cli("export", fixtures[name], dst)
+    assert proc.returncode == 0, proc.stderr
+    assert "left out" in proc.stdout and "optimizer" in proc.stdout
+    ref = flatten(torch_consolidated(fixtures["fsdp2_r2" if name == "fsdp_safetensors_r2" else name]))
+    with safe_open(str(dst), framework="pt") as h:
+        keys = set(h.keys())
+        assert keys == {k for k in ref if k.startswith("model.") and isinstance(ref[k], torch.Tensor)}
+        for k in keys:
+            assert torch.equal(h.get_tensor(k), ref[k]), k
+        assert h.metadata()["format"] == "pt"
+    header_len = int.from_bytes(dst.read_bytes()[:8], "little")
+    assert header_len % 8 == 0
+
+
+def test_model_only_export_loads_strict_and_matches_outputs(fixtures, tmp_path):
+    dst = tmp_path / "weights.safetensors"
+    assert run_cli("export", fixtures["ddp_r2"], dst, "--strip-prefix", "model.").returncode == 0
+    from safetensors.torch import load_file
+
+    fresh = TinyNet()
+    fresh.load_state_dict(load_file(str(dst)), strict=True)
+    trained = TinyNet()
+    ref = torch_consolidated(fixtures["ddp_r2"])["model"]
+    trained.load_state_dict(ref, strict=True)
+    idx = torch.randint(0, 37, (3, 8))
+    assert torch.equal(fresh(idx), trained(idx))
+
+
+def test_sharded_output_respects_bound_and_index(fixtures, tmp_path):
+    dst = tmp_path / "hf"
+    proc = run_cli("export", fixtures["fsdp2_r4"], dst, "--max-shard-size", "3KB", "--only", "model",
+                   "--only", "optimizer")
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in dst.glob("*.safetensors"))
+    assert len(files) > 2 and set(index["weight_map"].values()) == set(files)
+    total = 0
+    seen = []
+    for f in files:
+        with safe_open(str(dst / f), framework="pt") as h:
+            size = sum(h.get_tensor(k).nbytes for k in h.keys())  # noqa: SIM118
+            seen += list(h.keys())  # noqa: SIM118
+        total += size
+        assert size <= 3000 or len(list(safe_open(str(dst / f), framework="pt").keys())) == 1
+    assert sorted(seen) == sorted(index["weight_map"]) and len(seen) == len(set(seen))
+    assert index["metadata"]["total_size"] == total
+    ckpt = open_checkpoint(fixtures["fsdp2_r4"])
+    assert len(seen) == len(ckpt.tensors)
+
+
+def test_bf16_keeps_integer_tensors(fixtures, tmp_path):
+    dst = tmp_path / "o.pt"
+    assert run_cli("export", fixtures["fsdp2_r2"], dst, "--dtype", "bf16").returncode == 0
+    got = flatten(torch.load(dst, weights_only=True))
+    ref = flatten(torch_consolidated(fixtures["fsdp2_r2"]))
+    assert got["model.emb.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["model.emb.weight"], ref["model.emb.weight"].to(torch.bfloat16))
+    ints = [k for k, v in ref.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()]
+    for k in ints:
+        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k])
+
+
+def test_missing_shard_leaves_nothing(copy_of, tmp_path):
+    src = copy_of("fsdp2_r4")
+    (src / "__1_0.distcp").unlink()
+    out = tmp_path / "outdir"
+    out.mkdir()
+    proc = run_cli("export", src, out / "x.safetensors")
+    assert proc.returncode == 2 and "__1_0.distcp" in proc.stderr and "Traceback" not in proc.stderr
+    assert os.listdir(out) == []
+
+
+def test_read_only_destination(fixtures, tmp_path):
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(out, os.W_OK):
+            pytest.skip("running as a user that can write anywhere (root)")
+        proc = run_cli("export", fixtures["nopg"], out / "x.pt")
+        assert proc.returncode == 2 and "cannot write" in proc.stderr
+        assert os.listdir(out) == []
+    finally:
+        out.chmod(stat.S_IRWXU)
+
+
+def test_unwritable_destination_even_as_root(fixtures, tmp_path):
+    proc = run_cli("export", fixtures["nopg"], tmp_path / "no" / "such" / "dir" / "x.pt")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_cancel_leaves_nothing(fixtures, tmp_path):
+    ckpt = open_checkpoint(fixtures["fsdp2_r4"])
+    plan = plan_export(ckpt, "torch")
+    progress = Progress(lambda done, total, msg: progress.cancel() if done > 1000 else None)
+    with pytest.raises(Cancelled):
+        export(plan, str(tmp_path / "x.pt"), progress=progress)
+    assert os.listdir(tmp_path) == []
+
+
+def test_truncated_shard_names_file_and_tensor(copy_of, tmp_path):
+    src = copy_of("ddp_r2")
+    f = src / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:20000])
+    plan = plan_export(open_checkpoint(src), "torch")
+    with pytest.raises((CheckpointError, ExportError)) as err:
+        export(plan, str(tmp_path / "x.pt"))
+    assert "__1_0.distcp" in str(err.value)
+    assert not (tmp_path / "x.pt").exists() and not list(tmp_path.glob(".x.pt*"))
+
+
+def test_refuses_to_overwrite_without_force(fixtures, tmp_path):
+    dst = tmp_path / "x.pt"
+    dst.write_text("keep me")
+    assert run_cli("export", fixtures["nopg"], dst).returncode == 2
+    assert dst.read_text() == "keep me"
+    assert run_cli("export", fixtures["nopg"], dst, "--force").returncode == 0
