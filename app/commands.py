@@ -64,3 +64,127 @@ def run_export(args: argparse.Namespace) -> int:
         result = export(plan, args.dst, force=args.force, verify=not args.no_verify, progress=progress)
     print(result.summary())
     return 1 if result.verified is False else 0
+
+
+def _add_train_options(sp: argparse.ArgumentParser, steps: int) -> None:
+    sp.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
+    sp.add_argument("--nproc", type=int, default=2, help="world size (processes)")
+    sp.add_argument("--steps", type=int, default=steps, help="total steps (a resumed run ends at the same step)")
+    sp.add_argument("--checkpoint-every", type=int, default=10, metavar="K")
+    sp.add_argument("--run-dir", help="run directory (default: a new one under the user data dir)")
+    sp.add_argument("--resume", metavar="CKPT", help="continue from this DCP checkpoint")
+    sp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    sp.add_argument("--width", type=int)
+    sp.add_argument("--depth", type=int)
+    sp.add_argument("--heads", type=int)
+    sp.add_argument("--seq-len", type=int)
+    sp.add_argument("--vocab", type=int)
+    sp.add_argument("--batch-size", type=int)
+    sp.add_argument("--lr", type=float)
+    sp.add_argument("--seed", type=int)
+    sp.add_argument("--grad-clip", type=float)
+
+
+@command
+def _train(add: Callable) -> None:
+    sp = add("train", run_train, "Launch a local FSDP/DDP training run through torchrun and follow it.")
+    _add_train_options(sp, 50)
+    sp.add_argument("--script", help="run your own training script instead of the built-in trainer")
+    sp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for --script, after --")
+
+
+@command
+def _demo(add: Callable) -> None:
+    sp = add("demo", run_demo, "Train a tiny FSDP model on 2 CPU ranks with checkpoints, then open the GUI on it.")
+    _add_train_options(sp, 30)
+    sp.add_argument("--no-gui", action="store_true", help="train and inspect, but do not open a window")
+
+
+def _config(args: argparse.Namespace):
+    from shardscope.backend.runs.launcher import RunConfig
+
+    model = {k: getattr(args, k) for k in ("width", "depth", "heads", "seq_len", "vocab", "batch_size", "lr",
+                                             "seed", "grad_clip") if getattr(args, k, None) is not None}
+    script_args = [a for a in (getattr(args, "script_args", None) or []) if a != "--"]
+    return RunConfig(strategy=args.strategy, nproc=args.nproc, steps=args.steps,
+                     checkpoint_every=args.checkpoint_every, device=args.device, resume=args.resume,
+                     script=getattr(args, "script", None), script_args=script_args, model=model)
+
+
+def follow_run(args: argparse.Namespace) -> tuple[int, str]:
+    import sys
+    import time
+
+    from shardscope.backend.runs.launcher import (
+        RunLauncher,
+        default_runs_root,
+        describe_exit,
+        log_tail,
+        read_metrics,
+        read_status,
+    )
+
+    run_dir = args.run_dir or str(default_runs_root() / time.strftime("run-%Y%m%d-%H%M%S"))
+    launcher = RunLauncher(run_dir, _config(args)).start()
+    print(f"run directory: {launcher.run_dir}")
+    offsets: dict[int, int] = {}
+    last: dict = {}
+    shown = None
+    tty = sys.stdout.isatty()
+    try:
+        while launcher.poll() is None:
+            time.sleep(0.5)
+            for _rank, recs in read_metrics(run_dir, offsets).items():
+                for r in recs:
+                    if r.get("rank") == 0:
+                        last = r
+            if last and last.get("step") != shown:
+                shown = last.get("step")
+                line = (f"step {last.get('step')}/{args.steps}  loss {last.get('loss', float('nan')):.4f}  "
+                        f"{last.get('steps_per_s') or 0:.1f} steps/s")
+                print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
+    except KeyboardInterrupt:
+        print("\nstopping the run (Ctrl-C) ...", flush=True)
+        launcher.stop()
+    if tty:
+        print()
+    status = read_status(run_dir)
+    state = status.get("state")
+    print(f"run {state}: {describe_exit(status.get('exit_code'))}")
+    if state == "failed":
+        for r in status.get("failed_ranks") or []:
+            print(f"--- rank {r} failed; end of logs/rank_{r}.log:\n{log_tail(run_dir, r)}")
+        if not status.get("failed_ranks"):
+            print(f"--- end of logs/launcher.log:\n{(launcher.run_dir / 'logs' / 'launcher.log').read_text()[-3000:]}")
+    return (0 if state == "finished" else 1), str(launcher.run_dir)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    code, _ = follow_run(args)
+    return code
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.checkpoint.verify import verify
+    from shardscope.backend.runs.launcher import checkpoints
+
+    code, run_dir = follow_run(args)
+    if code != 0:
+        return code
+    ckpts = checkpoints(run_dir)
+    if not ckpts:
+        print("the run wrote no checkpoint")
+        return 1
+    last = ckpts[-1]
+    ck = open_checkpoint(last)
+    problems = verify(ck, deep=True)
+    print(f"last checkpoint {last}: {len(ck.tensors)} tensors over ranks {ck.ranks}, "
+          f"{'healthy' if not problems else f'{len(problems)} problems'}")
+    print(f"try: shardscope inspect {last}\n     shardscope export {last} model.safetensors --strip-prefix model.")
+    if problems:
+        return 1
+    if args.no_gui:
+        return 0
+    ns = argparse.Namespace(path=str(last), select="model.blocks.0", screenshot=None, size=None)
+    return run_gui(ns)
