@@ -10,7 +10,6 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
 from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
 from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget, QWidget
-
 from shardscope.widgets.checkpoint_view import CheckpointView
 
 MAX_RECENT = 10
@@ -177,11 +176,11 @@ class MainWindow(QMainWindow):
         dlg.exec()
 
     # ------------------------------------------------------------------ drag and drop
-    def dragEnterEvent(self, event) -> None:  # noqa: N802
+    def dragEnterEvent(self, event) -> None:
         if event.mimeData().hasUrls():
             event.acceptProposedAction()
 
-    def dropEvent(self, event) -> None:  # noqa: N802
+    def dropEvent(self, event) -> None:
         for url in event.mimeData().urls():
             if url.isLocalFile():
                 self.open_path(url.toLocalFile())
@@ -199,7 +198,7 @@ class MainWindow(QMainWindow):
         s.setValue("splitters/main", view.main_split.saveState())
         s.setValue("splitters/right", view.right_split.saveState())
 
-    def closeEvent(self, event) -> None:  # noqa: N802
+    def closeEvent(self, event) -> None:
         s = settings()
         s.setValue("window/geometry", self.saveGeometry())
         view = self.current_view()

@@ -27,11 +27,11 @@ def emit(seconds: float, **extra) -> None:
 if __name__ == "__main__":
     what, path = sys.argv[1], sys.argv[2]
     if what == "baseline":
-        import torch  # noqa: F401  (both sides import torch; count only what opening adds)
+        import torch
 
         emit(0.0)
     elif what == "torch":
-        import torch  # noqa: F401
+        import torch
         from torch.distributed.checkpoint import FileSystemReader
 
         t0 = time.perf_counter()
@@ -39,7 +39,6 @@ if __name__ == "__main__":
         emit(time.perf_counter() - t0, chunks=sum(len(getattr(v, "chunks", ())) for v in md.state_dict_metadata.values()))
     elif what in ("shardscope", "shardscope-cached"):
         import torch  # noqa: F401
-
         from shardscope.backend.checkpoint import open_checkpoint
 
         t0 = time.perf_counter()

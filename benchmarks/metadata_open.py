@@ -86,7 +86,7 @@ def main() -> None:
     t_ref, m_ref = rows["torch"]["seconds"], rows["torch"]["peak_rss"] - base
     print(f"\n.metadata: {size / 2**20:.1f} MiB, {rows['torch']['chunks']} chunks; best of {args.repeat}; "
           f"peak RSS above a process that imported torch ({base / 2**20:.0f} MiB)\n")
-    print(f"| reader | wall time | vs torch | peak RSS added | vs torch |\n|---|---:|---:|---:|---:|")
+    print("| reader | wall time | vs torch | peak RSS added | vs torch |\n|---|---:|---:|---:|---:|")
     for name, r in rows.items():
         mem = r["peak_rss"] - base
         print(f"| {name} | {r['seconds']:.2f} s | {r['seconds'] / t_ref:.2f}x | {mem / 2**20:.0f} MiB | "

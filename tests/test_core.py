@@ -12,13 +12,12 @@ import textwrap
 import pytest
 import torch
 from conftest import run_cli
-from torch_reference import flatten, torch_consolidated, torch_flat_tensors
-
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.layout import coverage, rank_balance
 from shardscope.backend.checkpoint.values import ChunkReader, read_lightning_meta, tensor_stats
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import CheckpointError, RefusedPickleError
+from torch_reference import flatten, torch_consolidated, torch_flat_tensors
 
 TORCH_READABLE = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "nopg", "lightning_r2"]
 

@@ -11,12 +11,11 @@ import torch
 from conftest import run_cli
 from make_fixtures import TinyNet
 from safetensors import safe_open
-from torch_reference import flatten, torch_consolidated
-
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.errors import Cancelled, CheckpointError
 from shardscope.backend.export import ExportError, export, plan_export
 from shardscope.backend.progress import Progress
+from torch_reference import flatten, torch_consolidated
 
 
 @pytest.mark.parametrize("name", ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "lightning_r2"])
@@ -79,8 +78,8 @@ def test_sharded_output_respects_bound_and_index(fixtures, tmp_path):
     seen = []
     for f in files:
         with safe_open(str(dst / f), framework="pt") as h:
-            size = sum(h.get_tensor(k).nbytes for k in h.keys())  # noqa: SIM118
-            seen += list(h.keys())  # noqa: SIM118
+            size = sum(h.get_tensor(k).nbytes for k in h.keys())
+            seen += list(h.keys())
         total += size
         assert size <= 3000 or len(list(safe_open(str(dst / f), framework="pt").keys())) == 1
     assert sorted(seen) == sorted(index["weight_map"]) and len(seen) == len(set(seen))

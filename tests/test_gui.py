@@ -9,14 +9,13 @@ import pytest
 
 pytest.importorskip("PySide6")
 
-import torch  # noqa: E402
-from PySide6.QtCore import QThreadPool  # noqa: E402
-from torch_reference import flatten, torch_consolidated  # noqa: E402
-
-from shardscope.backend.checkpoint.tree import TreeNode  # noqa: E402
-from shardscope.widgets.checkpoint_view import CheckpointView  # noqa: E402
-from shardscope.widgets.palette import rank_color  # noqa: E402
-from shardscope.widgets.tensor_tree import NodeRole, TensorTreeModel  # noqa: E402
+import torch
+from PySide6.QtCore import QThreadPool
+from shardscope.backend.checkpoint.tree import TreeNode
+from shardscope.widgets.checkpoint_view import CheckpointView
+from shardscope.widgets.palette import rank_color
+from shardscope.widgets.tensor_tree import NodeRole, TensorTreeModel
+from torch_reference import flatten, torch_consolidated
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 import time
 
@@ -12,11 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import run_cli
-from torch.distributed.checkpoint import FileSystemReader
-
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.values import ChunkReader
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher, checkpoints, read_metrics, read_status
+from torch.distributed.checkpoint import FileSystemReader
 
 SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
 

@@ -17,7 +17,6 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-
 from shardscope.backend.checkpoint.browse import BrowseData, load_browse_data, value_stats
 from shardscope.backend.checkpoint.model import TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode

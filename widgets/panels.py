@@ -23,7 +23,6 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-
 from shardscope.backend.checkpoint.model import Checkpoint, Problem, TensorEntry
 from shardscope.backend.format import human_bytes
 
@@ -221,7 +220,7 @@ class InspectorView(QWidget):
         QGuiApplication.clipboard().setText(text)
         return text
 
-    def keyPressEvent(self, event) -> None:  # noqa: N802
+    def keyPressEvent(self, event) -> None:
         if event.matches(event.StandardKey.Copy) if hasattr(event, "StandardKey") else False:
             self.copy_chunks()
         super().keyPressEvent(event)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen, QWheelEvent
 from PySide6.QtWidgets import QGraphicsRectItem, QGraphicsScene, QGraphicsSimpleTextItem, QGraphicsView
-
 from shardscope.backend.checkpoint.layout import Coverage, coverage
 from shardscope.backend.checkpoint.model import Checkpoint, Chunk, TensorEntry
 
@@ -200,12 +199,12 @@ class ShardMapView(QGraphicsView):
         factor = 1.25 if event.angleDelta().y() > 0 else 0.8
         self.scale(factor, factor)
 
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
+    def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         if self.chunk_items:
             self.fit()
 
-    def mouseDoubleClickEvent(self, event) -> None:  # noqa: N802
+    def mouseDoubleClickEvent(self, event) -> None:
         self.fit()
 
 

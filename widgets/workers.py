@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
-
 from shardscope.backend.errors import Cancelled, ShardscopeError
 from shardscope.backend.progress import Progress
 
@@ -57,7 +56,7 @@ class Worker(QRunnable):
             self.signals.errored.emit(str(exc))
         except MemoryError:
             self.signals.errored.emit("Out of memory while doing this.")
-        except Exception as exc:  # noqa: BLE001 - reported to the user, never a crash
+        except Exception as exc:
             last = traceback.extract_tb(exc.__traceback__)[-1:]
             where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
             self.signals.errored.emit(f"Unexpected error: {type(exc).__name__}: {exc}{where}")

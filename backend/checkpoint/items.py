@@ -15,7 +15,6 @@ import os
 import pickle
 import struct
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +72,7 @@ class _StorageRef:
 
 
 class _TensorRef:
-    __slots__ = ("storage", "storage_offset", "shape", "stride")
+    __slots__ = ("shape", "storage", "storage_offset", "stride")
 
     def __init__(self, storage: _StorageRef, storage_offset: int, shape: tuple, stride: tuple) -> None:
         self.storage, self.storage_offset, self.shape, self.stride = storage, storage_offset, shape, stride

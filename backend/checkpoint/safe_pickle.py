@@ -73,7 +73,7 @@ class MetadataIndexRecord(_CompactRecord):
     """Hashes by value like torch's frozen dataclass, so ``storage_data`` is looked up directly
     (no second million-entry index)."""
 
-    __slots__ = ("fqn", "offset", "index")
+    __slots__ = ("fqn", "index", "offset")
     _fields = ("fqn", "offset", "index")
     kind = "MetadataIndex"
 
@@ -92,7 +92,7 @@ class MetadataIndexRecord(_CompactRecord):
 
 
 class StorageInfoRecord(_CompactRecord):
-    __slots__ = ("relative_path", "offset", "length", "transform_descriptors")
+    __slots__ = ("length", "offset", "relative_path", "transform_descriptors")
     _fields = ("relative_path", "offset", "length", "transform_descriptors")
     kind = "_StorageInfo"
 

@@ -55,7 +55,7 @@ class ChunkReader:
             return stored_tensor(self.handles, chunk.file, chunk.offset, chunk.length, fqn, self._blobs)
         except CheckpointError:
             raise
-        except (ValueError, KeyError, IndexError, TypeError, EOFError, Exception) as exc:  # noqa: BLE001
+        except (ValueError, KeyError, IndexError, TypeError, EOFError, Exception) as exc:
             if isinstance(exc, (MemoryError, KeyboardInterrupt)):
                 raise
             return None
@@ -94,7 +94,7 @@ class ChunkReader:
         data = self.handles.read(chunk.file, chunk.offset, chunk.length)
         try:
             t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any decode failure is a damaged item
+        except Exception as exc:
             raise CheckpointError(f"{self._where(fqn, chunk)}: item cannot be decoded "
                                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}).",
                                   fqn=fqn, path=chunk.file) from None
@@ -127,7 +127,7 @@ class ChunkReader:
         data = self.handles.read(obj.file, obj.offset, obj.length)
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CheckpointError(
                 f"{os.path.join(self.ckpt.path, obj.file)} (entry {obj.fqn}): cannot be decoded safely "
                 f"({str(exc).splitlines()[0][:200]}).", fqn=obj.fqn, path=obj.file) from None
@@ -154,7 +154,7 @@ def read_lightning_meta(ckpt: Checkpoint) -> dict[str, Any]:
     path = os.path.join(ckpt.path, name)
     try:
         meta = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"{path}: cannot be loaded safely ({str(exc).splitlines()[0][:200]}).",
                               path=path) from None
     if not isinstance(meta, dict):

@@ -17,7 +17,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from ..checkpoint.model import Chunk
 from ..checkpoint.values import ChunkReader, read_lightning_meta, torch_dtype
 from ..errors import Cancelled, CheckpointError, ShardscopeError
@@ -252,7 +251,7 @@ class _LazyTensor:
 
 
 class _StorageRef:
-    __slots__ = ("key", "numel", "dtype")
+    __slots__ = ("dtype", "key", "numel")
 
     def __init__(self, key: str, numel: int, dtype: str) -> None:
         self.key, self.numel, self.dtype = key, numel, dtype
@@ -388,7 +387,7 @@ def verify_export(plan: ExportPlan, files: list[str], source: TensorSource, prog
         where: dict[str, str] = {}
         for f in files:
             with safe_open(f, framework="pt") as h:
-                for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                for k in h.keys():
                     where[k] = f
         for it in plan.items:
             if it.key not in where:

@@ -88,7 +88,7 @@ class RunLauncher:
         (self.run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
         self._status("starting", start_time=time.time())
         env = {**os.environ, ENV_RUN_DIR: str(self.run_dir), "PYTHONUNBUFFERED": "1"}
-        log = open(self.run_dir / "logs" / "launcher.log", "ab")  # noqa: SIM115
+        log = open(self.run_dir / "logs" / "launcher.log", "ab")
         # NOTE: a new session, so stop() can signal torchrun *and* its workers as one group.
         self.proc = subprocess.Popen(self.command(), cwd=str(self.run_dir), env=env, stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -34,7 +34,7 @@ def _open() -> Any:
     if _state.get("key") != key:
         rank = _rank()
         os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
-        _state["file"] = open(os.path.join(run_dir, "metrics", f"rank_{rank}.jsonl"), "a", buffering=1)  # noqa: SIM115
+        _state["file"] = open(os.path.join(run_dir, "metrics", f"rank_{rank}.jsonl"), "a", buffering=1)
         _state["key"] = key
         _state["rank"] = rank
         try:
