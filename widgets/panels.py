@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -221,8 +221,9 @@ class InspectorView(QWidget):
         return text
 
     def keyPressEvent(self, event) -> None:
-        if event.matches(event.StandardKey.Copy) if hasattr(event, "StandardKey") else False:
+        if event.matches(QKeySequence.StandardKey.Copy):
             self.copy_chunks()
+            return
         super().keyPressEvent(event)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
 from shardscope.backend.errors import Cancelled, ShardscopeError
@@ -27,7 +27,7 @@ class WorkerSignals(QObject):
 class Worker(QRunnable):
     """Runs ``func(*args, progress=Progress, **kwargs)`` on the global thread pool."""
 
-    _alive: set[Worker] = set()  # NOTE: keeps the Python wrapper (and its signals) alive until finished
+    _alive: ClassVar[set[Worker]] = set()  # NOTE: keeps the Python wrapper (and its signals) alive until finished
 
     def __init__(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         super().__init__()

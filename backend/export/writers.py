@@ -19,7 +19,7 @@ from typing import Any
 
 from ..checkpoint.model import Chunk
 from ..checkpoint.values import ChunkReader, read_lightning_meta, torch_dtype
-from ..errors import Cancelled, CheckpointError, ShardscopeError
+from ..errors import CheckpointError
 from ..format import human_bytes
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
@@ -134,8 +134,10 @@ class TensorSource:
             for c, src, length, dst in ranges:
                 self._copy(c.file, src, length, fd, base + dst, progress)
             return
+        import torch
+
         data = self.tensor(item)
-        buf = memoryview(data.reshape(-1).view(__import__("torch").uint8).numpy()) if data.numel() else b""
+        buf = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b""
         _pwrite_all(fd, buf, base)
         if progress:
             progress.advance(len(buf))
@@ -495,10 +497,8 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
             shutil.rmtree(tmp, ignore_errors=True)
         elif os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, ShardscopeError):
+        if isinstance(exc, OSError):
             raise ExportError(f"{dst}: cannot write ({exc.strerror or exc}).") from None
-        if isinstance(exc, Cancelled | ShardscopeError | KeyboardInterrupt):
-            raise
         raise
     return ExportResult(dst, files, len(plan.items), total, time.monotonic() - t0, list(plan.left_out),
                         verified=(not mismatches) if verify else None, mismatches=mismatches)
