@@ -99,7 +99,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(f"{ckpt.path}: {len(ckpt.tensors)} tensors, {len(ckpt.chunk_table)} chunks, "
-              f"{len(ckpt.data_files)} files{' (deep: every item read and CRC-checked)' if args.deep else ''}")
+              f"{len(ckpt.data_files)} files{' (deep: every item read; CRC32 checked where the format stores one)' if args.deep else ''}")
         _print_problems(problems)
     return EXIT_PROBLEMS if problems else EXIT_OK
 

@@ -88,6 +88,11 @@ def _worker(rank: int, world: int, port: int, kind: str, out: str) -> None:
 
             writer = dcp.FileSystemWriter(out, serialization_format=SerializationFormat.SAFETENSORS)
             dcp.save({"model": msd, "optimizer": osd, "step": 2}, storage_writer=writer)
+        elif kind == "hf":
+            # torch's HuggingFace storage writer: safetensors per rank with DCP_SHARDING_INFO
+            from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+            dcp.save(msd, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
         elif kind == "fsdp_nocollectives":
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out, use_collectives=False)
         elif kind == "lightning":
@@ -124,6 +129,7 @@ FIXTURES = {
     "lightning_r2": ("lightning", 2),
     "fsdp_nocoll_r2": ("fsdp_nocollectives", 2),
     "fsdp_safetensors_r2": ("fsdp_safetensors", 2),
+    "hf_r2": ("hf", 2),
 }
 
 

@@ -281,3 +281,22 @@ def test_backend_imports_without_qt(tmp_path, fixtures):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_huggingface_storage_writer_folder(fixtures):
+    """torch's HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, JSON headers only."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    ckpt = open_checkpoint(fixtures["hf_r2"])
+    assert ckpt.format == "hf-safetensors"
+    assert ckpt.ranks == [0, 1]
+    assert verify(ckpt, deep=True) == []
+    ref: dict = {}
+    _load_state_dict(ref, storage_reader=HuggingFaceStorageReader(str(fixtures["hf_r2"])),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    assert {t.fqn for t in ckpt.tensors} == set(ref)
+    with ChunkReader(ckpt) as reader:
+        for t in ckpt.tensors:
+            assert torch.equal(reader.read_tensor(t), ref[t.fqn]), t.fqn

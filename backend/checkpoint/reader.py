@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..progress import Progress
 from . import cache
+from .hf_reader import is_hf_folder, open_hf_folder
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .safe_pickle import BytesStorageRecord, MetadataIndexRecord, TensorStorageRecord, gc_paused, load_metadata_pickle
 
@@ -69,6 +70,10 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
             problems.append(Problem("leftover_tmp", f"{name} is left from an interrupted save; the save that "
                                     "wrote it did not finish (safe to delete once you know which save).",
                                     file=name))
+    if is_hf_folder(listing, folder):
+        ckpt = open_hf_folder(folder, listing)
+        ckpt.problems[:0] = problems
+        return ckpt
     if ".metadata" in listing:
         meta_names = [".metadata"]
     else:

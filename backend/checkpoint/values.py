@@ -51,6 +51,9 @@ class ChunkReader:
         """Where a chunk's values are; None if the item needs the generic (torch.load) path."""
         if not chunk.file:
             raise CheckpointError(f"{fqn}: chunk at offsets {list(chunk.offsets)} has no storage entry.", fqn=fqn)
+        if self.ckpt.format == "hf-safetensors":  # the chunk's byte range is the raw data itself
+            return StoredTensor(self.ckpt.tensor(fqn).dtype, tuple(chunk.sizes), _contiguous_stride(chunk.sizes),
+                                0, chunk.offset, chunk.length, None)
         try:
             return stored_tensor(self.handles, chunk.file, chunk.offset, chunk.length, fqn, self._blobs)
         except CheckpointError:
@@ -131,6 +134,15 @@ class ChunkReader:
             raise CheckpointError(
                 f"{os.path.join(self.ckpt.path, obj.file)} (entry {obj.fqn}): cannot be decoded safely "
                 f"({str(exc).splitlines()[0][:200]}).", fqn=obj.fqn, path=obj.file) from None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
