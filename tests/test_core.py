@@ -300,3 +300,14 @@ def test_huggingface_storage_writer_folder(fixtures):
     with ChunkReader(ckpt) as reader:
         for t in ckpt.tensors:
             assert torch.equal(reader.read_tensor(t), ref[t.fqn]), t.fqn
+
+
+@pytest.mark.parametrize("name", ["fsdp2_r4", "ddp_r2", "lightning_r2", "nopg"])
+def test_streaming_and_object_graph_readers_agree(fixtures, name, monkeypatch):
+    from shardscope.app.cli import inspect_json
+    from shardscope.backend.checkpoint import reader
+
+    fast = open_checkpoint(fixtures[name], use_cache=False)
+    monkeypatch.setattr(reader, "STREAMING", False)
+    slow = open_checkpoint(fixtures[name], use_cache=False)
+    assert inspect_json(fast, []) == inspect_json(slow, [])

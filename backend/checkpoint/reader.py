@@ -22,6 +22,7 @@ from . import cache
 from .hf_reader import is_hf_folder, open_hf_folder
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .safe_pickle import BytesStorageRecord, MetadataIndexRecord, TensorStorageRecord, gc_paused, load_metadata_pickle
+from .streaming import Events, NotStreamable, join_storage, stream_metadata
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
@@ -97,25 +98,136 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
 
     if progress:
         progress.start(len(meta_names), "reading metadata")
-    parsed = []
-    for name in meta_names:
-        fp = folder / name
-        try:
-            with open(fp, "rb") as fh:
-                parsed.append(load_metadata_pickle(fh, str(fp)))
-        except OSError as exc:
-            raise CheckpointError(f"{fp}: cannot read ({exc.strerror}).", path=str(fp)) from None
-        if progress:
-            progress.advance(1)
-        if type(parsed[-1]).__name__ != "MetadataRecord":
-            raise CheckpointError(f"{fp}: does not hold DCP Metadata.", path=str(fp))
-    with gc_paused():
-        ckpt = build_checkpoint(str(folder), parsed, listing, meta_names)
-        del parsed
+    ckpt = _read_streaming(folder, listing, meta_names) if len(meta_names) == 1 and STREAMING else None
+    if ckpt is None:
+        parsed = []
+        for name in meta_names:
+            fp = folder / name
+            try:
+                with open(fp, "rb") as fh:
+                    parsed.append(load_metadata_pickle(fh, str(fp)))
+            except OSError as exc:
+                raise CheckpointError(f"{fp}: cannot read ({exc.strerror}).", path=str(fp)) from None
+            if progress:
+                progress.advance(1)
+            _check_metadata(parsed[-1], fp)
+        with gc_paused():
+            ckpt = build_checkpoint(str(folder), parsed, listing, meta_names)
+            del parsed
     ckpt.problems[:0] = problems
     if key is not None:
         cache.store(key, ckpt)
     return ckpt
+
+
+STREAMING = True  # tests turn it off to exercise the object-graph path on the same files
+
+
+def _check_metadata(md: Any, fp: Path) -> None:
+    if type(md).__name__ != "MetadataRecord" or not isinstance(md.get("state_dict_metadata"), dict):
+        raise CheckpointError(f"{fp}: does not hold DCP Metadata.", path=str(fp))
+
+
+def _read_streaming(folder: Path, listing: dict[str, int], meta_names: list[str]) -> Checkpoint | None:
+    fp = folder / meta_names[0]
+    try:
+        with open(fp, "rb") as fh:
+            md, ev = stream_metadata(fh, str(fp))
+    except OSError as exc:
+        raise CheckpointError(f"{fp}: cannot read ({exc.strerror}).", path=str(fp)) from None
+    except NotStreamable:
+        return None
+    _check_metadata(md, fp)
+    try:
+        with gc_paused():
+            return build_streamed(str(folder), md, ev, listing, meta_names)
+    except NotStreamable:
+        return None
+
+
+def build_streamed(folder: str, md: Any, ev: Events, listing: dict[str, int], meta_names: list[str]) -> Checkpoint:
+    sdm = md.state_dict_metadata
+    ckpt = Checkpoint(folder, "dcp", md.get("version"), [], [], [], ChunkTable.empty(),
+                      metadata_files=list(meta_names))
+    problems: list[Problem] = []
+    counts = []
+    ckpt_chunks = 0
+    for fqn, rec in sdm.items():
+        if isinstance(rec, TensorStorageRecord):
+            props = rec.get("properties")
+            dtype = str(props.get("dtype")) if props is not None else "float32"
+            first, count = rec.get("first"), rec.get("count")
+            if first != ckpt_chunks:
+                raise NotStreamable("tensor chunks out of order")
+            ckpt_chunks += count
+            ckpt.tensors.append(TensorEntry(fqn, dtype, tuple(rec.get("size") or ()), first, count, ckpt))
+            counts.append(count)
+    tensor_index = {t.fqn: i for i, t in enumerate(ckpt.tensors)}
+    tensor_of_chunk = np.repeat(np.arange(len(counts), dtype=np.int32), np.asarray(counts, np.int64))
+    pos, object_positions = join_storage(tensor_of_chunk, ev, tensor_index)
+    paths = sorted(set(ev.info_path))
+    file_ids = {p: i for i, p in enumerate(paths)}
+    ckpt.files = [FileInfo(p, rank_of_file(p), listing.get(p)) for p in paths]
+    info_file = np.fromiter((file_ids[p] for p in ev.info_path), np.int32, len(ev.info_path))
+    info_off = np.frombuffer(ev.info_offset, np.int64)
+    info_len = np.frombuffer(ev.info_length, np.int64)
+    found = pos >= 0
+    safe = np.where(found, pos, 0)
+    ndim = np.frombuffer(ev.chunk_ndim, np.int32).astype(np.int64)
+    dim_start = np.zeros(len(ndim), np.int64)
+    if len(ndim):
+        np.cumsum(2 * ndim[:-1], out=dim_start[1:])
+    ckpt.chunk_table = ChunkTable(
+        tensor_of_chunk, np.where(found, info_file[safe] if len(info_file) else -1, -1).astype(np.int32),
+        np.where(found, info_off[safe] if len(info_off) else 0, 0),
+        np.where(found, info_len[safe] if len(info_len) else 0, 0),
+        dim_start, np.frombuffer(ev.chunk_dims, np.int64))
+    for j in np.nonzero(~found)[0][:1000]:
+        t = ckpt.tensors[int(tensor_of_chunk[j])]
+        s0 = int(dim_start[j])
+        offs = ev.chunk_dims[s0:s0 + t.ndim].tolist()
+        problems.append(Problem("no_storage", f"{t.fqn}: chunk at offsets {offs} has no storage entry in the "
+                                "metadata.", fqn=t.fqn))
+    by_fqn = {ev.index_fqn[i]: i for i in object_positions}
+    for fqn, rec in sdm.items():
+        if isinstance(rec, TensorStorageRecord):
+            continue
+        if isinstance(rec, BytesStorageRecord):
+            i = by_fqn.get(fqn)
+            if i is None:
+                ckpt.objects.append(ObjectEntry(fqn, None, 0, 0, None))
+                problems.append(Problem("no_storage", f"{fqn}: non-tensor entry has no storage entry.", fqn=fqn))
+            else:
+                rel = ev.info_path[i]
+                ckpt.objects.append(ObjectEntry(fqn, rel, ev.info_offset[i], ev.info_length[i], rank_of_file(rel)))
+        else:
+            problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(rec).__name__}.", fqn=fqn))
+    if ev.transformed:
+        problems.append(Problem("unreadable", "items are stored with stream transforms (compression or "
+                                "encryption extensions), which Shardscope cannot decode yet."))
+    _finish(ckpt, listing, meta_names, md.get("storage_meta"), md.get("planner_data"), problems)
+    return ckpt
+
+
+def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], storage_meta: Any,
+            planner_data: Any, problems: list[Problem]) -> None:
+    """What both builders add after the chunks: unreferenced files, metadata, Lightning, ids."""
+    files = ckpt.files
+    known = {f.name for f in files}
+    for name in sorted(listing):
+        if name not in known and name.endswith(".distcp"):
+            files.append(FileInfo(name, rank_of_file(name), listing[name]))
+    for name in meta_names:
+        files.append(FileInfo(name, None, listing.get(name), "metadata"))
+    if LIGHTNING_META in listing:
+        ckpt.format = "lightning"
+        ckpt.extra_files[LIGHTNING_META] = LIGHTNING_META
+        files.append(FileInfo(LIGHTNING_META, None, listing[LIGHTNING_META], "meta.pt"))
+    if storage_meta is not None:
+        ckpt.save_id = storage_meta.get("save_id")
+    ckpt.planner_data = {k: tuple(v) for k, v in planner_data.items()} if isinstance(planner_data, dict) else {}
+    ckpt.problems = problems
+    ckpt.reindex()
 
 
 def _incomplete(folder: Path, listing: dict[str, int], data: list[str], problems: list[Problem]) -> Checkpoint:
@@ -228,18 +340,5 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
     ckpt.chunk_table = ChunkTable(
         np.frombuffer(t_idx, np.int32), np.frombuffer(f_idx, np.int32), np.frombuffer(b_off, np.int64),
         np.frombuffer(b_len, np.int64), np.frombuffer(dim_start, np.int64), np.frombuffer(dims, np.int64))
-    for name in sorted(listing):
-        if name not in file_ids and name.endswith(".distcp"):
-            files.append(FileInfo(name, rank_of_file(name), listing[name]))
-    for name in meta_names:
-        files.append(FileInfo(name, None, listing.get(name), "metadata"))
-    if LIGHTNING_META in listing:
-        ckpt.format = "lightning"
-        ckpt.extra_files[LIGHTNING_META] = LIGHTNING_META
-        files.append(FileInfo(LIGHTNING_META, None, listing[LIGHTNING_META], "meta.pt"))
-    if storage_meta is not None:
-        ckpt.save_id = storage_meta.get("save_id")
-    ckpt.planner_data = {k: tuple(v) for k, v in planner_data.items()} if isinstance(planner_data, dict) else {}
-    ckpt.problems = problems
-    ckpt.reindex()
+    _finish(ckpt, listing, meta_names, storage_meta, planner_data, problems)
     return ckpt

@@ -248,13 +248,14 @@ def gc_paused():
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, source: str) -> None:
+    def __init__(self, file: Any, source: str, allowed: dict | None = None) -> None:
         super().__init__(file)
         self._source = source
+        self._allowed = allowed or ALLOWED
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return ALLOWED[(module, name)]
+            return self._allowed[(module, name)]
         except (KeyError, TypeError):
             raise RefusedPickleError(
                 f"{self._source}: refused to load the pickled global {module}.{name}; a DCP .metadata file "
@@ -266,12 +267,20 @@ class _Unpickler(pickle.Unpickler):
         raise RefusedPickleError(f"{self._source}: unexpected persistent id in metadata pickle", path=self._source)
 
 
-def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str) -> Any:
-    """Unpickle DCP metadata with the allow-list; return the tree of :class:`Record` objects."""
+def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides: dict[str, Any] | None = None) -> Any:
+    """Unpickle DCP metadata with the allow-list; return the tree of :class:`Record` objects.
+
+    ``overrides`` replaces the stand-ins of some DCP classes by name (the streaming reader's hooks)."""
     stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    allowed = ALLOWED
+    if overrides:
+        allowed = dict(ALLOWED)
+        for key in allowed:
+            if key[1] in overrides and key[0].startswith("torch.distributed"):
+                allowed[key] = overrides[key[1]]
     try:
         with gc_paused():
-            return _Unpickler(stream, source).load()
+            return _Unpickler(stream, source, allowed).load()
     except RefusedPickleError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
