@@ -311,3 +311,50 @@ def test_streaming_and_object_graph_readers_agree(fixtures, name, monkeypatch):
     monkeypatch.setattr(reader, "STREAMING", False)
     slow = open_checkpoint(fixtures[name], use_cache=False)
     assert inspect_json(fast, []) == inspect_json(slow, [])
+
+
+OLD_STYLE = textwrap.dedent("""
+    # Re-pickle real metadata the way torch 2.0-2.2 wrote it: classes under the old
+    # torch.distributed._shard.* module paths (TensorProperties and MEM_FORMAT_ENCODING under
+    # _shard.sharded_tensor.metadata), no storage_meta / version / transform_descriptors fields.
+    import pickle, sys, types
+    import torch.distributed.checkpoint.metadata as md_mod
+    import torch.distributed.checkpoint.filesystem as fs_mod
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(sys.argv[1]).read_metadata()
+    old_md = types.ModuleType("torch.distributed._shard.checkpoint.metadata")
+    old_fs = types.ModuleType("torch.distributed._shard.checkpoint.filesystem")
+    old_st = types.ModuleType("torch.distributed._shard.sharded_tensor.metadata")
+    sys.modules.update({m.__name__: m for m in (old_md, old_fs, old_st)})
+    for cls in (md_mod.Metadata, md_mod.TensorStorageMetadata, md_mod.ChunkStorageMetadata,
+                md_mod.BytesStorageMetadata, md_mod.MetadataIndex):
+        cls.__module__ = old_md.__name__
+        setattr(old_md, cls.__name__, cls)
+    md_mod.TensorProperties.__module__ = old_st.__name__
+    old_st.TensorProperties = md_mod.TensorProperties
+    enc = md_mod._MEM_FORMAT_ENCODING
+    enc.__module__, enc.__qualname__, enc.__name__ = old_st.__name__, "MEM_FORMAT_ENCODING", "MEM_FORMAT_ENCODING"
+    old_st.MEM_FORMAT_ENCODING = enc
+    fs_mod._StorageInfo.__module__ = old_fs.__name__
+    old_fs._StorageInfo = fs_mod._StorageInfo
+    del fs_mod._StorageInfo.__getstate__
+    for info in md.storage_data.values():
+        info.__dict__.pop("transform_descriptors", None)
+    md.__dict__.pop("storage_meta", None)
+    md.__dict__.pop("version", None)
+    with open(sys.argv[2], "wb") as f:
+        pickle.dump(md, f, protocol=2)
+""")
+
+
+def test_old_torch_module_paths_and_missing_fields(copy_of, fixtures):
+    ckpt = copy_of("fsdp2_r2")
+    new = open_checkpoint(fixtures["fsdp2_r2"], use_cache=False)
+    subprocess.run([sys.executable, "-c", OLD_STYLE, str(fixtures["fsdp2_r2"]), str(ckpt / ".metadata")], check=True)
+    raw = (ckpt / ".metadata").read_bytes()
+    assert b"torch.distributed._shard.checkpoint.metadata" in raw and b"MEM_FORMAT_ENCODING" in raw
+    old = open_checkpoint(ckpt, use_cache=False)
+    assert old.version is None and old.save_id is None
+    assert [t.to_json() for t in old.tensors] == [t.to_json() for t in new.tensors]
+    assert verify(old, deep=True) == []
