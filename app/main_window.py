@@ -130,7 +130,7 @@ class MainWindow(QMainWindow):
 
     def _update_badge(self) -> None:
         view = self.current_view()
-        if view is None or view.data is None:
+        if view is None or view.data is None or view.data.problems is None:
             self.badge.setText("")
             return
         n = len(view.data.problems)
@@ -246,6 +246,16 @@ def _parse_size(text: str | None) -> tuple[int, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    code = _run(args)
+    # NOTE: skip interpreter teardown after the event loop: on big checkpoints we saw (rarely)
+    # a "deallocating True" abort in the final garbage collection, inside a C extension.
+    settings().sync()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     app = make_app()
     win = MainWindow()
     size = _parse_size(getattr(args, "size", None))

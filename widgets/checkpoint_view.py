@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.checkpoint.browse import BrowseData, load_browse_data, value_stats
+from shardscope.backend.checkpoint.browse import BrowseData, analyse, load_tree, value_stats
 from shardscope.backend.checkpoint.model import TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
 from shardscope.backend.format import human_bytes
@@ -31,7 +31,8 @@ AUTO_LOAD_BYTES = 64 << 20
 
 
 class CheckpointView(QWidget):
-    loaded = Signal(object)  # BrowseData
+    treeReady = Signal(object)  # BrowseData with the tree only
+    loaded = Signal(object)  # BrowseData, analysis done
     failed = Signal(str)
     statsReady = Signal(object)
     selectionChanged = Signal(str)
@@ -127,12 +128,17 @@ class CheckpointView(QWidget):
     def load(self) -> None:
         self.load_progress.show()
         self._load_worker = run_in_background(
-            load_browse_data, self.path, on_result=self._on_loaded, on_error=self._on_failed,
-            on_progress=lambda d, t, _m: (self.load_progress.setRange(0, t), self.load_progress.setValue(d)))
+            load_tree, self.path, on_result=self._on_tree, on_error=self._on_failed,
+            on_progress=self._on_load_progress)
 
-    def _on_loaded(self, data: BrowseData) -> None:
+    def _on_load_progress(self, done: int, total: int, message: str) -> None:
+        self.load_progress.setRange(0, total)
+        self.load_progress.setValue(done)
+        self.load_progress.setFormat(message)
+
+    def _on_tree(self, data: BrowseData) -> None:
+        """The tree goes up as soon as the metadata is read; the analysis follows in the background."""
         self.data = data
-        self.load_progress.hide()
         ck = data.ckpt
         kind = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)"}.get(ck.format, ck.format)
         ranks = ck.ranks
@@ -140,17 +146,26 @@ class CheckpointView(QWidget):
             f"<b>{ck.path}</b><br>{kind} · DCP version {ck.version or '?'} · {len(ck.tensors):,} tensors · "
             f"{len(ck.chunk_table):,} chunks · {len(ranks)} writer ranks · {human_bytes(ck.total_bytes)}"
             + (f" · save id <tt>{ck.save_id}</tt>" if ck.save_id else ""))
-        self.model.set_root(data.tree, data.values)
-        for col in range(1, 6):
-            self.tree.resizeColumnToContents(col)
+        self.model.set_root(data.tree, {})
         self.tree.setColumnWidth(0, 220)
+        for col, width in zip(range(1, 6), (70, 90, 75, 55, 60), strict=True):
+            self.tree.setColumnWidth(col, width)
         if data.tree.children and len(data.tree.children) <= 4:
             for r in range(self.proxy.rowCount()):
                 self.tree.expand(self.proxy.index(r, 0))
+        self.map.clear_map("Select a tensor or a module to see how it is sharded.")
+        self.health.set_problems_pending()
+        self.treeReady.emit(data)
+        self._load_worker = run_in_background(analyse, data, on_result=self._on_loaded, on_error=self._on_failed,
+                                              on_progress=self._on_load_progress)
+
+    def _on_loaded(self, data: BrowseData) -> None:
+        self.load_progress.hide()
+        ck = data.ckpt
+        self.model.set_values(data.values or {})
         self.ranks.set_checkpoint(ck, data.balance, data.heat)
         self.health.set_problems(data.problems)
         self.tabs.setTabText(2, "Health ✔" if not data.problems else f"Health ({len(data.problems)})")
-        self.map.clear_map("Select a tensor or a module to see how it is sharded.")
         self.loaded.emit(data)
 
     def _on_failed(self, message: str) -> None:
@@ -184,7 +199,7 @@ class CheckpointView(QWidget):
             self.map.show_tensors(ck, tensors)
             self.inspector.set_tensor(None)
             if node.entry is not None:
-                self.inspector.title.setText(f"<b>{node.path}</b> = {self.data.values.get(node.path, '(not loaded)')}")
+                self.inspector.title.setText(f"<b>{node.path}</b> = {(self.data.values or {}).get(node.path, '(loading)')}")
         if self.ranks.selected_rank is not None:
             self.map.set_highlight_rank(self.ranks.selected_rank)
         self.selectionChanged.emit(node.path)

@@ -237,6 +237,11 @@ class HealthPanel(QListWidget):
         self.itemClicked.connect(self._clicked)
         self.problems: list[Problem] = []
 
+    def set_problems_pending(self) -> None:
+        self.clear()
+        self.problems = []
+        self.addItem(QListWidgetItem("Checking files and layout …"))
+
     def set_problems(self, problems: list[Problem]) -> None:
         self.clear()
         self.problems = list(problems)

@@ -38,6 +38,17 @@ class TensorTreeModel(QAbstractItemModel):
         self._values = values or {}
         self.endResetModel()
 
+    def set_values(self, values: dict[str, str]) -> None:
+        """Small non-tensor values arrive after the tree; only the shape column changes."""
+        self._values = values
+        stack = list(self._root.children)
+        while stack:
+            n = stack.pop()
+            if isinstance(n.entry, ObjectEntry) and n.entry.fqn in values:
+                idx = self.createIndex(n.row, 2, n)
+                self.dataChanged.emit(idx, idx, [Qt.ItemDataRole.DisplayRole])
+            stack.extend(n.children)
+
     @property
     def root(self) -> TreeNode:
         return self._root

@@ -21,29 +21,41 @@ MAX_OBJECT_VALUES = 2000
 
 @dataclass
 class BrowseData:
+    """Filled in two steps: the tree as soon as the metadata is read, the analysis after."""
+
     ckpt: Checkpoint
     tree: TreeNode
-    problems: list[Problem]
-    balance: list[RankBalance]
-    heat: tuple[list[int], np.ndarray]
-    values: dict[str, str]  # small non-tensor values as text
+    problems: list[Problem] | None = None
+    balance: list[RankBalance] | None = None
+    heat: tuple[list[int], np.ndarray] | None = None
+    values: dict[str, str] | None = None  # small non-tensor values as text
+
+
+def load_tree(path: str, progress: Progress | None = None) -> BrowseData:
+    """Step 1: read the metadata and group the entries (what the tree needs)."""
+    progress = progress or Progress()
+    progress.start(2, "reading metadata")
+    ckpt = open_checkpoint(path, progress=None)
+    progress.advance(1, "building the tree")
+    return BrowseData(ckpt, build_tree(ckpt))
+
+
+def analyse(data: BrowseData, progress: Progress | None = None) -> BrowseData:
+    """Step 2: health, rank balance, heat map and small values, filled into ``data``."""
+    progress = progress or Progress()
+    progress.start(3, "checking layout and files")
+    problems = verify(data.ckpt)
+    progress.advance(1, "rank balance")
+    balance, heat = rank_balance(data.ckpt), tensor_rank_bytes(data.ckpt)
+    progress.advance(1, "small values")
+    values = small_values(data.ckpt)
+    progress.advance(1, "done")
+    data.problems, data.balance, data.heat, data.values = problems, balance, heat, values
+    return data
 
 
 def load_browse_data(path: str, progress: Progress | None = None) -> BrowseData:
-    progress = progress or Progress()
-    progress.start(5, "reading metadata")
-    ckpt = open_checkpoint(path, progress=None)
-    progress.advance(1, "checking layout and files")
-    problems = verify(ckpt)
-    progress.advance(1, "building the tree")
-    tree = build_tree(ckpt)
-    progress.advance(1, "rank balance")
-    balance = rank_balance(ckpt)
-    heat = tensor_rank_bytes(ckpt)
-    progress.advance(1, "small values")
-    values = small_values(ckpt)
-    progress.advance(1, "done")
-    return BrowseData(ckpt, tree, problems, balance, heat, values)
+    return analyse(load_tree(path, progress), progress)
 
 
 def small_values(ckpt: Checkpoint) -> dict[str, str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .model import Checkpoint, ObjectEntry, TensorEntry
 
 
@@ -52,11 +54,30 @@ def build_tree(ckpt: Checkpoint) -> TreeNode:
     for entry in [*ckpt.tensors, *ckpt.objects]:
         node = node_for(entry.fqn)
         node.entry = entry
-    _aggregate(root, ckpt)
+    _aggregate(root, ckpt, _tensor_ranks(ckpt))
     return root
 
 
-def _aggregate(node: TreeNode, ckpt: Checkpoint) -> None:
+def _tensor_ranks(ckpt: Checkpoint) -> list[frozenset[int]]:
+    """The writer ranks of every tensor, in one numpy pass (not one per tensor)."""
+    t = ckpt.chunk_table
+    ranks = ckpt.file_ranks[t.file].astype(np.int64)
+    keep = ranks >= 0
+    width = int(ranks.max()) + 1 if keep.any() else 1
+    pairs = np.sort(t.tensor[keep].astype(np.int64) * width + ranks[keep])
+    if len(pairs):  # unique by sort + diff: numpy's hash-based unique is 10x slower here
+        pairs = pairs[np.concatenate(([True], pairs[1:] != pairs[:-1]))]
+    tensor_of, rank_of = np.divmod(pairs, width)
+    out: list[frozenset[int]] = [frozenset()] * len(ckpt.tensors)
+    bounds = np.searchsorted(tensor_of, np.arange(len(ckpt.tensors) + 1))
+    rank_list = rank_of.tolist()
+    for i in np.nonzero(np.diff(bounds))[0].tolist():
+        out[i] = frozenset(rank_list[bounds[i]:bounds[i + 1]])
+    return out
+
+
+def _aggregate(node: TreeNode, ckpt: Checkpoint, tensor_ranks: list[frozenset[int]]) -> None:
+    index_of = {id(t): i for i, t in enumerate(ckpt.tensors)}
     stack = [(node, False)]
     while stack:
         n, done = stack.pop()
@@ -64,15 +85,15 @@ def _aggregate(node: TreeNode, ckpt: Checkpoint) -> None:
             stack.append((n, True))
             stack.extend((c, False) for c in n.children)
             continue
-        ranks: set[int] = set()
+        # Sibling subtrees mostly share one rank set: union the distinct sets only.
+        parts: set[frozenset[int]] = {c.ranks for c in n.children}
         if isinstance(n.entry, TensorEntry):
             n.nbytes, n.chunks, n.tensors = n.entry.nbytes, n.entry.chunk_count, 1
-            ranks.update(n.entry.ranks)
+            parts.add(tensor_ranks[index_of[id(n.entry)]])
         elif isinstance(n.entry, ObjectEntry) and n.entry.rank is not None:
-            ranks.add(n.entry.rank)
+            parts.add(frozenset((n.entry.rank,)))
         for c in n.children:
             n.nbytes += c.nbytes
             n.chunks += c.chunks
             n.tensors += c.tensors
-            ranks.update(c.ranks)
-        n.ranks = frozenset(ranks)
+        n.ranks = next(iter(parts)) if len(parts) == 1 else frozenset().union(*parts)
