@@ -9,7 +9,16 @@ from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
 from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
-from PySide6.QtWidgets import QApplication, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget, QWidget
+from PySide6.QtWidgets import (
+    QApplication,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QTabWidget,
+    QWidget,
+)
 from shardscope.widgets.checkpoint_view import CheckpointView
 
 MAX_RECENT = 10
@@ -24,12 +33,16 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.setWindowTitle("Shardscope")
         self.setAcceptDrops(True)
-        self.tabs = QTabWidget()
-        self.tabs.setTabsClosable(True)
-        self.tabs.setDocumentMode(True)
-        self.tabs.tabCloseRequested.connect(self.close_tab)
-        self.tabs.currentChanged.connect(lambda _i: self._update_badge())
-        self.setCentralWidget(self.tabs)
+        # Two tab panes side by side, so two checkpoints (two steps of a run) can be compared;
+        # the right one is hidden while empty.
+        self.tabs = self._make_pane()
+        self.side_tabs = self._make_pane()
+        self.side_tabs.hide()
+        self._active = self.tabs
+        self.panes = QSplitter(Qt.Orientation.Horizontal)
+        self.panes.addWidget(self.tabs)
+        self.panes.addWidget(self.side_tabs)
+        self.setCentralWidget(self.panes)
         self.welcome = QLabel("<h2>Shardscope</h2><p>Open a checkpoint folder (Ctrl+O) or drop one here.</p>"
                               "<p>A DCP folder holds <tt>.metadata</tt> and <tt>__R_N.distcp</tt> files; "
                               "Lightning/Fabric folders also hold <tt>meta.pt</tt>.</p>")
@@ -44,6 +57,40 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(geo)
         else:
             self.resize(1400, 900)
+
+    def _make_pane(self) -> QTabWidget:
+        pane = QTabWidget()
+        pane.setTabsClosable(True)
+        pane.setDocumentMode(True)
+        pane.tabCloseRequested.connect(lambda i, p=pane: self.close_tab(i, p))
+        pane.currentChanged.connect(lambda _i, p=pane: self._activate(p))
+        pane.tabBarClicked.connect(lambda _i, p=pane: self._activate(p))
+        return pane
+
+    def _activate(self, pane: QTabWidget) -> None:
+        if pane.count():
+            self._active = pane
+        self._update_badge()
+
+    def move_to_other_side(self) -> None:
+        """Move the current checkpoint to the other pane (side-by-side comparison)."""
+        src = self._active
+        view = src.currentWidget()
+        if not isinstance(view, CheckpointView):
+            return
+        dst = self.side_tabs if src is self.tabs else self.tabs
+        title, tip = src.tabText(src.currentIndex()), src.tabToolTip(src.currentIndex())
+        src.removeTab(src.currentIndex())
+        if dst.count() == 1 and dst.widget(0) is self.welcome:
+            dst.removeTab(0)
+        idx = dst.addTab(view, title)
+        dst.setTabToolTip(idx, tip)
+        dst.setCurrentIndex(idx)
+        self.side_tabs.setVisible(self.side_tabs.count() > 0)
+        half = max(1, self.panes.width() // 2)
+        self.panes.setSizes([half, half])
+        self._activate(dst)
+        self._show_welcome_if_empty()
 
     # ------------------------------------------------------------------ menus
     def _build_menus(self) -> None:
@@ -67,6 +114,12 @@ class MainWindow(QMainWindow):
         act.setShortcut(QKeySequence.StandardKey.Quit)
         act.triggered.connect(self.close)
         file_menu.addAction(act)
+        view_menu = self.menuBar().addMenu("&View")
+        act = QAction("Move tab to the &other side", self)
+        act.setShortcut(QKeySequence("Ctrl+Shift+M"))
+        act.setToolTip("Show two checkpoints side by side")
+        act.triggered.connect(self.move_to_other_side)
+        view_menu.addAction(act)
         edit = self.menuBar().addMenu("&Edit")
         act = QAction("&Find", self)
         act.setShortcut(QKeySequence.StandardKey.Find)
@@ -91,7 +144,7 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ checkpoints
     def current_view(self) -> CheckpointView | None:
-        w = self.tabs.currentWidget()
+        w = self._active.currentWidget()
         return w if isinstance(w, CheckpointView) else None
 
     def open_dialog(self) -> None:
@@ -106,11 +159,12 @@ class MainWindow(QMainWindow):
         view.failed.connect(lambda msg, v=view: self._on_failed(v, msg))
         view.loaded.connect(lambda _d, v=view: self._on_loaded(v))
         view.exportRequested.connect(self.export_current)
-        if self.tabs.count() == 1 and self.tabs.widget(0) is self.welcome:
-            self.tabs.removeTab(0)
-        idx = self.tabs.addTab(view, Path(path).name or path)
-        self.tabs.setTabToolTip(idx, path)
-        self.tabs.setCurrentIndex(idx)
+        pane = self._active
+        if pane.count() == 1 and pane.widget(0) is self.welcome:
+            pane.removeTab(0)
+        idx = pane.addTab(view, Path(path).name or path)
+        pane.setTabToolTip(idx, path)
+        pane.setCurrentIndex(idx)
         self._restore_splitters(view)
         view.load()
         self.statusBar().showMessage(f"Opening {path} …")
@@ -141,26 +195,35 @@ class MainWindow(QMainWindow):
         view = self.current_view()
         if view is None:
             return
-        idx = self.tabs.currentIndex()
+        pane = self._active
         selected = view.selected_node().path if view.selected_node() else None
-        self.close_tab(idx)
+        self.close_tab(pane.currentIndex(), pane)
         new = self.open_path(view.path)
         if selected:
             new.loaded.connect(lambda _d: new.select_path(selected))
 
-    def close_tab(self, idx: int) -> None:
-        w = self.tabs.widget(idx)
+    def close_tab(self, idx: int, pane: QTabWidget | None = None) -> None:
+        pane = pane or self.tabs
+        w = pane.widget(idx)
         if isinstance(w, CheckpointView):
             self._save_splitters(w)
             w.shutdown()
-        self.tabs.removeTab(idx)
+        pane.removeTab(idx)
         if w is not None and w is not self.welcome:
             w.deleteLater()
+        if pane is self.side_tabs and not pane.count():
+            pane.hide()
+            self._active = self.tabs
         self._show_welcome_if_empty()
 
+    def all_views(self) -> list[CheckpointView]:
+        return [p.widget(i) for p in (self.tabs, self.side_tabs) for i in range(p.count())
+                if isinstance(p.widget(i), CheckpointView)]
+
     def _show_welcome_if_empty(self) -> None:
-        if self.tabs.count() == 0:
+        if self.tabs.count() == 0 and self.side_tabs.count() == 0:
             self.tabs.addTab(self.welcome, "Welcome")
+            self._active = self.tabs
 
     def export_current(self, prefix: str = "") -> None:
         view = self.current_view()
@@ -204,10 +267,8 @@ class MainWindow(QMainWindow):
         view = self.current_view()
         if view is not None:
             self._save_splitters(view)
-        for i in range(self.tabs.count()):
-            w = self.tabs.widget(i)
-            if isinstance(w, CheckpointView):
-                w.shutdown()
+        for w in self.all_views():
+            w.shutdown()
         super().closeEvent(event)
 
 

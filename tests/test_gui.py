@@ -158,3 +158,25 @@ def test_main_window_screenshot(tmp_path, fixtures):
     img = QImage(str(out))
     assert img.width() == 1000 and img.height() == 700
     assert torch.tensor(0).item() == 0
+
+
+def test_two_checkpoints_side_by_side(qtbot, fixtures):
+    from shardscope.app.main_window import MainWindow
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win._quiet = True
+    a = win.open_path(str(fixtures["fsdp2_r2"]))
+    with qtbot.waitSignal(a.loaded, timeout=30000):
+        pass
+    b = win.open_path(str(fixtures["fsdp2_r4"]))
+    with qtbot.waitSignal(b.loaded, timeout=30000):
+        pass
+    assert win.tabs.count() == 2 and win.side_tabs.isHidden()
+    win.move_to_other_side()
+    assert win.tabs.count() == 1 and win.side_tabs.count() == 1
+    assert not win.side_tabs.isHidden()
+    assert win.tabs.widget(0) is a and win.side_tabs.widget(0) is b
+    assert win.current_view() is b
+    win.close_tab(0, win.side_tabs)
+    assert win.side_tabs.isHidden() and win.current_view() is a

@@ -227,6 +227,9 @@ class InspectorView(QWidget):
         super().keyPressEvent(event)
 
 
+MAX_LISTED = 2000
+
+
 class HealthPanel(QListWidget):
     """The problems from verify; clicking one selects its tensor."""
 
@@ -249,11 +252,14 @@ class HealthPanel(QListWidget):
             item = QListWidgetItem("✔ Healthy: every file present and long enough, every tensor tiled exactly.")
             self.addItem(item)
             return
-        for p in problems:
+        for p in problems[:MAX_LISTED]:
             item = QListWidgetItem(f"[{p.kind}] {p.message}")
             item.setData(Qt.ItemDataRole.UserRole, p.fqn)
             item.setToolTip(p.message)
             self.addItem(item)
+        if len(problems) > MAX_LISTED:
+            self.addItem(QListWidgetItem(f"… and {len(problems) - MAX_LISTED:,} more (`shardscope verify --json` "
+                                         "lists them all)"))
 
     def _clicked(self, item: QListWidgetItem) -> None:
         fqn = item.data(Qt.ItemDataRole.UserRole)

@@ -137,8 +137,7 @@ class ShardMapView(QGraphicsView):
             label = scene.addSimpleText(f"{e.fqn}  {e.dtype} {list(e.shape)}")
             label.setBrush(self.palette().text())
             label.setPos(0, y0)
-            label.setFlag(QGraphicsSimpleTextItem.GraphicsItemFlag.ItemIgnoresTransformations)
-            y0 += 16
+            y0 += 16  # scales with the map, so stacked labels never overlap; zoom in to read them
         width, height = self._geometry(e.shape)
         rows, cols = grid_shape(e.shape)
         sx = width / cols if cols else width
@@ -147,7 +146,7 @@ class ShardMapView(QGraphicsView):
         frame.setToolTip(f"{e.fqn}: drawn as {rows} × {cols} ({'rows × columns' if e.ndim == 2 else _how(e.ndim)})")
         frame.setZValue(-1)
         chunks = e.chunks
-        labelled = len(chunks) <= 64
+        labelled = len(chunks) <= 64 and not with_label  # rank labels only on a single tensor
         # NOTE: hundreds of thin outlined rects make the paint engine blend every pixel several
         # times (100+ ms for 512 chunks); past 128 chunks the rank colours alone separate them.
         outline = QPen(QColor(40, 40, 40), 0) if len(chunks) <= 128 else QPen(Qt.PenStyle.NoPen)
