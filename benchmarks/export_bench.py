@@ -1,0 +1,138 @@
+"""Export a ~1.4 GB FSDP2 checkpoint (4 gloo ranks, ~116 M parameters + AdamW state):
+Shardscope -> safetensors, Shardscope -> torch, torch's dcp_to_torch_save, and `cp -r`.
+Each runs in a fresh process; wall time and peak RSS (VmHWM) side by side.
+
+    python benchmarks/export_bench.py [--dir DIR] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    width, layers, vocab = 1024, 8, 16000
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(width, 3 * width)
+            self.proj = nn.Linear(width, width)
+            self.up = nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+            self.norm = nn.LayerNorm(width)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(self.norm(x)))) + self.proj(self.qkv(x)[..., :width])
+
+    model = nn.Sequential(nn.Embedding(vocab, width), *[Layer() for _ in range(layers)], nn.Linear(width, vocab))
+    for m in model[1:-1]:
+        fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randint(0, vocab, (1, 4))).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd, "step": 1}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+def generate(out: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_worker, args=(4, _port(), str(out)), nprocs=4, start_method="spawn")
+
+
+STEPS = {
+    "safetensors": "from shardscope.backend.checkpoint import open_checkpoint\n"
+                   "from shardscope.backend.export import export, plan_export\n"
+                   "ck = open_checkpoint(SRC)\n"
+                   "export(plan_export(ck, 'safetensors', only=['model', 'optimizer']), DST, verify=VERIFY)\n",
+    "torch": "from shardscope.backend.checkpoint import open_checkpoint\n"
+             "from shardscope.backend.export import export, plan_export\n"
+             "ck = open_checkpoint(SRC)\n"
+             "export(plan_export(ck, 'torch'), DST, verify=VERIFY)\n",
+    "dcp_to_torch_save": "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+                         "dcp_to_torch_save(SRC, DST)\n",
+    # cp, then sync: the exports fsync their output before renaming it, so both end on disk
+    "cp -r": "import subprocess\nsubprocess.run(['cp', '-r', SRC, DST], check=True)\n"
+             "subprocess.run(['sync'], check=True)\n",
+}
+
+
+def measure(what: str, src: Path, dst: Path, verify: bool) -> dict:
+    code = (f"import time, torch\nSRC, DST, VERIFY = {str(src)!r}, {str(dst)!r}, {verify}\n"
+            "t0 = time.perf_counter()\n" + STEPS[what] +
+            "import json\nhwm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
+            "if l.startswith('VmHWM'))\nprint(json.dumps({'seconds': time.perf_counter() - t0, 'peak_rss': hwm}))\n")
+    subprocess.run(["sync"], check=False)  # no dirty pages of an earlier step in this one's time
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "SHARDSCOPE_NO_CACHE": "1"})
+    if out.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", type=Path)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=list(STEPS))
+    args = ap.parse_args()
+    root = args.dir or Path(tempfile.mkdtemp(prefix="shardscope-export-bench-"))
+    src = root / "ckpt"
+    if not (src / ".metadata").exists():
+        print(f"writing the checkpoint to {src} (4 gloo ranks) ...", flush=True)
+        generate(src)
+    size = sum(f.stat().st_size for f in src.iterdir())
+    base = measure("cp -r", src, root / "warm", False)  # warm the page cache once
+    shutil.rmtree(root / "warm", ignore_errors=True)
+    del base
+    rows = {}
+    for what in args.only:
+        runs = []
+        for i in range(args.repeat):
+            dst = root / f"out-{i}{'.safetensors' if what == 'safetensors' else '.pt' if what != 'cp -r' else ''}"
+            runs.append(measure(what, src, dst, verify=False))
+            shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
+        rows[what] = min(runs, key=lambda r: r["seconds"])
+    ref = rows.get("dcp_to_torch_save")
+    print(f"\ncheckpoint: {size / 2**30:.2f} GiB in {len(list(src.glob('*.distcp')))} files; best of {args.repeat}; "
+          "source in the page cache; each output on disk (fsync / sync) when its clock stops; not verified\n")
+    print("| step | wall time | vs dcp_to_torch_save | peak RSS | vs dcp_to_torch_save |\n|---|---:|---:|---:|---:|")
+    for what, r in rows.items():
+        rt = f"{r['seconds'] / ref['seconds']:.2f}x" if ref else ""
+        rm = f"{r['peak_rss'] / ref['peak_rss']:.2f}x" if ref else ""
+        print(f"| {what} | {r['seconds']:.2f} s | {rt} | {r['peak_rss'] / 2**20:.0f} MiB | {rm} |")
+    time.sleep(0)
+
+
+if __name__ == "__main__":
+    main()
