@@ -230,11 +230,8 @@ class MainWindow(QMainWindow):
         if view is None or view.data is None:
             QMessageBox.information(self, "Export", "Open a checkpoint first.")
             return
-        try:
-            from shardscope.widgets.export_dialog import ExportDialog
-        except ImportError:
-            QMessageBox.information(self, "Export", "Export is not available in this build.")
-            return
+        from shardscope.widgets.export_dialog import ExportDialog
+
         dlg = ExportDialog(view.data.ckpt, prefix, self)
         dlg.exec()
 

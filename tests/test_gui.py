@@ -180,3 +180,39 @@ def test_two_checkpoints_side_by_side(qtbot, fixtures):
     assert win.current_view() is b
     win.close_tab(0, win.side_tabs)
     assert win.side_tabs.isHidden() and win.current_view() is a
+
+
+def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
+    from safetensors import safe_open
+
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    ckpt = open_checkpoint(fixtures["fsdp2_r4"])
+    dlg = ExportDialog(ckpt, "model")
+    qtbot.addWidget(dlg)
+    dlg.dst.setText(str(tmp_path / "m.safetensors"))
+    assert dlg.strip.text() == "model."
+    keys = dlg.keys.stringList()
+    assert len(keys) == 15 and all(not k.startswith("model.") for k in keys)
+    assert "15 tensors" in dlg.summary.text()
+    dlg.shard.setText("not a size")
+    assert not dlg.export_button.isEnabled() and "not a size" in dlg.summary.text()
+    dlg.shard.setText("")
+    with qtbot.waitSignal(dlg.finished_export, timeout=60000) as blocker:
+        dlg.export_button.click()
+    result = blocker.args[0]
+    assert result is not None and result.verified is True
+    assert not dlg.show_button.isHidden()
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as h:
+        assert set(h.keys()) == {k.split()[0] for k in keys}
+    # cancel: the worker stops at its next progress check and nothing is left behind
+    dlg2 = ExportDialog(ckpt, "")
+    qtbot.addWidget(dlg2)
+    dlg2.dst.setText(str(tmp_path / "all.pt"))
+    dlg2.start()
+    dlg2._worker.quit()
+    with qtbot.waitSignal(dlg2.finished_export, timeout=60000) as blocker:
+        pass
+    assert blocker.args[0] is None
+    assert not (tmp_path / "all.pt").exists() and not list(tmp_path.glob(".all.pt*"))

@@ -65,6 +65,15 @@ class ChunkReader:
 
     def read_chunk(self, fqn: str, chunk: Chunk, dtype: str) -> Any:
         """The chunk as a torch tensor of ``chunk.sizes``, validated against the metadata."""
+        try:
+            return self._read_chunk(fqn, chunk, dtype)
+        except CheckpointError as exc:
+            if exc.fqn:
+                raise
+            raise CheckpointError(f"{exc} (tensor {fqn}, chunk at offsets {list(chunk.offsets)})",
+                                  path=exc.path, fqn=fqn) from None
+
+    def _read_chunk(self, fqn: str, chunk: Chunk, dtype: str) -> Any:
         import torch
 
         st = self.locate(fqn, chunk)
@@ -127,7 +136,10 @@ class ChunkReader:
 
         if obj.file is None:
             raise CheckpointError(f"{obj.fqn}: no storage entry in the metadata.", fqn=obj.fqn)
-        data = self.handles.read(obj.file, obj.offset, obj.length)
+        try:
+            data = self.handles.read(obj.file, obj.offset, obj.length)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (entry {obj.fqn})", path=exc.path, fqn=obj.fqn) from None
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:

@@ -133,6 +133,16 @@ class TensorSource:
 
     def write(self, item: ExportItem, fd: int, base: int, progress: Progress | None,
               budget: ByteBudget | None = None) -> None:
+        try:
+            self._write(item, fd, base, progress, budget)
+        except CheckpointError as exc:
+            if exc.fqn:
+                raise
+            raise CheckpointError(f"{exc} (while exporting tensor {item.entry.fqn})", path=exc.path,
+                                  fqn=item.entry.fqn) from None
+
+    def _write(self, item: ExportItem, fd: int, base: int, progress: Progress | None,
+               budget: ByteBudget | None) -> None:
         ranges = self._direct_ranges(item)
         if ranges is not None:
             for c, src, length, dst in ranges:

@@ -1,0 +1,226 @@
+"""The Export dialog: the CLI's export options, a preview of keys and size, progress with cancel."""
+
+from __future__ import annotations
+
+import os
+
+from PySide6.QtCore import QStringListModel, Qt, QUrl, Signal
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListView,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from shardscope.backend.checkpoint.model import Checkpoint
+from shardscope.backend.export import ExportError, ExportPlan, ExportResult, export, format_for, plan_export
+from shardscope.backend.format import human_bytes, parse_size
+
+from .workers import Worker, run_in_background
+
+
+class ExportDialog(QDialog):
+    finished_export = Signal(object)  # ExportResult, or None when cancelled/failed
+
+    def __init__(self, ckpt: Checkpoint, prefix: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Export" + (f" {prefix}" if prefix else ""))
+        self.resize(720, 620)
+        self.ckpt = ckpt
+        self.plan: ExportPlan | None = None
+        self.result: ExportResult | None = None
+        self._worker: Worker | None = None
+
+        layout = QVBoxLayout(self)
+        form = QFormLayout()
+        dst_row = QHBoxLayout()
+        self.dst = QLineEdit(os.path.join(os.path.dirname(ckpt.path.rstrip("/")),
+                                          (prefix or os.path.basename(ckpt.path.rstrip("/"))) + ".safetensors"))
+        browse = QPushButton("Browse…")
+        browse.clicked.connect(self._browse)
+        dst_row.addWidget(self.dst, 1)
+        dst_row.addWidget(browse)
+        form.addRow("Destination", dst_row)
+        self.format = QComboBox()
+        self.format.addItems(["from the name", "safetensors", "torch"])
+        form.addRow("Format", self.format)
+        self.shard = QLineEdit()
+        self.shard.setPlaceholderText("e.g. 5GB: sharded safetensors with an index (destination is a folder)")
+        form.addRow("Max shard size", self.shard)
+        self.only = QLineEdit(prefix)
+        self.only.setPlaceholderText("prefixes, comma separated (empty: the format's default)")
+        form.addRow("Only", self.only)
+        self.strip = QLineEdit(prefix + "." if prefix and "." not in prefix else "")
+        self.strip.setPlaceholderText("e.g. model.  (keys load straight into nn.Module.load_state_dict)")
+        form.addRow("Strip prefix", self.strip)
+        self.dtype = QComboBox()
+        self.dtype.addItems(["keep", "bf16", "fp16", "fp32"])
+        form.addRow("Floating-point dtype", self.dtype)
+        self.verify = QCheckBox("Verify: re-open the output and compare every tensor bit for bit")
+        self.verify.setChecked(True)
+        form.addRow("", self.verify)
+        self.force = QCheckBox("Overwrite the destination if it exists")
+        form.addRow("", self.force)
+        layout.addLayout(form)
+
+        self.summary = QLabel("")
+        self.summary.setWordWrap(True)
+        layout.addWidget(self.summary)
+        self.keys = QStringListModel(self)  # NOTE: a list model, not per-row widgets: 100k keys stay fast
+        self.preview = QListView()
+        self.preview.setModel(self.keys)
+        self.preview.setUniformItemSizes(True)
+        layout.addWidget(self.preview, 1)
+        self.progress = QProgressBar()
+        self.progress.hide()
+        layout.addWidget(self.progress)
+        self.message = QLabel("")
+        self.message.setWordWrap(True)
+        self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout.addWidget(self.message)
+
+        self.buttons = QDialogButtonBox()
+        self.export_button = self.buttons.addButton("Export", QDialogButtonBox.ButtonRole.AcceptRole)
+        self.show_button = self.buttons.addButton("Show in folder", QDialogButtonBox.ButtonRole.ActionRole)
+        self.show_button.hide()
+        self.cancel_button = self.buttons.addButton(QDialogButtonBox.StandardButton.Cancel)
+        self.close_button = self.buttons.addButton(QDialogButtonBox.StandardButton.Close)
+        self.close_button.hide()
+        self.export_button.clicked.connect(self.start)
+        self.show_button.clicked.connect(self._show_in_folder)
+        self.cancel_button.clicked.connect(self._cancel)
+        self.close_button.clicked.connect(self.accept)
+        layout.addWidget(self.buttons)
+
+        for w in (self.dst, self.shard, self.only, self.strip):
+            w.textChanged.connect(self.update_preview)
+        for c in (self.format, self.dtype):
+            c.currentIndexChanged.connect(self.update_preview)
+        self.update_preview()
+
+    # ------------------------------------------------------------------ options and preview
+    def options(self) -> tuple[str, str, dict]:
+        """(destination, format, plan_export keyword arguments); raises ExportError on bad input."""
+        dst = self.dst.text().strip()
+        if not dst:
+            raise ExportError("Choose a destination.")
+        try:
+            limit = parse_size(self.shard.text()) if self.shard.text().strip() else None
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
+        fmt_choice = self.format.currentText()
+        fmt = format_for(dst, None if fmt_choice == "from the name" else fmt_choice, limit)
+        if limit and fmt != "safetensors":
+            raise ExportError("A max shard size makes sharded safetensors; it does not apply to torch files.")
+        only = [p.strip() for p in self.only.text().split(",") if p.strip()] or None
+        dtype = None if self.dtype.currentText() == "keep" else self.dtype.currentText()
+        return dst, fmt, {"only": only, "strip_prefix": self.strip.text() or None, "dtype": dtype,
+                          "max_shard_size": limit}
+
+    def update_preview(self) -> None:
+        try:
+            _dst, fmt, kw = self.options()
+            self.plan = plan_export(self.ckpt, fmt, **kw)
+        except ExportError as exc:
+            self.plan = None
+            self.keys.setStringList([])
+            self.summary.setText(f"<span style='color:#d62728'>{exc}</span>")
+            self.export_button.setEnabled(False)
+            return
+        plan = self.plan
+        self.keys.setStringList([f"{it.key}    {it.dtype} {list(it.shape)}" for it in plan.items]
+                                + [f"{key}    (non-tensor)" for key, _ in plan.objects])
+        notes = "".join(f"<br>left out: {n}" for n in plan.left_out)
+        if fmt == "safetensors" and plan.objects:
+            notes += (f"<br>{len(plan.objects)} non-tensor entries go into the header's metadata where they are "
+                      "scalars or strings; the rest are listed as left out after the export.")
+        self.summary.setText(f"<b>{fmt}</b>: {len(plan.items)} tensors, {human_bytes(plan.total_bytes)}"
+                             + (f" in shards of at most {human_bytes(plan.max_shard_size)}" if plan.max_shard_size
+                                else "") + notes)
+        self.export_button.setEnabled(True)
+
+    def _browse(self) -> None:
+        if self.shard.text().strip():
+            path = QFileDialog.getExistingDirectory(self, "Export into folder", os.path.dirname(self.dst.text()))
+        else:
+            path, _ = QFileDialog.getSaveFileName(self, "Export to", self.dst.text(),
+                                                  "safetensors (*.safetensors);;torch (*.pt *.pth *.bin)")
+        if path:
+            self.dst.setText(path)
+
+    # ------------------------------------------------------------------ running
+    def start(self) -> None:
+        try:
+            dst, _fmt, _kw = self.options()
+        except ExportError as exc:
+            self.message.setText(str(exc))
+            return
+        if self.plan is None:
+            return
+        self._set_running(True)
+        self.message.setText("Exporting …")
+        self._worker = run_in_background(export, self.plan, dst, force=self.force.isChecked(),
+                                         verify=self.verify.isChecked(), on_result=self._done,
+                                         on_error=self._failed, on_progress=self._on_progress)
+        self._worker.signals.cancelled.connect(self._cancelled)
+
+    def _on_progress(self, done: int, total: int, msg: str) -> None:
+        scale = max(1, total // 1_000_000)  # QProgressBar holds an int
+        self.progress.setRange(0, max(1, total // scale))
+        self.progress.setValue(done // scale)
+        self.progress.setFormat(f"%p%  {human_bytes(done)} of {human_bytes(total)}")
+
+    def _set_running(self, running: bool) -> None:
+        self.progress.setVisible(running)
+        self.export_button.setEnabled(not running)
+        for w in (self.dst, self.format, self.shard, self.only, self.strip, self.dtype, self.verify, self.force):
+            w.setEnabled(not running)
+
+    def _done(self, result: ExportResult) -> None:
+        self.result = result
+        self._set_running(False)
+        self.message.setText(result.summary().replace("\n", "<br>"))
+        self.message.setStyleSheet("" if result.verified is not False else "color: #d62728;")
+        ok = result.verified is not False
+        self.show_button.setVisible(ok)
+        self.close_button.setVisible(True)
+        self.cancel_button.hide()
+        self.finished_export.emit(result)
+
+    def _failed(self, message: str) -> None:
+        self._set_running(False)
+        self.message.setText(f"<span style='color:#d62728'>{message}</span><br>Nothing was written to the "
+                             "destination.")
+        self.finished_export.emit(None)
+
+    def _cancelled(self) -> None:
+        self._set_running(False)
+        self.message.setText("Cancelled; nothing was written to the destination.")
+        self.finished_export.emit(None)
+
+    def _cancel(self) -> None:
+        if self._worker is not None and not self.progress.isHidden():
+            self._worker.quit()
+        else:
+            self.reject()
+
+    def _show_in_folder(self) -> None:
+        if self.result is not None:
+            target = self.result.dst if os.path.isdir(self.result.dst) else os.path.dirname(self.result.dst)
+            QDesktopServices.openUrl(QUrl.fromLocalFile(target))
+
+    def done(self, code: int) -> None:  # noqa: D401 - Qt API; closing the dialog cancels a running export
+        if self._worker is not None and not self.progress.isHidden():
+            self._worker.quit()
+        super().done(code)
