@@ -20,6 +20,7 @@ def _gui(add: Callable) -> None:
     sp.add_argument("--select", metavar="FQN", help="select this tensor (or module prefix) after loading")
     sp.add_argument("--screenshot", metavar="FILE.png", help="render the window to a PNG after loading, then exit")
     sp.add_argument("--size", metavar="WxH", default=None, help="window size, e.g. 1400x900")
+    sp.add_argument("--run", metavar="RUN_DIR", help="follow this run directory in the Training panel")
 
 
 def run_gui(args: argparse.Namespace) -> int:
@@ -83,6 +84,8 @@ def _add_train_options(sp: argparse.ArgumentParser, steps: int) -> None:
     sp.add_argument("--lr", type=float)
     sp.add_argument("--seed", type=int)
     sp.add_argument("--grad-clip", type=float)
+    sp.add_argument("--stall-seconds", type=float, default=60.0,
+                    help="warn when a rank reports no new step for this long (default 60)")
 
 
 @command
@@ -115,33 +118,39 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
     import sys
     import time
 
+    from shardscope.backend.runs.follow import RunFollower
     from shardscope.backend.runs.launcher import (
         RunLauncher,
         default_runs_root,
         describe_exit,
         log_tail,
-        read_metrics,
         read_status,
     )
 
     run_dir = args.run_dir or str(default_runs_root() / time.strftime("run-%Y%m%d-%H%M%S"))
     launcher = RunLauncher(run_dir, _config(args)).start()
     print(f"run directory: {launcher.run_dir}")
-    offsets: dict[int, int] = {}
+    follower = RunFollower(run_dir, stall_seconds=args.stall_seconds)
     last: dict = {}
     shown = None
+    warned: set[int] = set()
     tty = sys.stdout.isatty()
     try:
         while launcher.poll() is None:
             time.sleep(0.5)
-            for _rank, recs in read_metrics(run_dir, offsets).items():
-                for r in recs:
-                    if r.get("rank") == 0:
-                        last = r
+            snap = follower.poll()
+            s0 = follower.series.get(0)
+            if s0 is not None and len(s0):
+                last = {f: s0.column(f)[-1] for f in ("step", "loss", "steps_per_s")}
+            for r in set(snap.stalled) - warned:
+                print(f"\nwarning: rank {r} has reported no new step for {args.stall_seconds:.0f} s (stalled?)",
+                      flush=True)
+            warned = set(snap.stalled)
             if last and last.get("step") != shown:
                 shown = last.get("step")
-                line = (f"step {last.get('step')}/{args.steps}  loss {last.get('loss', float('nan')):.4f}  "
-                        f"{last.get('steps_per_s') or 0:.1f} steps/s")
+                sps = last.get("steps_per_s")
+                line = (f"step {last.get('step'):.0f}/{args.steps}  loss {last.get('loss', float('nan')):.4f}  "
+                        f"{sps if sps == sps else 0:.1f} steps/s")
                 print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
     except KeyboardInterrupt:
         print("\nstopping the run (Ctrl-C) ...", flush=True)
@@ -186,5 +195,5 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     if args.no_gui:
         return 0
-    ns = argparse.Namespace(path=str(last), select="model.blocks.0", screenshot=None, size=None)
+    ns = argparse.Namespace(path=str(last), select="model.blocks.0", screenshot=None, size=None, run=run_dir)
     return run_gui(ns)

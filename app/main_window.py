@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 from shardscope.widgets.checkpoint_view import CheckpointView
+from shardscope.widgets.training_panel import TrainingPanel
 
 MAX_RECENT = 10
 
@@ -120,6 +121,11 @@ class MainWindow(QMainWindow):
         act.setToolTip("Show two checkpoints side by side")
         act.triggered.connect(self.move_to_other_side)
         view_menu.addAction(act)
+        run_menu = self.menuBar().addMenu("&Run")
+        act = QAction("&Training panel", self)
+        act.setShortcut(QKeySequence("Ctrl+T"))
+        act.triggered.connect(lambda: self.training_panel())
+        run_menu.addAction(act)
         edit = self.menuBar().addMenu("&Edit")
         act = QAction("&Find", self)
         act.setShortcut(QKeySequence.StandardKey.Find)
@@ -208,6 +214,9 @@ class MainWindow(QMainWindow):
         if isinstance(w, CheckpointView):
             self._save_splitters(w)
             w.shutdown()
+        if w is getattr(self, "_training", None):
+            w.shutdown()
+            self._training = None
         pane.removeTab(idx)
         if w is not None and w is not self.welcome:
             w.deleteLater()
@@ -215,6 +224,26 @@ class MainWindow(QMainWindow):
             pane.hide()
             self._active = self.tabs
         self._show_welcome_if_empty()
+
+    def training_panel(self, run_dir: str | None = None) -> TrainingPanel:
+        """The one Training tab (made on first use); optionally following ``run_dir``."""
+        panel = getattr(self, "_training", None)
+        if panel is None:
+            panel = self._training = TrainingPanel()
+            panel.openCheckpoint.connect(self.open_path)
+            pane = self.tabs
+            if pane.count() == 1 and pane.widget(0) is self.welcome:
+                pane.removeTab(0)
+            pane.addTab(panel, "Training")
+        for pane in (self.tabs, self.side_tabs):
+            idx = pane.indexOf(panel)
+            if idx >= 0:
+                pane.setCurrentIndex(idx)
+                self._activate(pane)
+        if run_dir:
+            panel.follow(os.path.abspath(run_dir))
+            panel.refresh_runs(select=os.path.abspath(run_dir))
+        return panel
 
     def all_views(self) -> list[CheckpointView]:
         return [p.widget(i) for p in (self.tabs, self.side_tabs) for i in range(p.count())
@@ -266,6 +295,8 @@ class MainWindow(QMainWindow):
             self._save_splitters(view)
         for w in self.all_views():
             w.shutdown()
+        if getattr(self, "_training", None) is not None:
+            self._training.shutdown()
         super().closeEvent(event)
 
 
@@ -283,6 +314,11 @@ def add_recent(path: str) -> None:
 
 def show_in_folder(path: str) -> None:
     QDesktopServices.openUrl(QUrl.fromLocalFile(str(Path(path).parent)))
+
+
+def is_run_dir(path: str) -> bool:
+    p = Path(path)
+    return (p / "config.json").exists() or ((p / "metrics").is_dir() and not (p / ".metadata").exists())
 
 
 def make_app() -> QApplication:
@@ -322,14 +358,29 @@ def _run(args: argparse.Namespace) -> int:
     shot = getattr(args, "screenshot", None)
     win._quiet = bool(shot)
     target: QWidget = win
-    if getattr(args, "path", None):
-        view = win.open_path(args.path)
+    run_dir = getattr(args, "run", None)
+    path = getattr(args, "path", None)
+    if path and is_run_dir(path):
+        run_dir, path = path, None
+    if run_dir:
+        win.training_panel(run_dir)
+    if path:
+        view = win.open_path(path)
         if shot:
             return _screenshot(app, win, view, args.select, shot)
-    elif shot:
+    elif shot:  # a run only: give the Training panel time to read the run and draw it
         win.show()
-        app.processEvents()
-        target.grab().save(shot)
+
+        def grab() -> None:
+            app.processEvents()
+            win._training.plots.redraw() if getattr(win, "_training", None) else None
+            app.processEvents()
+            target.grab().save(shot)
+            print(f"wrote {shot}")
+            app.quit()
+
+        QTimer.singleShot(2500, grab)
+        app.exec()
         return 0
     win.show()
     return app.exec()

@@ -184,7 +184,6 @@ def test_two_checkpoints_side_by_side(qtbot, fixtures):
 
 def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
     from safetensors import safe_open
-
     from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 

@@ -79,14 +79,36 @@ class RunLauncher:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RunLauncher:
-        if self.run_dir.exists() and any(self.run_dir.iterdir()):
+        """Start the run. A run directory that already holds a run is continued only when resuming
+        (metrics append; the plots mark the restart); anything else must be a new directory."""
+        existing = (self.run_dir / "config.json").exists()
+        if existing and not self.config.resume:
+            raise ShardscopeError(f"{self.run_dir}: already holds a run; resume it from one of its checkpoints "
+                                  "(--resume) or choose a new run directory.")
+        if not existing and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ShardscopeError(f"{self.run_dir}: run directory is not empty; choose a new one.")
+        if existing and read_status(self.run_dir).get("state") in ("starting", "running") and \
+                _pid_alive(read_status(self.run_dir).get("pid")):
+            raise ShardscopeError(f"{self.run_dir}: the run is still running.")
         for sub in ("metrics", "logs", "checkpoints", "exit"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        for old in (self.run_dir / "exit").glob("rank_*.json"):
+            old.unlink()
         cfg = asdict(self.config)
         cfg["command"] = self.command()
+        history = []
+        if existing:
+            try:
+                prev = json.loads((self.run_dir / "config.json").read_text())
+                history = [*prev.pop("history", []), prev]
+            except (OSError, ValueError):
+                history = []
+        cfg["history"] = history
         (self.run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-        self._status("starting", start_time=time.time())
+        status_file = self.run_dir / "status.json"
+        if status_file.exists():
+            status_file.unlink()
+        self._status("starting", start_time=time.time(), restarts=len(history))
         env = {**os.environ, ENV_RUN_DIR: str(self.run_dir), "PYTHONUNBUFFERED": "1"}
         log = open(self.run_dir / "logs" / "launcher.log", "ab")
         # NOTE: a new session, so stop() can signal torchrun *and* its workers as one group.
@@ -163,6 +185,31 @@ class RunLauncher:
         os.replace(tmp, self.run_dir / "status.json")
 
 
+def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> int | None:
+    """Stop a run this process did not start (a GUI reopened on it): SIGTERM to torchrun's group and
+    every descendant, SIGKILL after ``grace``; mark it stopped. Returns torchrun's pid, or None."""
+    import psutil
+
+    status = read_status(run_dir)
+    pid = status.get("pid")
+    if not _pid_alive(pid):
+        return None
+    family = run_processes(pid)
+    _signal_group(pid, signal.SIGTERM)
+    for p in family:
+        _signal_pid(p.pid, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(family, timeout=grace)
+    for p in alive:
+        _signal_pid(p.pid, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace)
+    status.update(state="stopped", end_time=time.time(), updated=time.time(),
+                  explanation="stopped from Shardscope (SIGTERM, then SIGKILL after the grace period)")
+    tmp = Path(run_dir) / "status.json.tmp"
+    tmp.write_text(json.dumps(status, indent=2))
+    os.replace(tmp, Path(run_dir) / "status.json")
+    return pid
+
+
 def run_processes(pid: int) -> list:
     """torchrun and every process it started (psutil handles)."""
     import psutil
@@ -172,6 +219,18 @@ def run_processes(pid: int) -> list:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_pid(pid: int, sig: int) -> None:
@@ -203,6 +262,20 @@ def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
         return json.loads((Path(run_dir) / "status.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def effective_status(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """status.json, corrected for a run whose launcher is gone (the GUI that started it was closed,
+    or it was killed): a "running" run with no live process ended, as its ranks' exit records say."""
+    status = read_status(run_dir)
+    if status.get("state") in ("starting", "running") and "pid" in status and not _pid_alive(status["pid"]):
+        exits = rank_exits(run_dir)
+        failed = [r for r, e in exits.items() if e.get("code")]
+        status = {**status, "state": "failed" if failed or not exits else "finished", "failed_ranks": failed,
+                  "exit_codes": {str(r): e.get("code") for r, e in exits.items()},
+                  "explanation": "the launcher is gone; state taken from the ranks' exit records"
+                  if exits else "the launcher is gone and no rank recorded an exit (killed?)"}
+    return status
 
 
 def rank_exits(run_dir: str | os.PathLike) -> dict[int, dict]:

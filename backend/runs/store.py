@@ -1,0 +1,49 @@
+"""Run directories on disk: listing them, and small atomic writes for exports of run data."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .launcher import effective_status
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    path: Path
+    state: str
+    mtime: float
+
+
+def list_runs(root: str | os.PathLike) -> list[RunInfo]:
+    """Run directories under ``root``, newest first."""
+    root = Path(root)
+    out = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for p in entries:
+        if (p / "config.json").exists() or (p / "metrics").is_dir():
+            try:
+                mtime = p.stat().st_mtime
+            except OSError:
+                continue
+            out.append(RunInfo(p, effective_status(p).get("state", "?"), mtime))
+    return sorted(out, key=lambda r: r.mtime, reverse=True)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write atomically: a temporary file in the same folder, renamed at the end."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
