@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, kind: str, out: str) -> None:
 
         torch.manual_seed(0)
         model = TinyNet()
-        if kind.startswith("fsdp"):
+        if kind.startswith("fsdp") or kind in ("init", "steps"):
             from torch.distributed.fsdp import fully_shard
 
             for b in model.blocks:
@@ -80,9 +80,22 @@ def _worker(rank: int, world: int, port: int, kind: str, out: str) -> None:
             fully_shard(model)
         elif kind == "ddp":
             model = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if kind == "init":  # the same untrained model at any world size: identical values
+            dcp.save({"model": get_state_dict(model, [])[0]}, checkpoint_id=out)
+            dist.barrier()
+            return
+        if kind == "steps":  # two checkpoints of one run, one step apart; the head's bias is frozen
+            model.head.bias.requires_grad_(False) if hasattr(model, "head") else None
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         _train_steps(model, opt, rank)
         msd, osd = get_state_dict(model, opt)
+        if kind == "steps":
+            dcp.save({"model": msd, "optimizer": osd, "step": 2}, checkpoint_id=str(Path(out) / "step2"))
+            _train_steps(model, opt, rank, steps=1)
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optimizer": osd, "step": 3}, checkpoint_id=str(Path(out) / "step3"))
+            dist.barrier()
+            return
         if kind == "fsdp_safetensors":
             from torch.distributed.checkpoint.filesystem import SerializationFormat
 
@@ -130,6 +143,9 @@ FIXTURES = {
     "fsdp_nocoll_r2": ("fsdp_nocollectives", 2),
     "fsdp_safetensors_r2": ("fsdp_safetensors", 2),
     "hf_r2": ("hf", 2),
+    "init_r2": ("init", 2),
+    "init_r4": ("init", 4),
+    "steps_r2": ("steps", 2),
 }
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
+from .storage import Folder
 
 FORMAT = 1
 ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
@@ -28,17 +29,13 @@ def cache_dir() -> Path:
     return Path(xdg) / "shardscope" / "metadata"
 
 
-def key_for(folder: Path, meta_names: list[str]) -> str | None:
+def key_for(folder: Folder, meta_names: list[str]) -> str | None:
     if os.environ.get("SHARDSCOPE_NO_CACHE"):
         return None
-    h = hashlib.sha256(f"v{FORMAT}\0{folder.resolve()}".encode())
-    for name in meta_names:
-        try:
-            st = os.stat(folder / name)
-        except OSError:
-            return None
-        h.update(f"\0{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_dev}".encode())
-    return h.hexdigest()[:40]
+    ident = folder.identity(meta_names)
+    if ident is None:
+        return None
+    return hashlib.sha256(f"v{FORMAT}\0{ident}".encode()).hexdigest()[:40]
 
 
 def load(key: str, path: str) -> Checkpoint | None:

@@ -12,59 +12,56 @@ import math
 import re
 import struct
 from array import array
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
 from .items import SAFETENSORS_DTYPES
 from .model import Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry
+from .storage import Folder
 
 SHARD_RE = re.compile(r"^shard-(\d+)-")
 MAX_HEADER = 100 * 2**20
 
 
-def is_hf_folder(listing: dict[str, int], folder: Path) -> bool:
+def is_hf_folder(listing: dict[str, int], folder: Folder) -> bool:
     if not any(n.endswith(".safetensors") for n in listing):
         return False
-    meta = folder / ".metadata"
     if ".metadata" not in listing:
         return True
-    with open(meta, "rb") as f:
+    with folder.open(".metadata") as f:
         return f.read(1) == b"{"  # the HF writer's .metadata is a JSON weight map, not a pickle
 
 
-def read_header(path: Path) -> tuple[dict, int]:
+def read_header(handles: Any, name: str, size: int) -> tuple[dict, int]:
+    where = handles.where(name)
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER:
-                raise ValueError(f"header length {n} is implausible")
-            raw = f.read(n)
-            if len(raw) != n:
-                raise ValueError("header is truncated")
-        header = json.loads(raw)
+        if size < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", handles.read(name, 0, 8))
+        if n > MAX_HEADER or 8 + n > size:
+            raise ValueError(f"header length {n} is implausible")
+        header = json.loads(handles.read(name, 8, n))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
         return header, 8 + n
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc}).", path=str(path)) from None
+    except (ValueError, CheckpointError) as exc:
+        raise CheckpointError(f"{where}: not a readable safetensors file ({exc}).", path=where) from None
 
 
-def open_hf_folder(folder: Path, listing: dict[str, int]) -> Checkpoint:
+def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     names = sorted(n for n in listing if n.endswith(".safetensors"))
     files: list[FileInfo] = []
     pieces: dict[str, list[tuple]] = {}
     dtypes: dict[str, str] = {}
     problems: list[Problem] = []
     version = None
+    handles = folder.handles()
     for fi, name in enumerate(names):
         m = SHARD_RE.match(name)
         files.append(FileInfo(name, int(m.group(1)) - 1 if m else None, listing[name]))
-        header, base = read_header(folder / name)
+        header, base = read_header(handles, name, listing[name])
         meta = header.pop("__metadata__", None) or {}
         version = version or meta.get("DCP_VERSION")
         try:
@@ -78,17 +75,18 @@ def open_hf_folder(folder: Path, listing: dict[str, int]) -> Checkpoint:
                 shape = tuple(int(s) for s in info["shape"])
                 a, b = (int(x) for x in info["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{folder / name}: header entry {key!r} is malformed.",
-                                      path=str(folder / name), fqn=key) from None
+                raise CheckpointError(f"{folder.join(name)}: header entry {key!r} is malformed.",
+                                      path=folder.join(name), fqn=key) from None
             offsets = tuple(int(o) for o in (sharding.get(key, {}).get("saved_offsets") or [0] * len(shape)))
             if len(offsets) != len(shape):
-                raise CheckpointError(f"{folder / name}: {key}: saved_offsets do not match the shape.",
-                                      path=str(folder / name), fqn=key)
+                raise CheckpointError(f"{folder.join(name)}: {key}: saved_offsets do not match the shape.",
+                                      path=folder.join(name), fqn=key)
             dtypes.setdefault(key, dtype)
             pieces.setdefault(key, []).append((offsets, shape, fi, base + a, b - a))
+    handles.close()
     if not pieces:
-        raise CheckpointError(f"{folder}: safetensors files hold no tensors.", path=str(folder))
-    ckpt = Checkpoint(str(folder), "hf-safetensors", version, files, [], [], ChunkTable.empty())
+        raise CheckpointError(f"{folder.path}: safetensors files hold no tensors.", path=folder.path)
+    ckpt = Checkpoint(folder.path, "hf-safetensors", version, files, [], [], ChunkTable.empty())
     t_idx, f_idx = array("i"), array("i")
     b_off, b_len, dim_start, dims = array("q"), array("q"), array("q"), array("q")
     for key, parts in pieces.items():

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError
+from .storage import FileHandles, LocalHandles, RemoteHandles
 
 ZIP_LOCAL = b"PK\x03\x04"
 _EOCD = b"PK\x05\x06"
@@ -108,64 +106,8 @@ class _ItemUnpickler(pickle.Unpickler):
         return _StorageRef(pid[1].dtype, str(pid[2]), int(pid[4]))
 
 
-class FileHandles:
-    """Open files of one checkpoint folder, shared by threads (reads use ``os.pread``)."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def fd(self, name: str) -> int:
-        with self._lock:
-            fd = self._fds.get(name)
-            if fd is None:
-                path = os.path.join(self.folder, name)
-                try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-                except OSError as exc:
-                    raise CheckpointError(f"{path}: cannot open ({exc.strerror}).", path=path) from None
-                self._fds[name] = fd
-            return fd
-
-    def read(self, name: str, offset: int, length: int) -> bytes:
-        data = os.pread(self.fd(name), length, offset)
-        if len(data) != length:
-            path = os.path.join(self.folder, name)
-            raise CheckpointError(f"{path}: file ends before byte {offset + length} "
-                                  f"(item at {offset}, {length} bytes): the file is truncated.", path=path)
-        return data
-
-    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
-        fd = self.fd(name)
-        view = buf.cast("B") if buf.format != "B" else buf
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n <= 0:
-                path = os.path.join(self.folder, name)
-                raise CheckpointError(f"{path}: file ends before byte {offset + len(view)}: the file is "
-                                      "truncated.", path=path)
-            got += n
-
-    def size(self, name: str) -> int:
-        return os.fstat(self.fd(name)).st_size
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-    def __enter__(self) -> FileHandles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def _zip_directory(blob_tail: bytes, tail_start: int, item_offset: int, item_length: int,
-                   handles: FileHandles, name: str) -> list[tuple[str, int, int, int, int]]:
+                   handles: LocalHandles | RemoteHandles, name: str) -> list[tuple[str, int, int, int, int]]:
     """(name, local header offset, compressed size, method, crc) for each record of an item zip."""
     pos = blob_tail.rfind(_EOCD)
     if pos < 0:
@@ -208,7 +150,7 @@ def _zip_directory(blob_tail: bytes, tail_start: int, item_offset: int, item_len
     return out
 
 
-def parse_torch_item(handles: FileHandles, name: str, offset: int, length: int) -> StoredTensor:
+def parse_torch_item(handles: LocalHandles | RemoteHandles, name: str, offset: int, length: int) -> StoredTensor:
     """Locate the tensor inside a torch.save zip item without loading its values."""
     tail_len = min(length, 65536 + 22)
     tail_start = offset + length - tail_len
@@ -247,7 +189,7 @@ def parse_torch_item(handles: FileHandles, name: str, offset: int, length: int) 
                         data_size, rec[4])
 
 
-def parse_safetensors_blob(handles: FileHandles, name: str, start: int) -> dict[str, dict]:
+def parse_safetensors_blob(handles: LocalHandles | RemoteHandles, name: str, start: int) -> dict[str, dict]:
     head = handles.read(name, start, 8)
     (n,) = struct.unpack("<Q", head)
     if n > 100 * 2**20:
@@ -264,7 +206,7 @@ def parse_safetensors_blob(handles: FileHandles, name: str, start: int) -> dict[
     return out
 
 
-def stored_tensor(handles: FileHandles, name: str, offset: int, length: int, fqn: str,
+def stored_tensor(handles: LocalHandles | RemoteHandles, name: str, offset: int, length: int, fqn: str,
                   blob_cache: dict | None = None) -> StoredTensor:
     """Where the values of the item at ``offset`` in ``name`` are, whatever the storage variant."""
     magic = handles.read(name, offset, 4) if length >= 4 else b""
@@ -287,3 +229,6 @@ def stored_tensor(handles: FileHandles, name: str, offset: int, length: int, fqn
         stride.append(acc)
         acc *= s
     return StoredTensor(info["dtype"], shape, tuple(reversed(stride)), 0, info["offset"], info["nbytes"], None)
+
+
+__all__ = ["FileHandles", "StoredTensor", "parse_safetensors_blob", "parse_torch_item", "stored_tensor"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 from array import array
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from . import cache
 from .hf_reader import is_hf_folder, open_hf_folder
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .safe_pickle import BytesStorageRecord, MetadataIndexRecord, TensorStorageRecord, gc_paused, load_metadata_pickle
+from .storage import Folder, open_folder
 from .streaming import Events, NotStreamable, join_storage, stream_metadata
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -35,36 +35,15 @@ def rank_of_file(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _listing(folder: Path) -> dict[str, int]:
-    out = {}
-    with os.scandir(folder) as it:
-        for e in it:
-            if e.is_file():
-                out[e.name] = e.stat().st_size
-    return out
-
-
-def resolve_folder(path: str | os.PathLike) -> Path:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or folder.", path=str(p))
-    if p.is_file():
-        if p.name == ".metadata" or RANK_METADATA_RE.match(p.name):
-            return p.parent
-        raise CheckpointError(
-            f"{p}: is a file, not a checkpoint folder.",
-            path=str(p), hint="Give the folder that holds .metadata and the __R_N.distcp files.")
-    return p
+def resolve_folder(path: str | os.PathLike) -> Folder:
+    return open_folder(path)
 
 
 def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
                     use_cache: bool = True) -> Checkpoint:
     """Read a checkpoint folder's metadata (never its tensor data) into a :class:`Checkpoint`."""
-    folder = resolve_folder(path)
-    try:
-        listing = _listing(folder)
-    except OSError as exc:
-        raise CheckpointError(f"{folder}: cannot list the folder ({exc.strerror}).", path=str(folder)) from None
+    folder = open_folder(path)
+    listing = folder.listing()
     problems: list[Problem] = []
     for name in sorted(listing):
         if name.endswith(".metadata.tmp"):
@@ -85,12 +64,12 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
         if data:
             return _incomplete(folder, listing, data, problems)
         raise CheckpointError(
-            f"{folder}: not a distributed checkpoint (no .metadata file and no .distcp files).",
-            path=str(folder), hint="Open the folder that dcp.save or Lightning's sharded save wrote.")
+            f"{folder.path}: not a distributed checkpoint (no .metadata file and no .distcp files).",
+            path=folder.path, hint="Open the folder that dcp.save or Lightning's sharded save wrote.")
 
     key = cache.key_for(folder, meta_names) if use_cache else None
     if key is not None:
-        cached = cache.load(key, str(folder))
+        cached = cache.load(key, folder.path)
         if cached is not None:
             cached.problems[:0] = problems
             _refresh_files(cached, listing)
@@ -102,17 +81,17 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
     if ckpt is None:
         parsed = []
         for name in meta_names:
-            fp = folder / name
+            fp = folder.join(name)
             try:
-                with open(fp, "rb") as fh:
-                    parsed.append(load_metadata_pickle(fh, str(fp)))
+                with folder.open(name) as fh:
+                    parsed.append(load_metadata_pickle(fh, fp))
             except OSError as exc:
-                raise CheckpointError(f"{fp}: cannot read ({exc.strerror}).", path=str(fp)) from None
+                raise CheckpointError(f"{fp}: cannot read ({exc}).", path=fp) from None
             if progress:
                 progress.advance(1)
             _check_metadata(parsed[-1], fp)
         with gc_paused():
-            ckpt = build_checkpoint(str(folder), parsed, listing, meta_names)
+            ckpt = build_checkpoint(folder.path, parsed, listing, meta_names)
             del parsed
     ckpt.problems[:0] = problems
     if key is not None:
@@ -123,24 +102,24 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
 STREAMING = True  # tests turn it off to exercise the object-graph path on the same files
 
 
-def _check_metadata(md: Any, fp: Path) -> None:
+def _check_metadata(md: Any, fp: str) -> None:
     if type(md).__name__ != "MetadataRecord" or not isinstance(md.get("state_dict_metadata"), dict):
-        raise CheckpointError(f"{fp}: does not hold DCP Metadata.", path=str(fp))
+        raise CheckpointError(f"{fp}: does not hold DCP Metadata.", path=fp)
 
 
-def _read_streaming(folder: Path, listing: dict[str, int], meta_names: list[str]) -> Checkpoint | None:
-    fp = folder / meta_names[0]
+def _read_streaming(folder: Folder, listing: dict[str, int], meta_names: list[str]) -> Checkpoint | None:
+    fp = folder.join(meta_names[0])
     try:
-        with open(fp, "rb") as fh:
-            md, ev = stream_metadata(fh, str(fp))
+        with folder.open(meta_names[0]) as fh:
+            md, ev = stream_metadata(fh, fp)
     except OSError as exc:
-        raise CheckpointError(f"{fp}: cannot read ({exc.strerror}).", path=str(fp)) from None
+        raise CheckpointError(f"{fp}: cannot read ({exc}).", path=fp) from None
     except NotStreamable:
         return None
     _check_metadata(md, fp)
     try:
         with gc_paused():
-            return build_streamed(str(folder), md, ev, listing, meta_names)
+            return build_streamed(folder.path, md, ev, listing, meta_names)
     except NotStreamable:
         return None
 
@@ -230,12 +209,12 @@ def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], st
     ckpt.reindex()
 
 
-def _incomplete(folder: Path, listing: dict[str, int], data: list[str], problems: list[Problem]) -> Checkpoint:
+def _incomplete(folder: Folder, listing: dict[str, int], data: list[str], problems: list[Problem]) -> Checkpoint:
     files = [FileInfo(n, rank_of_file(n), listing[n]) for n in data]
     problems.append(Problem(
         "incomplete", f"{len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
         "coordinator writes .metadata last), so this checkpoint cannot be loaded."))
-    return Checkpoint(str(folder), "dcp", None, files, [], [], ChunkTable.empty(), problems=problems)
+    return Checkpoint(folder.path, "dcp", None, files, [], [], ChunkTable.empty(), problems=problems)
 
 
 def _refresh_files(ckpt: Checkpoint, listing: dict[str, int]) -> None:

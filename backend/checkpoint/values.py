@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +13,9 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..progress import Progress
-from .items import FileHandles, StoredTensor, stored_tensor
+from .items import StoredTensor, stored_tensor
 from .model import FLOAT_DTYPES, Checkpoint, Chunk, ObjectEntry, TensorEntry
+from .storage import handles_for
 
 
 def torch_dtype(name: str) -> Any:
@@ -32,7 +32,7 @@ class ChunkReader:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
-        self.handles = FileHandles(ckpt.path)
+        self.handles = handles_for(ckpt.path)
         self._blobs: dict = {}
 
     def close(self) -> None:
@@ -45,7 +45,7 @@ class ChunkReader:
         self.close()
 
     def _where(self, fqn: str, chunk: Chunk) -> str:
-        return f"{os.path.join(self.ckpt.path, chunk.file)} (tensor {fqn}, chunk at offsets {list(chunk.offsets)})"
+        return f"{self.handles.where(chunk.file)} (tensor {fqn}, chunk at offsets {list(chunk.offsets)})"
 
     def locate(self, fqn: str, chunk: Chunk) -> StoredTensor | None:
         """Where a chunk's values are; None if the item needs the generic (torch.load) path."""
@@ -144,7 +144,7 @@ class ChunkReader:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise CheckpointError(
-                f"{os.path.join(self.ckpt.path, obj.file)} (entry {obj.fqn}): cannot be decoded safely "
+                f"{self.handles.where(obj.file)} (entry {obj.fqn}): cannot be decoded safely "
                 f"({str(exc).splitlines()[0][:200]}).", fqn=obj.fqn, path=obj.file) from None
 
 
@@ -175,9 +175,13 @@ def read_lightning_meta(ckpt: Checkpoint) -> dict[str, Any]:
     name = ckpt.extra_files.get("meta.pt")
     if not name:
         return {}
-    path = os.path.join(ckpt.path, name)
+    with handles_for(ckpt.path) as handles:
+        path = handles.where(name)
+        info = next((f for f in ckpt.files if f.name == name), None)
+        size = info.bytes if info is not None and info.bytes is not None else handles.size(name)
+        data = handles.read(name, 0, size)
     try:
-        meta = torch.load(path, map_location="cpu", weights_only=True)
+        meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot be loaded safely ({str(exc).splitlines()[0][:200]}).",
                               path=path) from None

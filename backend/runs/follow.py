@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .launcher import checkpoints, effective_status, read_metrics
 import numpy as np
 
+from .launcher import checkpoints, effective_status, read_metrics
 from .metrics import Series, records_to_columns
 
 LOG_CHUNK = 1 << 20

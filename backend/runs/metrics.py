@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -50,7 +51,7 @@ class Series:
     def segments(self) -> list[slice]:
         """Runs of points between restarts, so a resumed run's curve is not joined to the old one."""
         bounds = [0, *self.restarts, self.n]
-        return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def records_to_columns(records: list[dict]) -> dict[str, np.ndarray]:
@@ -109,7 +110,7 @@ def smooth_segments(values: np.ndarray, weight: float, state: tuple[float, int],
         return debiased_ema(values, weight, state)
     parts = []
     bounds = [0, *cuts, len(values)]
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         out, state = debiased_ema(values[a:b], weight, state if i == 0 else (0.0, 0))
         parts.append(out)
     return np.concatenate(parts), state

@@ -1,0 +1,221 @@
+"""One reading interface over everything diff and import accept: a DCP folder (local or URL, also
+HF safetensors folders), a torch ``.pt`` file (``weights_only=True``, memory-mapped) or a
+``.safetensors`` file (or a folder with ``model.safetensors.index.json``). Tensors are read one at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import open_checkpoint
+from ..checkpoint.storage import is_url
+from ..checkpoint.values import ChunkReader
+from ..errors import CheckpointError
+
+TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    kind: str  # "tensor" or "object"
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    layout: tuple | None = None  # DCP only: (offsets, sizes, writer rank) of every chunk
+
+
+class Source:
+    name: str
+    kind: str
+
+    def entries(self) -> dict[str, EntryInfo]:
+        raise NotImplementedError
+
+    def tensor(self, fqn: str) -> Any:
+        raise NotImplementedError
+
+    def object(self, fqn: str) -> Any:
+        raise NotImplementedError
+
+    def nested_path(self, fqn: str) -> tuple | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DcpSource(Source):
+    kind = "dcp"
+
+    def __init__(self, path: str) -> None:
+        self.ckpt = open_checkpoint(path)
+        self.name = self.ckpt.path
+        self.reader = ChunkReader(self.ckpt)
+
+    def entries(self) -> dict[str, EntryInfo]:
+        out = {t.fqn: EntryInfo("tensor", t.dtype, t.shape,
+                                tuple((c.offsets, c.sizes, c.rank) for c in t.chunks)) for t in self.ckpt.tensors}
+        out.update({o.fqn: EntryInfo("object") for o in self.ckpt.objects})
+        return out
+
+    def tensor(self, fqn: str) -> Any:
+        return self.reader.read_tensor(self.ckpt.tensor(fqn))
+
+    def object(self, fqn: str) -> Any:
+        return self.reader.read_object(self.ckpt.object(fqn))
+
+    def nested_path(self, fqn: str) -> tuple | None:
+        return self.ckpt.planner_data.get(fqn)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _is_terminal(value: Any) -> bool:
+    """torch's ``_traverse._is_terminal``: a list is a leaf unless it holds tensors or mappings."""
+    import torch
+
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, dict | list) and not _is_terminal(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
+def flatten(obj: Any, prefix: tuple = ()) -> dict[tuple, Any]:
+    """Nested dicts and lists to {key path: leaf}, exactly as DCP's ``flatten_state_dict`` does, so a
+    consolidated file and a DCP folder name their entries alike (``optimizer.param_groups.0.lr``)."""
+    out: dict[tuple, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, (*prefix, str(k))))
+    elif prefix and _is_terminal(obj):
+        out[prefix] = obj
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            out.update(flatten(v, (*prefix, i)))
+    return out
+
+
+class TorchFileSource(Source):
+    kind = "torch"
+
+    def __init__(self, path: str) -> None:
+        import torch
+
+        self.name = path
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot be loaded safely with weights_only=True "
+                                  f"({str(exc).splitlines()[0][:200]}).", path=path) from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: does not hold a dict of tensors.", path=path)
+        self._leaves = {".".join(map(str, k)): v for k, v in flatten(data).items()}
+        self._paths = {".".join(map(str, k)): k for k in flatten(data)}
+
+    def entries(self) -> dict[str, EntryInfo]:
+        import torch
+
+        out = {}
+        for k, v in self._leaves.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = EntryInfo("tensor", str(v.dtype).removeprefix("torch."), tuple(v.shape))
+            else:
+                out[k] = EntryInfo("object")
+        return out
+
+    def tensor(self, fqn: str) -> Any:
+        return self._leaves[fqn]
+
+    def object(self, fqn: str) -> Any:
+        return self._leaves[fqn]
+
+    def nested_path(self, fqn: str) -> tuple | None:
+        return self._paths.get(fqn)
+
+
+class SafetensorsSource(Source):
+    kind = "safetensors"
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        self.name = path
+        if os.path.isdir(path):
+            index = os.path.join(path, "model.safetensors.index.json")
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a readable safetensors index ({exc}).", path=index) from None
+            files = sorted(set(weight_map.values()))
+            paths = [os.path.join(path, f) for f in files]
+        else:
+            paths = [path]
+        self._handles = {}
+        self._where: dict[str, Any] = {}
+        self._objects: dict[str, Any] = {}
+        for p in paths:
+            try:
+                h = safe_open(p, framework="pt")
+            except Exception as exc:
+                raise CheckpointError(f"{p}: not a readable safetensors file ({exc}).", path=p) from None
+            self._handles[p] = h
+            for k in h.keys():
+                self._where[k] = h
+            meta = h.metadata() or {}
+            if meta.get("shardscope_objects"):
+                try:
+                    self._objects.update(json.loads(meta["shardscope_objects"]))
+                except ValueError:
+                    pass
+
+    def entries(self) -> dict[str, EntryInfo]:
+        out = {}
+        for k, h in self._where.items():
+            sl = h.get_slice(k)
+            from ..checkpoint.items import SAFETENSORS_DTYPES
+
+            dt = sl.get_dtype()
+            out[k] = EntryInfo("tensor", SAFETENSORS_DTYPES.get(dt, dt.lower()), tuple(sl.get_shape()))
+        out.update({k: EntryInfo("object") for k in self._objects})
+        return out
+
+    def tensor(self, fqn: str) -> Any:
+        return self._where[fqn].get_tensor(fqn)
+
+    def object(self, fqn: str) -> Any:
+        return self._objects[fqn]
+
+
+def open_source(path: str | os.PathLike) -> Source:
+    text = str(path)
+    if is_url(text):
+        return DcpSource(text)
+    if not os.path.exists(text):
+        raise CheckpointError(f"{text}: no such file or folder.", path=text)
+    if os.path.isfile(text):
+        if text.endswith(".safetensors"):
+            return SafetensorsSource(text)
+        if text.endswith(TORCH_EXT):
+            return TorchFileSource(text)
+        if os.path.basename(text) == ".metadata":
+            return DcpSource(text)
+        raise CheckpointError(f"{text}: not a checkpoint file (.pt, .pth, .bin, .safetensors) or folder.", path=text)
+    if os.path.exists(os.path.join(text, "model.safetensors.index.json")) and \
+            not os.path.exists(os.path.join(text, ".metadata")):
+        return SafetensorsSource(text)
+    return DcpSource(text)
