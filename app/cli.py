@@ -86,6 +86,9 @@ def _print_problems(problems: list) -> None:
         print(f"    ... and {len(problems) - 200} more (use --json for all)")
 
 
+DEEP_NOTE = " (deep: every item read; CRC32 checked where the format stores one)"
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.verify import verify
@@ -99,7 +102,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(f"{ckpt.path}: {len(ckpt.tensors)} tensors, {len(ckpt.chunk_table)} chunks, "
-              f"{len(ckpt.data_files)} files{' (deep: every item read; CRC32 checked where the format stores one)' if args.deep else ''}")
+              f"{len(ckpt.data_files)} files{DEEP_NOTE if args.deep else ''}")
         _print_problems(problems)
     return EXIT_PROBLEMS if problems else EXIT_OK
 

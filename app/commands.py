@@ -21,6 +21,7 @@ def _gui(add: Callable) -> None:
     sp.add_argument("--screenshot", metavar="FILE.png", help="render the window to a PNG after loading, then exit")
     sp.add_argument("--size", metavar="WxH", default=None, help="window size, e.g. 1400x900")
     sp.add_argument("--run", metavar="RUN_DIR", help="follow this run directory in the Training panel")
+    sp.add_argument("--compare", nargs=2, metavar=("A", "B"), help="open the Compare view on two checkpoints")
 
 
 def run_gui(args: argparse.Namespace) -> int:

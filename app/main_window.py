@@ -11,16 +11,27 @@ from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
 from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
     QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QInputDialog,
     QLabel,
     QMainWindow,
     QMessageBox,
+    QProgressDialog,
+    QPushButton,
     QSplitter,
     QTabWidget,
     QWidget,
 )
+from shardscope.backend.export.dcp_writer import import_file
 from shardscope.widgets.checkpoint_view import CheckpointView
+from shardscope.widgets.compare_view import CompareView
 from shardscope.widgets.training_panel import TrainingPanel
+from shardscope.widgets.workers import run_in_background
 
 MAX_RECENT = 10
 
@@ -105,6 +116,9 @@ class MainWindow(QMainWindow):
         act = QAction("&Reload", self)
         act.setShortcut(QKeySequence("F5"))
         act.triggered.connect(self.reload_current)
+        file_menu.addAction(act)
+        act = QAction("&Import .pt / .safetensors as DCP…", self)
+        act.triggered.connect(self.import_dialog)
         file_menu.addAction(act)
         self.export_action = QAction("&Export…", self)
         self.export_action.setShortcut(QKeySequence("Ctrl+E"))
@@ -214,6 +228,8 @@ class MainWindow(QMainWindow):
         if isinstance(w, CheckpointView):
             self._save_splitters(w)
             w.shutdown()
+        if isinstance(w, CompareView):
+            w.shutdown()
         if w is getattr(self, "_training", None):
             w.shutdown()
             self._training = None
@@ -231,6 +247,7 @@ class MainWindow(QMainWindow):
         if panel is None:
             panel = self._training = TrainingPanel()
             panel.openCheckpoint.connect(self.open_path)
+            panel.compareRequested.connect(self.compare)
             pane = self.tabs
             if pane.count() == 1 and pane.widget(0) is self.welcome:
                 pane.removeTab(0)
@@ -244,6 +261,89 @@ class MainWindow(QMainWindow):
             panel.follow(os.path.abspath(run_dir))
             panel.refresh_runs(select=os.path.abspath(run_dir))
         return panel
+
+    def compare(self, path_a: str, path_b: str) -> CompareView:
+        view = CompareView(path_a, path_b)
+        pane = self._active
+        if pane.count() == 1 and pane.widget(0) is self.welcome:
+            pane.removeTab(0)
+        idx = pane.addTab(view, f"{Path(path_a).name} ↔ {Path(path_b).name}")
+        pane.setTabToolTip(idx, f"A: {path_a}\nB: {path_b}")
+        pane.setCurrentIndex(idx)
+        view.start()
+        return view
+
+    def compare_dialog(self) -> None:
+        paths = [v.path for v in self.all_views()]
+        dlg = QDialog(self)
+        dlg.setWindowTitle("Compare two checkpoints")
+        form = QFormLayout(dlg)
+        boxes = []
+        for label, default in (("A", paths[-2] if len(paths) > 1 else ""), ("B", paths[-1] if paths else "")):
+            box = QComboBox()
+            box.setEditable(True)
+            box.addItems(paths)
+            box.setCurrentText(default)
+            box.setMinimumWidth(480)
+            browse = QPushButton("Browse…")
+            browse.clicked.connect(lambda _c=False, b=box: self._browse_into(b))
+            row = QHBoxLayout()
+            row.addWidget(box, 1)
+            row.addWidget(browse)
+            form.addRow(label, row)
+            boxes.append(box)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(dlg.accept)
+        buttons.rejected.connect(dlg.reject)
+        form.addRow(buttons)
+        if dlg.exec() and boxes[0].currentText() and boxes[1].currentText():
+            self.compare(boxes[0].currentText(), boxes[1].currentText())
+
+    def _browse_into(self, box: QComboBox) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "A consolidated file (or cancel to pick a folder)", "",
+                                              "Checkpoints (*.pt *.pth *.bin *.safetensors);;All files (*)")
+        if not path:
+            path = QFileDialog.getExistingDirectory(self, "A checkpoint folder")
+        if path:
+            box.setCurrentText(path)
+
+    def import_dialog(self) -> None:
+        src, _ = QFileDialog.getOpenFileName(self, "Import a consolidated checkpoint", "",
+                                             "Checkpoints (*.pt *.pth *.bin *.safetensors)")
+        if not src:
+            return
+        dst, _ = QFileDialog.getSaveFileName(self, "New DCP checkpoint folder", str(Path(src).with_suffix("")) + "-dcp")
+        if not dst:
+            return
+        ranks, ok = QInputDialog.getInt(self, "Import", "Write it as if saved by this many ranks:", 1, 1, 4096)
+        if not ok:
+            return
+        prefix, ok = QInputDialog.getText(self, "Import", "Nest every key under (e.g. model; empty: as is):")
+        if ok:
+            self._run_dcp_job(import_file, src, dst, ranks, prefix or None, title=f"Importing {Path(src).name}")
+
+    def _run_dcp_job(self, func, *args, title: str) -> None:
+        progress = QProgressDialog(title, "Cancel", 0, 1000, self)
+        progress.setMinimumDuration(300)
+        worker = run_in_background(func, *args)
+        progress.canceled.connect(worker.quit)
+        worker.signals.progress.connect(lambda d, t, _m: progress.setValue(int(1000 * d / max(t, 1))))
+
+        def done(result) -> None:
+            progress.close()
+            if result.verified is False:
+                QMessageBox.warning(self, title, result.summary())
+                return
+            self.statusBar().showMessage(result.summary().splitlines()[0], 8000)
+            self.open_path(result.dst)
+
+        def failed(message: str) -> None:
+            progress.close()
+            QMessageBox.warning(self, title, f"{message}\n\nNothing was written.")
+
+        worker.signals.returned.connect(done)
+        worker.signals.errored.connect(failed)
+        worker.signals.cancelled.connect(progress.close)
 
     def all_views(self) -> list[CheckpointView]:
         return [p.widget(i) for p in (self.tabs, self.side_tabs) for i in range(p.count())
@@ -364,6 +464,21 @@ def _run(args: argparse.Namespace) -> int:
         run_dir, path = path, None
     if run_dir:
         win.training_panel(run_dir)
+    pair = getattr(args, "compare", None)
+    if pair:
+        view = win.compare(*pair)
+        if shot:
+            win.show()
+
+            def grab_compare(_r=None) -> None:
+                if getattr(args, "select", None):
+                    view.select(args.select)
+                QTimer.singleShot(1200, lambda: (app.processEvents(), win.grab().save(shot), print(f"wrote {shot}"),
+                                                 app.quit()))
+
+            view.finished.connect(grab_compare)
+            app.exec()
+            return 0
     if path:
         view = win.open_path(path)
         if shot:

@@ -36,7 +36,8 @@ if __name__ == "__main__":
 
         t0 = time.perf_counter()
         md = FileSystemReader(path).read_metadata()
-        emit(time.perf_counter() - t0, chunks=sum(len(getattr(v, "chunks", ())) for v in md.state_dict_metadata.values()))
+        seconds = time.perf_counter() - t0
+        emit(seconds, chunks=sum(len(getattr(v, "chunks", ())) for v in md.state_dict_metadata.values()))
     elif what in ("shardscope", "shardscope-cached"):
         import torch  # noqa: F401
         from shardscope.backend.checkpoint import open_checkpoint

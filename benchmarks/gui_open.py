@@ -34,7 +34,6 @@ def core(path: str) -> None:
 
 def gui(path: str) -> None:
     from PySide6.QtWidgets import QApplication
-
     from shardscope.app.main_window import MainWindow, make_app
 
     app = make_app()

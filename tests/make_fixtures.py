@@ -115,7 +115,8 @@ def _worker(rank: int, world: int, port: int, kind: str, out: str) -> None:
             if rank == 0:
                 torch.save({"epoch": 1, "global_step": 2, "hparams": {"lr": 0.01}}, Path(out) / "meta.pt")
         else:
-            dcp.save({"model": msd, "optimizer": osd, "step": 2, "extra": {"note": "x", "ints": [1, 2]}}, checkpoint_id=out)
+            state = {"model": msd, "optimizer": osd, "step": 2, "extra": {"note": "x", "ints": [1, 2]}}
+            dcp.save(state, checkpoint_id=out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

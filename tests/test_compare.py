@@ -14,13 +14,12 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import run_cli
 from make_fixtures import TinyNet
-from torch_reference import flatten, torch_consolidated
-
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.values import ChunkReader
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.compare import diff, open_source
 from shardscope.backend.export import export, plan_export
+from torch_reference import flatten, torch_consolidated
 
 
 def test_diff_one_step_apart_finds_exactly_the_changed_tensors(fixtures):

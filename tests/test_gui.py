@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("PySide6")
 
 import torch
-from PySide6.QtCore import QThreadPool
+from PySide6.QtCore import Qt, QThreadPool
 from shardscope.backend.checkpoint.tree import TreeNode
 from shardscope.widgets.checkpoint_view import CheckpointView
 from shardscope.widgets.palette import rank_color
@@ -215,3 +215,39 @@ def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
         pass
     assert blocker.args[0] is None
     assert not (tmp_path / "all.pt").exists() and not list(tmp_path.glob(".all.pt*"))
+
+
+def test_export_dialog_reshards(qtbot, fixtures, tmp_path):
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    ckpt = open_checkpoint(fixtures["fsdp2_r2"])
+    dlg = ExportDialog(ckpt, "")
+    qtbot.addWidget(dlg)
+    dlg.format.setCurrentText("DCP (reshard)")
+    dlg.ranks.setValue(3)
+    dlg.dst.setText(str(tmp_path / "r3"))
+    assert "3 ranks" in dlg.summary.text() and not dlg.dtype.isEnabled()
+    with qtbot.waitSignal(dlg.finished_export, timeout=60000) as blocker:
+        dlg.export_button.click()
+    assert blocker.args[0] is not None and blocker.args[0].verified is True
+    assert open_checkpoint(tmp_path / "r3").ranks == [0, 1, 2]
+
+
+def test_compare_view_lists_changes_and_shows_detail(qtbot, fixtures):
+    from shardscope.widgets.compare_view import CompareView
+
+    view = CompareView(str(fixtures["steps_r2"] / "step2"), str(fixtures["steps_r2"] / "step3"))
+    qtbot.addWidget(view)
+    with qtbot.waitSignal(view.finished, timeout=60000) as blocker:
+        view.start()
+    result = blocker.args[0]
+    assert result is not None and result.differs
+    rows = {view.model.rows[i].fqn for i in range(view.model.rowCount())}
+    assert "model.emb.weight" in rows and "model.head.bias" not in rows
+    rels = [view.proxy.index(r, 3).data(Qt.ItemDataRole.UserRole + 1) for r in range(view.proxy.rowCount())]
+    assert rels == sorted(rels, reverse=True)  # biggest change first
+    assert view.select("model.emb.weight")
+    qtbot.waitUntil(lambda: "elements differ" in view.detail.text(), timeout=30000)
+    assert len(view.map_a.chunk_items) == 2 and len(view.map_b.chunk_items) == 2
+    view.shutdown()

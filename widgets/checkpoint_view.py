@@ -199,7 +199,8 @@ class CheckpointView(QWidget):
             self.map.show_tensors(ck, tensors)
             self.inspector.set_tensor(None)
             if node.entry is not None:
-                self.inspector.title.setText(f"<b>{node.path}</b> = {(self.data.values or {}).get(node.path, '(loading)')}")
+                value = (self.data.values or {}).get(node.path, "(loading)")
+                self.inspector.title.setText(f"<b>{node.path}</b> = {value}")
         if self.ranks.selected_rank is not None:
             self.map.set_highlight_rank(self.ranks.selected_rank)
         self.selectionChanged.emit(node.path)

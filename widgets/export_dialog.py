@@ -19,12 +19,13 @@ from PySide6.QtWidgets import (
     QListView,
     QProgressBar,
     QPushButton,
+    QSpinBox,
     QVBoxLayout,
     QWidget,
 )
-
 from shardscope.backend.checkpoint.model import Checkpoint
 from shardscope.backend.export import ExportError, ExportPlan, ExportResult, export, format_for, plan_export
+from shardscope.backend.export.dcp_writer import reshard
 from shardscope.backend.format import human_bytes, parse_size
 
 from .workers import Worker, run_in_background
@@ -53,8 +54,13 @@ class ExportDialog(QDialog):
         dst_row.addWidget(browse)
         form.addRow("Destination", dst_row)
         self.format = QComboBox()
-        self.format.addItems(["from the name", "safetensors", "torch"])
+        self.format.addItems(["from the name", "safetensors", "torch", "DCP (reshard)"])
         form.addRow("Format", self.format)
+        self.ranks = QSpinBox()
+        self.ranks.setRange(1, 65536)
+        self.ranks.setValue(max(1, len(ckpt.ranks)))
+        self.ranks.setToolTip("DCP (reshard): write it as if saved by this many ranks, even row-wise chunks")
+        form.addRow("Ranks (DCP)", self.ranks)
         self.shard = QLineEdit()
         self.shard.setPlaceholderText("e.g. 5GB: sharded safetensors with an index (destination is a folder)")
         form.addRow("Max shard size", self.shard)
@@ -107,6 +113,7 @@ class ExportDialog(QDialog):
             w.textChanged.connect(self.update_preview)
         for c in (self.format, self.dtype):
             c.currentIndexChanged.connect(self.update_preview)
+        self.ranks.valueChanged.connect(self.update_preview)
         self.update_preview()
 
     # ------------------------------------------------------------------ options and preview
@@ -115,6 +122,8 @@ class ExportDialog(QDialog):
         dst = self.dst.text().strip()
         if not dst:
             raise ExportError("Choose a destination.")
+        if self.resharding:
+            return dst, "dcp", {}
         try:
             limit = parse_size(self.shard.text()) if self.shard.text().strip() else None
         except ValueError as exc:
@@ -128,7 +137,24 @@ class ExportDialog(QDialog):
         return dst, fmt, {"only": only, "strip_prefix": self.strip.text() or None, "dtype": dtype,
                           "max_shard_size": limit}
 
+    @property
+    def resharding(self) -> bool:
+        return self.format.currentText() == "DCP (reshard)"
+
     def update_preview(self) -> None:
+        self.ranks.setEnabled(self.resharding)
+        for w in (self.shard, self.only, self.strip, self.dtype):
+            w.setEnabled(not self.resharding)
+        if self.resharding:
+            ck = self.ckpt
+            self.plan = None
+            self.keys.setStringList([f"{t.fqn}    {t.dtype} {list(t.shape)}" for t in ck.tensors]
+                                    + [f"{o.fqn}    (non-tensor, copied byte for byte)" for o in ck.objects])
+            self.summary.setText(f"<b>DCP</b>: every entry ({len(ck.tensors)} tensors, "
+                                 f"{human_bytes(ck.total_bytes)}) rewritten as {self.ranks.value()} ranks with even "
+                                 "row-wise chunks; values unchanged (verified)")
+            self.export_button.setEnabled(bool(self.dst.text().strip()))
+            return
         try:
             _dst, fmt, kw = self.options()
             self.plan = plan_export(self.ckpt, fmt, **kw)
@@ -166,13 +192,18 @@ class ExportDialog(QDialog):
         except ExportError as exc:
             self.message.setText(str(exc))
             return
-        if self.plan is None:
+        if self.plan is None and not self.resharding:
             return
         self._set_running(True)
         self.message.setText("Exporting …")
-        self._worker = run_in_background(export, self.plan, dst, force=self.force.isChecked(),
-                                         verify=self.verify.isChecked(), on_result=self._done,
-                                         on_error=self._failed, on_progress=self._on_progress)
+        if self.resharding:
+            self._worker = run_in_background(reshard, self.ckpt.path, dst, self.ranks.value(),
+                                             self.force.isChecked(), self.verify.isChecked(), on_result=self._done,
+                                             on_error=self._failed, on_progress=self._on_progress)
+        else:
+            self._worker = run_in_background(export, self.plan, dst, force=self.force.isChecked(),
+                                             verify=self.verify.isChecked(), on_result=self._done,
+                                             on_error=self._failed, on_progress=self._on_progress)
         self._worker.signals.cancelled.connect(self._cancelled)
 
     def _on_progress(self, done: int, total: int, msg: str) -> None:
@@ -184,8 +215,10 @@ class ExportDialog(QDialog):
     def _set_running(self, running: bool) -> None:
         self.progress.setVisible(running)
         self.export_button.setEnabled(not running)
-        for w in (self.dst, self.format, self.shard, self.only, self.strip, self.dtype, self.verify, self.force):
+        for w in (self.dst, self.format, self.verify, self.force):
             w.setEnabled(not running)
+        if not running:
+            self.update_preview()
 
     def _done(self, result: ExportResult) -> None:
         self.result = result
@@ -220,7 +253,7 @@ class ExportDialog(QDialog):
             target = self.result.dst if os.path.isdir(self.result.dst) else os.path.dirname(self.result.dst)
             QDesktopServices.openUrl(QUrl.fromLocalFile(target))
 
-    def done(self, code: int) -> None:  # noqa: D401 - Qt API; closing the dialog cancels a running export
+    def done(self, code: int) -> None:
         if self._worker is not None and not self.progress.isHidden():
             self._worker.quit()
         super().done(code)

@@ -101,7 +101,8 @@ class ShardMapView(QGraphicsView):
             t.setBrush(self.palette().text())
             # a filled placeholder box; it also warms Qt's paint engine so the first real map
             # paints as fast as later ones (about 70 ms less on a 512-chunk tensor)
-            box = self.scene().addRect(t.boundingRect().adjusted(-12, -10, 12, 10), QPen(self.palette().mid().color(), 0),
+            box = self.scene().addRect(t.boundingRect().adjusted(-12, -10, 12, 10),
+                                       QPen(self.palette().mid().color(), 0),
                                        QBrush(self.palette().alternateBase().color()))
             box.setZValue(-1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -30,7 +31,6 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-
 from shardscope.backend.runs.follow import RunFollower, RunSnapshot
 from shardscope.backend.runs.launcher import (
     RunConfig,
@@ -144,7 +144,7 @@ class RunPlots(QWidget):
         else:
             bounds = [0, *restarts, len(y)]
             xs, ys = [], []
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            for a, b in itertools.pairwise(bounds):
                 sx, sy = peak_view(x[a:b], y[a:b], None, x_range, buckets)
                 xs += [sx, [np.nan]]
                 ys += [sy, [np.nan]]
@@ -323,6 +323,7 @@ class TrainingPanel(QWidget):
     """Start, watch and stop runs; every run lives in its own run directory."""
 
     openCheckpoint = Signal(str)
+    compareRequested = Signal(str, str)
     runChanged = Signal(str)
 
     def __init__(self, runs_root: str | os.PathLike | None = None, parent=None) -> None:
@@ -410,7 +411,8 @@ class TrainingPanel(QWidget):
         lv.addWidget(box)
         lv.addWidget(QLabel("Runs"))
         self.run_list = QListWidget()
-        self.run_list.currentItemChanged.connect(lambda cur, _prev: cur and self.follow(cur.data(Qt.ItemDataRole.UserRole)))
+        self.run_list.currentItemChanged.connect(
+            lambda cur, _prev: cur and self.follow(cur.data(Qt.ItemDataRole.UserRole)))
         lv.addWidget(self.run_list, 1)
         row = QHBoxLayout()
         open_button = QPushButton("Open run folder…")
@@ -445,9 +447,15 @@ class TrainingPanel(QWidget):
         self.ckpt_list.itemDoubleClicked.connect(lambda it: self.openCheckpoint.emit(it.data(Qt.ItemDataRole.UserRole)))
         cl.addWidget(QLabel("Double-click a checkpoint to open it in the browser."))
         cl.addWidget(self.ckpt_list, 1)
+        self.ckpt_list.setSelectionMode(QListWidget.SelectionMode.ExtendedSelection)
+        row = QHBoxLayout()
         self.resume_button = QPushButton("Resume this run from the selected checkpoint")
         self.resume_button.clicked.connect(self.resume_run)
-        cl.addWidget(self.resume_button)
+        self.compare_button = QPushButton("Compare the two selected")
+        self.compare_button.clicked.connect(self._compare_selected)
+        row.addWidget(self.resume_button)
+        row.addWidget(self.compare_button)
+        cl.addLayout(row)
         bottom.addTab(ck, "Checkpoints")
         split.addWidget(bottom)
         split.setSizes([560, 240])
@@ -511,7 +519,7 @@ class TrainingPanel(QWidget):
         run_dir = run_dir or str(self.runs_root / time.strftime("run-%Y%m%d-%H%M%S"))
         try:
             launcher = RunLauncher(run_dir, config or self.config()).start()
-        except Exception as exc:  # noqa: BLE001 - shown to the user
+        except Exception as exc:
             self.status.setText(f"<span style='color:#d62728'>Cannot start: {exc}</span>")
             return None
         self.launchers[str(launcher.run_dir)] = launcher
@@ -615,6 +623,14 @@ class TrainingPanel(QWidget):
                 parts.append(f"<span style='color:#d62728'>rank {r} failed; end of its log:</span>"
                              f"<pre>{_escape(log_tail(follower.run_dir, r, 12))}</pre>")
         self.status.setText("<br>".join(p for p in parts if p))
+
+    def _compare_selected(self) -> None:
+        items = self.ckpt_list.selectedItems()
+        if len(items) != 2:
+            self.status.setText("Select two checkpoints (Ctrl+click) to compare them.")
+            return
+        a, b = sorted(i.data(Qt.ItemDataRole.UserRole) for i in items)
+        self.compareRequested.emit(a, b)
 
     def _compare_changed(self, _i: int) -> None:
         path = self.compare.currentData()

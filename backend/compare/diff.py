@@ -129,3 +129,44 @@ def diff(a: Source, b: Source, progress: Progress | None = None) -> DiffResult:
     res.changed.sort(key=lambda c: (order[c.kind], -(c.rel_l2 if c.rel_l2 is not None and c.rel_l2 == c.rel_l2
                                                       else 0.0), c.fqn))
     return res
+
+
+@dataclass
+class DifferenceDetail:
+    """For one entry in both sources: the histogram of a - b (float64), for the Compare view."""
+
+    fqn: str
+    counts: list[int]
+    edges: list[float]
+    nonzero: int
+    numel: int
+
+
+def difference_histogram(a: Source, b: Source, fqn: str, bins: int = 64,
+                         progress: Progress | None = None) -> DifferenceDetail:
+    import numpy as np
+    import torch
+
+    x = a.tensor(fqn).reshape(-1)
+    y = b.tensor(fqn).reshape(-1)
+    if x.shape != y.shape:
+        return DifferenceDetail(fqn, [], [], 0, x.numel())
+    lo, hi = math.inf, -math.inf
+    for s in range(0, x.numel(), BLOCK):
+        d = x[s:s + BLOCK].to(torch.float64) - y[s:s + BLOCK].to(torch.float64)
+        d = d[torch.isfinite(d)]
+        if d.numel():
+            lo, hi = min(lo, float(d.min())), max(hi, float(d.max()))
+        if progress:
+            progress.check()
+    if lo > hi:
+        return DifferenceDetail(fqn, [], [], 0, x.numel())
+    edges = np.linspace(lo, hi if hi > lo else lo + 1e-12, bins + 1)
+    counts = np.zeros(bins, np.int64)
+    nonzero = 0
+    for s in range(0, x.numel(), BLOCK):
+        d = x[s:s + BLOCK].to(torch.float64) - y[s:s + BLOCK].to(torch.float64)
+        d = d[torch.isfinite(d)]
+        nonzero += int((d != 0).sum())
+        counts += np.histogram(d.numpy(), bins=edges)[0]
+    return DifferenceDetail(fqn, counts.tolist(), edges.tolist(), nonzero, x.numel())

@@ -86,7 +86,8 @@ def write_dcp(tensors: Iterable[TensorIn], objects: Iterable[ObjectIn], dst: str
     t0 = time.monotonic()
     clean_stale_tmp(dst)
     _check_destination(dst, force, total_bytes + (1 << 20))
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{os.path.basename(dst.rstrip('/'))}{TMP_TAG}{os.getpid()}")
+    base = os.path.basename(dst.rstrip("/"))
+    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{base}{TMP_TAG}{os.getpid()}")
     os.makedirs(tmp)
     names = [f"__{r}_0.distcp" for r in range(ranks)]
     files = [open(os.path.join(tmp, n), "wb") for n in names]

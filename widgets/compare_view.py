@@ -1,0 +1,255 @@
+"""The Compare view: the differences between two checkpoints as a table with a bar per entry, and
+for the selected tensor the two shard maps side by side and a histogram of the difference."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pyqtgraph as pg
+from PySide6.QtCore import (
+    QAbstractTableModel,
+    QModelIndex,
+    QPersistentModelIndex,
+    QRectF,
+    QSortFilterProxyModel,
+    Qt,
+    Signal,
+)
+from PySide6.QtGui import QColor, QGuiApplication, QPainter
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
+from shardscope.backend.compare import diff, open_source
+from shardscope.backend.compare.diff import Change, DiffResult, difference_histogram
+
+from .shard_map import ShardMapView
+from .workers import Worker, run_in_background
+
+COLUMNS = ("entry", "kind", "max |a−b|", "rel. L2", "changed")
+SortRole = Qt.ItemDataRole.UserRole + 1
+
+
+class DiffModel(QAbstractTableModel):
+    """Rows: changed entries, then entries only in A or only in B (an adapter over DiffResult)."""
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.rows: list[Change] = []
+        self.max_rel = 0.0
+
+    def set_result(self, result: DiffResult | None) -> None:
+        self.beginResetModel()
+        self.rows = []
+        if result is not None:
+            self.rows = list(result.changed) + [Change(f, "only in A") for f in result.only_a] + \
+                [Change(f, "only in B") for f in result.only_b]
+        finite = [c.rel_l2 for c in self.rows if c.rel_l2 is not None and math.isfinite(c.rel_l2)]
+        self.max_rel = max(finite, default=0.0)
+        self.endResetModel()
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(COLUMNS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return COLUMNS[section]
+        return None
+
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        c = self.rows[index.row()]
+        col = index.column()
+        if role == Qt.ItemDataRole.DisplayRole:
+            if col == 0:
+                return c.fqn
+            if col == 1:
+                return c.kind
+            if c.rel_l2 is None:
+                return c.detail if col == 2 else ""
+            return (None, None, f"{c.max_abs_diff:.4g}", f"{c.rel_l2:.4g}", f"{100 * c.frac_changed:.2f} %")[col]
+        if role == SortRole:
+            if col in (0, 1):
+                return c.fqn if col == 0 else c.kind
+            v = (None, None, c.max_abs_diff, c.rel_l2, c.frac_changed)[col]
+            return -1.0 if v is None else float(v)
+        if role == Qt.ItemDataRole.UserRole:
+            return c
+        if role == Qt.ItemDataRole.TextAlignmentRole and col >= 2:
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        return None
+
+
+class BarDelegate(QStyledItemDelegate):
+    """A bar behind the relative change, scaled to the largest in the table."""
+
+    def __init__(self, model: DiffModel, parent=None) -> None:
+        super().__init__(parent)
+        self.model = model
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
+              index: QModelIndex | QPersistentModelIndex) -> None:
+        c: Change | None = index.data(Qt.ItemDataRole.UserRole)
+        if c is not None and c.rel_l2 is not None and self.model.max_rel > 0:
+            v = c.rel_l2 if math.isfinite(c.rel_l2) else self.model.max_rel
+            frac = min(1.0, v / self.model.max_rel)
+            r = QRectF(option.rect)
+            r.setWidth(max(1.0, r.width() * frac))
+            painter.fillRect(r, QColor(214, 39, 40, 70))
+        super().paint(painter, option, index)
+
+
+class CompareView(QWidget):
+    finished = Signal(object)  # DiffResult, or None on error
+
+    def __init__(self, path_a: str, path_b: str, parent=None) -> None:
+        super().__init__(parent)
+        self.path_a, self.path_b = path_a, path_b
+        self.result: DiffResult | None = None
+        self.sources: tuple[Any, Any] | None = None
+        self._worker: Worker | None = None
+        self._detail_worker: Worker | None = None
+        layout = QVBoxLayout(self)
+        top = QHBoxLayout()
+        self.header = QLabel(f"<b>A</b> {path_a}<br><b>B</b> {path_b}")
+        self.header.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        top.addWidget(self.header, 1)
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(220)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.clicked.connect(self.cancel)
+        top.addWidget(self.progress)
+        top.addWidget(self.cancel_button)
+        layout.addLayout(top)
+        self.summary = QLabel("Comparing …")
+        layout.addWidget(self.summary)
+        split = QSplitter(Qt.Orientation.Horizontal)
+        self.model = DiffModel(self)
+        self.proxy = QSortFilterProxyModel(self)
+        self.proxy.setSourceModel(self.model)
+        self.proxy.setSortRole(SortRole)
+        self.table = QTableView()
+        self.table.setModel(self.proxy)
+        self.table.setSortingEnabled(True)
+        self.table.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QTableView.SelectionMode.SingleSelection)
+        self.table.verticalHeader().hide()
+        self.table.setWordWrap(False)
+        self.table.verticalHeader().setDefaultSectionSize(self.table.fontMetrics().height() + 6)
+        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.table.setItemDelegateForColumn(3, BarDelegate(self.model, self))
+        self.table.selectionModel().currentRowChanged.connect(self._row_changed)
+        split.addWidget(self.table)
+        right = QSplitter(Qt.Orientation.Vertical)
+        maps = QWidget()
+        ml = QHBoxLayout(maps)
+        ml.setContentsMargins(0, 0, 0, 0)
+        self.map_a, self.map_b = ShardMapView(), ShardMapView()
+        for label, m in (("A", self.map_a), ("B", self.map_b)):
+            box = QVBoxLayout()
+            box.addWidget(QLabel(f"<b>{label}</b> layout"))
+            box.addWidget(m, 1)
+            ml.addLayout(box)
+        right.addWidget(maps)
+        self.hist = pg.PlotWidget(title="a − b")
+        self.hist.setBackground(QGuiApplication.palette().base().color())
+        self.hist.setLabel("bottom", "a − b")
+        self.hist.setLabel("left", "count")
+        right.addWidget(self.hist)
+        self.detail = QLabel("")
+        right.addWidget(self.detail)
+        split.addWidget(right)
+        split.setSizes([560, 640])
+        layout.addWidget(split, 1)
+
+    def start(self) -> None:
+        def work(progress=None):
+            a, b = open_source(self.path_a), open_source(self.path_b)
+            return a, b, diff(a, b, progress)
+
+        self._worker = run_in_background(work, on_result=self._done, on_error=self._failed,
+                                         on_progress=self._on_progress)
+        self._worker.signals.cancelled.connect(lambda: self._failed("Cancelled."))
+
+    def _on_progress(self, done: int, total: int, msg: str) -> None:
+        self.progress.setRange(0, max(total, 1))
+        self.progress.setValue(done)
+        self.progress.setFormat(f"%p%  {msg[-40:]}")
+
+    def _done(self, out) -> None:
+        a, b, result = out
+        self.sources, self.result = (a, b), result
+        self.progress.hide()
+        self.cancel_button.hide()
+        self.model.set_result(result)
+        self.table.sortByColumn(3, Qt.SortOrder.DescendingOrder)  # the biggest relative change first
+        layout_only = sum(c.kind == "layout" for c in result.changed)
+        verdict = "<span style='color:#2ca02c'>no differences in values</span>" if not result.differs else \
+            "<span style='color:#d62728'>differences found</span>"
+        self.summary.setText(f"{verdict}: {len(result.only_a)} only in A, {len(result.only_b)} only in B, "
+                             f"{len(result.changed) - layout_only} changed, {layout_only} with another layout only, "
+                             f"{result.unchanged} unchanged")
+        self.finished.emit(result)
+
+    def _failed(self, message: str) -> None:
+        self.progress.hide()
+        self.cancel_button.hide()
+        self.summary.setText(f"<span style='color:#d62728'>{message}</span>")
+        self.finished.emit(None)
+
+    def cancel(self) -> None:
+        if self._worker is not None:
+            self._worker.quit()
+
+    def _row_changed(self, current: QModelIndex, _prev: QModelIndex) -> None:
+        if not current.isValid() or self.sources is None:
+            return
+        c: Change = self.proxy.mapToSource(current).data(Qt.ItemDataRole.UserRole)
+        a, b = self.sources
+        for src, view in ((a, self.map_a), (b, self.map_b)):
+            ck = getattr(src, "ckpt", None)
+            if ck is not None and ck.has_tensor(c.fqn):
+                view.show_tensors(ck, [ck.tensor(c.fqn)])
+            else:
+                view.clear_map("not in this checkpoint" if ck is not None else "a consolidated file: one piece")
+        self.hist.clear()
+        self.detail.setText("")
+        if c.kind != "values" or c.rel_l2 is None:
+            return
+        if self._detail_worker is not None:
+            self._detail_worker.quit()
+        self._detail_worker = run_in_background(difference_histogram, a, b, c.fqn, on_result=self._show_hist)
+
+    def _show_hist(self, d) -> None:
+        if d.counts:
+            self.hist.plot(d.edges, d.counts, stepMode="center", fillLevel=0, brush=(214, 39, 40, 120),
+                           pen=pg.mkPen("#d62728"))
+        self.detail.setText(f"{d.fqn}: {d.nonzero:,} of {d.numel:,} elements differ")
+
+    def select(self, fqn: str) -> bool:
+        for row in range(self.proxy.rowCount()):
+            idx = self.proxy.index(row, 0)
+            if idx.data() == fqn:
+                self.table.setCurrentIndex(idx)
+                return True
+        return False
+
+    def shutdown(self) -> None:
+        self.cancel()
+        if self.sources is not None:
+            for s in self.sources:
+                s.close()
