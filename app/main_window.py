@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QTabWidget,
     QWidget,
 )
+from shardscope.backend.checkpoint.storage import is_url
 from shardscope.backend.export.dcp_writer import import_file
 from shardscope.widgets.checkpoint_view import CheckpointView
 from shardscope.widgets.compare_view import CompareView
@@ -174,7 +175,8 @@ class MainWindow(QMainWindow):
             self.open_path(path)
 
     def open_path(self, path: str) -> CheckpointView:
-        path = os.path.abspath(os.path.expanduser(path))
+        if not is_url(path):  # fsspec URLs (s3://, memory://, ...) are opened as they are
+            path = os.path.abspath(os.path.expanduser(path))
         view = CheckpointView(path)
         view.failed.connect(lambda msg, v=view: self._on_failed(v, msg))
         view.loaded.connect(lambda _d, v=view: self._on_loaded(v))

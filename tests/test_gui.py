@@ -251,3 +251,22 @@ def test_compare_view_lists_changes_and_shows_detail(qtbot, fixtures):
     qtbot.waitUntil(lambda: "elements differ" in view.detail.text(), timeout=30000)
     assert len(view.map_a.chunk_items) == 2 and len(view.map_b.chunk_items) == 2
     view.shutdown()
+
+
+def test_window_opens_a_checkpoint_on_an_fsspec_url(qtbot, fixtures):
+    import fsspec
+
+    from shardscope.app.main_window import MainWindow
+
+    fs = fsspec.filesystem("memory")
+    for f in fixtures["ddp_r2"].iterdir():
+        fs.pipe(f"/gui-ck/{f.name}", f.read_bytes())
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win._quiet = True
+    view = win.open_path("memory://gui-ck")
+    with qtbot.waitSignal(view.loaded, timeout=30000):
+        pass
+    assert view.path == "memory://gui-ck" and view.data.problems == []
+    with qtbot.waitSignal(view.statsReady, timeout=30000):
+        assert view.select_path("model.emb.weight")
