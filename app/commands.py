@@ -24,7 +24,25 @@ def _gui(add: Callable) -> None:
     sp.add_argument("--compare", nargs=2, metavar=("A", "B"), help="open the Compare view on two checkpoints")
 
 
+def no_display() -> bool:
+    """True on a Linux/BSD machine with no screen and no offscreen platform asked for."""
+    import os
+    import sys
+
+    if sys.platform.startswith(("win", "darwin")) or os.environ.get("QT_QPA_PLATFORM"):
+        return False
+    return not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
 def run_gui(args: argparse.Namespace) -> int:
+    if no_display():
+        import sys
+
+        print("shardscope: no display here (DISPLAY and WAYLAND_DISPLAY are unset), so no window can open.\n"
+              "  On a server use the subcommands (inspect, verify, show, export, diff, train ...), run the window\n"
+              "  on your desktop (it reads fsspec URLs and run folders on shared storage), or render a picture\n"
+              "  with QT_QPA_PLATFORM=offscreen and --screenshot FILE.png.", file=sys.stderr)
+        return 2
     from shardscope.app.main_window import run
 
     return run(args)
@@ -195,6 +213,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if problems:
         return 1
     if args.no_gui:
+        return 0
+    if no_display():
+        print(f"no display here, so the window is not opened; on a desktop: shardscope gui {last} --run {run_dir}")
         return 0
     ns = argparse.Namespace(path=str(last), select="model.blocks.0", screenshot=None, size=None, run=run_dir)
     return run_gui(ns)

@@ -255,7 +255,6 @@ def test_compare_view_lists_changes_and_shows_detail(qtbot, fixtures):
 
 def test_window_opens_a_checkpoint_on_an_fsspec_url(qtbot, fixtures):
     import fsspec
-
     from shardscope.app.main_window import MainWindow
 
     fs = fsspec.filesystem("memory")
@@ -270,3 +269,14 @@ def test_window_opens_a_checkpoint_on_an_fsspec_url(qtbot, fixtures):
     assert view.path == "memory://gui-ck" and view.data.problems == []
     with qtbot.waitSignal(view.statsReady, timeout=30000):
         assert view.select_path("model.emb.weight")
+
+
+def test_gui_without_a_display_says_so(fixtures):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", str(fixtures["nopg"])], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "no display" in proc.stderr and "Traceback" not in proc.stderr

@@ -23,6 +23,7 @@ from ..checkpoint.model import Chunk
 from ..checkpoint.values import ChunkReader, read_lightning_meta, torch_dtype
 from ..errors import CheckpointError
 from ..format import human_bytes
+from ..procs import pid_alive
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
 
@@ -74,20 +75,10 @@ def clean_stale_tmp(final: str) -> list[str]:
             pid = int(p.rsplit("-", 1)[1])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
             removed.append(p)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _check_destination(dst: str, force: bool, need: int) -> None:
@@ -496,8 +487,10 @@ def verify_export(plan: ExportPlan, files: list[str], source: TensorSource, prog
             if progress:
                 progress.advance(it.nbytes, f"verifying {it.key}")
     else:
+        from ..compare.sources import flatten
+
         loaded = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
-        flat = _flatten(loaded)
+        flat = {".".join(map(str, k)): v for k, v in flatten(loaded).items()}
         for it in plan.items:
             key = ".".join(map(str, plan.ckpt.planner_data.get(it.entry.fqn) or (it.key,))) \
                 if it.key == it.entry.fqn else it.key
@@ -507,19 +500,6 @@ def verify_export(plan: ExportPlan, files: list[str], source: TensorSource, prog
             if progress:
                 progress.advance(it.nbytes, f"verifying {it.key}")
     return bad
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}{i}."))
-    else:
-        out[prefix[:-1]] = obj
-    return out
 
 
 # ------------------------------------------------------------------ entry point

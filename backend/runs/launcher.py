@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardscopeError
+from ..procs import pid_alive
 from .report import ENV_RUN_DIR
 
 STATES = ("starting", "running", "finished", "failed", "stopped")
@@ -88,7 +89,7 @@ class RunLauncher:
         if not existing and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ShardscopeError(f"{self.run_dir}: run directory is not empty; choose a new one.")
         if existing and read_status(self.run_dir).get("state") in ("starting", "running") and \
-                _pid_alive(read_status(self.run_dir).get("pid")):
+                pid_alive(read_status(self.run_dir).get("pid")):
             raise ShardscopeError(f"{self.run_dir}: the run is still running.")
         for sub in ("metrics", "logs", "checkpoints", "exit"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -192,7 +193,7 @@ def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> int | None:
 
     status = read_status(run_dir)
     pid = status.get("pid")
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return None
     family = run_processes(pid)
     _signal_group(pid, signal.SIGTERM)
@@ -219,18 +220,6 @@ def run_processes(pid: int) -> list:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _signal_pid(pid: int, sig: int) -> None:
@@ -268,7 +257,7 @@ def effective_status(run_dir: str | os.PathLike) -> dict[str, Any]:
     """status.json, corrected for a run whose launcher is gone (the GUI that started it was closed,
     or it was killed): a "running" run with no live process ended, as its ranks' exit records say."""
     status = read_status(run_dir)
-    if status.get("state") in ("starting", "running") and "pid" in status and not _pid_alive(status["pid"]):
+    if status.get("state") in ("starting", "running") and "pid" in status and not pid_alive(status["pid"]):
         exits = rank_exits(run_dir)
         failed = [r for r, e in exits.items() if e.get("code")]
         status = {**status, "state": "failed" if failed or not exits else "finished", "failed_ranks": failed,
