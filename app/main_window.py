@@ -1,16 +1,16 @@
-"""The main window: checkpoints in tabs, menus, recent list, drag and drop, screenshots."""
+"""The main window: checkpoints in tabs (two panes side by side), menus, recent list, drag and drop.
+
+Starting the application and the --screenshot mode live in ``bootstrap.py`` and ``screenshot.py``;
+what the window remembers lives in ``settings.py``."""
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, QTimer, QUrl
-from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
-    QApplication,
     QComboBox,
     QDialog,
     QDialogButtonBox,
@@ -25,7 +25,6 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSplitter,
     QTabWidget,
-    QWidget,
 )
 from shardscope.backend.checkpoint.storage import is_url
 from shardscope.backend.export.dcp_writer import import_file
@@ -34,11 +33,7 @@ from shardscope.widgets.compare_view import CompareView
 from shardscope.widgets.training_panel import TrainingPanel
 from shardscope.widgets.workers import run_in_background
 
-MAX_RECENT = 10
-
-
-def settings() -> QSettings:
-    return QSettings("Shardscope", "Shardscope")
+from .settings import add_recent, recent_paths, settings
 
 
 class MainWindow(QMainWindow):
@@ -400,143 +395,3 @@ class MainWindow(QMainWindow):
         if getattr(self, "_training", None) is not None:
             self._training.shutdown()
         super().closeEvent(event)
-
-
-def recent_paths() -> list[str]:
-    value = settings().value("recent", [])
-    if isinstance(value, str):
-        value = [value]
-    return [str(v) for v in (value or [])]
-
-
-def add_recent(path: str) -> None:
-    recent = [p for p in recent_paths() if p != path]
-    settings().setValue("recent", [path, *recent][:MAX_RECENT])
-
-
-def show_in_folder(path: str) -> None:
-    QDesktopServices.openUrl(QUrl.fromLocalFile(str(Path(path).parent)))
-
-
-def is_run_dir(path: str) -> bool:
-    p = Path(path)
-    return (p / "config.json").exists() or ((p / "metrics").is_dir() and not (p / ".metadata").exists())
-
-
-def make_app() -> QApplication:
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    app.setApplicationName("Shardscope")
-    app.setOrganizationName("Shardscope")
-    app.setStyle("Fusion")  # follows the system colour scheme (dark or light) in Qt 6
-    return app  # type: ignore[return-value]
-
-
-def _parse_size(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return None
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-        return w, h
-    except ValueError:
-        raise SystemExit(f"shardscope: --size wants WxH, e.g. 1400x900, not {text!r}") from None
-
-
-def run(args: argparse.Namespace) -> int:
-    code = _run(args)
-    # NOTE: skip interpreter teardown after the event loop: on big checkpoints we saw (rarely)
-    # a "deallocating True" abort in the final garbage collection, inside a C extension.
-    settings().sync()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _run(args: argparse.Namespace) -> int:
-    app = make_app()
-    win = MainWindow()
-    size = _parse_size(getattr(args, "size", None))
-    if size:
-        win.resize(*size)
-    shot = getattr(args, "screenshot", None)
-    win._quiet = bool(shot)
-    target: QWidget = win
-    run_dir = getattr(args, "run", None)
-    path = getattr(args, "path", None)
-    if path and is_run_dir(path):
-        run_dir, path = path, None
-    if run_dir:
-        win.training_panel(run_dir)
-    pair = getattr(args, "compare", None)
-    if pair:
-        view = win.compare(*pair)
-        if shot:
-            win.show()
-
-            def grab_compare(_r=None) -> None:
-                if getattr(args, "select", None):
-                    view.select(args.select)
-                QTimer.singleShot(1200, lambda: (app.processEvents(), win.grab().save(shot), print(f"wrote {shot}"),
-                                                 app.quit()))
-
-            view.finished.connect(grab_compare)
-            app.exec()
-            return 0
-    if path:
-        view = win.open_path(path)
-        if shot:
-            return _screenshot(app, win, view, args.select, shot)
-    elif shot:  # a run only: give the Training panel time to read the run and draw it
-        win.show()
-
-        def grab() -> None:
-            app.processEvents()
-            win._training.plots.redraw() if getattr(win, "_training", None) else None
-            app.processEvents()
-            target.grab().save(shot)
-            print(f"wrote {shot}")
-            app.quit()
-
-        QTimer.singleShot(2500, grab)
-        app.exec()
-        return 0
-    win.show()
-    return app.exec()
-
-
-def _screenshot(app: QApplication, win: MainWindow, view: CheckpointView, select: str | None, shot: str) -> int:
-    """Render the window once the checkpoint is loaded (and the selection's values shown)."""
-    win.show()
-    state = {"code": 0}
-
-    def grab() -> None:
-        app.processEvents()
-        win.grab().save(shot)
-        print(f"wrote {shot}")
-        app.quit()
-
-    def after_stats(_s=None) -> None:
-        QTimer.singleShot(150, grab)
-
-    def loaded(_data) -> None:
-        if select:
-            view.statsReady.connect(after_stats)
-            if not view.select_path(select):
-                print(f"shardscope: no entry {select!r} to select", file=sys.stderr)
-                state["code"] = 2
-                QTimer.singleShot(100, grab)
-                return
-            if view.inspector.load_button.isVisible() and view._stats_worker is None:
-                QTimer.singleShot(150, grab)
-            QTimer.singleShot(30000, grab)  # a value load that takes too long does not block the picture
-        else:
-            QTimer.singleShot(150, grab)
-
-    def failed(message: str) -> None:
-        print(f"shardscope: {message}", file=sys.stderr)
-        state["code"] = 2
-        QTimer.singleShot(100, grab)
-
-    view.loaded.connect(loaded)
-    view.failed.connect(failed)
-    app.exec()
-    return state["code"]

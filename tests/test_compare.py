@@ -148,7 +148,7 @@ def test_memory_filesystem_inspects_and_exports_like_disk(fixtures, tmp_path, mo
     url = _to_memory(fixtures["lightning_r2"], "ck-lightning")
     disk = json.loads(run_cli("inspect", "--json", fixtures["lightning_r2"]).stdout)
     mem_ck = open_checkpoint(url)
-    from shardscope.app.cli import inspect_json
+    from shardscope.app.cli.inspect import inspect_json
 
     mem = json.loads(json.dumps(inspect_json(mem_ck, verify(mem_ck))))
     for key in ("format", "version", "tensors", "objects", "ranks", "problems"):

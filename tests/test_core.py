@@ -304,7 +304,7 @@ def test_huggingface_storage_writer_folder(fixtures):
 
 @pytest.mark.parametrize("name", ["fsdp2_r4", "ddp_r2", "lightning_r2", "nopg"])
 def test_streaming_and_object_graph_readers_agree(fixtures, name, monkeypatch):
-    from shardscope.app.cli import inspect_json
+    from shardscope.app.cli.inspect import inspect_json
     from shardscope.backend.checkpoint import reader
 
     fast = open_checkpoint(fixtures[name], use_cache=False)

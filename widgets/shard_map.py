@@ -2,17 +2,19 @@
 
 2-D tensors are rows × columns, 1-D a bar, N-D first dim × product of the rest, 0-d one cell.
 Gaps are hatched red, overlaps outlined. Several tensors (a module subtree) stack vertically.
+Hovering shows what is under the pointer (chunk, gap, overlap, tensor) from one lookup on the view.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from PySide6.QtCore import QRectF, Qt, Signal
-from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen, QWheelEvent
-from PySide6.QtWidgets import QGraphicsRectItem, QGraphicsScene, QGraphicsSimpleTextItem, QGraphicsView
-from shardscope.backend.checkpoint.layout import Coverage, coverage
+import numpy as np
+from PySide6.QtCore import QEvent, QPointF, QRectF, Qt
+from PySide6.QtGui import QBrush, QColor, QFont, QHelpEvent, QPainter, QPen, QWheelEvent
+from PySide6.QtWidgets import QGraphicsRectItem, QGraphicsScene, QGraphicsSimpleTextItem, QGraphicsView, QToolTip
+from shardscope.backend.checkpoint.layout import Coverage, Region, coverage
 from shardscope.backend.checkpoint.model import Checkpoint, Chunk, TensorEntry
 
 from .palette import rank_color
@@ -71,9 +73,58 @@ class ChunkItem:
         return self.item.rect()
 
 
-class ShardMapView(QGraphicsView):
-    chunkHovered = Signal(str)
+# What a hover can land on, in the order it wins when several overlap (highest first).
+FRAME, CHUNK, GAP, OVERLAP = range(4)
 
+
+@dataclass
+class HoverIndex:
+    """Scene rectangles of everything drawn, for one lookup per hover.
+
+    NOTE: the map sets no per-item tooltips. PySide6 6.12.0 loses a reference to None on every
+    ``QGraphicsItem.setToolTip`` (and on other void calls), which aborted the process after ~60k
+    chunks drawn; a tooltip string per chunk also cost memory on million-chunk maps. Tensors are
+    stacked top to bottom, so a point finds its tensor by binary search on the bands, then its
+    chunk by a vectorised test over that tensor's rectangles only.
+    """
+
+    boxes: list[tuple[float, float, float, float]] = field(default_factory=list)  # x0, y0, x1, y1
+    what: list[tuple[int, TensorEntry, object]] = field(default_factory=list)  # (kind, tensor, chunk or region)
+    bands: list[tuple[float, float, int]] = field(default_factory=list)  # (y0, y1, first box) per tensor
+    _arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def add(self, rect: QRectF, kind: int, entry: TensorEntry, detail: object = None) -> None:
+        self.boxes.append((rect.left(), rect.top(), rect.right(), rect.bottom()))
+        self.what.append((kind, entry, detail))
+        self._arrays = None
+
+    def start_band(self, y0: float, y1: float) -> None:
+        self.bands.append((y0, y1, len(self.boxes)))
+        self._arrays = None
+
+    def lookup(self, x: float, y: float) -> tuple[int, tuple[int, TensorEntry, object]] | None:
+        """(box index, (kind, tensor, chunk or region)) at scene point (x, y), or None."""
+        if not self.bands:
+            return None
+        if self._arrays is None:
+            self._arrays = (np.asarray(self.boxes, dtype=np.float64).reshape(-1, 4),
+                            np.fromiter((w[0] for w in self.what), dtype=np.int8, count=len(self.what)),
+                            np.asarray([b[0] for b in self.bands], dtype=np.float64))
+        boxes, kinds, band_top = self._arrays
+        i = int(np.searchsorted(band_top, y, side="right")) - 1
+        if i < 0 or y > self.bands[i][1]:
+            return None
+        start = self.bands[i][2]
+        stop = self.bands[i + 1][2] if i + 1 < len(self.bands) else len(self.boxes)
+        b = boxes[start:stop]
+        hit = np.flatnonzero((b[:, 0] <= x) & (x <= b[:, 2]) & (b[:, 1] <= y) & (y <= b[:, 3]))
+        if not hit.size:
+            return None
+        best = start + int(hit[np.argmax(kinds[start:stop][hit])])  # the first of the highest kind
+        return best, self.what[best]
+
+
+class ShardMapView(QGraphicsView):
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
         scene = QGraphicsScene(self)
@@ -88,6 +139,7 @@ class ShardMapView(QGraphicsView):
         self.gap_items: list[QGraphicsRectItem] = []
         self.overlap_items: list[QGraphicsRectItem] = []
         self.highlight_rank: int | None = None
+        self.hover = HoverIndex()
         self._entries: list[TensorEntry] = []
         self._ckpt: Checkpoint | None = None
 
@@ -95,6 +147,7 @@ class ShardMapView(QGraphicsView):
     def clear_map(self, message: str = "") -> None:
         self.scene().clear()
         self.chunk_items, self.gap_items, self.overlap_items = [], [], []
+        self.hover = HoverIndex()
         self._entries = []
         if message:
             t = self.scene().addSimpleText(message)
@@ -143,9 +196,11 @@ class ShardMapView(QGraphicsView):
         rows, cols = grid_shape(e.shape)
         sx = width / cols if cols else width
         sy = height / rows if rows else height
-        frame = scene.addRect(QRectF(0, y0, width, height), QPen(self.palette().mid().color(), 0))
-        frame.setToolTip(f"{e.fqn}: drawn as {rows} × {cols} ({'rows × columns' if e.ndim == 2 else _how(e.ndim)})")
+        frame_rect = QRectF(0, y0, width, height)
+        frame = scene.addRect(frame_rect, QPen(self.palette().mid().color(), 0))
         frame.setZValue(-1)
+        self.hover.start_band(y0, y0 + height)
+        self.hover.add(frame_rect, FRAME, e)
         chunks = e.chunks
         labelled = len(chunks) <= 64 and not with_label  # rank labels only on a single tensor
         # NOTE: hundreds of thin outlined rects make the paint engine blend every pixel several
@@ -160,7 +215,7 @@ class ShardMapView(QGraphicsView):
                 color = QColor(color)
                 color.setAlpha(50)
             item = scene.addRect(rect, outline, QBrush(color))
-            item.setToolTip(_chunk_tooltip(e, c))
+            self.hover.add(rect, CHUNK, e, c)
             self.chunk_items.append(ChunkItem(e.fqn, c, item))
             if labelled:
                 text = QGraphicsSimpleTextItem(f"r{c.rank}" if c.rank is not None else "?", item)
@@ -177,21 +232,19 @@ class ShardMapView(QGraphicsView):
     def _draw_problems(self, cov: Coverage, e: TensorEntry, y0: float, sx: float, sy: float) -> None:
         scene = self.scene()
         for region in cov.gaps:
-            box = chunk_box(region.start, tuple(b - a for a, b in zip(region.start, region.stop, strict=True)), e.shape)
-            r0, c0, nr, nc = box  # type: ignore[misc]
-            item = scene.addRect(QRectF(c0 * sx, y0 + r0 * sy, nc * sx, nr * sy), QPen(QColor("#d62728"), 0),
-                                 QBrush(QColor("#d62728"), Qt.BrushStyle.BDiagPattern))
-            item.setToolTip(f"gap: elements {region} are in no chunk")
+            rect = _region_rect(region, e, y0, sx, sy)
+            red = QColor("#d62728")
+            item = scene.addRect(rect, QPen(red, 0), QBrush(red, Qt.BrushStyle.BDiagPattern))
             item.setZValue(2)
+            self.hover.add(rect, GAP, e, region)
             self.gap_items.append(item)
         for region in cov.overlaps:
-            box = chunk_box(region.start, tuple(b - a for a, b in zip(region.start, region.stop, strict=True)), e.shape)
-            r0, c0, nr, nc = box  # type: ignore[misc]
+            rect = _region_rect(region, e, y0, sx, sy)
             pen = QPen(QColor("#d62728"), 2.5, Qt.PenStyle.DashLine)
             pen.setCosmetic(True)
-            item = scene.addRect(QRectF(c0 * sx, y0 + r0 * sy, nc * sx, nr * sy), pen)
-            item.setToolTip(f"overlap: elements {region} are in more than one chunk")
+            item = scene.addRect(rect, pen)
             item.setZValue(3)
+            self.hover.add(rect, OVERLAP, e, region)
             self.overlap_items.append(item)
 
     def set_highlight_rank(self, rank: int | None) -> None:
@@ -201,6 +254,29 @@ class ShardMapView(QGraphicsView):
             if rank is not None and ci.chunk.rank != rank:
                 color.setAlpha(50)
             ci.item.setBrush(QBrush(color))
+
+    # ------------------------------------------------------------------ hover
+    def describe_at(self, scene_pos: QPointF) -> tuple[str, QRectF] | None:
+        """The hover text for a scene point and the scene rectangle it describes, or None."""
+        found = self.hover.lookup(scene_pos.x(), scene_pos.y())
+        if found is None:
+            return None
+        i, (kind, e, detail) = found
+        x0, y0, x1, y1 = self.hover.boxes[i]
+        return _hover_text(kind, e, detail), QRectF(x0, y0, x1 - x0, y1 - y0)
+
+    def viewportEvent(self, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.ToolTip and isinstance(event, QHelpEvent):
+            found = self.describe_at(self.mapToScene(event.pos()))
+            if found is None:
+                QToolTip.hideText()
+                event.ignore()
+            else:
+                text, rect = found
+                # the tip stays up while the pointer is over the same chunk, and moves on with it
+                QToolTip.showText(event.globalPos(), text, self.viewport(), self.mapFromScene(rect).boundingRect())
+            return True
+        return super().viewportEvent(event)
 
     # ------------------------------------------------------------------ zoom and pan
     def fit(self) -> None:
@@ -233,6 +309,20 @@ def legend_html(ranks: list[int]) -> str:
     return "&nbsp;&nbsp;".join(parts) + more + "&nbsp;&nbsp;<span style='color:#d62728'>▨</span>&nbsp;gap"
 
 
-def _chunk_tooltip(e: TensorEntry, c: Chunk) -> str:
-    return (f"{e.fqn}\nrank {c.rank} (writer)\noffsets {list(c.offsets)}  sizes {list(c.sizes)}\n"
-            f"file {c.file}\nbytes {c.offset:,} – {c.offset + c.length:,} ({c.length:,} B)")
+def _region_rect(region: Region, e: TensorEntry, y0: float, sx: float, sy: float) -> QRectF:
+    sizes = tuple(b - a for a, b in zip(region.start, region.stop, strict=True))
+    r0, c0, nr, nc = chunk_box(region.start, sizes, e.shape)  # type: ignore[misc]
+    return QRectF(c0 * sx, y0 + r0 * sy, nc * sx, nr * sy)
+
+
+def _hover_text(kind: int, e: TensorEntry, detail: object) -> str:
+    if kind == CHUNK:
+        c: Chunk = detail  # type: ignore[assignment]
+        return (f"{e.fqn}\nrank {c.rank} (writer)\noffsets {list(c.offsets)}  sizes {list(c.sizes)}\n"
+                f"file {c.file}\nbytes {c.offset:,} – {c.offset + c.length:,} ({c.length:,} B)")
+    if kind == GAP:
+        return f"{e.fqn}\ngap: elements {detail} are in no chunk"
+    if kind == OVERLAP:
+        return f"{e.fqn}\noverlap: elements {detail} are in more than one chunk"
+    rows, cols = grid_shape(e.shape)
+    return f"{e.fqn}: drawn as {rows} × {cols} ({'rows × columns' if e.ndim == 2 else _how(e.ndim)})"

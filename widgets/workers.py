@@ -6,18 +6,22 @@ signals, so nothing here touches a widget from the worker thread.
 
 from __future__ import annotations
 
-import traceback
+import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
 from shardscope.backend.errors import Cancelled, ShardscopeError
+from shardscope.backend.log import log_file
 from shardscope.backend.progress import Progress
+
+log = logging.getLogger(__name__)
 
 
 class WorkerSignals(QObject):
     started = Signal()
-    progress = Signal(int, int, str)
+    # NOTE: sizes cross the Qt boundary as Python objects: Signal(int) is 32-bit and overflows past 2 GiB.
+    progress = Signal(object, object, str)
     returned = Signal(object)
     errored = Signal(str)
     cancelled = Signal()
@@ -57,9 +61,9 @@ class Worker(QRunnable):
         except MemoryError:
             self.signals.errored.emit("Out of memory while doing this.")
         except Exception as exc:
-            last = traceback.extract_tb(exc.__traceback__)[-1:]
-            where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
-            self.signals.errored.emit(f"Unexpected error: {type(exc).__name__}: {exc}{where}")
+            log.exception("internal error in background work %s", getattr(self.func, "__qualname__", self.func))
+            self.signals.errored.emit(f"Internal error: {type(exc).__name__}: {exc} (the traceback is in "
+                                      f"{log_file()}; please report it)")
         else:
             self.signals.returned.emit(result)
         finally:

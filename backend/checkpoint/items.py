@@ -1,10 +1,8 @@
-"""The one chunk reader: bytes of a stored item, by file and byte range, for every storage variant.
-
-A DCP ``.distcp`` item is either a complete ``torch.save`` zip archive of one tensor (the default,
-starts with ``PK\\x03\\x04``) or, for ``SerializationFormat.SAFETENSORS``, a safetensors blob that
-holds all of a file's tensors and starts at the item's offset. The zip is parsed here, its
-``data.pkl`` read with an allow-list unpickler, so the raw storage bytes can be read straight into
-a destination buffer (and their CRC32 checked, which ``torch.load`` never does).
+"""Parsers for the stored item formats: a ``torch.save`` zip archive of one tensor (DCP's default
+``.distcp`` item, starts with ``PK\\x03\\x04``) and a safetensors blob (``SerializationFormat.SAFETENSORS``
+items and ``HuggingFaceStorageWriter`` files). Pure parsing: every length, offset and count read from the
+bytes is checked against the bytes that exist before anything is allocated or read. Reading values is
+:mod:`.chunks`' job.
 """
 
 from __future__ import annotations
@@ -14,15 +12,19 @@ import json
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from .storage import FileHandles, LocalHandles, RemoteHandles
+from ..errors import CheckpointError
+from .model import MAX_INDEX, MAX_NDIM, SAFETENSORS_DTYPES, contiguous_strides
 
 ZIP_LOCAL = b"PK\x03\x04"
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOC = b"PK\x06\x07"
 _EOCD64 = b"PK\x06\x06"
 _CENTRAL = b"PK\x01\x02"
+MAX_CENTRAL_DIRECTORY = 1 << 20  # a one-tensor torch.save archive has ~6 records (~500 bytes)
+MAX_DATA_PKL = 1 << 20  # the data.pkl of one tensor is ~200 bytes
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
 
 STORAGE_DTYPES = {
     "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
@@ -31,12 +33,18 @@ STORAGE_DTYPES = {
     "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
     "QInt8Storage": "qint8", "QUInt8Storage": "quint8", "QInt32Storage": "qint32",
 }
-SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
-    "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "C64": "complex64", "C128": "complex128", "F8_E8M0": "float8_e8m0fnu",
-}
+
+
+class ByteSource(Protocol):
+    """What the parsers read from: storage handles (``read`` raises CheckpointError past the end)."""
+
+    def read(self, name: str, offset: int, length: int) -> bytes: ...
+
+    def where(self, name: str) -> str: ...
+
+
+class ItemFormatError(ValueError):
+    """An item's bytes do not parse; the chunk reader turns it into a CheckpointError naming file and tensor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,25 +69,54 @@ class StoredTensor:
             expect *= size
         return True
 
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
 
-class _StorageRef:
+    def span(self) -> int:
+        """Elements of storage the view reaches, from ``storage_offset`` on."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
+
+
+class StorageRef:
+    """A torch storage in a ``data.pkl``: the archive record ``data/<key>`` holding ``numel`` elements.
+    Used by the item parser here and by the torch-archive writer (persistent ids)."""
+
     __slots__ = ("dtype", "key", "numel")
 
-    def __init__(self, dtype: str, key: str, numel: int) -> None:
-        self.dtype, self.key, self.numel = dtype, key, numel
+    def __init__(self, key: str, numel: int, dtype: str) -> None:
+        self.key, self.numel, self.dtype = key, numel, dtype
+
+
+# ---------------------------------------------------------------- torch.save zip items
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or len(value) > MAX_NDIM or \
+            not all(type(v) is int and 0 <= v < MAX_INDEX for v in value):
+        raise ItemFormatError(f"data.pkl has an implausible {what}")
+    return tuple(value)
 
 
 class _TensorRef:
     __slots__ = ("shape", "storage", "storage_offset", "stride")
 
-    def __init__(self, storage: _StorageRef, storage_offset: int, shape: tuple, stride: tuple) -> None:
+    def __init__(self, storage: StorageRef, storage_offset: int, shape: tuple, stride: tuple) -> None:
         self.storage, self.storage_offset, self.shape, self.stride = storage, storage_offset, shape, stride
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorRef:
-    if not isinstance(storage, _StorageRef):
-        raise pickle.UnpicklingError("tensor without storage")
-    return _TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+    if not isinstance(storage, StorageRef):
+        raise ItemFormatError("tensor without storage")
+    if type(storage_offset) is not int or not 0 <= storage_offset < MAX_INDEX:
+        raise ItemFormatError("data.pkl has an implausible storage offset")
+    shape, strides = _dims(size, "shape"), _dims(stride, "stride")
+    if len(shape) != len(strides):
+        raise ItemFormatError("data.pkl shape and stride differ in length")
+    return _TensorRef(storage, storage_offset, shape, strides)
 
 
 class _StorageType:
@@ -97,138 +134,191 @@ class _ItemUnpickler(pickle.Unpickler):
             return dict
         if module == "torch" and name in STORAGE_DTYPES:
             return _StorageType(STORAGE_DTYPES[name])
-        raise pickle.UnpicklingError(f"unsupported global {module}.{name}")
+        raise ItemFormatError(f"unsupported global {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType)):
-            raise pickle.UnpicklingError("unsupported persistent id")
-        return _StorageRef(pid[1].dtype, str(pid[2]), int(pid[4]))
+                and isinstance(pid[1], _StorageType) and type(pid[4]) is int and isinstance(pid[2], str)):
+            raise ItemFormatError("unsupported persistent id")
+        return StorageRef(pid[2], pid[4], pid[1].dtype)
 
 
-def _zip_directory(blob_tail: bytes, tail_start: int, item_offset: int, item_length: int,
-                   handles: LocalHandles | RemoteHandles, name: str) -> list[tuple[str, int, int, int, int]]:
-    """(name, local header offset, compressed size, method, crc) for each record of an item zip."""
-    pos = blob_tail.rfind(_EOCD)
-    if pos < 0:
-        raise ValueError("no end-of-central-directory record")
-    (_, _, _, _, count, cd_size, cd_offset, _) = struct.unpack_from("<4sHHHHIIH", blob_tail, pos)
-    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:
-        loc = blob_tail.rfind(_EOCD64_LOC, 0, pos)
-        if loc < 0:
-            raise ValueError("zip64 locator missing")
-        (eocd64_off,) = struct.unpack_from("<Q", blob_tail, loc + 8)
-        rec = handles.read(name, item_offset + eocd64_off, 56)
+@dataclass(frozen=True, slots=True)
+class _ZipRecord:
+    name: str
+    header: int  # local header offset, relative to the item
+    size: int
+    method: int
+    crc: int
+
+
+def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
+    q = 0
+    while q + 4 <= len(extra):
+        hid, hlen = struct.unpack_from("<HH", extra, q)
+        if hid == 1:
+            vals = list(struct.unpack_from("<" + "Q" * (min(hlen, len(extra) - q - 4) // 8), extra, q + 4))
+            try:
+                if usize == 0xFFFFFFFF:
+                    usize = vals.pop(0)
+                if csize == 0xFFFFFFFF:
+                    csize = vals.pop(0)
+                if lho == 0xFFFFFFFF:
+                    lho = vals.pop(0)
+            except IndexError:
+                raise ItemFormatError("truncated zip64 extra field") from None
+        q += 4 + hlen
+    return usize, csize, lho
+
+
+def _end_record(src: ByteSource, name: str, offset: int, length: int) -> tuple[int, int, int]:
+    """(record count, central directory size, its offset in the item), all checked against ``length``."""
+    tail_len = min(length, 65536 + 22)
+    tail = src.read(name, offset + length - tail_len, tail_len)
+    pos = tail.rfind(_EOCD)
+    if pos < 0 or pos + 22 > len(tail):
+        raise ItemFormatError("no end-of-central-directory record")
+    (_, _, _, _, count, cd_size, cd_offset, _) = struct.unpack_from("<4sHHHHIIH", tail, pos)
+    if cd_offset == 0xFFFFFFFF or count == 0xFFFF or cd_size == 0xFFFFFFFF:
+        loc = tail.rfind(_EOCD64_LOC, 0, pos)
+        if loc < 0 or loc + 16 > len(tail):
+            raise ItemFormatError("zip64 locator missing")
+        (eocd64_off,) = struct.unpack_from("<Q", tail, loc + 8)
+        if eocd64_off + 56 > length:
+            raise ItemFormatError(f"zip64 end record at {eocd64_off} lies outside the {length}-byte item")
+        rec = src.read(name, offset + eocd64_off, 56)
         if rec[:4] != _EOCD64:
-            raise ValueError("bad zip64 end record")
+            raise ItemFormatError("bad zip64 end record")
         count, cd_size, cd_offset = struct.unpack_from("<QQQ", rec, 32)
-    cd = handles.read(name, item_offset + cd_offset, cd_size)
-    out = []
+    if cd_size > MAX_CENTRAL_DIRECTORY or cd_offset + cd_size > length or count > cd_size // 46:
+        raise ItemFormatError(f"zip central directory ({count} records, {cd_size} bytes at {cd_offset}) does not "
+                              f"fit the {length}-byte item")
+    return count, cd_size, cd_offset
+
+
+def _zip_directory(src: ByteSource, name: str, offset: int, length: int) -> dict[str, _ZipRecord]:
+    """The records of an item zip by name without the archive folder (``data.pkl``, ``data/0``)."""
+    count, cd_size, cd_offset = _end_record(src, name, offset, length)
+    cd = src.read(name, offset + cd_offset, cd_size)
+    out: dict[str, _ZipRecord] = {}
     p = 0
     for _ in range(count):
-        if cd[p:p + 4] != _CENTRAL:
-            raise ValueError("bad central directory entry")
+        if cd[p:p + 4] != _CENTRAL or p + 46 > len(cd):
+            raise ItemFormatError("bad central directory entry")
         (method, _, _, crc, csize, usize, nlen, xlen, clen, _, _, _, lho) = struct.unpack_from(
             "<HHHIIIHHHHHII", cd, p + 10)
+        if p + 46 + nlen + xlen + clen > len(cd):
+            raise ItemFormatError("central directory entry runs past the directory")
         fname = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
-        extra = cd[p + 46 + nlen:p + 46 + nlen + xlen]
         if 0xFFFFFFFF in (csize, usize, lho):
-            q = 0
-            while q + 4 <= len(extra):
-                hid, hlen = struct.unpack_from("<HH", extra, q)
-                if hid == 1:
-                    vals = list(struct.unpack_from("<" + "Q" * (hlen // 8), extra, q + 4))
-                    if usize == 0xFFFFFFFF:
-                        usize = vals.pop(0)
-                    if csize == 0xFFFFFFFF:
-                        csize = vals.pop(0)
-                    if lho == 0xFFFFFFFF:
-                        lho = vals.pop(0)
-                q += 4 + hlen
-        out.append((fname, lho, csize, method, crc))
+            usize, csize, lho = _zip64_sizes(cd[p + 46 + nlen:p + 46 + nlen + xlen], usize, csize, lho)
+        if lho + 30 + csize > length:
+            raise ItemFormatError(f"zip record {fname!r} ({csize} bytes at {lho}) lies outside the item")
+        slash = fname.find("/")
+        out[fname[slash + 1:] if slash >= 0 else fname] = _ZipRecord(fname, lho, csize, method, crc)
         p += 46 + nlen + xlen + clen
     return out
 
 
-def parse_torch_item(handles: LocalHandles | RemoteHandles, name: str, offset: int, length: int) -> StoredTensor:
+def _record_start(src: ByteSource, name: str, offset: int, length: int, rec: _ZipRecord) -> int:
+    """Absolute offset of a stored record's bytes (after its local header), checked to fit the item."""
+    if rec.method != 0:
+        raise ItemFormatError(f"zip record {rec.name!r} is compressed")
+    head = src.read(name, offset + rec.header, 30)
+    if head[:4] != ZIP_LOCAL:
+        raise ItemFormatError(f"bad local header for {rec.name!r}")
+    nlen, xlen = struct.unpack_from("<HH", head, 26)
+    start = rec.header + 30 + nlen + xlen
+    if start + rec.size > length:
+        raise ItemFormatError(f"zip record {rec.name!r} runs past the item")
+    return offset + start
+
+
+def parse_torch_item(src: ByteSource, name: str, offset: int, length: int) -> StoredTensor:
     """Locate the tensor inside a torch.save zip item without loading its values."""
-    tail_len = min(length, 65536 + 22)
-    tail_start = offset + length - tail_len
-    tail = handles.read(name, tail_start, tail_len)
-    records = _zip_directory(tail, tail_start, offset, length, handles, name)
-    by_suffix = {}
-    for rec in records:
-        fname = rec[0]
-        slash = fname.find("/")
-        by_suffix[fname[slash + 1:] if slash >= 0 else fname] = rec
-    pkl = by_suffix.get("data.pkl")
+    records = _zip_directory(src, name, offset, length)
+    pkl = records.get("data.pkl")
     if pkl is None:
-        raise ValueError("no data.pkl record")
-
-    def record_data(rec: tuple) -> tuple[int, int]:
-        _, lho, csize, method, _ = rec
-        if method != 0:
-            raise ValueError("compressed zip record")
-        head = handles.read(name, offset + lho, 30)
-        if head[:4] != ZIP_LOCAL:
-            raise ValueError("bad local header")
-        nlen, xlen = struct.unpack_from("<HH", head, 26)
-        return offset + lho + 30 + nlen + xlen, csize
-
-    start, size = record_data(pkl)
-    ref = _ItemUnpickler(io.BytesIO(handles.read(name, start, size))).load()
+        raise ItemFormatError("no data.pkl record")
+    if pkl.size > MAX_DATA_PKL:
+        raise ItemFormatError(f"data.pkl claims {pkl.size} bytes; one tensor's is a few hundred")
+    start = _record_start(src, name, offset, length, pkl)
+    try:
+        ref = _ItemUnpickler(io.BytesIO(src.read(name, start, pkl.size))).load()
+    except ItemFormatError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            OverflowError, UnicodeDecodeError, RecursionError, MemoryError, struct.error) as exc:
+        raise ItemFormatError(f"data.pkl does not unpickle ({type(exc).__name__})") from None
     if not isinstance(ref, _TensorRef):
-        raise ValueError("item is not a single tensor")
-    rec = by_suffix.get(f"data/{ref.storage.key}")
+        raise ItemFormatError("item is not a single tensor")
+    rec = records.get(f"data/{ref.storage.key}")
     if rec is None:
-        raise ValueError(f"storage record data/{ref.storage.key} missing")
-    data_start, data_size = record_data(rec)
-    if data_start + data_size > offset + length:
-        raise ValueError("storage record runs past the item")
-    return StoredTensor(ref.storage.dtype, ref.shape, ref.stride, ref.storage_offset, data_start,
-                        data_size, rec[4])
+        raise ItemFormatError(f"storage record data/{ref.storage.key} missing")
+    data_start = _record_start(src, name, offset, length, rec)
+    return StoredTensor(ref.storage.dtype, ref.shape, ref.stride, ref.storage_offset, data_start, rec.size,
+                        rec.crc)
 
 
-def parse_safetensors_blob(handles: LocalHandles | RemoteHandles, name: str, start: int) -> dict[str, dict]:
-    head = handles.read(name, start, 8)
-    (n,) = struct.unpack("<Q", head)
-    if n > 100 * 2**20:
-        raise ValueError("safetensors header too large")
-    header = json.loads(handles.read(name, start + 8, n))
+# ---------------------------------------------------------------- safetensors
+@dataclass(frozen=True, slots=True)
+class SafetensorsHeader:
+    """A parsed safetensors header: tensors by name (absolute byte ranges) and the ``__metadata__`` strings."""
+
+    tensors: dict[str, StoredTensor]
+    metadata: dict[str, str]
+    end: int  # absolute offset where the data section ends (the largest data offset)
+
+
+def parse_safetensors_header(src: ByteSource, name: str, start: int, limit: int) -> SafetensorsHeader:
+    """The one safetensors header parser: the blob at ``start`` of ``name``, which must end by ``limit``
+    (the file size, or the end of the item holding it). Every entry is checked to lie inside it."""
+    if start + 8 > limit:
+        raise ItemFormatError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", src.read(name, start, 8))
+    if n > MAX_SAFETENSORS_HEADER or start + 8 + n > limit:
+        raise ItemFormatError(f"header length {n} is implausible for {limit - start} bytes")
+    try:
+        header = json.loads(src.read(name, start + 8, n))
+    except (ValueError, RecursionError) as exc:
+        raise ItemFormatError(f"header is not JSON ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ItemFormatError("header is not a JSON object")
     base = start + 8 + n
-    out = {}
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ItemFormatError("__metadata__ is not a map of strings")
+    tensors: dict[str, StoredTensor] = {}
+    end = base
     for key, info in header.items():
-        if key == "__metadata__":
-            continue
+        tensors[key] = st = _safetensors_entry(key, info, base, limit)
+        end = max(end, st.data_offset + st.nbytes)
+    return SafetensorsHeader(tensors, meta, end)
+
+
+def _safetensors_entry(key: str, info: Any, base: int, limit: int) -> StoredTensor:
+    try:
+        code = info["dtype"]
+        shape = _dims(info["shape"], f"shape for {key!r}")
         a, b = info["data_offsets"]
-        out[key] = {"dtype": SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"].lower()),
-                    "shape": tuple(info["shape"]), "offset": base + a, "nbytes": b - a}
-    return out
+    except (KeyError, TypeError, ValueError, ItemFormatError):
+        raise ItemFormatError(f"header entry {key!r} is malformed") from None
+    dtype = SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise ItemFormatError(f"header entry {key!r} has unknown dtype {str(code)[:20]!r}")
+    if type(a) is not int or type(b) is not int or not 0 <= a <= b or base + b > limit:
+        raise ItemFormatError(f"header entry {key!r}: bytes {a}..{b} lie outside the {limit - base}-byte data")
+    return StoredTensor(dtype, shape, contiguous_strides(shape), 0, base + a, b - a, None)
 
 
-def stored_tensor(handles: LocalHandles | RemoteHandles, name: str, offset: int, length: int, fqn: str,
-                  blob_cache: dict | None = None) -> StoredTensor:
-    """Where the values of the item at ``offset`` in ``name`` are, whatever the storage variant."""
-    magic = handles.read(name, offset, 4) if length >= 4 else b""
-    if magic == ZIP_LOCAL:
-        return parse_torch_item(handles, name, offset, length)
-    # SerializationFormat.SAFETENSORS: the item offset is where the file's safetensors blob starts.
-    key = (name, offset)
-    blob = blob_cache.get(key) if blob_cache is not None else None
-    if blob is None:
-        blob = parse_safetensors_blob(handles, name, offset)
-        if blob_cache is not None:
-            blob_cache[key] = blob
-    info = blob.get(fqn)
-    if info is None:
-        raise ValueError(f"tensor {fqn} not in the safetensors header")
-    shape = info["shape"]
-    stride = []
-    acc = 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return StoredTensor(info["dtype"], shape, tuple(reversed(stride)), 0, info["offset"], info["nbytes"], None)
+def parse_safetensors_file(src: ByteSource, name: str, size: int) -> SafetensorsHeader:
+    """A whole safetensors file's header, as a CheckpointError naming the file when it does not parse."""
+    try:
+        return parse_safetensors_header(src, name, 0, size)
+    except ItemFormatError as exc:
+        where = src.where(name)
+        raise CheckpointError(f"{where}: not a readable safetensors file ({exc}).", path=where) from None
 
 
-__all__ = ["FileHandles", "StoredTensor", "parse_safetensors_blob", "parse_torch_item", "stored_tensor"]
+__all__ = ["ItemFormatError", "SafetensorsHeader", "StorageRef", "StoredTensor", "parse_safetensors_file",
+           "parse_safetensors_header", "parse_torch_item"]

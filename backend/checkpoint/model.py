@@ -21,13 +21,38 @@ ITEMSIZE = {
     "qint32": 4, "quint4x2": 1, "quint2x4": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1,
     "bits4x2": 1,
 }
+DTYPE_NAMES = tuple(ITEMSIZE)  # every torch dtype by its short name, which is how we report them
 
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
                           "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
 
+# The one safetensors dtype table (torch name -> safetensors code); the reverse map is derived from it,
+# so whatever can be read can also be written.
+SAFETENSORS_CODES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "uint16": "U16", "uint32": "U32",
+    "uint64": "U64", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "complex64": "C64", "complex128": "C128", "float8_e8m0fnu": "F8_E8M0",
+}
+SAFETENSORS_DTYPES = {code: name for name, code in SAFETENSORS_CODES.items()}
+
+MAX_NDIM = 64  # torch's own limit on tensor dimensions
+MAX_INDEX = 2**62  # any offset, size, byte offset or length read from a file must be below this
+
 
 def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype by its short name (0 when unknown)."""
     return ITEMSIZE.get(dtype, 0)
+
+
+def contiguous_strides(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Row-major strides (in elements) of a contiguous tensor of ``shape``."""
+    stride = []
+    acc = 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +189,7 @@ class Checkpoint:
     problems: list[Problem] = field(default_factory=list)  # found while reading (more come from verify)
     extra_files: dict[str, str] = field(default_factory=dict)  # e.g. {"meta.pt": "meta.pt"}
     metadata_files: list[str] = field(default_factory=list)
+    folder: Any = field(default=None, repr=False)  # the storage.Folder it was opened from (set once)
     _by_fqn: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
     file_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
 
@@ -213,9 +239,3 @@ class Checkpoint:
     @property
     def data_files(self) -> list[FileInfo]:
         return [f for f in self.files if f.kind == "data"]
-
-    def file_index(self, name: str) -> int:
-        for i, f in enumerate(self.files):
-            if f.name == name:
-                return i
-        return -1

@@ -1,0 +1,50 @@
+"""``shardscope demo``: the see-it-work command (train a tiny FSDP model, then show its checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
+
+from .gui import no_display
+from .gui import run as run_gui
+from .output import add_command
+from .train import add_train_options, follow_run
+
+
+def register(sub: Any) -> None:
+    sp = add_command(sub, "demo", run, "Train a tiny FSDP model on 2 CPU ranks with checkpoints, then open the GUI "
+                     "on it.")
+    add_train_options(sp, 30)
+    sp.add_argument("--no-gui", action="store_true", help="train and inspect, but do not open a window")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.checkpoint.verify import verify
+    from shardscope.backend.runs.launcher import checkpoints
+
+    code, run_dir = follow_run(args)
+    if code != EXIT_OK:
+        return code
+    ckpts = checkpoints(run_dir)
+    if not ckpts:
+        print("the run wrote no checkpoint")
+        return EXIT_PROBLEMS
+    last = ckpts[-1]
+    ck = open_checkpoint(last)
+    problems = verify(ck, deep=True)
+    print(f"last checkpoint {last}: {len(ck.tensors)} tensors over ranks {ck.ranks}, "
+          f"{'healthy' if not problems else f'{len(problems)} problems'}")
+    print(f"try: shardscope inspect {last}\n     shardscope export {last} model.safetensors --strip-prefix model.")
+    if problems:
+        return EXIT_PROBLEMS
+    if args.no_gui:
+        return EXIT_OK
+    if no_display():
+        print(f"no display here, so the window is not opened; on a desktop: shardscope gui {last} --run {run_dir}")
+        return EXIT_OK
+    ns = argparse.Namespace(path=str(last), select="model.blocks.0", screenshot=None, size=None, run=run_dir,
+                            compare=None)
+    return run_gui(ns)

@@ -1,0 +1,41 @@
+"""``shardscope gui`` (and plain ``shardscope [PATH]``): the window."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from shardscope.backend.errors import EXIT_BAD_INPUT
+
+from .output import add_command
+
+
+def register(sub: Any) -> None:
+    sp = add_command(sub, "gui", run, "Open the checkpoint browser window (optionally on PATH).")
+    sp.add_argument("path", nargs="?", help="checkpoint folder or run directory to open")
+    sp.add_argument("--select", metavar="FQN", help="select this tensor (or module prefix) after loading")
+    sp.add_argument("--screenshot", metavar="FILE.png", help="render the window to a PNG after loading, then exit")
+    sp.add_argument("--size", metavar="WxH", default=None, help="window size, e.g. 1400x900")
+    sp.add_argument("--run", metavar="RUN_DIR", help="follow this run directory in the Training panel")
+    sp.add_argument("--compare", nargs=2, metavar=("A", "B"), help="open the Compare view on two checkpoints")
+
+
+def no_display() -> bool:
+    """True on a Linux/BSD machine with no screen and no offscreen platform asked for."""
+    if sys.platform.startswith(("win", "darwin")) or os.environ.get("QT_QPA_PLATFORM"):
+        return False
+    return not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if no_display():
+        print("shardscope: no display here (DISPLAY and WAYLAND_DISPLAY are unset), so no window can open.\n"
+              "  On a server use the subcommands (inspect, verify, show, export, diff, train ...), run the window\n"
+              "  on your desktop (it reads fsspec URLs and run folders on shared storage), or render a picture\n"
+              "  with QT_QPA_PLATFORM=offscreen and --screenshot FILE.png.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from shardscope.app.main_window import run as run_window
+
+    return run_window(args)

@@ -1,0 +1,76 @@
+"""``shardscope inspect``: a checkpoint's summary (format, tensors, ranks, bytes, problems)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardscope.backend.errors import EXIT_OK
+from shardscope.backend.format import escape_name, human_bytes
+
+from .output import add_command, print_problems
+
+
+def register(sub: Any) -> None:
+    sp = add_command(sub, "inspect", run, "Summarise a checkpoint: format, tensors, ranks, bytes, problems.")
+    sp.add_argument("path")
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.add_argument("--tensors", action="store_true", help="list every tensor")
+    sp.add_argument("--no-cache", action="store_true", help="do not use the metadata cache")
+
+
+def inspect_json(ckpt: Any, problems: list) -> dict:
+    """The ``--json`` document of ``inspect``."""
+    from shardscope.backend.checkpoint.layout import rank_balance
+
+    return {
+        "path": ckpt.path,
+        "format": ckpt.format,
+        "version": ckpt.version,
+        "save_id": ckpt.save_id,
+        "files": [{"name": f.name, "rank": f.rank, "bytes": f.bytes, "kind": f.kind} for f in ckpt.files],
+        "tensors": [t.to_json() for t in ckpt.tensors],
+        "objects": [o.to_json() for o in ckpt.objects],
+        "ranks": [r.to_json() for r in rank_balance(ckpt)],
+        "problems": [p.to_json() for p in problems],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.checkpoint.layout import rank_balance
+    from shardscope.backend.checkpoint.verify import verify
+
+    ckpt = open_checkpoint(args.path, use_cache=not args.no_cache)
+    problems = verify(ckpt)
+    if args.json:
+        json.dump(inspect_json(ckpt, problems), sys.stdout)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    out = sys.stdout
+    out.write(f"{escape_name(ckpt.path)}\n")
+    version = f"  (DCP version {escape_name(ckpt.version)})" if ckpt.version else ""
+    out.write(f"  format     {ckpt.format}{version}\n")
+    if ckpt.save_id:
+        out.write(f"  save id    {escape_name(ckpt.save_id)}\n")
+    out.write(f"  tensors    {len(ckpt.tensors)}  ({human_bytes(ckpt.total_bytes)}, "
+              f"{len(ckpt.chunk_table)} chunks)\n")
+    out.write(f"  other      {len(ckpt.objects)} non-tensor entries\n")
+    out.write(f"  files      {len(ckpt.data_files)} data files, "
+              f"{human_bytes(sum(f.bytes or 0 for f in ckpt.files))} on disk\n")
+    out.write("  ranks      (writer rank: DCP writes a replicated tensor once, so a rank here is the rank\n"
+              "             that wrote a chunk, not every rank that held it)\n")
+    for r in rank_balance(ckpt):
+        label = f"rank {r.rank}" if r.rank >= 0 else "no rank"
+        out.write(f"    {label:<9} {r.chunks:>8} chunks  {human_bytes(r.bytes):>10}\n")
+    if args.tensors:
+        out.write("\n")
+        names = [escape_name(t.fqn) for t in ckpt.tensors]
+        width = max((len(n) for n in names), default=10)
+        for name, t in zip(names, ckpt.tensors):
+            out.write(f"  {name:<{width}}  {t.dtype:<9} {list(t.shape)!s:<18} {human_bytes(t.nbytes):>10}  "
+                      f"{t.chunk_count} chunks, ranks {t.ranks}\n")
+    print_problems(problems)
+    return EXIT_OK

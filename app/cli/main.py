@@ -1,0 +1,75 @@
+"""Parser assembly and the exit-code contract every subcommand goes through.
+
+Codes (see :mod:`shardscope.backend.errors`): 0 ok, 1 problems found, 2 bad input (one line naming the
+file), 3 internal error (one line pointing to the log file with the traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from shardscope.backend.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, ShardscopeError
+
+from .output import err
+
+log = logging.getLogger("shardscope.cli")
+
+# One module per subcommand (or per pair of closely related ones); each has ``register(sub)``.
+COMMAND_MODULES = ("inspect", "verify", "show", "gui", "export", "diff", "convert", "train", "demo", "library")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
+    """The full parser and the names of its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="shardscope",
+        description="Browse, train and export PyTorch distributed (DCP) checkpoints. "
+                    "Without a subcommand, opens the GUI (on PATH if given).",
+        epilog="Exit codes: 0 ok, 1 problems found, 2 bad input, 3 internal error (see the log), 130 interrupted.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{name}":
+                raise
+            continue  # a subcommand module being written by someone else; NOTE: never hides a broken import
+        module.register(sub)
+    return parser, set(sub.choices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``shardscope`` command line and return its exit code."""
+    from shardscope.backend.log import setup_logging
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, names = build_parser()
+    first = next((a for a in argv if a not in ("-v", "--verbose")), None)
+    if first is None or (first not in names and not first.startswith("-")):
+        argv.insert(argv.index(first) if first is not None else len(argv), "gui")  # `shardscope [PATH]`
+    args = parser.parse_args(argv)
+    logfile = setup_logging(args.verbose)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    log.info("shardscope %s", " ".join(argv))
+    try:
+        return args.func(args)
+    except ShardscopeError as exc:
+        log.info("%s: %s", type(exc).__name__, exc)
+        err(str(exc))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        os._exit(0)  # NOTE: stdout closed by `| head`; flushing at exit would raise again
+    except Exception as exc:
+        log.exception("internal error in `shardscope %s`", " ".join(argv))
+        where = f"the traceback is in {logfile}" if logfile else "run with --verbose for the traceback"
+        err(f"internal error: {type(exc).__name__}: {exc} ({where}; please report it)")
+        return EXIT_INTERNAL

@@ -1,0 +1,66 @@
+"""``shardscope show``: one tensor's chunk table and value statistics, or a non-tensor entry's value."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardscope.backend.errors import EXIT_OK, CheckpointError
+from shardscope.backend.format import escape_name, human_bytes
+
+from .output import add_command
+
+
+def register(sub: Any) -> None:
+    sp = add_command(sub, "show", run, "Show one tensor: shape, dtype, chunk table and value statistics.")
+    sp.add_argument("path")
+    sp.add_argument("fqn")
+    sp.add_argument("--no-values", action="store_true", help="only the chunk table, read no values")
+    sp.add_argument("--json", action="store_true", help="also print the chunk table and statistics as JSON")
+    sp.add_argument("--no-cache", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.checkpoint.layout import coverage
+    from shardscope.backend.checkpoint.values import ChunkReader, small_value_repr, tensor_stats
+
+    ckpt = open_checkpoint(args.path, use_cache=not args.no_cache)
+    if not ckpt.has_tensor(args.fqn):
+        obj = next((o for o in ckpt.objects if o.fqn == args.fqn), None)
+        if obj is None:
+            close = [escape_name(t.fqn) for t in ckpt.tensors if args.fqn in t.fqn][:5]
+            hint = f"Did you mean: {', '.join(close)}?" if close else "List them with `shardscope inspect --tensors`."
+            raise CheckpointError(f"{escape_name(ckpt.path)}: no entry named {escape_name(args.fqn)!r}.",
+                                  path=ckpt.path, hint=hint)
+        with ChunkReader(ckpt) as reader:
+            value = reader.read_object(obj)
+        print(f"{escape_name(obj.fqn)}  (non-tensor entry in {escape_name(obj.file)}, "
+              f"bytes {obj.offset}..{obj.offset + obj.length})")
+        print(f"  value  {escape_name(small_value_repr(value, 2000))}")
+        return EXIT_OK
+    entry = ckpt.tensor(args.fqn)
+    cov = coverage(ckpt, entry)
+    print(escape_name(entry.fqn))
+    print(f"  dtype   {entry.dtype}\n  shape   {list(entry.shape)}\n  bytes   {human_bytes(entry.nbytes)}")
+    print(f"  chunks  {entry.chunk_count} from ranks {entry.ranks}; "
+          f"{'tile the tensor exactly' if cov.exact else 'DO NOT tile the tensor (see verify)'}")
+    print(f"  {'offsets':<16} {'sizes':<16} {'rank':>4}  {'file':<16} {'byte offset':>12} {'length':>10}")
+    for c in entry.chunks:
+        print(f"  {list(c.offsets)!s:<16} {list(c.sizes)!s:<16} {c.rank if c.rank is not None else '-':>4}  "
+              f"{escape_name(c.file):<16} {c.offset:>12} {c.length:>10}")
+    if args.no_values:
+        return EXIT_OK
+    with ChunkReader(ckpt) as reader:
+        tensor = reader.read_tensor(entry)
+    st = tensor_stats(tensor)
+    print("  values")
+    if st.min is None:
+        print("    no finite values")
+    else:
+        print(f"    min {st.min:.6g}  max {st.max:.6g}  mean {st.mean:.6g}  std {st.std:.6g}")
+    print(f"    NaN {st.nan}  Inf {st.inf}  zeros {st.zeros}  of {st.numel}")
+    if args.json:
+        print(json.dumps({"tensor": entry.to_json(), "stats": st.to_json()}))
+    return EXIT_OK

@@ -1,0 +1,41 @@
+"""``shardscope verify``: health of a checkpoint; ``--deep`` reads every byte and checks stored CRC32s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
+from shardscope.backend.format import escape_name
+
+from .output import TerminalProgress, add_command, print_problems
+
+DEEP_NOTE = " (deep: every item read; CRC32 checked where the format stores one)"
+
+
+def register(sub: Any) -> None:
+    sp = add_command(sub, "verify", run, "Check a checkpoint's health (exit 0 healthy, 1 problems, 2 unreadable).")
+    sp.add_argument("path")
+    sp.add_argument("--deep", action="store_true", help="read every item, check CRC32, dtype and shape")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--no-cache", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.checkpoint.verify import verify
+
+    ckpt = open_checkpoint(args.path, use_cache=not args.no_cache)
+    with TerminalProgress(enabled=args.deep and not args.json) as progress:
+        problems = verify(ckpt, deep=args.deep, progress=progress)
+    if args.json:
+        json.dump({"path": ckpt.path, "deep": args.deep, "healthy": not problems,
+                   "problems": [p.to_json() for p in problems]}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(f"{escape_name(ckpt.path)}: {len(ckpt.tensors)} tensors, {len(ckpt.chunk_table)} chunks, "
+              f"{len(ckpt.data_files)} files{DEEP_NOTE if args.deep else ''}")
+        print_problems(problems)
+    return EXIT_PROBLEMS if problems else EXIT_OK

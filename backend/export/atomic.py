@@ -1,0 +1,197 @@
+"""The one place an output comes into existence: a temporary name in the destination folder,
+fsync of file and folder, then a rename. On failure, cancel, SIGINT or SIGTERM the temporary is
+removed and the destination is untouched; leftovers of a ``kill -9`` are recognised by their
+name (``.shardscope-tmp-<pid>-<hex>``) and removed by the next run into that folder.
+
+NOTE: a URL destination would plug in here (stage locally, upload and commit in ``commit()``);
+until then it is refused with one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from ..checkpoint.storage import is_url
+from ..errors import Cancelled, ShardscopeError
+from ..format import human_bytes
+from ..procs import pid_alive
+from .plan import ExportError as OutputError
+
+TMP_PREFIX = ".shardscope-tmp-"
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_active: set[str] = set()  # temporaries of this process, removed by the signal handler
+_active_lock = threading.Lock()
+
+
+def remove_path(path: str) -> None:
+    """Remove a file or folder if it exists (never follows a symlinked folder)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def clean_leftovers(folder: str) -> list[str]:
+    """Remove temporaries in ``folder`` left by Shardscope processes that are gone (a kill -9)."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(TMP_PREFIX):
+            continue
+        pid_text = name[len(TMP_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if pid != os.getpid() and not pid_alive(pid):
+            remove_path(os.path.join(folder, name))
+            removed.append(name)
+    return removed
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a folder's entry list: makes a rename durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_error(dst: str, exc: OSError) -> OutputError:
+    """One line for an OS error while writing ``dst``."""
+    if exc.errno in _FULL:
+        return OutputError(f"{dst}: disk full while writing; nothing was written (the destination is untouched).")
+    return OutputError(f"{dst}: cannot write ({exc.strerror or exc}).")
+
+
+class AtomicOutput:
+    """Context manager: write into ``path`` (a file or a folder), then ``commit()``.
+
+    ``need_bytes`` is checked against the free space of the destination's file system first.
+    Signal handlers for SIGINT/SIGTERM are installed for the duration when running on the main
+    thread and restored on exit.
+    """
+
+    def __init__(self, dst: str, kind: str = "file", force: bool = False, need_bytes: int = 0,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        if is_url(dst):
+            raise OutputError(f"{dst}: export to a URL is not supported yet; write to a local path and upload it.")
+        self.dst = os.path.abspath(dst.rstrip("/") if kind == "dir" else dst)
+        self.kind = kind
+        self.force = force
+        self.need_bytes = need_bytes
+        self.storage_options = storage_options or {}
+        self.folder = os.path.dirname(self.dst)
+        self.path = os.path.join(self.folder, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(3)}")
+        self.committed = False
+        self._old_handlers: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ checks
+    def _check(self) -> None:
+        if os.path.lexists(self.dst) and not self.force:
+            raise OutputError(f"{self.dst} exists; give --force to overwrite it.")
+        if not os.path.isdir(self.folder):
+            raise OutputError(f"{self.folder}: the destination folder does not exist.")
+        if not os.access(self.folder, os.W_OK):
+            raise OutputError(f"{self.folder}: cannot write here (permission denied).")
+        free = shutil.disk_usage(self.folder).free
+        if self.need_bytes > free:
+            raise OutputError(f"{self.folder}: needs {human_bytes(self.need_bytes)} but only {human_bytes(free)} "
+                              "is free.")
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> AtomicOutput:
+        clean_leftovers(self.folder)
+        self._check()
+        with _active_lock:
+            _active.add(self.path)
+        self._install_handlers()
+        try:
+            if self.kind == "dir":
+                os.mkdir(self.path)
+            else:
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except OSError as exc:
+            self._discard()
+            raise write_error(self.dst, exc) from None
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if not self.committed:
+                self._discard()
+        finally:
+            self._restore_handlers()
+        if isinstance(exc, OSError) and not isinstance(exc, ShardscopeError):
+            raise write_error(self.dst, exc) from None
+
+    def commit(self) -> None:
+        """Make the temporary durable and give it the destination's name (replacing it with --force)."""
+        try:
+            if self.kind == "dir":
+                for name in os.listdir(self.path):
+                    fsync_path(os.path.join(self.path, name))
+            fsync_path(self.path)
+            if os.path.lexists(self.dst):
+                if os.path.isdir(self.dst) and not os.path.islink(self.dst):
+                    # a folder cannot be replaced in one step: move it aside under a temporary name first
+                    aside = f"{self.path}-old"
+                    os.rename(self.dst, aside)
+                    os.rename(self.path, self.dst)
+                    remove_path(aside)
+                else:
+                    os.replace(self.path, self.dst)
+            else:
+                os.rename(self.path, self.dst)
+            fsync_path(self.folder)
+        except OSError as exc:
+            raise write_error(self.dst, exc) from None
+        self.committed = True
+        with _active_lock:
+            _active.discard(self.path)
+
+    def _discard(self) -> None:
+        remove_path(self.path)
+        with _active_lock:
+            _active.discard(self.path)
+
+    # ------------------------------------------------------------------ signals
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal works on the main thread only; the GUI cancels through Progress
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        with _active_lock:
+            paths = list(_active)
+        for p in paths:  # at once: whatever happens next, no temporary stays behind
+            remove_path(p)
+        old = self._old_handlers.get(signum)
+        if callable(old):
+            old(signum, frame)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Cancelled(f"interrupted by {signal.Signals(signum).name}; nothing was written to {self.dst}")
+
+
+__all__ = ["TMP_PREFIX", "AtomicOutput", "clean_leftovers", "fsync_path", "remove_path",
+           "write_error"]

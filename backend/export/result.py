@@ -1,0 +1,45 @@
+"""The one result type of every writer (export, import, reshard)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..format import human_bytes
+
+
+@dataclass
+class ExportResult:
+    """What a writer did; ``verified`` is True only when every written byte range was re-read and
+    matched the source bytes (None: not verified; False: a mismatch, nothing was committed)."""
+
+    dst: str
+    files: list[str]
+    tensors: int
+    bytes: int
+    seconds: float
+    format: str = ""
+    ranks: int | None = None  # DCP outputs: written as this many ranks
+    left_out: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. the layout recognised
+    verified: bool | None = None
+    verified_what: str = ""  # what exactly was proven, printed after "verified:"
+    mismatches: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """The lines the CLI prints and the dialog shows."""
+        if self.verified is False:
+            return (f"VERIFICATION FAILED: {len(self.mismatches)} tensors differ from the source "
+                    f"({', '.join(self.mismatches[:5])}); nothing was written to {self.dst}.")
+        how = f" as {self.ranks} ranks" if self.ranks else ""
+        lines = [*self.notes,
+                 f"wrote {self.dst}: {self.tensors} tensors, {human_bytes(self.bytes)}{how} in {self.seconds:.1f} s"
+                 + (f" ({len(self.files)} files)" if len(self.files) > 1 else "")]
+        if self.verified:
+            lines.append(f"verified: {self.verified_what}")
+        lines += [f"left out: {note}" for note in self.left_out]
+        return "\n".join(lines)
+
+
+WriteResult = ExportResult
+
+__all__ = ["ExportResult", "WriteResult"]
