@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -24,16 +24,20 @@ from PySide6.QtWidgets import (
     QProgressDialog,
     QPushButton,
     QSplitter,
+    QTabBar,
     QTabWidget,
 )
 from shardscope.backend.checkpoint.storage import is_url
 from shardscope.backend.export.dcp_writer import import_file
 from shardscope.widgets.checkpoint_view import CheckpointView
 from shardscope.widgets.compare_view import CompareView
+from shardscope.widgets.help import help_topics, show_help
+from shardscope.widgets.library_view import LibraryView
 from shardscope.widgets.training_panel import TrainingPanel
 from shardscope.widgets.workers import run_in_background
 
-from .settings import add_recent, recent_paths, settings
+from .log import log_file
+from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
 
 
 class MainWindow(QMainWindow):
@@ -51,20 +55,15 @@ class MainWindow(QMainWindow):
         self.panes.addWidget(self.tabs)
         self.panes.addWidget(self.side_tabs)
         self.setCentralWidget(self.panes)
-        self.welcome = QLabel("<h2>Shardscope</h2><p>Open a checkpoint folder (Ctrl+O) or drop one here.</p>"
-                              "<p>A DCP folder holds <tt>.metadata</tt> and <tt>__R_N.distcp</tt> files; "
-                              "Lightning/Fabric folders also hold <tt>meta.pt</tt>.</p>")
-        self.welcome.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.welcome = self.library = self._make_library()  # the start page: every checkpoint of every run
         self.badge = QLabel("")
         self.statusBar().addPermanentWidget(self.badge)
         self._build_menus()
         self._show_welcome_if_empty()
-        s = settings()
-        geo = s.value("window/geometry")
-        if geo is not None:
-            self.restoreGeometry(geo)
-        else:
-            self.resize(1400, 900)
+        self.quiet = False  # True in --screenshot mode: no modal message boxes
+        geo = settings().value("window/geometry")
+        if geo is None or not self.restoreGeometry(geo):
+            self.resize(default_size(self))
 
     def _make_pane(self) -> QTabWidget:
         pane = QTabWidget()
@@ -89,8 +88,6 @@ class MainWindow(QMainWindow):
         dst = self.side_tabs if src is self.tabs else self.tabs
         title, tip = src.tabText(src.currentIndex()), src.tabToolTip(src.currentIndex())
         src.removeTab(src.currentIndex())
-        if dst.count() == 1 and dst.widget(0) is self.welcome:
-            dst.removeTab(0)
         idx = dst.addTab(view, title)
         dst.setTabToolTip(idx, tip)
         dst.setCurrentIndex(idx)
@@ -113,6 +110,11 @@ class MainWindow(QMainWindow):
         act.setShortcut(QKeySequence("F5"))
         act.triggered.connect(self.reload_current)
         file_menu.addAction(act)
+        act = QAction("&Verify contents (read every byte)", self)
+        act.setShortcut(QKeySequence("Ctrl+Shift+V"))
+        act.setToolTip("Read every stored item once and check its CRC32; findings go to the Health tab")
+        act.triggered.connect(self.verify_current)
+        file_menu.addAction(act)
         act = QAction("&Import .pt / .safetensors as DCP…", self)
         act.triggered.connect(self.import_dialog)
         file_menu.addAction(act)
@@ -131,10 +133,24 @@ class MainWindow(QMainWindow):
         act.setToolTip("Show two checkpoints side by side")
         act.triggered.connect(self.move_to_other_side)
         view_menu.addAction(act)
+        act = QAction("&Library", self)
+        act.setShortcut(QKeySequence("Ctrl+L"))
+        act.setToolTip("Every checkpoint of every run under your roots")
+        act.triggered.connect(self.show_library)
+        view_menu.addAction(act)
+        act = QAction("&Compare…", self)
+        act.setShortcut(QKeySequence("Ctrl+D"))
+        act.setToolTip("Compare the two checkpoints selected in the Library, or pick two")
+        act.triggered.connect(self.compare_action)
+        view_menu.addAction(act)
         run_menu = self.menuBar().addMenu("&Run")
         act = QAction("&Training panel", self)
         act.setShortcut(QKeySequence("Ctrl+T"))
         act.triggered.connect(lambda: self.training_panel())
+        run_menu.addAction(act)
+        act = QAction("Run the &demo", self)
+        act.setToolTip("Train a tiny model with FSDP on 2 CPU ranks, then open its last checkpoint")
+        act.triggered.connect(self.run_demo)
         run_menu.addAction(act)
         edit = self.menuBar().addMenu("&Edit")
         act = QAction("&Find", self)
@@ -142,8 +158,14 @@ class MainWindow(QMainWindow):
         act.triggered.connect(self._focus_filter)
         edit.addAction(act)
         help_menu = self.menuBar().addMenu("&Help")
-        help_menu.addAction("About Shardscope", lambda: QMessageBox.about(
-            self, "Shardscope", "Browse, train and export PyTorch distributed checkpoints."))
+        for topic in help_topics():
+            act = QAction(topic.title, self)
+            if topic.shortcut:
+                act.setShortcut(QKeySequence(topic.shortcut))
+            act.triggered.connect(lambda _c=False, t=topic.key: show_help(self, t, str(log_file())))
+            help_menu.addAction(act)
+        help_menu.addSeparator()
+        help_menu.addAction("&About Shardscope", lambda: show_help(self, "about"))
 
     def _fill_recent(self) -> None:
         self.recent_menu.clear()
@@ -177,8 +199,6 @@ class MainWindow(QMainWindow):
         view.loaded.connect(lambda _d, v=view: self._on_loaded(v))
         view.exportRequested.connect(self.export_current)
         pane = self._active
-        if pane.count() == 1 and pane.widget(0) is self.welcome:
-            pane.removeTab(0)
         idx = pane.addTab(view, Path(path).name or path)
         pane.setTabToolTip(idx, path)
         pane.setCurrentIndex(idx)
@@ -194,7 +214,7 @@ class MainWindow(QMainWindow):
 
     def _on_failed(self, view: CheckpointView, message: str) -> None:
         self.statusBar().showMessage("Could not open the checkpoint", 5000)
-        if not getattr(self, "_quiet", False):
+        if not self.quiet:
             QMessageBox.warning(self, "Cannot open checkpoint", f"{message}\n\nNothing was loaded or run; "
                                 "choose another folder with File › Open.")
         self._update_badge()
@@ -218,6 +238,20 @@ class MainWindow(QMainWindow):
         new = self.open_path(view.path)
         if selected:
             new.loaded.connect(lambda _d: new.select_path(selected))
+
+    def verify_current(self) -> None:
+        """Read every byte of the current checkpoint (in the background); findings go to its Health tab."""
+        view = self.current_view()
+        if view is None or view.data is None:
+            self.statusBar().showMessage("Open a checkpoint first, then verify its contents.", 5000)
+            return
+        view.verify_contents()
+
+    def run_demo(self) -> None:
+        """Start the demo run in the Training tab; its last checkpoint opens when it ends."""
+        from .first_run import start_demo
+
+        start_demo(self)
 
     def close_tab(self, idx: int, pane: QTabWidget | None = None) -> None:
         pane = pane or self.tabs
@@ -246,8 +280,6 @@ class MainWindow(QMainWindow):
             panel.openCheckpoint.connect(self.open_path)
             panel.compareRequested.connect(self.compare)
             pane = self.tabs
-            if pane.count() == 1 and pane.widget(0) is self.welcome:
-                pane.removeTab(0)
             pane.addTab(panel, "Training")
         for pane in (self.tabs, self.side_tabs):
             idx = pane.indexOf(panel)
@@ -262,17 +294,17 @@ class MainWindow(QMainWindow):
     def compare(self, path_a: str, path_b: str) -> CompareView:
         view = CompareView(path_a, path_b)
         pane = self._active
-        if pane.count() == 1 and pane.widget(0) is self.welcome:
-            pane.removeTab(0)
         idx = pane.addTab(view, f"{Path(path_a).name} ↔ {Path(path_b).name}")
         pane.setTabToolTip(idx, f"A: {path_a}\nB: {path_b}")
         pane.setCurrentIndex(idx)
         view.start()
         return view
 
-    def compare_dialog(self) -> None:
+    def compare_dialog(self) -> QDialog:
+        """Two pickers (A, B): open checkpoints first, then the Library's complete checkpoints."""
         paths = [v.path for v in self.all_views()]
-        dlg = QDialog(self)
+        paths += [p for p in reversed(self.library.known_paths()[:200]) if p not in paths]
+        dlg = self.compare_picker = QDialog(self)
         dlg.setWindowTitle("Compare two checkpoints")
         form = QFormLayout(dlg)
         boxes = []
@@ -293,8 +325,43 @@ class MainWindow(QMainWindow):
         buttons.accepted.connect(dlg.accept)
         buttons.rejected.connect(dlg.reject)
         form.addRow(buttons)
-        if dlg.exec() and boxes[0].currentText() and boxes[1].currentText():
-            self.compare(boxes[0].currentText(), boxes[1].currentText())
+        dlg.boxes = boxes
+
+        def accepted() -> None:
+            if boxes[0].currentText() and boxes[1].currentText():
+                self.compare(boxes[0].currentText(), boxes[1].currentText())
+
+        dlg.accepted.connect(accepted)
+        dlg.open()  # NOTE: not exec(): no nested event loop, and tests can fill the pickers
+        return dlg
+
+    # ------------------------------------------------------------------ library (start page)
+    def _make_library(self) -> LibraryView:
+        from shardscope.backend.runs.rundir import default_runs_root
+
+        lib = LibraryView(library_roots(), str(default_runs_root()))
+        lib.openRequested.connect(self.open_path)
+        lib.exportRequested.connect(self._export_path)
+        lib.compareRequested.connect(self.compare)
+        lib.openFolderRequested.connect(self.open_dialog)
+        lib.demoRequested.connect(self.run_demo)
+        lib.rootsChanged.connect(set_library_roots)
+        return lib
+
+    def show_library(self) -> None:
+        self._show_welcome_if_empty()
+        for pane in (self.tabs, self.side_tabs):
+            if pane.indexOf(self.library) >= 0:
+                pane.setCurrentWidget(self.library)
+
+    def compare_action(self) -> None:
+        """Ctrl+D / View › Compare: the two checkpoints selected in the Library, else two pickers."""
+        if not (self.library.isVisible() and self.library.compare_selected()):
+            self.compare_dialog()
+
+    def _export_path(self, path: str) -> None:
+        view = self.open_path(path)
+        view.loaded.connect(lambda _d: self.export_current(""))
 
     def _browse_into(self, box: QComboBox) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "A consolidated file (or cancel to pick a folder)", "",
@@ -347,8 +414,12 @@ class MainWindow(QMainWindow):
                 if isinstance(p.widget(i), CheckpointView)]
 
     def _show_welcome_if_empty(self) -> None:
-        if self.tabs.count() == 0 and self.side_tabs.count() == 0:
-            self.tabs.addTab(self.welcome, "Welcome")
+        """The Library stays the first tab (no close button); it comes back if it was moved away and closed."""
+        if self.tabs.indexOf(self.library) < 0 and self.side_tabs.indexOf(self.library) < 0:
+            self.tabs.insertTab(0, self.library, "Library")
+            self.tabs.tabBar().setTabButton(0, QTabBar.ButtonPosition.RightSide, None)
+            self.tabs.tabBar().setTabButton(0, QTabBar.ButtonPosition.LeftSide, None)
+        if self.tabs.count() == 1:
             self._active = self.tabs
 
     def export_current(self, prefix: str = "") -> None:
@@ -395,3 +466,10 @@ class MainWindow(QMainWindow):
         if getattr(self, "_training", None) is not None:
             self._training.shutdown()
         super().closeEvent(event)
+
+
+def default_size(window: QMainWindow) -> QSize:
+    """1400 x 900, or 90 % of a smaller screen (a 1366 x 768 laptop)."""
+    screen = window.screen() or QGuiApplication.primaryScreen()
+    avail = screen.availableGeometry().size() if screen is not None else QSize(1400, 900)
+    return QSize(min(1400, int(avail.width() * 0.9)), min(900, int(avail.height() * 0.9)))

@@ -23,3 +23,15 @@ def recent_paths() -> list[str]:
 def add_recent(path: str) -> None:
     recent = [p for p in recent_paths() if p != path]
     settings().setValue("recent", [path, *recent][:MAX_RECENT])
+
+
+def library_roots() -> list[str]:
+    """Folders the user added to the Library (the default runs directory is always shown too)."""
+    value = settings().value("library/roots", [])
+    if isinstance(value, str):
+        value = [value]
+    return [str(v) for v in (value or [])]
+
+
+def set_library_roots(roots: list[str]) -> None:
+    settings().setValue("library/roots", list(roots))

@@ -42,3 +42,20 @@ def escape_name(name: object) -> str:
     text = str(name)
     return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}" if ord(m.group()) > 0xFF else f"\\x{ord(m.group()):02x}",
                        text)
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(text: str) -> tuple:
+    """Sort key that orders numbers by value: ``__2`` before ``__10`` before ``__100``."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p.lower()) for p in _DIGITS.split(text) if p)
+
+
+def byte_unit(largest: float) -> tuple[float, str]:
+    """(divisor, name) of the binary unit in which ``largest`` bytes reads as 1 to 1023, so a plot axis
+    never needs an SI multiplier ("MiB written (x0.001)")."""
+    for power, name in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
+        if abs(largest) < 1024 ** (power + 1) or name == "TiB":
+            return float(1024**power), name
+    return float(1024**4), "TiB"

@@ -3,17 +3,50 @@
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 
-def pid_alive(pid: Any) -> bool:
-    """True if a process with this pid exists (also when it is another user's)."""
+def pid_alive(pid: Any, group: bool = False) -> bool:
+    """True if a process with this pid (or, with ``group``, a process group with this id) exists,
+    also when it is another user's."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
+        (os.killpg if group else os.kill)(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
     return True
+
+
+def send_signal(pid: int, sig: int, group: bool = False) -> None:
+    """Signal a process (or a process group); one that is already gone is not an error."""
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate_tree(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM to ``pid``'s process group and every descendant, SIGKILL to whatever is left after
+    ``grace`` seconds. Returns when none of them runs any more (zombies of our own children aside).
+
+    NOTE: torchrun starts its workers in sessions of their own, so signalling the group alone would
+    orphan them if torchrun dies first: every descendant is collected up front."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    send_signal(pid, signal.SIGTERM, group=True)
+    for p in family:
+        send_signal(p.pid, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(family, timeout=grace)
+    for p in alive:
+        send_signal(p.pid, signal.SIGKILL)
+    send_signal(pid, signal.SIGKILL, group=True)
+    psutil.wait_procs(alive, timeout=grace)

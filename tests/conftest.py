@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 def _isolated_cache(tmp_path_factory):
     os.environ["SHARDSCOPE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     os.environ["SHARDSCOPE_DATA_DIR"] = str(tmp_path_factory.mktemp("data"))
+    os.environ["SHARDSCOPE_LOG"] = str(tmp_path_factory.mktemp("log") / "shardscope.log")
 
 
 @pytest.fixture(scope="session")

@@ -118,7 +118,7 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={state}",
-            f"SlurmdSpoolDir={spool}/%n",
+            f"SlurmdSpoolDir={spool}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
             f"SlurmdPidFile={self.root / 'slurmd.pid'}",
             f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
@@ -140,9 +140,17 @@ class SlurmCluster:
             "",
         ]))
 
+    def jobs(self) -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env)
+        return out.stdout.split()
+
     def stop(self) -> None:
-        """Cancel every job, then stop the daemons (slurmd, slurmctld, munged) and wait for them."""
-        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)
+        """Cancel every job and wait for them to end, then stop the daemons (slurmd, slurmctld, munged)."""
+        if self.procs:
+            subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True)
+            deadline = time.monotonic() + 60
+            while self.jobs() and time.monotonic() < deadline:
+                time.sleep(0.5)
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -151,3 +159,15 @@ class SlurmCluster:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        self._reap_step_daemons()
+
+    def _reap_step_daemons(self) -> None:
+        """A slurmstepd of ours that outlived slurmd (it waits to report to it) is ended too."""
+        import psutil
+
+        for p in psutil.process_iter(["name"]):
+            try:
+                if p.info["name"] == "slurmstepd" and p.environ().get("SLURM_CONF") == str(self.conf):
+                    p.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue

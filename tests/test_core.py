@@ -14,7 +14,8 @@ import torch
 from conftest import run_cli
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.layout import coverage, rank_balance
-from shardscope.backend.checkpoint.values import ChunkReader, read_lightning_meta, tensor_stats
+from shardscope.backend.checkpoint.chunks import ChunkReader
+from shardscope.backend.checkpoint.values import read_lightning_meta, tensor_stats
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import CheckpointError, RefusedPickleError
 from torch_reference import flatten, torch_consolidated, torch_flat_tensors
@@ -198,10 +199,8 @@ def test_bit_rot_caught_by_deep_verify(copy_of):
     ckpt_path = copy_of("fsdp2_r2")
     ckpt = open_checkpoint(ckpt_path)
     chunk = ckpt.tensor("model.blocks.0.fc1.weight").chunks[0]
-    from shardscope.backend.checkpoint.items import FileHandles, parse_torch_item
-
-    with FileHandles(str(ckpt_path)) as h:
-        st = parse_torch_item(h, chunk.file, chunk.offset, chunk.length)
+    with ChunkReader(ckpt) as reader:
+        st = reader.locate("model.blocks.0.fc1.weight", chunk)
     f = ckpt_path / chunk.file
     data = bytearray(f.read_bytes())
     data[st.data_offset + 10] ^= 0x40
@@ -213,12 +212,13 @@ def test_bit_rot_caught_by_deep_verify(copy_of):
     assert proc.returncode == 1 and "CRC32" in proc.stdout
 
 
-def test_distcp_without_metadata_is_incomplete(copy_of):
+def test_distcp_without_metadata_cannot_be_read(copy_of):
     ckpt = copy_of("fsdp2_r2")
     (ckpt / ".metadata").unlink()
-    proc = run_cli("verify", "--json", ckpt)
-    assert proc.returncode == 1
-    assert [p["kind"] for p in json.loads(proc.stdout)["problems"]] == ["incomplete"]
+    for cmd in ("inspect", "verify"):
+        proc = run_cli(cmd, ckpt)
+        assert proc.returncode == 2, proc
+        assert "no .metadata" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_leftover_tmp_is_reported(copy_of):

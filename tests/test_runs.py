@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from shardscope.backend.checkpoint import open_checkpoint
-from shardscope.backend.runs.launcher import RunConfig, RunLauncher, checkpoints, read_metrics, read_status
+from shardscope.backend.runs.launcher import RunConfig, RunLauncher
+from shardscope.backend.runs.rundir import checkpoints, read_metrics, read_status
 from torch.distributed.checkpoint import FileSystemReader
 
 SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
@@ -27,7 +28,7 @@ def fsdp_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "fsdp"
     cfg = RunConfig(strategy="fsdp", nproc=2, steps=40, checkpoint_every=20, model=dict(SMALL, lr=1e-2))
     launcher = RunLauncher(run_dir, cfg).start()
-    assert launcher.wait(300) == 0, (run_dir / "logs" / "launcher.log").read_text()
+    assert launcher.wait(300)["state"] == "finished", (run_dir / "logs" / "launcher.log").read_text()
     return run_dir
 
 
@@ -38,7 +39,7 @@ def test_run_writes_metrics_and_learns(strategy, fsdp_run, tmp_path):
     else:
         run_dir = tmp_path / "ddp"
         cfg = RunConfig(strategy="ddp", nproc=2, steps=40, checkpoint_every=20, model=dict(SMALL, lr=1e-2))
-        assert RunLauncher(run_dir, cfg).start().wait(300) == 0
+        assert RunLauncher(run_dir, cfg).start().wait(300)["state"] == "finished"
     metrics = read_metrics(run_dir)
     assert sorted(metrics) == [0, 1]
     for rank, recs in metrics.items():
@@ -66,7 +67,7 @@ def test_resume_at_another_world_size(fsdp_run, tmp_path, world):
     cfg = RunConfig(strategy="fsdp", nproc=world, steps=21, checkpoint_every=21, resume=str(ck20),
                     model=dict(SMALL, lr=1e-2))
     launcher = RunLauncher(run_dir, cfg).start()
-    assert launcher.wait(300) == 0, (run_dir / "logs" / "rank_0.log").read_text()
+    assert launcher.wait(300)["state"] == "finished", (run_dir / "logs" / "rank_0.log").read_text()
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed[0]] == [21]  # step numbers continue from the checkpoint
     straight = read_metrics(fsdp_run)
@@ -84,7 +85,7 @@ def test_resume_at_another_world_size(fsdp_run, tmp_path, world):
 
 def test_runs_are_deterministic(fsdp_run, tmp_path):
     cfg = RunConfig(strategy="fsdp", nproc=2, steps=8, checkpoint_every=0, model=dict(SMALL, lr=1e-2))
-    assert RunLauncher(tmp_path / "again", cfg).start().wait(300) == 0
+    assert RunLauncher(tmp_path / "again", cfg).start().wait(300)["state"] == "finished"
     again = [r["loss"] for r in read_metrics(tmp_path / "again")[0]]
     assert again == [r["loss"] for r in read_metrics(fsdp_run)[0][:8]]
 

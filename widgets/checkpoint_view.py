@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QItemSelectionModel, QModelIndex, Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, QItemSelectionModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QLineEdit,
     QMenu,
-    QProgressBar,
+    QPushButton,
+    QSizePolicy,
     QSplitter,
     QTabWidget,
+    QToolButton,
     QTreeView,
     QVBoxLayout,
     QWidget,
@@ -22,6 +25,7 @@ from shardscope.backend.checkpoint.model import TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
 from shardscope.backend.format import human_bytes
 
+from .overlay import ProgressOverlay
 from .panels import HealthPanel, InspectorView, RanksView
 from .shard_map import ShardMapView, grid_shape, legend_html
 from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
@@ -35,7 +39,8 @@ class CheckpointView(QWidget):
     loaded = Signal(object)  # BrowseData, analysis done
     failed = Signal(str)
     statsReady = Signal(object)
-    selectionChanged = Signal(str)
+    valuesDone = Signal()  # a values load ended (statistics shown, an error, or cancelled)
+    contentsVerified = Signal(object)  # list[Problem] from "Verify contents", or None if it did not finish
     exportRequested = Signal(str)  # a prefix ("" for everything)
 
     def __init__(self, path: str, parent=None) -> None:
@@ -44,16 +49,18 @@ class CheckpointView(QWidget):
         self.data: BrowseData | None = None
         self._stats_worker: Worker | None = None
         self._load_worker: Worker | None = None
+        self._verify_worker: Worker | None = None
         self._selected: TreeNode | None = None
 
         layout = QVBoxLayout(self)
-        self.header = QLabel(f"Opening {path} …")
+        # NOTE: the header keeps a fixed two-line height (no word wrap), so nothing below it moves
+        # when "Opening …" becomes the summary; the full text is in its tooltip.
+        self.header = QLabel()
         self.header.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.header.setWordWrap(True)
+        self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.header.setFixedHeight(2 * self.fontMetrics().lineSpacing() + 4)
+        self._set_header(f"<b>{path}</b><br>Opening …")
         layout.addWidget(self.header)
-        self.load_progress = QProgressBar()
-        self.load_progress.setRange(0, 0)
-        layout.addWidget(self.load_progress)
 
         self.main_split = QSplitter(Qt.Orientation.Horizontal)
         left = QWidget()
@@ -65,12 +72,16 @@ class CheckpointView(QWidget):
         self.filter_edit.setClearButtonEnabled(True)
         self.filter_mode = QComboBox()
         self.filter_mode.addItems(list(TextFilterProxy.MODES))
+        # The rank filter shows as a chip in the filter row (not a banner above the tree: nothing moves).
+        self.rank_chip = QToolButton()
+        self.rank_chip.setToolTip("Only entries with chunks written by this rank; click to show all")
+        self.rank_chip.setFixedHeight(self.filter_edit.sizeHint().height())
+        self.rank_chip.clicked.connect(lambda: self.set_rank_filter(None))
+        self.rank_chip.hide()
         fl.addWidget(self.filter_edit, 1)
+        fl.addWidget(self.rank_chip)
         fl.addWidget(self.filter_mode)
         ll.addLayout(fl)
-        self.rank_label = QLabel("")
-        self.rank_label.hide()
-        ll.addWidget(self.rank_label)
 
         self.model = TensorTreeModel(parent=self)
         self.rank_proxy = RankFilterProxy(self)
@@ -105,10 +116,17 @@ class CheckpointView(QWidget):
         self.tabs.addTab(self.inspector, "Inspector")
         self.tabs.addTab(self.ranks, "Ranks")
         self.tabs.addTab(self.health, "Health")
+        self.verify_button = QPushButton("Verify contents")
+        self.verify_button.setToolTip("Read every stored item once and check its CRC32 (Ctrl+Shift+V); "
+                                      "findings go to the Health tab")
+        self.verify_button.setEnabled(False)
+        self.verify_button.clicked.connect(self.verify_contents)
+        self.tabs.setCornerWidget(self.verify_button)
         self.right_split.addWidget(self.tabs)
         self.right_split.setSizes([420, 300])
         self.main_split.addWidget(self.right_split)
-        self.main_split.setSizes([430, 900])
+        self.main_split.setSizes([480, 800])
+        self.main_split.setStretchFactor(1, 1)
         layout.addWidget(self.main_split, 1)
 
         self._filter_timer = QTimer(self)
@@ -123,33 +141,42 @@ class CheckpointView(QWidget):
         self.inspector.cancelRequested.connect(self.cancel_values)
         self.inspector.set_tensor(None)
         self.map.clear_map("Opening …")
+        # Progress floats over the bottom of the tree (never in the layout, so nothing moves).
+        self.progress = ProgressOverlay(self)
+        self.progress.cancelRequested.connect(self._cancel_background)
+        self.tree.installEventFilter(self)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.tree and event.type() in (QEvent.Type.Resize, QEvent.Type.Move, QEvent.Type.Show):
+            self._place_progress()
+        return super().eventFilter(watched, event)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._place_progress()
+
+    def _place_progress(self) -> None:
+        top_left = self.tree.mapTo(self, self.tree.rect().bottomLeft())
+        self.progress.place(top_left.x(), top_left.y(), self.tree.width())
+
+    def _set_header(self, text: str) -> None:
+        self.header.setText(text)
+        self.header.setToolTip(text.replace("<br>", "\n").replace("<b>", "").replace("</b>", ""))
 
     # ------------------------------------------------------------------ loading
     def load(self) -> None:
-        self.load_progress.show()
+        self.progress.start("reading metadata", cancellable=False)
         self._load_worker = run_in_background(
             load_tree, self.path, on_result=self._on_tree, on_error=self._on_failed,
-            on_progress=self._on_load_progress)
-
-    def _on_load_progress(self, done: int, total: int, message: str) -> None:
-        self.load_progress.setRange(0, total)
-        self.load_progress.setValue(done)
-        self.load_progress.setFormat(message)
+            on_progress=self.progress.set_progress)
 
     def _on_tree(self, data: BrowseData) -> None:
         """The tree goes up as soon as the metadata is read; the analysis follows in the background."""
         self.data = data
         ck = data.ckpt
-        kind = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)"}.get(ck.format, ck.format)
-        ranks = ck.ranks
-        self.header.setText(
-            f"<b>{ck.path}</b><br>{kind} · DCP version {ck.version or '?'} · {len(ck.tensors):,} tensors · "
-            f"{len(ck.chunk_table):,} chunks · {len(ranks)} writer ranks · {human_bytes(ck.total_bytes)}"
-            + (f" · save id <tt>{ck.save_id}</tt>" if ck.save_id else ""))
+        self._set_header(summary_html(ck))
         self.model.set_root(data.tree, {})
-        self.tree.setColumnWidth(0, 220)
-        for col, width in zip(range(1, 6), (70, 90, 75, 55, 60), strict=True):
-            self.tree.setColumnWidth(col, width)
+        self._size_columns()
         if data.tree.children and len(data.tree.children) <= 4:
             for r in range(self.proxy.rowCount()):
                 self.tree.expand(self.proxy.index(r, 0))
@@ -157,20 +184,38 @@ class CheckpointView(QWidget):
         self.health.set_problems_pending()
         self.treeReady.emit(data)
         self._load_worker = run_in_background(analyse, data, on_result=self._on_loaded, on_error=self._on_failed,
-                                              on_progress=self._on_load_progress)
+                                              on_progress=self.progress.set_progress)
+
+    def _size_columns(self) -> None:
+        """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
+        fm = self.tree.fontMetrics()
+        pad = 3 * fm.averageCharWidth()
+        samples = ("bfloat16", "4096×4096", "1023.9 MiB", "00000", "000–000")
+        header = self.tree.header()
+        header.setStretchLastSection(False)
+        header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
+        for col, text in enumerate(samples, start=1):
+            self.tree.setColumnWidth(col, fm.horizontalAdvance(text) + pad)
+        # NOTE: the name takes what is left, so the numbers are never cut; names elide in the middle
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.tree.setTextElideMode(Qt.TextElideMode.ElideMiddle)
 
     def _on_loaded(self, data: BrowseData) -> None:
-        self.load_progress.hide()
+        self.progress.finish()
         ck = data.ckpt
         self.model.set_values(data.values or {})
         self.ranks.set_checkpoint(ck, data.balance, data.heat)
-        self.health.set_problems(data.problems)
-        self.tabs.setTabText(2, "Health ✔" if not data.problems else f"Health ({len(data.problems)})")
+        self._show_problems(data.problems or [])
+        self.verify_button.setEnabled(True)
         self.loaded.emit(data)
 
+    def _show_problems(self, problems: list, deep: bool = False) -> None:
+        self.health.set_problems(problems, deep=deep)
+        self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems)})")
+
     def _on_failed(self, message: str) -> None:
-        self.load_progress.hide()
-        self.header.setText(f"<b>Cannot open {self.path}</b><br>{message}")
+        self.progress.finish()
+        self._set_header(f"<b>Cannot open {self.path}</b><br>{message}")
         self.map.clear_map("This folder could not be opened.")
         self.failed.emit(message)
 
@@ -203,7 +248,6 @@ class CheckpointView(QWidget):
                 self.inspector.title.setText(f"<b>{node.path}</b> = {value}")
         if self.ranks.selected_rank is not None:
             self.map.set_highlight_rank(self.ranks.selected_rank)
-        self.selectionChanged.emit(node.path)
 
     def select_path(self, path: str) -> bool:
         src = self.model.index_for_path(path)
@@ -238,6 +282,10 @@ class CheckpointView(QWidget):
         w.signals.finished.connect(lambda wk=w: self._stats_done(wk))
         self._stats_worker = w
 
+    def values_pending(self) -> bool:
+        """A values load is running (``valuesDone`` follows)."""
+        return self._stats_worker is not None
+
     def _on_stats(self, fqn: str, stats) -> None:
         if self._selected is not None and self._selected.path == fqn:
             self.inspector.set_stats(stats)
@@ -247,6 +295,7 @@ class CheckpointView(QWidget):
         if self._stats_worker is worker:
             self._stats_worker = None
             self.inspector.set_busy(False)
+            self.valuesDone.emit()
 
     def cancel_values(self) -> None:
         if self._stats_worker is not None:
@@ -265,8 +314,8 @@ class CheckpointView(QWidget):
         self.rank_proxy.set_rank(rank)
         self.ranks.selected_rank = rank
         self.map.set_highlight_rank(rank)
-        self.rank_label.setVisible(rank is not None)
-        self.rank_label.setText(f"Showing entries with chunks written by rank {rank} (click the bar again to clear)")
+        self.rank_chip.setVisible(rank is not None)
+        self.rank_chip.setText(f"rank {rank} ✕")
 
     def focus_filter(self) -> None:
         self.filter_edit.setFocus()
@@ -283,7 +332,54 @@ class CheckpointView(QWidget):
             menu.addAction("Copy name", lambda: QGuiApplication.clipboard().setText(node.path))
         menu.exec(self.tree.viewport().mapToGlobal(pos))
 
+    # ------------------------------------------------------------------ verify contents
+    def verify_contents(self) -> None:
+        """Read every stored item once with its CRC32 checked (in the background, with cancel);
+        the findings replace the Health tab's list."""
+        from shardscope.backend.checkpoint.verify import verify_contents
+
+        if self.data is None or self._verify_worker is not None:
+            return
+        self.verify_button.setEnabled(False)
+        self.health.set_problems_pending("Reading every stored item and checking its CRC32 …")
+        self.tabs.setCurrentWidget(self.health)
+        self.progress.start("verifying contents", cancellable=True)
+        w = run_in_background(verify_contents, self.data.ckpt, on_progress=self.progress.set_progress)
+        w.signals.returned.connect(self._on_verified)
+        w.signals.errored.connect(lambda msg: self._verify_ended(f"Verify contents stopped: {msg}"))
+        w.signals.cancelled.connect(lambda: self._verify_ended("Verify contents cancelled: nothing was concluded."))
+        self._verify_worker = w
+
+    def _on_verified(self, problems: list) -> None:
+        self._verify_worker = None
+        self.progress.finish()
+        self.verify_button.setEnabled(True)
+        self._show_problems(problems, deep=True)
+        self.contentsVerified.emit(problems)
+
+    def _verify_ended(self, message: str) -> None:
+        self._verify_worker = None
+        self.progress.finish()
+        self.verify_button.setEnabled(True)
+        self.health.set_problems(self.data.problems or [] if self.data else [], note=message)
+        self.contentsVerified.emit(None)
+
+    def _cancel_background(self) -> None:
+        if self._verify_worker is not None:
+            self._verify_worker.quit()
+
     def shutdown(self) -> None:
         self.cancel_values()
+        self._cancel_background()
         if self._load_worker is not None:
             self._load_worker.quit()
+
+
+def summary_html(ck) -> str:
+    """The header's two lines: path, then format, version (only when the file records one), sizes."""
+    kind = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)"}.get(ck.format, ck.format)
+    parts = [kind + (f" (format version {ck.version})" if ck.version else ""), f"{len(ck.tensors):,} tensors",
+             f"{len(ck.chunk_table):,} chunks", f"{len(ck.ranks)} writer ranks", human_bytes(ck.total_bytes)]
+    if ck.save_id:
+        parts.append(f"save id <tt>{ck.save_id}</tt>")
+    return f"<b>{ck.path}</b><br>" + " · ".join(parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import os
 
 from PySide6.QtCore import QStringListModel, Qt, QUrl, Signal
@@ -67,9 +68,16 @@ class ExportDialog(QDialog):
         self.only = QLineEdit(prefix)
         self.only.setPlaceholderText("prefixes, comma separated (empty: the format's default)")
         form.addRow("Only", self.only)
+        self.exclude = QLineEdit()
+        self.exclude.setPlaceholderText("prefixes to leave out, comma separated, e.g. model.lm_head")
+        form.addRow("Exclude", self.exclude)
         self.strip = QLineEdit(prefix + "." if prefix and "." not in prefix else "")
-        self.strip.setPlaceholderText("e.g. model.  (keys load straight into nn.Module.load_state_dict)")
+        self.strip.setPlaceholderText("empty: the layout's container (model.) for safetensors, so keys load "
+                                      "into the module")
         form.addRow("Strip prefix", self.strip)
+        self.rename = QLineEdit()
+        self.rename.setPlaceholderText("REGEX=REPLACEMENT rules separated by two spaces, applied in order")
+        form.addRow("Rename", self.rename)
         self.dtype = QComboBox()
         self.dtype.addItems(["keep", "bf16", "fp16", "fp32"])
         form.addRow("Floating-point dtype", self.dtype)
@@ -109,7 +117,7 @@ class ExportDialog(QDialog):
         self.close_button.clicked.connect(self.accept)
         layout.addWidget(self.buttons)
 
-        for w in (self.dst, self.shard, self.only, self.strip):
+        for w in (self.dst, self.shard, self.only, self.exclude, self.strip, self.rename):
             w.textChanged.connect(self.update_preview)
         for c in (self.format, self.dtype):
             c.currentIndexChanged.connect(self.update_preview)
@@ -133,9 +141,11 @@ class ExportDialog(QDialog):
         if limit and fmt != "safetensors":
             raise ExportError("A max shard size makes sharded safetensors; it does not apply to torch files.")
         only = [p.strip() for p in self.only.text().split(",") if p.strip()] or None
+        exclude = [p.strip() for p in self.exclude.text().split(",") if p.strip()] or None
+        rename = [r.strip() for r in self.rename.text().split("  ") if r.strip()] or None
         dtype = None if self.dtype.currentText() == "keep" else self.dtype.currentText()
-        return dst, fmt, {"only": only, "strip_prefix": self.strip.text() or None, "dtype": dtype,
-                          "max_shard_size": limit}
+        return dst, fmt, {"only": only, "exclude": exclude, "rename": rename,
+                          "strip_prefix": self.strip.text() or None, "dtype": dtype, "max_shard_size": limit}
 
     @property
     def resharding(self) -> bool:
@@ -143,7 +153,7 @@ class ExportDialog(QDialog):
 
     def update_preview(self) -> None:
         self.ranks.setEnabled(self.resharding)
-        for w in (self.shard, self.only, self.strip, self.dtype):
+        for w in (self.shard, self.only, self.exclude, self.strip, self.rename, self.dtype):
             w.setEnabled(not self.resharding)
         if self.resharding:
             ck = self.ckpt
@@ -161,13 +171,14 @@ class ExportDialog(QDialog):
         except ExportError as exc:
             self.plan = None
             self.keys.setStringList([])
-            self.summary.setText(f"<span style='color:#d62728'>{exc}</span>")
+            self.summary.setText(f"<span style='color:#d62728'>{html.escape(str(exc))}</span>")
             self.export_button.setEnabled(False)
             return
         plan = self.plan
         self.keys.setStringList([f"{it.key}    {it.dtype} {list(it.shape)}" for it in plan.items]
                                 + [f"{key}    (non-tensor)" for key, _ in plan.objects])
-        notes = "".join(f"<br>left out: {n}" for n in plan.left_out)
+        notes = "".join(f"<br>{html.escape(n)}" for n in plan.notes)
+        notes += "".join(f"<br>left out: {html.escape(n)}" for n in plan.left_out)
         if fmt == "safetensors" and plan.objects:
             notes += (f"<br>{len(plan.objects)} non-tensor entries go into the header's metadata where they are "
                       "scalars or strings; the rest are listed as left out after the export.")
@@ -207,7 +218,8 @@ class ExportDialog(QDialog):
         self._worker.signals.cancelled.connect(self._cancelled)
 
     def _on_progress(self, done: int, total: int, msg: str) -> None:
-        scale = max(1, total // 1_000_000)  # QProgressBar holds an int
+        # NOTE: sizes arrive as Python ints (Signal(object, ...)); QProgressBar holds a 32-bit int, so scale.
+        scale = max(1, total // 1_000_000)
         self.progress.setRange(0, max(1, total // scale))
         self.progress.setValue(done // scale)
         self.progress.setFormat(f"%p%  {human_bytes(done)} of {human_bytes(total)}")
@@ -223,7 +235,7 @@ class ExportDialog(QDialog):
     def _done(self, result: ExportResult) -> None:
         self.result = result
         self._set_running(False)
-        self.message.setText(result.summary().replace("\n", "<br>"))
+        self.message.setText(html.escape(result.summary()).replace("\n", "<br>"))
         self.message.setStyleSheet("" if result.verified is not False else "color: #d62728;")
         ok = result.verified is not False
         self.show_button.setVisible(ok)
@@ -233,7 +245,7 @@ class ExportDialog(QDialog):
 
     def _failed(self, message: str) -> None:
         self._set_running(False)
-        self.message.setText(f"<span style='color:#d62728'>{message}</span><br>Nothing was written to the "
+        self.message.setText(f"<span style='color:#d62728'>{html.escape(message)}</span><br>Nothing was written to the "
                              "destination.")
         self.finished_export.emit(None)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -10,6 +13,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QCheckBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -17,96 +21,259 @@ from PySide6.QtWidgets import (
     QListWidgetItem,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
+    QToolTip,
     QVBoxLayout,
     QWidget,
 )
 from shardscope.backend.checkpoint.model import Checkpoint, Problem, TensorEntry
-from shardscope.backend.format import human_bytes
+from shardscope.backend.format import byte_unit, human_bytes, natural_key
 
 from .palette import rank_color
+from .plot_style import CategoryAxis, themed_plot
+
+DOMINANCE = 20.0  # the largest rank writes this many times the median: switch to a log scale
+LABELLED_BARS = 32  # chunk counts written on the bars up to this many ranks (else: hover)
+NAME_CHARS = 26  # tensor names on the heat map's axis are elided in the middle to this many characters
 
 
-def _plot_widget() -> pg.PlotWidget:
-    w = pg.PlotWidget()
-    pal = QGuiApplication.palette()
-    w.setBackground(pal.base().color())
-    for axis in ("left", "bottom"):
-        w.getAxis(axis).setTextPen(pal.text().color())
-        w.getAxis(axis).setPen(pal.mid().color())
-    return w
+@dataclass
+class RankData:
+    """What the ranks view draws, in plain numbers (tests and hover read this)."""
+
+    ranks: list[int] = field(default_factory=list)  # writer ranks, in column order
+    bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    chunks: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    tensors: list[str] = field(default_factory=list)  # heat-map rows
+    heat: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # tensors x ranks, bytes
+
+    def dominated(self) -> bool:
+        """One rank writes far more than a typical one (a linear scale would hide the rest)."""
+        nonzero = self.bytes[self.bytes > 0]
+        return nonzero.size > 1 and float(nonzero.max()) > DOMINANCE * float(np.median(nonzero))
+
+    def bar_text(self, i: int) -> str:
+        total = float(self.bytes.sum()) or 1.0
+        return (f"rank {self.ranks[i]}: {human_bytes(int(self.bytes[i]))} in {int(self.chunks[i]):,} chunks "
+                f"({100 * self.bytes[i] / total:.1f} % of all tensor bytes)")
+
+    def cell_text(self, row: int, col: int) -> str:
+        return f"{self.tensors[row]} · rank {self.ranks[col]}: {human_bytes(int(self.heat[row, col]))}"
 
 
 class RanksView(QWidget):
-    """Per-rank bytes and chunk counts (balance), per-file sizes, tensors × ranks heat map."""
+    """Per-rank bytes and chunk counts (balance), per-file sizes, and a tensors × ranks heat map with a
+    colour scale. Legible from 2 to 512+ ranks: labels only where they fit, exact values on hover
+    (one handler per plot, no per-item tooltips), a log scale when one rank dominates."""
 
     rankClicked = Signal(object)  # int, or None to clear
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
         layout = QVBoxLayout(self)
-        self.note = QLabel("Ranks are <b>writer</b> ranks: DCP writes a replicated tensor once, so a "
-                           "rank here wrote a chunk; other ranks may have held the same values.")
-        self.note.setWordWrap(True)
-        layout.addWidget(self.note)
-        split = QSplitter(Qt.Orientation.Horizontal)
-        self.bars = _plot_widget()
-        self.bars.setLabel("left", "MiB written")
-        self.bars.setLabel("bottom", "rank (click to highlight)")
+        layout.setContentsMargins(4, 4, 4, 4)
+        top = QHBoxLayout()
+        # One line that says what the ranks are, and then what is under the pointer (exact values).
+        self.note_text = ("<b>Writer</b> ranks (DCP writes a replicated tensor once). Click a bar to filter the tree; "
+                          "hover for exact values.")
+        self.hover = QLabel(self.note_text)
+        self.hover.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        top.addWidget(self.hover, 1)
+        self.log_box = QCheckBox("log scale")
+        self.log_box.setToolTip("Bytes on a logarithmic scale (on by itself when one rank writes over "
+                                f"{DOMINANCE:.0f}× the median)")
+        self.log_box.toggled.connect(lambda _on: self._draw())
+        top.addWidget(self.log_box)
+        layout.addLayout(top)
+        self.bar_axis = CategoryAxis("bottom")
+        self.bars = themed_plot(bottom=self.bar_axis)
+        self.bars.setLabel("bottom", "writer rank")
+        self.bars.setMouseEnabled(x=True, y=False)
         self.bars.scene().sigMouseClicked.connect(self._clicked)
-        split.addWidget(self.bars)
-        self.heat = _plot_widget()
-        self.heat.setLabel("bottom", "rank")
-        self.heat.setLabel("left", "tensor")
+        self.bars.scene().sigMouseMoved.connect(self._hover_bars)
+        self.heat_x = CategoryAxis("bottom")
+        self.heat_y = CategoryAxis("left")
+        self.heat = themed_plot(bottom=self.heat_x, left=self.heat_y)
+        self.heat.setLabel("bottom", "writer rank")
+        self.heat.getPlotItem().invertY(True)  # first tensor at the top, as in the tree
         self.heat_image = pg.ImageItem()
         self.heat.addItem(self.heat_image)
-        split.addWidget(self.heat)
+        self.heat_bar = pg.ColorBarItem(colorMap=pg.colormap.get("viridis"), interactive=False, width=14)
+        self.heat_bar.setImageItem(self.heat_image, insert_in=self.heat.getPlotItem())
+        self.heat_bar.axis.enableAutoSIPrefix(False)
+        self.heat_bar.axis.tickStrings = self._colour_ticks  # bytes with units, never "x1e6"
+        self.heat.scene().sigMouseMoved.connect(self._hover_heat)
         self.files = QTableWidget(0, 3)
         self.files.setHorizontalHeaderLabels(["file", "rank", "size"])
-        self.files.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.files.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        split.addWidget(self.files)
-        layout.addWidget(split)
-        self.ranks: list[int] = []
-        self.bar_heights: list[float] = []
+        self.files.verticalHeader().hide()
+        self.files.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
+        left = QSplitter(Qt.Orientation.Vertical)
+        left.addWidget(self.bars)
+        left.addWidget(self.files)
+        left.setSizes([300, 160])
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(left)
+        split.addWidget(self.heat)
+        split.setSizes([500, 600])
+        layout.addWidget(split, 1)
+        self.bars.getPlotItem().vb.sigResized.connect(lambda _vb: self._fit_bars())
+        self.data = RankData()
+        self._bar_span = (0.0, 1.0)
         self.selected_rank: int | None = None
+        self._unit = (1.0, "B")
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.data.ranks
 
     def set_checkpoint(self, ckpt: Checkpoint, balance: list, heat: tuple[list[int], np.ndarray]) -> None:
-        self.bars.clear()
-        ranks = [b for b in balance if b.rank >= 0] or balance
-        self.ranks = [b.rank for b in ranks]
-        self.bar_heights = [b.bytes / 2**20 for b in ranks]
-        brushes = [rank_color(r) for r in self.ranks]
-        self.bars.addItem(pg.BarGraphItem(x=list(range(len(ranks))), height=self.bar_heights, width=0.8,
-                                          brushes=brushes))
-        for i, b in enumerate(ranks):
-            t = pg.TextItem(f"{b.chunks} ch", anchor=(0.5, 1), color=QGuiApplication.palette().text().color())
-            t.setPos(i, self.bar_heights[i])
-            self.bars.addItem(t)
-        ax = self.bars.getAxis("bottom")
-        step = max(1, len(ranks) // 16)
-        ax.setTicks([[(i, str(r)) for i, r in enumerate(self.ranks) if i % step == 0]])
+        per_rank = {b.rank: b for b in balance if b.rank >= 0}
         hr, mat = heat
-        if mat.size:
-            self.heat_image.setImage(mat.T.astype(np.float64), autoLevels=True)
-            self.heat_image.setColorMap(pg.colormap.get("viridis"))
-            self.heat.getAxis("bottom").setTicks([[(i + 0.5, str(r)) for i, r in enumerate(hr)
-                                                   if i % max(1, len(hr) // 16) == 0]])
-        files = ckpt.data_files
+        ranks = list(hr) if mat.size else sorted(per_rank)
+        self.data = RankData(
+            ranks, np.array([per_rank[r].bytes if r in per_rank else 0 for r in ranks], np.float64),
+            np.array([per_rank[r].chunks if r in per_rank else 0 for r in ranks], np.int64),
+            [t.fqn for t in ckpt.tensors], np.asarray(mat, np.float64))
+        self.log_box.blockSignals(True)
+        self.log_box.setChecked(self.data.dominated())
+        self.log_box.blockSignals(False)
+        self._draw()
+        self._fill_files(ckpt)
+
+    def _draw(self) -> None:
+        self._draw_bars()
+        self._draw_heat()
+
+    def _scaled(self, values: np.ndarray, floor: float) -> np.ndarray:
+        """Bytes as drawn: in the chosen unit, or log10(bytes) (zeros at ``floor``)."""
+        if self.log_box.isChecked():
+            with np.errstate(divide="ignore"):
+                return np.where(values > 0, np.log10(np.maximum(values, 1)), floor)
+        return values / self._unit[0]
+
+    def _draw_bars(self) -> None:
+        d = self.data
+        self.bars.clear()
+        n = len(d.ranks)
+        fm = self.fontMetrics()
+        self.bar_axis.set_categories(n, lambda i: str(d.ranks[i]),
+                                     fm.horizontalAdvance(str(max(d.ranks, default=0))) + 14)
+        if not n:
+            return
+        log = self.log_box.isChecked()
+        self._unit = byte_unit(float(d.bytes.max()))
+        floor = math.floor(math.log10(max(1.0, float(d.bytes[d.bytes > 0].min(initial=1))))) if log else 0.0
+        heights = self._scaled(d.bytes, floor) - floor
+        self.bars.addItem(pg.BarGraphItem(x=np.arange(n), height=heights, y0=floor, width=0.8 if n <= 64 else 1.0,
+                                          brushes=[rank_color(r) for r in d.ranks], pen=None if n > 64 else "k"))
+        top = float((heights + floor).max()) if n else 1.0
+        span = max(top - floor, 1e-9)
+        left = self.bars.getAxis("left")
+        if log:
+            left.setLabel("bytes written (log scale)")
+            left.tickStrings = lambda values, _s, _sp: [human_bytes(10**v) for v in values]
+        else:
+            left.setLabel(f"{self._unit[1]} written")
+            left.tickStrings = lambda values, s, sp: pg.AxisItem.tickStrings(left, values, s, sp)
+        left.picture = None
+        if n <= LABELLED_BARS:
+            color = QGuiApplication.palette().text().color()
+            for i in range(n):
+                t = pg.TextItem(f"{int(d.chunks[i]):,} ch", anchor=(0.5, 1), color=color)
+                t.setPos(i, float(heights[i] + floor))
+                self.bars.addItem(t)
+        self._bar_span = (floor, span)
+        self._fit_bars()
+        self.bars.setXRange(-0.6, n - 0.4, padding=0)
+
+    def _fit_bars(self) -> None:
+        """Y range with room above the tallest bar for its chunk-count label, in pixels (never cut off)."""
+        floor, span = self._bar_span
+        plot_px = max(1.0, self.bars.getPlotItem().vb.height())
+        label_px = self.fontMetrics().height() + 6 if len(self.data.ranks) <= LABELLED_BARS else 4
+        frac = min(0.5, label_px / plot_px)
+        self.bars.setYRange(floor, floor + span / (1 - frac), padding=0)
+
+    def _draw_heat(self) -> None:
+        d = self.data
+        if not d.heat.size:
+            self.heat_image.clear()
+            return
+        rows, cols = d.heat.shape
+        fm = self.fontMetrics()
+        self.heat_x.set_categories(cols, lambda i: str(d.ranks[i]),
+                                   fm.horizontalAdvance(str(max(d.ranks, default=0))) + 14)
+        short = [fm.elidedText(name, Qt.TextElideMode.ElideMiddle, fm.averageCharWidth() * NAME_CHARS)
+                 for name in d.tensors]
+        self.heat_y.set_categories(rows, lambda i: short[i], fm.lineSpacing() + 2)
+        self.heat_y.setWidth(fm.averageCharWidth() * NAME_CHARS + 12)
+        log = self.log_box.isChecked()
+        nonzero = d.heat[d.heat > 0]
+        floor = math.log10(float(nonzero.min())) - 0.3 if (log and nonzero.size) else 0.0
+        img = self._scaled(d.heat, floor)
+        self.heat_image.setImage(img.T, autoLevels=False)  # NOTE: ImageItem is column-major: x = rank
+        self.heat_image.setRect(-0.5, -0.5, cols, rows)  # cell (row, col) centred on whole numbers
+        lo, hi = (floor, float(img.max())) if log else (0.0, float(img.max()))
+        self.heat_bar.setLevels((lo, hi if hi > lo else lo + 1))
+        self.heat_bar.axis.setLabel("bytes written (log)" if log else f"{self._unit[1]} written")
+        self.heat.setXRange(-0.5, cols - 0.5, padding=0)
+        self.heat.setYRange(-0.5, rows - 0.5, padding=0)
+
+    def _colour_ticks(self, values, _scale, _spacing) -> list[str]:
+        if self.log_box.isChecked():
+            return [human_bytes(10**v) for v in values]
+        return [f"{v:g}" for v in values]
+
+    def _fill_files(self, ckpt: Checkpoint) -> None:
+        files = sorted(ckpt.data_files, key=lambda f: natural_key(f.name))
         self.files.setRowCount(len(files))
         for i, f in enumerate(files):
             for j, v in enumerate((f.name, "" if f.rank is None else str(f.rank),
                                    "MISSING" if f.bytes is None else human_bytes(f.bytes))):
-                self.files.setItem(i, j, QTableWidgetItem(v))
+                item = QTableWidgetItem(v)
+                if j:
+                    item.setTextAlignment(int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter))
+                self.files.setItem(i, j, item)
+        self.files.resizeColumnsToContents()
+
+    # ------------------------------------------------------------------ hover and click
+    def bar_at(self, scene_pos) -> int | None:
+        """The column (index into ``ranks``) under a scene position of the bar plot."""
+        pos = self.bars.getPlotItem().vb.mapSceneToView(scene_pos)
+        i = round(pos.x())
+        return i if 0 <= i < len(self.data.ranks) and abs(pos.x() - i) <= 0.5 else None
+
+    def cell_at(self, scene_pos) -> tuple[int, int] | None:
+        """(tensor row, rank column) of the heat-map cell under a scene position."""
+        pos = self.heat.getPlotItem().vb.mapSceneToView(scene_pos)
+        row, col = round(pos.y()), round(pos.x())
+        rows, cols = self.data.heat.shape if self.data.heat.size else (0, 0)
+        return (row, col) if 0 <= row < rows and 0 <= col < cols else None
+
+    def _show_hover(self, text: str, plot: pg.PlotWidget, scene_pos) -> None:
+        self.hover.setText(text or self.note_text)
+        if text:
+            QToolTip.showText(plot.mapToGlobal(plot.mapFromScene(scene_pos)), text, plot)
+        else:
+            QToolTip.hideText()
+
+    def _hover_bars(self, scene_pos) -> None:
+        i = self.bar_at(scene_pos)
+        self._show_hover("" if i is None else self.data.bar_text(i), self.bars, scene_pos)
+
+    def _hover_heat(self, scene_pos) -> None:
+        cell = self.cell_at(scene_pos)
+        self._show_hover("" if cell is None else self.data.cell_text(*cell), self.heat, scene_pos)
 
     def _clicked(self, event: Any) -> None:
-        vb = self.bars.getPlotItem().vb
-        pos = vb.mapSceneToView(event.scenePos())
-        i = round(pos.x())
-        if 0 <= i < len(self.ranks) and 0 <= pos.y() <= max(self.bar_heights or [0]) * 1.1:
-            rank = self.ranks[i]
+        i = self.bar_at(event.scenePos())
+        if i is not None:
+            rank = self.data.ranks[i]
             self.select_rank(None if rank == self.selected_rank else rank)
 
     def select_rank(self, rank: int | None) -> None:
@@ -147,24 +314,37 @@ class InspectorView(QWidget):
         self.stats.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.stats.setAlignment(Qt.AlignmentFlag.AlignTop)
         ll.addWidget(self.stats)
-        self.hist = _plot_widget()
+        self.hist = themed_plot()
         self.hist.setLabel("bottom", "value")
         self.hist.setLabel("left", "count")
+        self.hist.setMinimumWidth(160)
+        self.hist.hide()  # shown with statistics only: no empty axes left from the previous tensor
         ll.addWidget(self.hist, 1)
+        self.read_note = QLabel("")
+        self.read_note.setStyleSheet("color: palette(mid);")
+        ll.addWidget(self.read_note)
         split.addWidget(left)
         self.chunks = QTableWidget(0, 6)
         self.chunks.setHorizontalHeaderLabels(["offsets", "sizes", "rank", "file", "byte offset", "length"])
         self.chunks.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.chunks.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.chunks.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        self.chunks.verticalHeader().hide()
+        self.chunks.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
         split.addWidget(self.chunks)
+        split.setStretchFactor(0, 2)
+        split.setStretchFactor(1, 3)  # the chunk table's six columns get the larger share
         layout.addWidget(split, 1)
         self.last_stats: Any = None
+        self._started = 0.0
 
     def set_tensor(self, entry: TensorEntry | None) -> None:
         self.last_stats = None
         self.hist.clear()
+        self.hist.hide()
         self.stats.setText("")
+        self.read_note.setText("")
+        self.load_button.setText("Load values")
         if entry is None:
             self.title.setText("No tensor selected")
             self.chunks.setRowCount(0)
@@ -181,6 +361,8 @@ class InspectorView(QWidget):
                 item = QTableWidgetItem(v)
                 if j == 2:
                     item.setBackground(rank_color(c.rank))
+                if j >= 4:
+                    item.setTextAlignment(int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter))
                 self.chunks.setItem(i, j, item)
 
     def set_busy(self, busy: bool) -> None:
@@ -189,14 +371,21 @@ class InspectorView(QWidget):
         self.load_button.setVisible(not busy)
         if busy:
             self.progress.setRange(0, 0)
+            self._started = time.monotonic()
+            if self.last_stats is not None:  # a reload: say so, so the click visibly does something
+                self.read_note.setText("Reading the values again from disk …")
 
     def set_progress(self, done: int, total: int, _msg: str) -> None:
         self.progress.setRange(0, max(total, 1))
         self.progress.setValue(done)
 
     def set_stats(self, stats: Any) -> None:
+        again = self.last_stats is not None
         self.last_stats = stats
         self.hist.clear()
+        self.load_button.setText("Reload values")
+        self.read_note.setText(f"{'Read again' if again else 'Read'} from disk at {time.strftime('%H:%M:%S')} "
+                               f"in {time.monotonic() - self._started:.2f} s")
         if stats.min is None:
             self.stats.setText(f"No finite values. NaN {stats.nan:,}, Inf {stats.inf:,} of {stats.numel:,}.")
             return
@@ -206,8 +395,10 @@ class InspectorView(QWidget):
             f"<tr><td>NaN</td><td>{stats.nan:,}</td><td>&nbsp;Inf</td><td>{stats.inf:,}</td></tr>"
             f"<tr><td>zeros</td><td>{stats.zeros:,}</td><td>&nbsp;elements</td><td>{stats.numel:,}</td></tr></table>")
         if stats.hist_counts:
+            self.hist.show()
             self.hist.plot(stats.hist_edges, stats.hist_counts, stepMode="center", fillLevel=0,
                            brush=(78, 121, 167, 160), pen=pg.mkPen("#4e79a7"))
+            self.hist.getPlotItem().enableAutoRange()
 
     def show_message(self, text: str) -> None:
         self.stats.setText(text)
@@ -240,18 +431,26 @@ class HealthPanel(QListWidget):
         self.itemClicked.connect(self._clicked)
         self.problems: list[Problem] = []
 
-    def set_problems_pending(self) -> None:
+    def set_problems_pending(self, message: str = "Checking files and layout …") -> None:
         self.clear()
         self.problems = []
-        self.addItem(QListWidgetItem("Checking files and layout …"))
+        self.addItem(QListWidgetItem(message))
 
-    def set_problems(self, problems: list[Problem]) -> None:
+    def set_problems(self, problems: list[Problem], deep: bool = False, note: str = "") -> None:
+        """``deep``: the list comes from Verify contents (every stored byte read and its CRC32 checked)."""
         self.clear()
         self.problems = list(problems)
+        if note:
+            self.addItem(QListWidgetItem(note))
         if not problems:
-            item = QListWidgetItem("✔ Healthy: every file present and long enough, every tensor tiled exactly.")
-            self.addItem(item)
+            self.addItem(QListWidgetItem(
+                "✔ Contents verified: every stored item read once and its CRC32 matched; every file present, "
+                "every tensor tiled exactly." if deep else
+                "✔ Healthy: every file present and long enough, every tensor tiled exactly. (Bytes not read: "
+                "Verify contents reads every item and checks its CRC32.)"))
             return
+        if deep:
+            self.addItem(QListWidgetItem(f"Verify contents read every stored item: {len(problems):,} problems"))
         for p in problems[:MAX_LISTED]:
             item = QListWidgetItem(f"[{p.kind}] {p.message}")
             item.setData(Qt.ItemDataRole.UserRole, p.fqn)

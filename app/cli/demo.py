@@ -23,7 +23,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.verify import verify
-    from shardscope.backend.runs.launcher import checkpoints
+    from shardscope.backend.runs.rundir import checkpoints
 
     code, run_dir = follow_run(args)
     if code != EXIT_OK:

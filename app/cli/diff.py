@@ -10,6 +10,7 @@ from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 from shardscope.backend.format import escape_name
 
 from .output import TerminalProgress, add_command
+from .storage_options import add_storage_options, folder
 
 
 def register(sub: Any) -> None:
@@ -19,12 +20,14 @@ def register(sub: Any) -> None:
     sp.add_argument("b")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     sp.add_argument("--all", action="store_true", help="list every changed entry (default: the first 50)")
+    add_storage_options(sp)
 
 
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.compare import diff, open_source
 
-    with open_source(args.a) as a, open_source(args.b) as b, TerminalProgress(enabled=not args.json) as progress:
+    with open_source(folder(args, args.a)) as a, open_source(folder(args, args.b)) as b, \
+            TerminalProgress(enabled=not args.json) as progress:
         result = diff(a, b, progress)
     code = EXIT_PROBLEMS if result.differs else EXIT_OK
     if args.json:

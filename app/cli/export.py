@@ -8,6 +8,7 @@ from typing import Any
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 
 from .output import TerminalProgress, add_command
+from .storage_options import add_storage_options, folder, storage_options
 
 
 def register(sub: Any) -> None:
@@ -17,30 +18,45 @@ def register(sub: Any) -> None:
     sp.add_argument("dst", help="output: X.safetensors, X.pt/.pth/.bin, or a folder with --max-shard-size")
     sp.add_argument("--format", choices=("safetensors", "torch"), help="default: from the destination's name")
     sp.add_argument("--only", action="append", metavar="PREFIX",
-                    help="export entries under this prefix (repeatable); safetensors default: model.* if present")
-    sp.add_argument("--strip-prefix", metavar="PREFIX", help="remove this from every key, e.g. 'model.'")
+                    help="export entries under this prefix (repeatable); safetensors default: the model weights of "
+                    "the recognised layout (torch DCP, Lightning, torchtitan, accelerate FSDP, Megatron)")
+    sp.add_argument("--exclude", action="append", metavar="PREFIX", help="leave out entries under this prefix "
+                    "(repeatable)")
+    sp.add_argument("--rename", action="append", metavar="REGEX=REPLACEMENT",
+                    help="rename keys (repeatable, applied in order, checked for collisions), e.g. "
+                    "'^tok_embeddings\\.=model.embed_tokens.'")
+    sp.add_argument("--strip-prefix", metavar="PREFIX", help="remove this from every key (default for safetensors: "
+                    "the layout's container, e.g. 'model.'; give '' to keep every key as stored)")
+    sp.add_argument("--config", metavar="CONFIG_JSON", help="copy this config.json next to a sharded export, so "
+                    "from_pretrained loads the folder as it is")
+    sp.add_argument("--record-source", action="store_true", help="write the source path into the output's metadata")
     sp.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16 or fp32")
     sp.add_argument("--max-shard-size", metavar="SIZE", help="sharded safetensors, e.g. 5GB or 500MB")
     sp.add_argument("--no-verify", action="store_true", help="skip re-reading the output to compare")
     sp.add_argument("--force", action="store_true", help="overwrite the destination")
+    add_storage_options(sp)
 
 
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.export import ExportError, export, format_for, plan_export
+    from shardscope.backend.export.layouts import find_model_folder
     from shardscope.backend.format import parse_size
 
     try:
         limit = parse_size(args.max_shard_size) if args.max_shard_size else None
     except ValueError as exc:
         raise ExportError(str(exc)) from None
-    ckpt = open_checkpoint(args.src)
+    src, note = find_model_folder(args.src)
+    ckpt = open_checkpoint(folder(args, src))
     fmt = format_for(args.dst, args.format, limit)
     if limit and fmt != "safetensors":
         raise ExportError("--max-shard-size makes sharded safetensors; it does not apply to torch files.")
     plan = plan_export(ckpt, fmt, only=args.only, strip_prefix=args.strip_prefix, dtype=args.dtype,
-                       max_shard_size=limit)
+                       max_shard_size=limit, exclude=args.exclude, rename=args.rename, config=args.config,
+                       record_source=args.record_source)
     with TerminalProgress(unit="bytes") as progress:
-        result = export(plan, args.dst, force=args.force, verify=not args.no_verify, progress=progress)
-    print(result.summary())
+        result = export(plan, args.dst, force=args.force, verify=not args.no_verify, progress=progress,
+                        storage_options=storage_options(args))
+    print("\n".join(([note] if note else []) + [result.summary()]))
     return EXIT_PROBLEMS if result.verified is False else EXIT_OK

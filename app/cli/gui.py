@@ -36,6 +36,6 @@ def run(args: argparse.Namespace) -> int:
               "  on your desktop (it reads fsspec URLs and run folders on shared storage), or render a picture\n"
               "  with QT_QPA_PLATFORM=offscreen and --screenshot FILE.png.", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from shardscope.app.main_window import run as run_window
+    from shardscope.app.bootstrap import run as run_window
 
     return run_window(args)

@@ -11,10 +11,12 @@ from shardscope.backend.errors import EXIT_OK
 from shardscope.backend.format import escape_name, human_bytes
 
 from .output import add_command, print_problems
+from .storage_options import add_storage_options, folder
 
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "inspect", run, "Summarise a checkpoint: format, tensors, ranks, bytes, problems.")
+    add_storage_options(sp)
     sp.add_argument("path")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     sp.add_argument("--tensors", action="store_true", help="list every tensor")
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint.layout import rank_balance
     from shardscope.backend.checkpoint.verify import verify
 
-    ckpt = open_checkpoint(args.path, use_cache=not args.no_cache)
+    ckpt = open_checkpoint(folder(args, args.path), use_cache=not args.no_cache)
     problems = verify(ckpt)
     if args.json:
         json.dump(inspect_json(ckpt, problems), sys.stdout)

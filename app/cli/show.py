@@ -10,10 +10,12 @@ from shardscope.backend.errors import EXIT_OK, CheckpointError
 from shardscope.backend.format import escape_name, human_bytes
 
 from .output import add_command
+from .storage_options import add_storage_options, folder
 
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "show", run, "Show one tensor: shape, dtype, chunk table and value statistics.")
+    add_storage_options(sp)
     sp.add_argument("path")
     sp.add_argument("fqn")
     sp.add_argument("--no-values", action="store_true", help="only the chunk table, read no values")
@@ -24,9 +26,10 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.layout import coverage
-    from shardscope.backend.checkpoint.values import ChunkReader, small_value_repr, tensor_stats
+    from shardscope.backend.checkpoint.chunks import ChunkReader
+    from shardscope.backend.checkpoint.values import small_value_repr, tensor_stats
 
-    ckpt = open_checkpoint(args.path, use_cache=not args.no_cache)
+    ckpt = open_checkpoint(folder(args, args.path), use_cache=not args.no_cache)
     if not ckpt.has_tensor(args.fqn):
         obj = next((o for o in ckpt.objects if o.fqn == args.fqn), None)
         if obj is None:

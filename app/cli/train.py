@@ -1,4 +1,5 @@
-"""``shardscope train``: launch a training run through torchrun and follow it on the terminal."""
+"""``shardscope train``: launch a training run through torchrun (here, or on SLURM) and follow it on the
+terminal."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
+from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS, ShardscopeError
 
 from .output import add_command
 
@@ -15,11 +16,13 @@ from .output import add_command
 def add_train_options(sp: argparse.ArgumentParser, steps: int) -> None:
     """The options ``train`` and ``demo`` share."""
     sp.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
-    sp.add_argument("--nproc", type=int, default=2, help="world size (processes)")
+    sp.add_argument("--nproc", type=int, default=2, help="processes (per node with --on slurm)")
     sp.add_argument("--steps", type=int, default=steps, help="total steps (a resumed run ends at the same step)")
     sp.add_argument("--checkpoint-every", type=int, default=10, metavar="K")
-    sp.add_argument("--run-dir", help="run directory (default: a new one under the user data dir)")
-    sp.add_argument("--resume", metavar="CKPT", help="continue from this DCP checkpoint")
+    sp.add_argument("--run-dir", help="run directory (default: a new one under the user data dir; with --on slurm "
+                    "it must be on storage every node sees)")
+    sp.add_argument("--resume", metavar="CKPT", help="continue from this DCP checkpoint (a script gets it in "
+                    "$SHARDSCOPE_RESUME)")
     sp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     sp.add_argument("--width", type=int)
     sp.add_argument("--depth", type=int)
@@ -34,69 +37,108 @@ def add_train_options(sp: argparse.ArgumentParser, steps: int) -> None:
                     help="warn when a rank reports no new step for this long (default 60)")
 
 
+def add_slurm_options(sp: argparse.ArgumentParser) -> None:
+    g = sp.add_argument_group("SLURM (with --on slurm)")
+    g.add_argument("--on", choices=("local", "slurm"), default="local",
+                   help="where to run: this machine (default) or a SLURM job (writes RUN/job.sbatch, submits it)")
+    g.add_argument("--nodes", type=int, default=1, help="nodes; one torchrun per node")
+    g.add_argument("--gpus-per-node", type=int, help="GPUs per node (and processes per node)")
+    g.add_argument("--cpus-per-task", type=int, help="CPUs per node's task (default: one per process)")
+    g.add_argument("--partition", help="SLURM partition (default: the cluster's default)")
+    g.add_argument("--time", help="time limit, e.g. 2:00:00")
+    g.add_argument("--account", help="SLURM account")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="extra #SBATCH line, e.g. --sbatch-arg=--mem=64G (repeatable)")
+
+
 def register(sub: Any) -> None:
-    sp = add_command(sub, "train", run, "Launch a local FSDP/DDP training run through torchrun and follow it.")
+    sp = add_command(sub, "train", run, "Launch an FSDP/DDP training run through torchrun (here or on SLURM) "
+                     "and follow it.")
     add_train_options(sp, 50)
     sp.add_argument("--script", help="run your own training script instead of the built-in trainer")
+    add_slurm_options(sp)
     sp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for --script, after --")
 
 
 def run_config(args: argparse.Namespace) -> Any:
-    """The :class:`RunConfig` the command line asks for."""
+    """The :class:`RunConfig` the command line asks for, with paths resolved against the working directory."""
     from shardscope.backend.runs.launcher import RunConfig
+    from shardscope.backend.runs.slurm import SlurmOptions
 
     model = {k: getattr(args, k) for k in ("width", "depth", "heads", "seq_len", "vocab", "batch_size", "lr",
                                              "seed", "grad_clip") if getattr(args, k, None) is not None}
     script_args = [a for a in (getattr(args, "script_args", None) or []) if a != "--"]
-    return RunConfig(strategy=args.strategy, nproc=args.nproc, steps=args.steps,
-                     checkpoint_every=args.checkpoint_every, device=args.device, resume=args.resume,
-                     script=getattr(args, "script", None), script_args=script_args, model=model)
+    on = getattr(args, "on", "local")
+    opts = SlurmOptions(nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+                        partition=args.partition, time=args.time, account=args.account,
+                        sbatch_args=list(args.sbatch_arg)) if on == "slurm" else None
+    cfg = RunConfig(strategy=args.strategy, nproc=args.nproc, steps=args.steps,
+                    checkpoint_every=args.checkpoint_every, device=args.device, resume=args.resume,
+                    script=getattr(args, "script", None), script_args=script_args, model=model, on=on, slurm=opts)
+    cfg = cfg.resolved()
+    problems = cfg.problems()
+    if problems:
+        raise ShardscopeError("; ".join(f"--{k.replace('_', '-')}: {v}" for k, v in problems.items()))
+    return cfg
 
 
 def follow_run(args: argparse.Namespace) -> tuple[int, str]:
     """Start the run, print progress until it ends (Ctrl-C stops it); returns (exit code, run dir)."""
     from shardscope.backend.runs.follow import RunFollower
-    from shardscope.backend.runs.launcher import RunLauncher, default_runs_root, describe_exit, log_tail, read_status
+    from shardscope.backend.runs.launcher import RunLauncher
+    from shardscope.backend.runs.rundir import FINAL_STATES, new_run_dir
 
-    run_dir = args.run_dir or str(default_runs_root() / time.strftime("run-%Y%m%d-%H%M%S"))
-    launcher = RunLauncher(run_dir, run_config(args)).start()
+    config = run_config(args)
+    launcher = RunLauncher(args.run_dir or new_run_dir(), config).start()
     print(f"run directory: {launcher.run_dir}")
-    follower = RunFollower(run_dir, stall_seconds=args.stall_seconds)
-    last: dict = {}
-    shown = None
+    follower = RunFollower(launcher.run_dir, stall_seconds=args.stall_seconds)
+    total = None if config.script else config.steps
+    shown = ""
+    said = ""
     warned: set[int] = set()
     tty = sys.stdout.isatty()
     try:
-        while launcher.poll() is None:
-            time.sleep(0.5)
+        while True:
             snap = follower.poll()
-            s0 = follower.series.get(0)
-            if s0 is not None and len(s0):
-                last = {f: s0.column(f)[-1] for f in ("step", "loss", "steps_per_s")}
+            status = launcher.status()
+            if status.get("state") in FINAL_STATES:
+                follower.poll()
+                break
+            waiting = f"queued: {status.get('explanation', '')}" if status.get("state") == "queued" else ""
+            if waiting and waiting != said:
+                print(f"job {status.get('job_id')} {waiting}", flush=True)
+            said = waiting
             for r in set(snap.stalled) - warned:
                 print(f"\nwarning: rank {r} has reported no new step for {args.stall_seconds:.0f} s (stalled?)",
                       flush=True)
             warned = set(snap.stalled)
-            if last and last.get("step") != shown:
-                shown = last.get("step")
-                sps = last.get("steps_per_s")
-                line = (f"step {last.get('step'):.0f}/{args.steps}  loss {last.get('loss', float('nan')):.4f}  "
-                        f"{sps if sps == sps else 0:.1f} steps/s")
+            line = follower.progress(total)
+            if line and line != shown:
+                shown = line
                 print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
+            time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nstopping the run (Ctrl-C) ...", flush=True)
         launcher.stop()
     if tty:
         print()
-    status = read_status(run_dir)
+    return report_end(launcher.run_dir), str(launcher.run_dir)
+
+
+def report_end(run_dir: Any) -> int:
+    """Print how the run ended (and the failed ranks' tracebacks); the exit code for it."""
+    from shardscope.backend.runs.launcher import run_status
+    from shardscope.backend.runs.rundir import log_tail
+
+    status = run_status(run_dir)
     state = status.get("state")
-    print(f"run {state}: {describe_exit(status.get('exit_code'))}")
+    print(f"run {state}: {status.get('explanation', '')}")
     if state == "failed":
         for r in status.get("failed_ranks") or []:
             print(f"--- rank {r} failed; end of logs/rank_{r}.log:\n{log_tail(run_dir, r)}")
         if not status.get("failed_ranks"):
-            print(f"--- end of logs/launcher.log:\n{(launcher.run_dir / 'logs' / 'launcher.log').read_text()[-3000:]}")
-    return (EXIT_OK if state == "finished" else EXIT_PROBLEMS), str(launcher.run_dir)
+            print(f"--- end of logs/launcher.log:\n{log_tail(run_dir, -1, 40)}")
+    return EXIT_OK if state == "finished" else EXIT_PROBLEMS
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,12 +11,14 @@ from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 from shardscope.backend.format import escape_name
 
 from .output import TerminalProgress, add_command, print_problems
+from .storage_options import add_storage_options, folder
 
 DEEP_NOTE = " (deep: every item read; CRC32 checked where the format stores one)"
 
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "verify", run, "Check a checkpoint's health (exit 0 healthy, 1 problems, 2 unreadable).")
+    add_storage_options(sp)
     sp.add_argument("path")
     sp.add_argument("--deep", action="store_true", help="read every item, check CRC32, dtype and shape")
     sp.add_argument("--json", action="store_true")
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.verify import verify
 
-    ckpt = open_checkpoint(args.path, use_cache=not args.no_cache)
+    ckpt = open_checkpoint(folder(args, args.path), use_cache=not args.no_cache)
     with TerminalProgress(enabled=args.deep and not args.json) as progress:
         problems = verify(ckpt, deep=args.deep, progress=progress)
     if args.json:

@@ -9,10 +9,12 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..progress import Progress
+from .chunks import ChunkReader
 from .layout import RankBalance, rank_balance, tensor_rank_bytes
 from .model import Checkpoint, Problem
 from .reader import open_checkpoint
 from .tree import TreeNode, build_tree
+from .values import small_value_repr, tensor_stats
 from .verify import verify
 
 SMALL_OBJECT_BYTES = 4096
@@ -54,13 +56,7 @@ def analyse(data: BrowseData, progress: Progress | None = None) -> BrowseData:
     return data
 
 
-def load_browse_data(path: str, progress: Progress | None = None) -> BrowseData:
-    return analyse(load_tree(path, progress), progress)
-
-
 def small_values(ckpt: Checkpoint) -> dict[str, str]:
-    from .values import ChunkReader, small_value_repr
-
     out: dict[str, str] = {}
     missing = {f.name for f in ckpt.files if f.bytes is None}
     with ChunkReader(ckpt) as reader:
@@ -75,8 +71,6 @@ def small_values(ckpt: Checkpoint) -> dict[str, str]:
 
 def value_stats(ckpt: Checkpoint, fqn: str, progress: Progress | None = None) -> Any:
     """Load one tensor's values and compute statistics (the inspector's background job)."""
-    from .values import ChunkReader, tensor_stats
-
     with ChunkReader(ckpt) as reader:
         tensor = reader.read_tensor(ckpt.tensor(fqn), progress)
     return tensor_stats(tensor, progress=progress)

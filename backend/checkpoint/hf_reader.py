@@ -10,19 +10,16 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from array import array
-from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
-from .items import SAFETENSORS_DTYPES
-from .model import Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry
+from .items import parse_safetensors_file
+from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize
 from .storage import Folder
 
 SHARD_RE = re.compile(r"^shard-(\d+)-")
-MAX_HEADER = 100 * 2**20
 
 
 def is_hf_folder(listing: dict[str, int], folder: Folder) -> bool:
@@ -34,22 +31,6 @@ def is_hf_folder(listing: dict[str, int], folder: Folder) -> bool:
         return f.read(1) == b"{"  # the HF writer's .metadata is a JSON weight map, not a pickle
 
 
-def read_header(handles: Any, name: str, size: int) -> tuple[dict, int]:
-    where = handles.where(name)
-    try:
-        if size < 8:
-            raise ValueError("shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", handles.read(name, 0, 8))
-        if n > MAX_HEADER or 8 + n > size:
-            raise ValueError(f"header length {n} is implausible")
-        header = json.loads(handles.read(name, 8, n))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        return header, 8 + n
-    except (ValueError, CheckpointError) as exc:
-        raise CheckpointError(f"{where}: not a readable safetensors file ({exc}).", path=where) from None
-
-
 def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     names = sorted(n for n in listing if n.endswith(".safetensors"))
     files: list[FileInfo] = []
@@ -57,33 +38,19 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     dtypes: dict[str, str] = {}
     problems: list[Problem] = []
     version = None
-    handles = folder.handles()
-    for fi, name in enumerate(names):
-        m = SHARD_RE.match(name)
-        files.append(FileInfo(name, int(m.group(1)) - 1 if m else None, listing[name]))
-        header, base = read_header(handles, name, listing[name])
-        meta = header.pop("__metadata__", None) or {}
-        version = version or meta.get("DCP_VERSION")
-        try:
-            sharding = json.loads(meta["DCP_SHARDING_INFO"]) if meta.get("DCP_SHARDING_INFO") else {}
-        except ValueError:
-            sharding = {}
-            problems.append(Problem("unreadable", f"{name}: DCP_SHARDING_INFO is not valid JSON.", file=name))
-        for key, info in header.items():
-            try:
-                dtype = SAFETENSORS_DTYPES.get(info["dtype"], str(info["dtype"]).lower())
-                shape = tuple(int(s) for s in info["shape"])
-                a, b = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{folder.join(name)}: header entry {key!r} is malformed.",
-                                      path=folder.join(name), fqn=key) from None
-            offsets = tuple(int(o) for o in (sharding.get(key, {}).get("saved_offsets") or [0] * len(shape)))
-            if len(offsets) != len(shape):
-                raise CheckpointError(f"{folder.join(name)}: {key}: saved_offsets do not match the shape.",
-                                      path=folder.join(name), fqn=key)
-            dtypes.setdefault(key, dtype)
-            pieces.setdefault(key, []).append((offsets, shape, fi, base + a, b - a))
-    handles.close()
+    with folder.handles() as handles:
+        for fi, name in enumerate(names):
+            m = SHARD_RE.match(name)
+            files.append(FileInfo(name, int(m.group(1)) - 1 if m else None, listing[name]))
+            header = parse_safetensors_file(handles, name, listing[name])
+            version = version or header.metadata.get("DCP_VERSION")
+            sharding = _sharding_info(header.metadata, name, problems)
+            for key, st in header.tensors.items():
+                offsets = _saved_offsets(sharding.get(key), len(st.shape), folder.join(name), key)
+                if dtypes.setdefault(key, st.dtype) != st.dtype:
+                    raise CheckpointError(f"{folder.join(name)}: {key} is {st.dtype} here and {dtypes[key]} "
+                                          "in another file.", path=folder.join(name), fqn=key)
+                pieces.setdefault(key, []).append((offsets, st.shape, fi, st.data_offset, st.nbytes))
     if not pieces:
         raise CheckpointError(f"{folder.path}: safetensors files hold no tensors.", path=folder.path)
     ckpt = Checkpoint(folder.path, "hf-safetensors", version, files, [], [], ChunkTable.empty())
@@ -91,6 +58,8 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     b_off, b_len, dim_start, dims = array("q"), array("q"), array("q"), array("q")
     for key, parts in pieces.items():
         nd = len(parts[0][1])
+        if any(len(s) != nd for _, s, *_ in parts):
+            raise CheckpointError(f"{folder.path}: {key} has pieces of different ranks.", path=folder.path, fqn=key)
         shape = tuple(max(o[d] + s[d] for o, s, *_ in parts) for d in range(nd))
         first = len(t_idx)
         for offsets, sizes, fi, off, length in parts:
@@ -101,7 +70,7 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
             dim_start.append(len(dims))
             dims.extend(offsets)
             dims.extend(sizes)
-            if length != math.prod(sizes) * max(1, _itemsize(dtypes[key])):
+            if length != math.prod(sizes) * max(1, itemsize(dtypes[key])):
                 problems.append(Problem("unreadable", f"{key}: {length} bytes in {files[fi].name} for shape "
                                         f"{list(sizes)} of {dtypes[key]}.", fqn=key, file=files[fi].name))
         ckpt.tensors.append(TensorEntry(key, dtypes[key], shape, first, len(t_idx) - first, ckpt))
@@ -116,7 +85,23 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     return ckpt
 
 
-def _itemsize(dtype: str) -> int:
-    from .model import itemsize
+def _sharding_info(meta: dict[str, str], name: str, problems: list[Problem]) -> dict:
+    try:
+        sharding = json.loads(meta["DCP_SHARDING_INFO"]) if meta.get("DCP_SHARDING_INFO") else {}
+    except (ValueError, RecursionError):
+        sharding = None
+    if not isinstance(sharding, dict):
+        problems.append(Problem("unreadable", f"{name}: DCP_SHARDING_INFO is not a JSON object.", file=name))
+        return {}
+    return sharding
 
-    return itemsize(dtype)
+
+def _saved_offsets(info: object, ndim: int, where: str, key: str) -> tuple[int, ...]:
+    offsets = info.get("saved_offsets") if isinstance(info, dict) else None
+    if offsets is None:
+        return (0,) * ndim
+    if not isinstance(offsets, list) or len(offsets) != ndim or \
+            not all(type(o) is int and 0 <= o < MAX_INDEX for o in offsets):
+        raise CheckpointError(f"{where}: {key}: saved_offsets {str(offsets)[:80]} do not match the shape.",
+                              path=where, fqn=key)
+    return tuple(offsets)

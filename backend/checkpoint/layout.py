@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -76,42 +77,70 @@ def coverage(ckpt: Checkpoint, entry: TensorEntry) -> Coverage:
     return _grid_coverage(entry, lo, hi, shape, oob)
 
 
+MAX_CORNER_DIMS = 10  # a difference array needs 2**ndim corner updates per chunk
+
+
 def _grid_coverage(entry: TensorEntry, lo: np.ndarray, hi: np.ndarray, shape: np.ndarray,
                    oob: list[int]) -> Coverage:
-    nd = entry.ndim
-    bounds = [np.unique(np.concatenate(([0, shape[d]], lo[:, d], hi[:, d]))) for d in range(nd)]
+    """Coverage counted on the grid the chunk edges make: a difference array (one +-1 per chunk corner,
+    then a prefix sum per axis), so the cost is O(chunks * 2**ndim + cells), not O(chunks * cells)."""
+    # Dimensions every chunk spans fully do not change the grid: leave them out.
+    keep = [d for d in range(entry.ndim) if not ((lo[:, d] == 0).all() and (hi[:, d] == shape[d]).all())]
+    lo, hi, sub = lo[:, keep], hi[:, keep], shape[keep]
+    full = math.prod(int(shape[d]) for d in range(entry.ndim) if d not in keep)
+    bounds = [np.unique(np.concatenate(([0, sub[d]], lo[:, d], hi[:, d]))) for d in range(len(keep))]
     cells = math.prod(len(b) - 1 for b in bounds)
-    if cells > MAX_GRID_CELLS:
-        vol = int(np.prod(hi - lo, axis=1).sum())
-        numel = int(np.prod(shape))
+    if cells > MAX_GRID_CELLS or len(keep) > MAX_CORNER_DIMS:
+        vol = sum(math.prod(int(x) for x in row) for row in (hi - lo)) * full
+        numel = math.prod(entry.shape)
         return Coverage(vol == numel and not oob, gap_elements=max(0, numel - vol),
                         overlap_elements=max(0, vol - numel), out_of_bounds=oob)
-    count = np.zeros([len(b) - 1 for b in bounds], np.int32)
-    for i in range(len(lo)):
-        sl = tuple(slice(int(np.searchsorted(bounds[d], lo[i, d])), int(np.searchsorted(bounds[d], hi[i, d])))
-                   for d in range(nd))
-        count[sl] += 1
-    widths = np.ones(count.shape, np.int64)
-    for d in range(nd):
-        w = np.diff(bounds[d])
-        widths = widths * w.reshape([-1 if k == d else 1 for k in range(nd)])
+    count = _cell_counts(lo, hi, bounds)
+    widths = [np.diff(b) for b in bounds]
+    # Sums of cell volumes stay exact: int64 while they provably fit, Python ints beyond.
+    big = math.prod(entry.shape) * max(1, len(lo)) >= 2**62
     cov = Coverage(True, out_of_bounds=oob)
-    gap_cells = np.argwhere((count == 0) & (widths > 0))
-    over_cells = np.argwhere(count > 1)
-    cov.gap_elements = int(widths[count == 0].sum())
-    cov.overlap_elements = int((widths * np.maximum(count - 1, 0)).sum())
-    cov.gaps = _regions(gap_cells, bounds)
-    cov.overlaps = _regions(over_cells, bounds)
+    cov.gap_elements = _volume((count == 0).astype(np.int64), widths, big) * full
+    cov.overlap_elements = _volume(np.maximum(count - 1, 0).astype(np.int64), widths, big) * full
+    cov.gaps = _regions(np.argwhere(count == 0), bounds, keep, shape)
+    cov.overlaps = _regions(np.argwhere(count > 1), bounds, keep, shape)
     cov.exact = not cov.gap_elements and not cov.overlap_elements and not oob
     return cov
 
 
-def _regions(cells: np.ndarray, bounds: list[np.ndarray]) -> list[Region]:
-    """Merge runs of grid cells along the first dimension into boxes (a readable summary)."""
+def _cell_counts(lo: np.ndarray, hi: np.ndarray, bounds: list[np.ndarray]) -> np.ndarray:
+    """How many chunks cover each grid cell."""
+    nd = len(bounds)
+    if nd == 0:
+        return np.array(len(lo), np.int64)
+    a = np.stack([np.searchsorted(bounds[d], lo[:, d]) for d in range(nd)])
+    b = np.stack([np.searchsorted(bounds[d], hi[:, d]) for d in range(nd)])
+    diff = np.zeros([len(x) for x in bounds], np.int64)
+    for corner in range(1 << nd):
+        idx = tuple(b[d] if corner >> d & 1 else a[d] for d in range(nd))
+        np.add.at(diff, idx, -1 if bin(corner).count("1") % 2 else 1)
+    for d in range(nd):
+        np.cumsum(diff, axis=d, out=diff)
+    return diff[tuple(slice(0, len(x) - 1) for x in bounds)]
+
+
+def _volume(weights: np.ndarray, widths: list[np.ndarray], big: bool) -> int:
+    """sum over cells of weight * cell volume, contracting one axis at a time."""
+    m: Any = weights.astype(object) if big else weights
+    for w in widths:
+        m = np.tensordot(w.astype(object) if big else w, m, axes=([0], [0]))
+    return int(m)
+
+
+def _regions(cells: np.ndarray, bounds: list[np.ndarray], keep: list[int], shape: np.ndarray) -> list[Region]:
+    """Merge runs of grid cells along the first dimension into boxes (a readable summary); dimensions
+    left out of the grid span the whole tensor."""
     out: list[Region] = []
     for c in cells[: MAX_REPORTED_REGIONS * 16]:
-        start = tuple(int(bounds[d][c[d]]) for d in range(len(c)))
-        stop = tuple(int(bounds[d][c[d] + 1]) for d in range(len(c)))
+        start_l, stop_l = [0] * len(shape), [int(x) for x in shape]
+        for k, d in enumerate(keep):
+            start_l[d], stop_l[d] = int(bounds[k][c[k]]), int(bounds[k][c[k] + 1])
+        start, stop = tuple(start_l), tuple(stop_l)
         if out and out[-1].stop[0] == start[0] and out[-1].start[1:] == start[1:] and out[-1].stop[1:] == stop[1:]:
             out[-1] = Region(out[-1].start, (stop[0], *stop[1:]))
         else:
@@ -188,20 +217,3 @@ def tensor_rank_bytes(ckpt: Checkpoint) -> tuple[list[int], np.ndarray]:
     keep = chunk_cols >= 0
     np.add.at(mat, (t.tensor[keep], chunk_cols[keep]), nbytes[keep])
     return ranks, mat
-
-
-def file_usage(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
-    """Per file: the (byte offset, length, entry) of every item it holds, sorted by offset."""
-    out: dict[str, list[tuple[int, int, str]]] = {}
-    t = ckpt.chunk_table
-    for e in ckpt.tensors:
-        for j in range(e.first_chunk, e.first_chunk + e.chunk_count):
-            fi = int(t.file[j])
-            if fi >= 0:
-                out.setdefault(ckpt.files[fi].name, []).append((int(t.byte_offset[j]), int(t.length[j]), e.fqn))
-    for o in ckpt.objects:
-        if o.file:
-            out.setdefault(o.file, []).append((o.offset, o.length, o.fqn))
-    for v in out.values():
-        v.sort()
-    return out

@@ -17,15 +17,22 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..progress import Progress
-from . import cache
+from . import cache, validate
 from .hf_reader import is_hf_folder, open_hf_folder
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
-from .safe_pickle import BytesStorageRecord, MetadataIndexRecord, TensorStorageRecord, gc_paused, load_metadata_pickle
-from .storage import Folder, open_folder
+from .safe_pickle import (
+    BytesStorageRecord,
+    ChunkRecord,
+    MetadataIndexRecord,
+    StorageInfoRecord,
+    TensorStorageRecord,
+    gc_paused,
+    load_metadata_pickle,
+)
+from .storage import RANK_METADATA_RE, Folder, open_folder
 from .streaming import Events, NotStreamable, join_storage, stream_metadata
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 LIGHTNING_META = "meta.pt"
 
 
@@ -33,10 +40,6 @@ def rank_of_file(name: str) -> int | None:
     """The writer rank in a ``__R_N.distcp`` name (None for other names)."""
     m = DATA_FILE_RE.match(os.path.basename(name))
     return int(m.group(1)) if m else None
-
-
-def resolve_folder(path: str | os.PathLike) -> Folder:
-    return open_folder(path)
 
 
 def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
@@ -53,6 +56,7 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
     if is_hf_folder(listing, folder):
         ckpt = open_hf_folder(folder, listing)
         ckpt.problems[:0] = problems
+        ckpt.folder = folder
         return ckpt
     if ".metadata" in listing:
         meta_names = [".metadata"]
@@ -62,7 +66,10 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
     if not meta_names:
         data = sorted(n for n in listing if n.endswith(".distcp"))
         if data:
-            return _incomplete(folder, listing, data, problems)
+            raise CheckpointError(
+                f"{folder.path}: {len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
+                "coordinator writes .metadata last), so this checkpoint cannot be read or loaded.",
+                path=folder.path)
         raise CheckpointError(
             f"{folder.path}: not a distributed checkpoint (no .metadata file and no .distcp files).",
             path=folder.path, hint="Open the folder that dcp.save or Lightning's sharded save wrote.")
@@ -72,6 +79,7 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
         cached = cache.load(key, folder.path)
         if cached is not None:
             cached.problems[:0] = problems
+            cached.folder = folder
             _refresh_files(cached, listing)
             return cached
 
@@ -93,7 +101,9 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
         with gc_paused():
             ckpt = build_checkpoint(folder.path, parsed, listing, meta_names)
             del parsed
+    validate.check_table(ckpt, folder.join(meta_names[0]))
     ckpt.problems[:0] = problems
+    ckpt.folder = folder
     if key is not None:
         cache.store(key, ckpt)
     return ckpt
@@ -126,25 +136,27 @@ def _read_streaming(folder: Folder, listing: dict[str, int], meta_names: list[st
 
 def build_streamed(folder: str, md: Any, ev: Events, listing: dict[str, int], meta_names: list[str]) -> Checkpoint:
     sdm = md.state_dict_metadata
-    ckpt = Checkpoint(folder, "dcp", md.get("version"), [], [], [], ChunkTable.empty(),
-                      metadata_files=list(meta_names))
+    where = os.path.join(folder, meta_names[0])
+    ckpt = Checkpoint(folder, "dcp", validate.optional_str(md.get("version"), where, "version"), [], [], [],
+                      ChunkTable.empty(), metadata_files=list(meta_names))
     problems: list[Problem] = []
     counts = []
     ckpt_chunks = 0
     for fqn, rec in sdm.items():
+        validate.as_fqn(fqn, where)
         if isinstance(rec, TensorStorageRecord):
-            props = rec.get("properties")
-            dtype = str(props.get("dtype")) if props is not None else "float32"
+            dtype = validate.dtype_of(rec.get("properties"), where, fqn)
             first, count = rec.get("first"), rec.get("count")
             if first != ckpt_chunks:
                 raise NotStreamable("tensor chunks out of order")
             ckpt_chunks += count
-            ckpt.tensors.append(TensorEntry(fqn, dtype, tuple(rec.get("size") or ()), first, count, ckpt))
+            shape = validate.as_dims(rec.get("size"), where, "shape", fqn)
+            ckpt.tensors.append(TensorEntry(fqn, dtype, shape, first, count, ckpt))
             counts.append(count)
     tensor_index = {t.fqn: i for i, t in enumerate(ckpt.tensors)}
     tensor_of_chunk = np.repeat(np.arange(len(counts), dtype=np.int32), np.asarray(counts, np.int64))
     pos, object_positions = join_storage(tensor_of_chunk, ev, tensor_index)
-    paths = sorted(set(ev.info_path))
+    paths = sorted({validate.as_path(p, where) for p in ev.info_path})
     file_ids = {p: i for i, p in enumerate(paths)}
     ckpt.files = [FileInfo(p, rank_of_file(p), listing.get(p)) for p in paths]
     info_file = np.fromiter((file_ids[p] for p in ev.info_path), np.int32, len(ev.info_path))
@@ -178,7 +190,9 @@ def build_streamed(folder: str, md: Any, ev: Events, listing: dict[str, int], me
                 problems.append(Problem("no_storage", f"{fqn}: non-tensor entry has no storage entry.", fqn=fqn))
             else:
                 rel = ev.info_path[i]
-                ckpt.objects.append(ObjectEntry(fqn, rel, ev.info_offset[i], ev.info_length[i], rank_of_file(rel)))
+                ckpt.objects.append(ObjectEntry(fqn, rel, validate.as_index(ev.info_offset[i], where, "offset", fqn),
+                                                validate.as_index(ev.info_length[i], where, "length", fqn),
+                                                rank_of_file(rel)))
         else:
             problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(rec).__name__}.", fqn=fqn))
     if ev.transformed:
@@ -203,18 +217,12 @@ def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], st
         ckpt.extra_files[LIGHTNING_META] = LIGHTNING_META
         files.append(FileInfo(LIGHTNING_META, None, listing[LIGHTNING_META], "meta.pt"))
     if storage_meta is not None:
-        ckpt.save_id = storage_meta.get("save_id")
-    ckpt.planner_data = {k: tuple(v) for k, v in planner_data.items()} if isinstance(planner_data, dict) else {}
+        where = os.path.join(ckpt.path, meta_names[0])
+        ckpt.save_id = validate.optional_str(validate.record(storage_meta, where, "storage_meta").get("save_id"),
+                                             where, "save_id")
+    ckpt.planner_data = validate.planner_data(planner_data)
     ckpt.problems = problems
     ckpt.reindex()
-
-
-def _incomplete(folder: Folder, listing: dict[str, int], data: list[str], problems: list[Problem]) -> Checkpoint:
-    files = [FileInfo(n, rank_of_file(n), listing[n]) for n in data]
-    problems.append(Problem(
-        "incomplete", f"{len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
-        "coordinator writes .metadata last), so this checkpoint cannot be loaded."))
-    return Checkpoint(folder.path, "dcp", None, files, [], [], ChunkTable.empty(), problems=problems)
 
 
 def _refresh_files(ckpt: Checkpoint, listing: dict[str, int]) -> None:
@@ -223,41 +231,66 @@ def _refresh_files(ckpt: Checkpoint, listing: dict[str, int]) -> None:
     ckpt.reindex()
 
 
-def _merge(parsed: list[Any]) -> tuple[dict, dict, dict, Any, str | None]:
-    if len(parsed) == 1:
-        m = parsed[0]
-        return (m.state_dict_metadata, m.get("storage_data") or {}, m.get("planner_data") or {},
-                m.get("storage_meta"), m.get("version"))
+def _chunks(md: Any, fqn: str, where: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A tensor record's chunks as validated (offsets, sizes) pairs."""
+    chunks = md.get("chunks")
+    if not isinstance(chunks, list):
+        raise validate.bad(where, "the chunk list is not a list", fqn)
+    ndim = len(validate.as_dims(md.get("size"), where, "shape", fqn))
+    out = []
+    for c in chunks:
+        if not isinstance(c, ChunkRecord):
+            raise validate.bad(where, f"a chunk is {type(c).__name__}, not a chunk record", fqn)
+        out.append((validate.as_dims(c.get("offsets"), where, "chunk offsets", fqn, ndim),
+                    validate.as_dims(c.get("sizes"), where, "chunk sizes", fqn, ndim)))
+    return out
+
+
+def _merge(parsed: list[Any], where: str) -> tuple[dict, dict, dict, Any, str | None]:
+    """One metadata view of several per-rank files (``use_collectives=False``); tensor records become
+    (record, validated chunks) pairs."""
     sdm: dict[str, Any] = {}
     storage: dict = {}
     planner: dict = {}
+    seen: dict[str, set] = {}
     for m in parsed:
         for fqn, md in m.state_dict_metadata.items():
-            have = sdm.get(fqn)
-            if have is None:
-                if isinstance(md, TensorStorageRecord):
-                    copy = TensorStorageRecord()
-                    copy.__dict__.update(md.__dict__)
-                    copy.chunks = list(md.chunks)
-                    md = copy
-                sdm[fqn] = md
-            elif isinstance(md, TensorStorageRecord) and isinstance(have, TensorStorageRecord):
-                seen = {c.offsets for c in have.chunks}
-                have.chunks.extend(c for c in md.chunks if c.offsets not in seen)
-        storage.update(m.get("storage_data") or {})
-        planner.update(m.get("planner_data") or {})
-    return sdm, storage, planner, parsed[0].get("storage_meta"), parsed[0].get("version")
+            validate.as_fqn(fqn, where)
+            if isinstance(md, TensorStorageRecord):
+                chunks = _chunks(md, fqn, where)
+                have = sdm.get(fqn)
+                if have is None:
+                    sdm[fqn] = (md, chunks)
+                    seen[fqn] = {c[0] for c in chunks}
+                elif isinstance(have, tuple):
+                    have[1].extend(c for c in chunks if c[0] not in seen[fqn])
+                    seen[fqn].update(c[0] for c in chunks)
+            else:
+                sdm.setdefault(fqn, md)
+        storage.update(validate.mapping(m.get("storage_data"), where, "storage_data"))
+        planner.update(validate.mapping(m.get("planner_data"), where, "planner_data"))
+    version = validate.optional_str(parsed[0].get("version"), where, "version")
+    return sdm, storage, planner, parsed[0].get("storage_meta"), version
+
+
+def _storage(storage_data: dict, fqn: str, offsets: tuple | None, where: str) -> tuple[str, int, int] | None:
+    """The validated (relative_path, offset, length) of an entry's storage, or None when it has none."""
+    info = storage_data.get(MetadataIndexRecord.probe(fqn, offsets))
+    if info is None:
+        return None
+    if not isinstance(info, StorageInfoRecord):
+        raise validate.bad(where, f"the storage entry is {type(info).__name__}, not a _StorageInfo", fqn)
+    return (validate.as_path(info.get("relative_path"), where, fqn),
+            validate.as_index(info.get("offset"), where, "offset", fqn),
+            validate.as_index(info.get("length"), where, "length", fqn))
 
 
 def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
                      meta_names: list[str]) -> Checkpoint:
-    sdm, storage_data, planner_data, storage_meta, version = _merge(parsed)
+    """The checkpoint model from unpickled metadata object graphs (one or several per-rank files)."""
+    where = os.path.join(folder, meta_names[0])
+    sdm, storage_data, planner_data, storage_meta, version = _merge(parsed, where)
     problems: list[Problem] = []
-    if not isinstance(sdm, dict):
-        raise CheckpointError(f"{folder}: metadata has no state_dict_metadata mapping.", path=folder)
-
-    probe = MetadataIndexRecord.probe
-
     file_ids: dict[str, int] = {}
     files: list[FileInfo] = []
 
@@ -271,48 +304,37 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
     # array.array, not lists: 8 bytes an entry instead of a pointer plus an int object
-    t_idx = array("i")
-    f_idx = array("i")
-    b_off = array("q")
-    b_len = array("q")
-    dim_start = array("q")
-    dims = array("q")
+    t_idx, f_idx = array("i"), array("i")
+    b_off, b_len, dim_start, dims = array("q"), array("q"), array("q"), array("q")
     ckpt = Checkpoint(folder, "dcp", version, files, tensors, objects, ChunkTable.empty(),
                       metadata_files=list(meta_names))
     for fqn, md in sdm.items():
-        if isinstance(md, TensorStorageRecord):
-            props = md.get("properties")
-            dtype = str(props.get("dtype")) if props is not None else "float32"
-            shape = tuple(md.get("size") or ())
-            ti = len(tensors)
+        if isinstance(md, tuple):
+            rec, chunks = md
+            dtype = validate.dtype_of(rec.get("properties"), where, fqn)
+            shape = validate.as_dims(rec.get("size"), where, "shape", fqn)
             first = len(t_idx)
-            for c in md.get("chunks") or ():
-                offsets = c.get("offsets")
-                info = storage_data.get(probe(fqn, offsets))
-                t_idx.append(ti)
+            for offsets, sizes in chunks:
+                info = _storage(storage_data, fqn, offsets, where)
+                t_idx.append(len(tensors))
+                f_idx.append(-1 if info is None else file_id(info[0]))
+                b_off.append(0 if info is None else info[1])
+                b_len.append(0 if info is None else info[2])
                 if info is None:
-                    f_idx.append(-1)
-                    b_off.append(0)
-                    b_len.append(0)
                     problems.append(Problem("no_storage", f"{fqn}: chunk at offsets {list(offsets)} has no "
                                             "storage entry in the metadata.", fqn=fqn))
-                else:
-                    f_idx.append(file_id(info.get("relative_path")))
-                    b_off.append(info.get("offset"))
-                    b_len.append(info.get("length"))
                 dim_start.append(len(dims))
                 dims.extend(offsets)
-                dims.extend(c.get("sizes"))
+                dims.extend(sizes)
             tensors.append(TensorEntry(fqn, dtype, shape, first, len(t_idx) - first, ckpt))
         elif isinstance(md, BytesStorageRecord):
-            info = storage_data.get(probe(fqn, None))
+            info = _storage(storage_data, fqn, None, where)
             if info is None:
                 objects.append(ObjectEntry(fqn, None, 0, 0, None))
                 problems.append(Problem("no_storage", f"{fqn}: non-tensor entry has no storage entry.", fqn=fqn))
             else:
-                rel = info.get("relative_path")
-                file_id(rel)
-                objects.append(ObjectEntry(fqn, rel, info.get("offset"), info.get("length"), rank_of_file(rel)))
+                file_id(info[0])
+                objects.append(ObjectEntry(fqn, info[0], info[1], info[2], rank_of_file(info[0])))
         else:
             problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(md).__name__}.", fqn=fqn))
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import os
 import pickle
+import threading
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import RefusedPickleError
+from .model import DTYPE_NAMES
 
 
 class Record:
@@ -121,13 +124,6 @@ class ShardMetadataRecord(Record):
     kind = "ShardMetadata"
 
 
-# torch dtypes as their short names, which is how we report them everywhere.
-DTYPE_NAMES = (
-    "float64 float32 float16 bfloat16 complex32 complex64 complex128 uint8 uint16 uint32 uint64 "
-    "int8 int16 int32 int64 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
-    "float8_e8m0fnu float4_e2m1fn_x2 qint8 quint8 qint32 quint4x2 quint2x4 bits8 bits16 "
-    "bits1x8 bits2x4 bits4x2 "
-).split()
 DTYPE_ALIASES = {
     "float": "float32", "double": "float64", "half": "float16", "cfloat": "complex64",
     "cdouble": "complex128", "short": "int16", "int": "int32", "long": "int64",
@@ -247,30 +243,108 @@ def gc_paused():
             gc.enable()
 
 
+# Constructors a pickle may call whose result can be far larger than the bytes that asked for it
+# (``bytearray(5_000_000_000)`` is 12 bytes of pickle); every call is charged against a budget set
+# by the file's size.
+_SIZED = (bytearray, list, tuple, set, frozenset, dict, _size, _codecs_encode)
+ELEMENT_ALLOWANCE = 1 << 20  # elements any file may build on top of its own size
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, source: str, allowed: dict | None = None) -> None:
+    def __init__(self, file: Any, source: str, allowed: dict | None = None, budget: int = 0) -> None:
         super().__init__(file)
         self._source = source
         self._allowed = allowed or ALLOWED
+        self._budget = budget + ELEMENT_ALLOWANCE
+
+    def _charge(self, n: int) -> None:
+        self._budget -= n
+        if self._budget < 0:
+            raise RefusedPickleError(
+                f"{self._source}: the pickle builds far more data than the file holds (an allocation bomb); "
+                "refused.", path=self._source)
+
+    def _bounded(self, ctor: Any) -> Any:
+        def build(*args: Any) -> Any:
+            if ctor is bytearray and args and isinstance(args[0], int):
+                self._charge(max(0, args[0]))
+            elif args and hasattr(args[0], "__len__"):
+                self._charge(len(args[0]))
+            out = ctor(*args)
+            self._charge(len(out) if hasattr(out, "__len__") else 1)
+            return out
+
+        return build
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return self._allowed[(module, name)]
+            obj = self._allowed[(module, name)]
         except (KeyError, TypeError):
             raise RefusedPickleError(
                 f"{self._source}: refused to load the pickled global {module}.{name}; a DCP .metadata file "
                 "never contains it, so the file is damaged or hostile. Nothing from it was run.",
                 path=self._source,
             ) from None
+        if any(obj is c for c in _SIZED):
+            return self._bounded(obj)
+        return obj
 
     def persistent_load(self, pid: Any) -> Any:
         raise RefusedPickleError(f"{self._source}: unexpected persistent id in metadata pickle", path=self._source)
 
 
+def _stream_size(stream: Any) -> int:
+    """Bytes in the stream (a local file, an fsspec file or a BytesIO), for the allocation budget."""
+    try:
+        return os.fstat(stream.fileno()).st_size
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        pass
+    size = getattr(stream, "size", None)
+    if isinstance(size, int):
+        return size
+    pos = stream.tell()
+    end = stream.seek(0, io.SEEK_END)
+    stream.seek(pos)
+    return end
+
+
+_STACK_LOCK = threading.Lock()
+MAX_STACK = 4 << 30
+
+
+def _with_deep_stack(func: Any, size: int) -> Any:
+    """Run ``func`` in a thread whose C stack fits the deepest nesting a file of ``size`` bytes can hold.
+
+    NOTE: CPython hashes a nested tuple recursively in C without a depth check, so a dict key nested
+    200,000 deep (a few hundred KB of pickle) overflows an 8 MB stack and kills the process; each level
+    costs under 128 bytes of stack, and only the pages actually used are ever touched."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = func()
+        except BaseException as exc:  # handed to the calling thread, which re-raises it
+            box["error"] = exc
+
+    with _STACK_LOCK:
+        old = threading.stack_size(min(MAX_STACK, (64 << 20) + 128 * size))
+        try:
+            worker = threading.Thread(target=run, name="metadata-unpickle", daemon=True)
+            worker.start()
+        finally:
+            threading.stack_size(old)
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides: dict[str, Any] | None = None) -> Any:
     """Unpickle DCP metadata with the allow-list; return the tree of :class:`Record` objects.
 
-    ``overrides`` replaces the stand-ins of some DCP classes by name (the streaming reader's hooks)."""
+    ``overrides`` replaces the stand-ins of some DCP classes by name (the streaming reader's hooks).
+    Memory is bounded by the file's size (sized constructors are charged against it) and nesting by a
+    stack sized for it."""
     stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
     allowed = ALLOWED
     if overrides:
@@ -278,13 +352,18 @@ def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides
         for key in allowed:
             if key[1] in overrides and key[0].startswith("torch.distributed"):
                 allowed[key] = overrides[key[1]]
-    try:
+    size = _stream_size(stream)
+
+    def load() -> Any:
         with gc_paused():
-            return _Unpickler(stream, source, allowed).load()
+            return _Unpickler(stream, source, allowed, size).load()
+
+    try:
+        return _with_deep_stack(load, size)
     except RefusedPickleError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
-            KeyError, OverflowError, MemoryError, UnicodeDecodeError) as exc:
+            KeyError, OverflowError, MemoryError, UnicodeDecodeError, RecursionError) as exc:
         raise RefusedPickleError(
-            f"{source}: not a readable DCP metadata pickle ({type(exc).__name__}: {exc}).", path=source
+            f"{source}: not a readable DCP metadata pickle ({type(exc).__name__}: {str(exc)[:200]}).", path=source
         ) from None

@@ -6,39 +6,26 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-
-URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
-BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub",
-            "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp",
-            "hdfs": "pyarrow", "sftp": "paramiko", "ssh": "paramiko"}
+from .remote import RemoteHandles, call, fs_for, is_url
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    m = URL_RE.match(str(path))
-    return bool(m) and m.group(1) != "file"
-
-
-def _fs_for(url: str) -> tuple[Any, str]:
+def open_regular(path: str) -> int:
+    """A read-only descriptor of a regular file; a FIFO, device or folder is refused without blocking."""
     try:
-        import fsspec
-    except ImportError:
-        raise CheckpointError(f"{url}: opening URLs needs the fsspec package (pip install fsspec).",
-                              path=url) from None
-    protocol = URL_RE.match(url).group(1)  # type: ignore[union-attr]
-    try:
-        fs, root = fsspec.core.url_to_fs(url)
-    except ImportError as exc:
-        pkg = BACKENDS.get(protocol, f"the fsspec backend for {protocol}://")
-        raise CheckpointError(f"{url}: no fsspec backend for {protocol}:// is installed ({exc}).", path=url,
-                              hint=f"Install it, e.g. `pip install {pkg}`.") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{url}: {exc}", path=url) from None
-    return fs, root
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open ({exc.strerror}).", path=path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file (a FIFO, device or folder); refused.", path=path)
+    return fd
 
 
 class LocalHandles:
@@ -59,10 +46,7 @@ class LocalHandles:
             fd = self._fds.get(name)
             if fd is None:
                 path = self.where(name)
-                try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-                except OSError as exc:
-                    raise CheckpointError(f"{path}: cannot open ({exc.strerror}).", path=path) from None
+                fd = open_regular(path)
                 self._fds[name] = fd
             return fd
 
@@ -87,6 +71,16 @@ class LocalHandles:
     def size(self, name: str) -> int:
         return os.fstat(self.fd(name)).st_size
 
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """The bytes of every ``(name, start, end)``."""
+        return [self.read(name, start, end - start) for name, start, end in ranges]
+
+    def prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        """A hint that these ranges are read soon (the page cache does this locally)."""
+
+    def plan_items(self, name: str, extents: Iterable[tuple[int, int]]) -> None:
+        """Item boundaries of a file (used by remote handles only)."""
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
@@ -100,60 +94,19 @@ class LocalHandles:
         self.close()
 
 
-class RemoteHandles:
-    """Byte-range reads from an fsspec filesystem (one request per range; nothing cached whole)."""
-
-    local = False
-
-    def __init__(self, fs: Any, root: str, url: str) -> None:
-        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
-
-    def where(self, name: str) -> str:
-        return f"{self.url}/{name}"
-
-    def read(self, name: str, offset: int, length: int) -> bytes:
-        if length == 0:
-            return b""
-        try:
-            data = self.fs.cat_file(f"{self.root}/{name}", start=offset, end=offset + length)
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.where(name)}: no such file.", path=self.where(name)) from None
-        except OSError as exc:
-            raise CheckpointError(f"{self.where(name)}: cannot read ({exc}).", path=self.where(name)) from None
-        if len(data) != length:
-            raise CheckpointError(f"{self.where(name)}: file ends before byte {offset + length}: the file is "
-                                  "truncated.", path=self.where(name))
-        return data
-
-    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
-        view = buf.cast("B") if buf.format != "B" else buf
-        view[:] = self.read(name, offset, len(view))
-
-    def size(self, name: str) -> int:
-        return int(self.fs.size(f"{self.root}/{name}"))
-
-    def fd(self, name: str) -> int:
-        raise OSError("remote files have no descriptor")
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> RemoteHandles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 FileHandles = LocalHandles  # the historical name
 
 
 class Folder:
-    """A checkpoint folder: its files and sizes, and readers for them."""
+    """A checkpoint folder: its files and sizes, and readers for them. ``storage_options`` are the
+    fsspec options it was opened with (the one channel for endpoints and credentials)."""
 
-    def __init__(self, path: str, fs: Any = None, root: str | None = None) -> None:
+    def __init__(self, path: str, fs: Any = None, root: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         self.path = path  # what the user sees: a local path or the URL
         self.fs, self.root = fs, root
+        self.storage_options = storage_options
+        self._listing: dict[str, int] | None = None
 
     @property
     def local(self) -> bool:
@@ -162,37 +115,44 @@ class Folder:
     def join(self, name: str) -> str:
         return os.path.join(self.path, name) if self.local else f"{self.path.rstrip('/')}/{name}"
 
+    def _remote(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"  # type: ignore[union-attr]
+
     def listing(self) -> dict[str, int]:
-        try:
-            if self.local:
+        """Regular files of the folder and their sizes (one listing request when remote)."""
+        if self.local:
+            try:
                 out = {}
                 with os.scandir(self.path) as it:
                     for e in it:
                         if e.is_file():
                             out[e.name] = e.stat().st_size
                 return out
-            return {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
-                    for d in self.fs.ls(self.root, detail=True) if d.get("type") == "file"}
-        except OSError as exc:
-            raise CheckpointError(f"{self.path}: cannot list the folder ({getattr(exc, 'strerror', exc)}).",
-                                  path=self.path) from None
+            except OSError as exc:
+                raise CheckpointError(f"{self.path}: cannot list the folder ({exc.strerror}).",
+                                      path=self.path) from None
+        entries = call(self.path, self.fs.ls, self.root, detail=True, doing="cannot list the folder")
+        self._listing = {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
+                         for d in entries if d.get("type") == "file"}
+        return dict(self._listing)
 
     def open(self, name: str) -> Any:
         """A binary file object (metadata pickles are read as a stream)."""
-        try:
-            if self.local:
-                return open(os.path.join(self.path, name), "rb")
-            return self.fs.open(f"{self.root.rstrip('/')}/{name}", "rb", block_size=8 << 20)
-        except OSError as exc:
-            raise CheckpointError(f"{self.join(name)}: cannot read ({getattr(exc, 'strerror', exc)}).",
-                                  path=self.join(name)) from None
+        if self.local:
+            return os.fdopen(open_regular(os.path.join(self.path, name)), "rb")
+        return call(self.join(name), self.fs.open, self._remote(name), "rb", block_size=8 << 20)
 
     def read_all(self, name: str) -> bytes:
-        with self.open(name) as f:
-            return f.read()
+        if self.local:
+            with self.open(name) as f:
+                return f.read()
+        return call(self.join(name), self.fs.cat_file, self._remote(name))
 
     def handles(self) -> LocalHandles | RemoteHandles:
-        return LocalHandles(self.path) if self.local else RemoteHandles(self.fs, self.root, self.path)
+        """Byte-range readers for this folder's files; make one per reader and share it between threads."""
+        if self.local:
+            return LocalHandles(self.path)
+        return RemoteHandles(self.fs, self.root or "", self.path, sizes=self._listing)
 
     def identity(self, names: list[str]) -> str | None:
         """What changes when these files change (for the metadata cache)."""
@@ -203,12 +163,12 @@ class Folder:
                     st = os.stat(os.path.join(self.path, name))
                     parts.append(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_dev}")
                 else:
-                    info = self.fs.info(f"{self.root.rstrip('/')}/{name}")
+                    info = call(self.join(name), self.fs.info, self._remote(name))
                     stamp = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
                     if stamp is None:
                         return None  # nothing tells a changed remote file apart: do not cache
                     parts.append(f"{name}\0{info.get('size')}\0{stamp}")
-            except OSError:
+            except (OSError, CheckpointError):
                 return None
         return "\0".join(parts)
 
@@ -216,25 +176,16 @@ class Folder:
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 
 
-def open_folder(path: str | os.PathLike) -> Folder:
-    """The checkpoint folder named by ``path`` (a folder, its ``.metadata`` file, or a URL)."""
+def open_folder(path: str | os.PathLike | Folder, storage_options: dict[str, Any] | None = None) -> Folder:
+    """The checkpoint folder named by ``path`` (a folder, its ``.metadata`` file, a URL, or a Folder,
+    returned as is). ``storage_options`` go to fsspec for URLs (endpoint, credentials, ...)."""
+    if isinstance(path, Folder):
+        return path
     text = str(path)
     if text.startswith("file://"):
         text = text[len("file://"):]
     if is_url(text):
-        fs, root = _fs_for(text)
-        try:
-            kind = fs.info(root).get("type")
-        except FileNotFoundError:
-            raise CheckpointError(f"{text}: no such file or folder.", path=text) from None
-        except OSError as exc:
-            raise CheckpointError(f"{text}: cannot reach it ({exc}).", path=text) from None
-        if kind == "file":
-            base = root.rstrip("/").rsplit("/", 1)
-            if base[-1] == ".metadata" or RANK_METADATA_RE.match(base[-1]):
-                return Folder(text.rstrip("/").rsplit("/", 1)[0], fs, base[0])
-            raise CheckpointError(f"{text}: is a file, not a checkpoint folder.", path=text)
-        return Folder(text.rstrip("/"), fs, root)
+        return _open_remote(text, storage_options)
     p = Path(text).expanduser()
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder.", path=str(p))
@@ -246,6 +197,22 @@ def open_folder(path: str | os.PathLike) -> Folder:
     return Folder(str(p))
 
 
-def handles_for(path: str) -> LocalHandles | RemoteHandles:
-    return open_folder(path).handles() if is_url(path) else LocalHandles(path)
+def _open_remote(url: str, storage_options: dict[str, Any] | None) -> Folder:
+    fs, root = fs_for(url, storage_options)
+    kind = call(url, fs.info, root).get("type")
+    if kind == "file":
+        base = root.rstrip("/").rsplit("/", 1)
+        if base[-1] == ".metadata" or RANK_METADATA_RE.match(base[-1]):
+            return Folder(url.rstrip("/").rsplit("/", 1)[0], fs, base[0], storage_options)
+        raise CheckpointError(f"{url}: is a file, not a checkpoint folder.", path=url)
+    return Folder(url.rstrip("/"), fs, root, storage_options)
 
+
+def handles_for(path: str | Folder, storage_options: dict[str, Any] | None = None) -> LocalHandles | RemoteHandles:
+    """Handles for a folder path or URL (prefer ``Checkpoint.folder.handles()``: no second resolve)."""
+    if isinstance(path, Folder):
+        return path.handles()
+    return open_folder(path, storage_options).handles() if is_url(path) else LocalHandles(str(path))
+
+
+__all__ = ["FileHandles", "Folder", "LocalHandles", "RemoteHandles", "handles_for", "is_url", "open_folder"]

@@ -53,6 +53,8 @@ def _hooks(ev: Events) -> dict[str, Any]:
         def __setstate__(self, state: Any) -> None:
             try:
                 off, size = state["offsets"], state["sizes"]
+                if len(off) != len(size):
+                    raise TypeError("ragged chunk")
                 ev.chunk_ndim.append(len(off))
                 ev.chunk_dims.extend(off)
                 ev.chunk_dims.extend(size)
@@ -69,6 +71,8 @@ def _hooks(ev: Events) -> dict[str, Any]:
 
         def __setstate__(self, state: Any) -> None:
             try:
+                if not isinstance(state["fqn"], str):
+                    raise TypeError("fqn")
                 ev.index_fqn.append(state["fqn"])
                 off = state.get("offset")
                 if off is None:
@@ -92,6 +96,8 @@ def _hooks(ev: Events) -> dict[str, Any]:
 
         def __setstate__(self, state: Any) -> None:
             try:
+                if not isinstance(state["relative_path"], str):
+                    raise TypeError("relative_path")
                 ev.info_path.append(state["relative_path"])
                 ev.info_offset.append(state["offset"])
                 ev.info_length.append(state["length"])

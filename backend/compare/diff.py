@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.values import finite_histogram
 from ..progress import Progress
 from .sources import Source
 
@@ -151,9 +152,13 @@ def difference_histogram(a: Source, b: Source, fqn: str, bins: int = 64,
     y = b.tensor(fqn).reshape(-1)
     if x.shape != y.shape:
         return DifferenceDetail(fqn, [], [], 0, x.numel())
+
+    def blocks() -> Any:
+        for s in range(0, x.numel(), BLOCK):
+            yield x[s:s + BLOCK].to(torch.float64) - y[s:s + BLOCK].to(torch.float64)
+
     lo, hi = math.inf, -math.inf
-    for s in range(0, x.numel(), BLOCK):
-        d = x[s:s + BLOCK].to(torch.float64) - y[s:s + BLOCK].to(torch.float64)
+    for d in blocks():
         d = d[torch.isfinite(d)]
         if d.numel():
             lo, hi = min(lo, float(d.min())), max(hi, float(d.max()))
@@ -161,12 +166,11 @@ def difference_histogram(a: Source, b: Source, fqn: str, bins: int = 64,
             progress.check()
     if lo > hi:
         return DifferenceDetail(fqn, [], [], 0, x.numel())
+    nonzero = [0]
+
+    def count_nonzero(d: Any) -> None:
+        nonzero[0] += int((d != 0).sum())
+
     edges = np.linspace(lo, hi if hi > lo else lo + 1e-12, bins + 1)
-    counts = np.zeros(bins, np.int64)
-    nonzero = 0
-    for s in range(0, x.numel(), BLOCK):
-        d = x[s:s + BLOCK].to(torch.float64) - y[s:s + BLOCK].to(torch.float64)
-        d = d[torch.isfinite(d)]
-        nonzero += int((d != 0).sum())
-        counts += np.histogram(d.numpy(), bins=edges)[0]
-    return DifferenceDetail(fqn, counts.tolist(), edges.tolist(), nonzero, x.numel())
+    counts = finite_histogram(blocks, edges, progress, count_nonzero)
+    return DifferenceDetail(fqn, counts.tolist(), edges.tolist(), nonzero[0], x.numel())

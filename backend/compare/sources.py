@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import open_checkpoint
-from ..checkpoint.storage import is_url
-from ..checkpoint.values import ChunkReader
+from ..checkpoint.chunks import ChunkReader
+from ..checkpoint.flatten import dotted, flatten
+from ..checkpoint.model import SAFETENSORS_DTYPES
+from ..checkpoint.storage import Folder, is_url
 from ..errors import CheckpointError
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
@@ -54,7 +56,7 @@ class Source:
 class DcpSource(Source):
     kind = "dcp"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | Folder) -> None:
         self.ckpt = open_checkpoint(path)
         self.name = self.ckpt.path
         self.reader = ChunkReader(self.ckpt)
@@ -78,37 +80,6 @@ class DcpSource(Source):
         self.reader.close()
 
 
-def _is_terminal(value: Any) -> bool:
-    """torch's ``_traverse._is_terminal``: a list is a leaf unless it holds tensors or mappings."""
-    import torch
-
-    if isinstance(value, dict):
-        return False
-    if not isinstance(value, list):
-        return True
-    for entry in value:
-        if isinstance(entry, dict | list) and not _is_terminal(entry):
-            return False
-        if isinstance(entry, torch.Tensor):
-            return False
-    return True
-
-
-def flatten(obj: Any, prefix: tuple = ()) -> dict[tuple, Any]:
-    """Nested dicts and lists to {key path: leaf}, exactly as DCP's ``flatten_state_dict`` does, so a
-    consolidated file and a DCP folder name their entries alike (``optimizer.param_groups.0.lr``)."""
-    out: dict[tuple, Any] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flatten(v, (*prefix, str(k))))
-    elif prefix and _is_terminal(obj):
-        out[prefix] = obj
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            out.update(flatten(v, (*prefix, i)))
-    return out
-
-
 class TorchFileSource(Source):
     kind = "torch"
 
@@ -123,8 +94,9 @@ class TorchFileSource(Source):
                                   f"({str(exc).splitlines()[0][:200]}).", path=path) from None
         if not isinstance(data, dict):
             raise CheckpointError(f"{path}: does not hold a dict of tensors.", path=path)
-        self._leaves = {".".join(map(str, k)): v for k, v in flatten(data).items()}
-        self._paths = {".".join(map(str, k)): k for k in flatten(data)}
+        flat = flatten(data)
+        self._leaves = {dotted(k): v for k, v in flat.items()}
+        self._paths = {dotted(k): k for k in flat}
 
     def entries(self) -> dict[str, EntryInfo]:
         import torch
@@ -187,8 +159,6 @@ class SafetensorsSource(Source):
         out = {}
         for k, h in self._where.items():
             sl = h.get_slice(k)
-            from ..checkpoint.items import SAFETENSORS_DTYPES
-
             dt = sl.get_dtype()
             out[k] = EntryInfo("tensor", SAFETENSORS_DTYPES.get(dt, dt.lower()), tuple(sl.get_shape()))
         out.update({k: EntryInfo("object") for k in self._objects})
@@ -201,7 +171,9 @@ class SafetensorsSource(Source):
         return self._objects[fqn]
 
 
-def open_source(path: str | os.PathLike) -> Source:
+def open_source(path: str | os.PathLike | Folder) -> Source:
+    if isinstance(path, Folder):  # a URL already opened with storage options
+        return DcpSource(path)
     text = str(path)
     if is_url(text):
         return DcpSource(text)

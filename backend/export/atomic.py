@@ -3,8 +3,10 @@ fsync of file and folder, then a rename. On failure, cancel, SIGINT or SIGTERM t
 removed and the destination is untouched; leftovers of a ``kill -9`` are recognised by their
 name (``.shardscope-tmp-<pid>-<hex>``) and removed by the next run into that folder.
 
-NOTE: a URL destination would plug in here (stage locally, upload and commit in ``commit()``);
-until then it is refused with one line.
+A URL destination (``s3://bucket/out/model.safetensors``) is staged in a temporary name in the
+local temp folder, written and verified there, and uploaded in ``commit()`` by
+:class:`~shardscope.backend.checkpoint.remote.RemoteTarget` (nothing at the final key(s) until the
+whole upload succeeded).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import os
 import secrets
 import shutil
 import signal
+import tempfile
 import threading
 from types import FrameType
 from typing import Any
 
+from ..checkpoint.remote import RemoteTarget
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
 from ..format import human_bytes
@@ -87,21 +91,22 @@ class AtomicOutput:
 
     def __init__(self, dst: str, kind: str = "file", force: bool = False, need_bytes: int = 0,
                  storage_options: dict[str, Any] | None = None) -> None:
-        if is_url(dst):
-            raise OutputError(f"{dst}: export to a URL is not supported yet; write to a local path and upload it.")
-        self.dst = os.path.abspath(dst.rstrip("/") if kind == "dir" else dst)
+        self.remote = RemoteTarget(dst, storage_options) if is_url(dst) else None
+        self.dst = self.remote.url if self.remote else os.path.abspath(dst.rstrip("/") if kind == "dir" else dst)
         self.kind = kind
         self.force = force
         self.need_bytes = need_bytes
         self.storage_options = storage_options or {}
-        self.folder = os.path.dirname(self.dst)
+        self.folder = tempfile.gettempdir() if self.remote else os.path.dirname(self.dst)  # remote: local staging
         self.path = os.path.join(self.folder, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(3)}")
         self.committed = False
         self._old_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ checks
     def _check(self) -> None:
-        if os.path.lexists(self.dst) and not self.force:
+        if self.remote:
+            self.remote.check(self.force)
+        elif os.path.lexists(self.dst) and not self.force:
             raise OutputError(f"{self.dst} exists; give --force to overwrite it.")
         if not os.path.isdir(self.folder):
             raise OutputError(f"{self.folder}: the destination folder does not exist.")
@@ -140,6 +145,11 @@ class AtomicOutput:
 
     def commit(self) -> None:
         """Make the temporary durable and give it the destination's name (replacing it with --force)."""
+        if self.remote:  # the local staging copy needs no fsync: the upload is the commit
+            self.remote.commit(self.path, self.kind)
+            self._discard()
+            self.committed = True
+            return
         try:
             if self.kind == "dir":
                 for name in os.listdir(self.path):

@@ -9,55 +9,40 @@ import io
 import math
 import os
 import pickle
-import shutil
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ShardscopeError
-from ..format import human_bytes
+from ..checkpoint.chunks import ChunkReader
 from ..progress import Progress
+from .atomic import AtomicOutput
 from .plan import ExportError
-from .writers import TMP_TAG, _check_destination, _same_bits, clean_stale_tmp
+from .result import ExportResult
+from .source import tensor_bytes
+from .verify import WHAT, Expectation, check_written
 
 DCP_VERSION = "1.0.0"
 
 
 @dataclass
 class TensorIn:
+    """A tensor to write: ``load`` returns the whole tensor (memory: this one tensor)."""
+
     fqn: str
     dtype: str
     shape: tuple[int, ...]
-    load: Callable[[], Any]  # the whole tensor (memory: this one tensor)
+    load: Callable[[], Any]
 
 
 @dataclass
 class ObjectIn:
+    """A non-tensor entry: a torch.save archive, as DCP stores them."""
+
     fqn: str
-    data: bytes  # a torch.save archive, as DCP stores non-tensor entries
-
-
-@dataclass
-class DcpResult:
-    dst: str
-    ranks: int
-    tensors: int
-    bytes: int
-    seconds: float
-    verified: bool | None = None
-    mismatches: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        if self.verified is False:
-            return (f"VERIFICATION FAILED: {len(self.mismatches)} tensors differ ({', '.join(self.mismatches[:5])}); "
-                    f"nothing was written to {self.dst}.")
-        text = (f"wrote {self.dst}: {self.tensors} tensors, {human_bytes(self.bytes)} as {self.ranks} ranks "
-                f"in {self.seconds:.1f} s")
-        if self.verified:
-            text += "\nverified: every tensor reads back equal to the source bit for bit"
-        return text
+    data: bytes
 
 
 def row_chunks(rows: int, ranks: int) -> list[tuple[int, int]]:
@@ -66,17 +51,66 @@ def row_chunks(rows: int, ranks: int) -> list[tuple[int, int]]:
     return [(min(rows, r * per), min(rows, (r + 1) * per)) for r in range(ranks)]
 
 
+@dataclass
+class _Written:
+    """What was written for one piece: where the verifier will find it and the CRC of its bytes."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    crc32: int
+
+
+def _save_pieces(t: TensorIn, files: list[Any], names: list[str], storage: dict, ranks: int,
+                 written: list[_Written]) -> tuple[Any, list]:
+    """Write one tensor as row-wise pieces, one ``torch.save`` item per rank; returns (value, chunk metas)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    value = t.load()
+    if tuple(value.shape) != tuple(t.shape):
+        raise ExportError(f"{t.fqn}: read a tensor of shape {list(value.shape)}, expected {list(t.shape)}.")
+    if value.dim() == 0 or value.shape[0] == 0:
+        pieces = [(0, (0,) * value.dim(), value)]
+    else:
+        pieces = [(r, (a, *([0] * (value.dim() - 1))), value[a:b])
+                  for r, (a, b) in enumerate(row_chunks(value.shape[0], ranks)) if b > a]
+    chunks = []
+    for r, offsets, piece in pieces:
+        f = files[r]
+        off = f.tell()
+        piece = piece.contiguous().clone()
+        written.append(_Written(t.fqn, offsets, zlib.crc32(tensor_bytes(piece))))
+        torch.save(piece, f)
+        meta = ChunkStorageMetadata(torch.Size(offsets), torch.Size(piece.shape))
+        chunks.append(meta)
+        storage[MetadataIndex(t.fqn, meta.offsets)] = _StorageInfo(names[r], off, f.tell() - off)
+    return value, chunks
+
+
+def _write_metadata(folder: str, sdm: dict, storage: dict, planner_data: dict, dst: str) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    md = Metadata(sdm, planner_data=planner_data or {k: (k,) for k in sdm}, storage_data=storage,
+                  storage_meta=StorageMeta(checkpoint_id=os.path.basename(dst), save_id=str(uuid.uuid4())),
+                  version=DCP_VERSION)
+    buf = io.BytesIO()
+    pickle.dump(md, buf)  # writing with torch's classes; Shardscope itself never unpickles this way
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        f.write(buf.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_dcp(tensors: Iterable[TensorIn], objects: Iterable[ObjectIn], dst: str, ranks: int,
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
-              progress: Progress | None = None, total_bytes: int = 0) -> DcpResult:
+              progress: Progress | None = None, total_bytes: int = 0) -> ExportResult:
+    """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
         MetadataIndex,
-        StorageMeta,
         TensorProperties,
         TensorStorageMetadata,
     )
@@ -84,95 +118,68 @@ def write_dcp(tensors: Iterable[TensorIn], objects: Iterable[ObjectIn], dst: str
     if ranks < 1:
         raise ExportError("--ranks must be at least 1.")
     t0 = time.monotonic()
-    clean_stale_tmp(dst)
-    _check_destination(dst, force, total_bytes + (1 << 20))
-    base = os.path.basename(dst.rstrip("/"))
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{base}{TMP_TAG}{os.getpid()}")
-    os.makedirs(tmp)
     names = [f"__{r}_0.distcp" for r in range(ranks)]
-    files = [open(os.path.join(tmp, n), "wb") for n in names]
-    sdm: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    written: list[TensorIn] = []
-    nbytes = 0
-    if progress:
-        progress.start(total_bytes or 1, "writing")
-    try:
-        for obj in objects:
-            f = files[0]
-            off = f.tell()
-            f.write(obj.data)
-            sdm[obj.fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(obj.fqn)] = _StorageInfo(names[0], off, len(obj.data))
-        for t in tensors:
-            value = t.load()
-            if tuple(value.shape) != tuple(t.shape):
-                raise ExportError(f"{t.fqn}: read a tensor of shape {list(value.shape)}, expected {list(t.shape)}.")
-            chunks = []
-            if value.dim() == 0 or value.shape[0] == 0:
-                pieces = [(0, (0,) * value.dim(), value)]
-            else:
-                pieces = [(r, (a, *([0] * (value.dim() - 1))), value[a:b])
-                          for r, (a, b) in enumerate(row_chunks(value.shape[0], ranks)) if b > a]
-            for r, offsets, piece in pieces:
-                f = files[r]
-                off = f.tell()
-                torch.save(piece.clone(), f)
-                meta = ChunkStorageMetadata(torch.Size(offsets), torch.Size(piece.shape))
-                chunks.append(meta)
-                storage[MetadataIndex(t.fqn, meta.offsets)] = _StorageInfo(names[r], off, f.tell() - off)
-            sdm[t.fqn] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), torch.Size(value.shape), chunks)
-            written.append(t)
-            nbytes += value.numel() * value.element_size()
-            if progress:
-                progress.advance(value.numel() * value.element_size(), t.fqn)
-            del value, pieces
-        for f in files:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        md = Metadata(sdm, planner_data=planner_data or {k: (k,) for k in sdm},
-                      storage_data=storage, storage_meta=StorageMeta(checkpoint_id=dst, save_id=str(uuid.uuid4())),
-                      version=DCP_VERSION)
-        buf = io.BytesIO()
-        pickle.dump(md, buf)  # writing with torch's classes; Shardscope itself never unpickles this way
-        with open(os.path.join(tmp, ".metadata"), "wb") as f:
-            f.write(buf.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        mismatches = _verify(tmp, written) if verify else []
+    with AtomicOutput(dst, kind="dir", force=force, need_bytes=total_bytes + (1 << 20)) as out:
+        sdm: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
+        written: list[_Written] = []
+        count = nbytes = 0
+        if progress:
+            progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
+        files = [open(os.path.join(out.path, n), "wb") for n in names]
+        try:
+            for obj in objects:
+                off = files[0].tell()
+                files[0].write(obj.data)
+                sdm[obj.fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(obj.fqn)] = _StorageInfo(names[0], off, len(obj.data))
+            for t in tensors:
+                value, chunks = _save_pieces(t, files, names, storage, ranks, written)
+                sdm[t.fqn] = TensorStorageMetadata(TensorProperties(dtype=value.dtype), torch.Size(value.shape),
+                                                   chunks)
+                count += 1
+                nbytes += value.numel() * value.element_size()
+                if progress:
+                    progress.advance(value.numel() * value.element_size(), t.fqn)
+                del value
+            for f in files:
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            for f in files:
+                f.close()
+        _write_metadata(out.path, sdm, storage, planner_data or {}, dst)
+        mismatches = check_written(_expectations(out.path, written), progress) if verify else []
         if mismatches:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return DcpResult(dst, ranks, len(written), nbytes, time.monotonic() - t0, False, mismatches)
-        if os.path.exists(dst):
-            shutil.rmtree(dst) if os.path.isdir(dst) else os.unlink(dst)
-        os.replace(tmp, dst)
-    except BaseException as exc:
-        for f in files:
-            f.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and not isinstance(exc, ShardscopeError):
-            raise ExportError(f"{dst}: cannot write ({exc.strerror or exc}).") from None
-        raise
-    return DcpResult(dst, ranks, len(written), nbytes, time.monotonic() - t0, True if verify else None)
+            return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
+                                verified=False, mismatches=mismatches)
+        out.commit()
+    return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, ".metadata"]], count, nbytes,
+                        time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
+                        verified_what=WHAT + "; the folder reads back as a DCP checkpoint" if verify else "")
 
 
-def _verify(folder: str, tensors: list[TensorIn]) -> list[str]:
+def _expectations(folder: str, written: list[_Written]) -> list[Expectation]:
+    """Open the written folder with the checkpoint reader and locate every piece's bytes in it, so the
+    metadata and the items are proven along with the values."""
     from ..checkpoint import open_checkpoint
-    from ..checkpoint.values import ChunkReader
 
     ckpt = open_checkpoint(folder, use_cache=False)
-    bad = []
+    expect = []
     with ChunkReader(ckpt) as reader:
-        for t in tensors:
-            if not ckpt.has_tensor(t.fqn) or not _same_bits(reader.read_tensor(ckpt.tensor(t.fqn)), t.load()):
-                bad.append(t.fqn)
-    return bad
+        for w in written:
+            chunk = next((c for c in ckpt.tensor(w.fqn).chunks if tuple(c.offsets) == w.offsets), None) \
+                if ckpt.has_tensor(w.fqn) else None
+            if chunk is None:
+                raise ExportError(f"{folder}: the written metadata lacks {w.fqn} at {list(w.offsets)}.")
+            st = reader.locate(w.fqn, chunk)
+            expect.append(Expectation(os.path.join(folder, chunk.file), st.data_offset, st.nbytes, w.crc32, w.fqn))
+    return expect
 
 
 # ------------------------------------------------------------------ sources
 def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, force: bool = False,
-                verify: bool = True, progress: Progress | None = None) -> DcpResult:
+                verify: bool = True, progress: Progress | None = None) -> ExportResult:
     """A ``.pt`` (loaded with ``weights_only=True``, memory-mapped) or ``.safetensors`` (single, or a
     folder with an index) becomes a DCP checkpoint. ``prefix`` nests every key (``model``), so
     ``dcp.load({"model": model.state_dict()})`` finds them."""
@@ -213,11 +220,10 @@ def _saved(value: Any) -> bytes:
 
 
 def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = True,
-            progress: Progress | None = None) -> DcpResult:
+            progress: Progress | None = None) -> ExportResult:
     """Rewrite a DCP checkpoint as if saved by ``ranks`` ranks; non-tensor entries are copied byte for
     byte (never decoded), tensors one at a time."""
     from ..checkpoint import open_checkpoint
-    from ..checkpoint.values import ChunkReader
 
     ckpt = open_checkpoint(src)
     missing = [f.name for f in ckpt.files if f.kind == "data" and f.bytes is None]
@@ -226,7 +232,7 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
     reader = ChunkReader(ckpt)
     try:
         tensors = [TensorIn(t.fqn, t.dtype, t.shape, lambda t=t: reader.read_tensor(t)) for t in ckpt.tensors]
-        objects = [ObjectIn(o.fqn, reader.handles.read(o.file, o.offset, o.length)) for o in ckpt.objects if o.file]
+        objects = [ObjectIn(o.fqn, reader.read_object_bytes(o)) for o in ckpt.objects if o.file]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,
                          ckpt.total_bytes)
     finally:

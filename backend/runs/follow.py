@@ -1,31 +1,46 @@
-"""Follow a run directory from files alone (ours or one written by `report()` elsewhere):
-new metric lines, status, per-rank logs, checkpoints, stalled ranks. Qt-free."""
+"""Follow a run directory from files alone (ours, one written by `report()` elsewhere, or any folder
+with TensorBoard event files or a Lightning metrics.csv): new metric points, status, per-rank logs,
+checkpoints, stalled ranks. Qt-free."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .launcher import checkpoints, effective_status, read_metrics
-from .metrics import Series, records_to_columns
+from ..errors import ShardscopeError
+from .launcher import run_status
+from .metrics import FIELDS, Series, records_to_columns
+from .rundir import checkpoints, read_metrics, scalar_logs
+from .scalars import CsvLogSource, EventFileSource, open_source
 
 LOG_CHUNK = 1 << 20
+EXTERNAL_BASE = 1000  # series keys from this on are scalar logs (TensorBoard, CSV), not ranks
 
 
 @dataclass
 class RunSnapshot:
     """What changed since the last read."""
 
-    records: dict[int, dict] = field(default_factory=dict)  # rank -> columns (records_to_columns)
+    records: dict[int, dict] = field(default_factory=dict)  # key -> columns (records_to_columns)
+    replaced: set[int] = field(default_factory=set)  # keys whose log was rewritten: start their series again
+    labels: dict[int, str] = field(default_factory=dict)  # names of new scalar-log series
     new_points: int = 0
     new_log: dict[int, str] = field(default_factory=dict)  # -1: launcher.log
     status: dict = field(default_factory=dict)
     stalled: list[int] = field(default_factory=list)
     checkpoints: list[Path] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def is_rank(key: int) -> bool:
+    """True for a rank's series, False for a scalar log's."""
+    return 0 <= key < EXTERNAL_BASE
 
 
 class RunFollower:
@@ -33,8 +48,11 @@ class RunFollower:
         self.run_dir = Path(run_dir)
         self.stall_seconds = stall_seconds
         self.series: dict[int, Series] = {}
+        self.labels: dict[int, str] = {}
         self._metric_offsets: dict[int, int] = {}
         self._log_offsets: dict[str, int] = {}
+        self._sources: dict[Path, tuple[int, EventFileSource | CsvLogSource]] = {}
+        self._broken: set[Path] = set()
         self.last_seen: dict[int, float] = {}  # wall time of each rank's newest record
 
     def read(self) -> RunSnapshot:
@@ -43,36 +61,69 @@ class RunFollower:
         raw = read_metrics(self.run_dir, self._metric_offsets)
         snap.records = {rank: records_to_columns(recs) for rank, recs in raw.items()}
         snap.new_points = sum(len(r) for r in raw.values())
+        self._read_scalar_logs(snap)
         for p in sorted((self.run_dir / "logs").glob("*.log")):
             text = self._read_new(p)
             if text:
                 key = -1 if p.stem == "launcher" else int(p.stem.split("_")[1]) if p.stem.startswith("rank_") else -2
                 snap.new_log[key] = text
-        snap.status = effective_status(self.run_dir)
+        snap.status = run_status(self.run_dir)
         snap.checkpoints = checkpoints(self.run_dir)
         return snap
 
+    def _read_scalar_logs(self, snap: RunSnapshot) -> None:
+        for path in scalar_logs(self.run_dir):
+            if path in self._broken:
+                continue
+            if path not in self._sources:
+                try:
+                    source = open_source(path)
+                except ShardscopeError as exc:
+                    self._broken.add(path)
+                    snap.problems.append(str(exc))
+                    continue
+                key = EXTERNAL_BASE + len(self._sources)
+                self._sources[path] = (key, source)
+                kind = "TensorBoard" if isinstance(source, EventFileSource) else "CSV"
+                where = path.parent.relative_to(self.run_dir) if path.parent != self.run_dir else "."
+                snap.labels[key] = f"{kind}: {where}"
+            key, source = self._sources[path]
+            batch = source.read()
+            if batch.replace:
+                snap.replaced.add(key)
+            if batch.records:
+                snap.records[key] = records_to_columns(_merge_steps(batch.records))
+                snap.new_points += len(batch.records)
+
     def apply(self, snap: RunSnapshot, now: float | None = None) -> RunSnapshot:
         """The in-memory half (on the thread that draws): append the new points, find stalls."""
-        for rank, cols in snap.records.items():
-            series = self.series.setdefault(rank, Series())
+        self.labels.update(snap.labels)
+        for key in snap.replaced:
+            self.series[key] = Series()
+        for key, cols in snap.records.items():
+            series = self.series.setdefault(key, Series())
             if len(cols["step"]):
                 series.append_columns(cols)
                 t = cols["time"][np.isfinite(cols["time"])]
-                if len(t):
-                    self.last_seen[rank] = max(self.last_seen.get(rank, 0.0), float(t.max()))
+                if len(t) and is_rank(key):
+                    self.last_seen[key] = max(self.last_seen.get(key, 0.0), float(t.max()))
         snap.stalled = self.stalled(snap.status, now)
         return snap
 
     def poll(self, now: float | None = None) -> RunSnapshot:
         return self.apply(self.read(), now)
 
+    def label(self, key: int) -> str:
+        return self.labels.get(key, f"rank {key}")
+
     def stalled(self, status: dict, now: float | None = None) -> list[int]:
-        """Ranks with no new step for ``stall_seconds`` while the run is running."""
+        """Ranks with no new step for ``stall_seconds`` while the run is running. Only ranks that have
+        reported since this launch count: after a resume, the old segment's last steps say nothing."""
         if status.get("state") not in ("running", None) or not self.last_seen:
             return []
         now = time.time() if now is None else now
-        return sorted(r for r, t in self.last_seen.items() if now - t > self.stall_seconds)
+        started = float(status.get("start_time") or 0.0)
+        return sorted(r for r, t in self.last_seen.items() if t >= started and now - t > self.stall_seconds)
 
     def _read_new(self, path: Path) -> str:
         off = self._log_offsets.get(str(path), 0)
@@ -90,14 +141,45 @@ class RunFollower:
         self._log_offsets[str(path)] = off + len(data) if off >= size - LOG_CHUNK else size
         return data.decode("utf-8", "replace")
 
-    def csv(self) -> str:
-        """All metric points of all ranks as CSV."""
-        from .metrics import FIELDS
+    def progress(self, total_steps: int | None = None) -> str:
+        """One line about rank 0's (or the first series') newest point: what the run reported, nothing
+        invented (no total unless known, steps/s from the records' own times when not reported)."""
+        key = 0 if 0 in self.series else min(self.series, default=None)
+        if key is None or not len(self.series[key]):
+            return ""
+        s = self.series[key]
+        step = s.column("step")[-1]
+        parts = [f"step {step:.0f}" + (f"/{total_steps}" if total_steps else "")]
+        loss = s.column("loss")[-1]
+        if math.isfinite(loss):
+            parts.append(f"loss {loss:.4f}")
+        sps = s.column("steps_per_s")[-1]
+        if not math.isfinite(sps) and len(s) >= 2:
+            t, st = s.column("time")[-2:], s.column("step")[-2:]
+            dt = t[1] - t[0]
+            sps = (st[1] - st[0]) / dt if math.isfinite(dt) and dt > 0 and st[1] > st[0] else math.nan
+        if math.isfinite(sps):
+            parts.append(f"{sps:.1f} steps/s")
+        return "  ".join(parts)
 
-        lines = ["rank," + ",".join(FIELDS)]
-        for rank in sorted(self.series):
-            s = self.series[rank]
+    def csv(self) -> str:
+        """All metric points of all series as CSV (``source`` is the rank, or the scalar log's name)."""
+        lines = ["source," + ",".join(FIELDS)]
+        for key in sorted(self.series):
+            s = self.series[key]
             cols = [s.column(f) for f in FIELDS]
+            name = str(key) if is_rank(key) else self.label(key).replace(",", ";")
             for i in range(len(s)):
-                lines.append(f"{rank}," + ",".join("" if v != v else repr(float(v)) for v in (c[i] for c in cols)))
+                lines.append(f"{name}," + ",".join("" if v != v else repr(float(v)) for v in (c[i] for c in cols)))
         return "\n".join(lines) + "\n"
+
+
+def _merge_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records of the same step (a logger writing loss and lr in separate rows) as one point."""
+    out: list[dict[str, Any]] = []
+    for rec in records:
+        if out and out[-1].get("step") == rec.get("step"):
+            out[-1].update(rec)
+        else:
+            out.append(dict(rec))
+    return out

@@ -1,12 +1,12 @@
-"""Launch a training run through torchrun in its own process group, and follow it from files.
+"""Launch a training run through torchrun (on this machine in its own process group, or on SLURM),
+follow its state from files and the scheduler, and stop it.
 
-A run directory holds config.json, status.json, metrics/rank_N.jsonl, logs/rank_N.log,
-exit/rank_N.json and checkpoints/; it outlives the GUI and can be followed from another machine.
+The run directory layout is described in :mod:`.rundir`; it outlives the GUI and can be followed
+from another machine.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,23 +17,79 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardscopeError
-from ..procs import pid_alive
+from ..procs import pid_alive, terminate_tree
+from . import slurm
 from .report import ENV_RUN_DIR
+from .rundir import (
+    FINAL_STATES,
+    rank_exits,
+    read_config,
+    read_status,
+    update_status,
+    write_json,
+)
 
-STATES = ("starting", "running", "finished", "failed", "stopped")
+ENV_RESUME = "SHARDSCOPE_RESUME"  # the checkpoint to resume from, for a user's own script
+WORKER = ["-m", "shardscope.backend.runs.worker_entry", "--"]
+STOP_NOTE = ("\n--- stopped by the user from Shardscope (SIGTERM to every process of the run). A SignalException "
+             "traceback from torchrun above is how torchrun reports that signal, not an error.\n")
 
 
 @dataclass
 class RunConfig:
+    """What to launch: the built-in trainer (strategy, steps, model) or a user's script, where (on)."""
+
     strategy: str = "fsdp"
-    nproc: int = 2
+    nproc: int = 2  # processes (per node on SLURM)
     steps: int = 50
     checkpoint_every: int = 10
     device: str | None = None
     resume: str | None = None
-    script: str | None = None  # a user's own script instead of the built-in trainer
+    script: str | None = None  # a user's own script instead of the built-in trainer (absolute path)
     script_args: list[str] = field(default_factory=list)
     model: dict[str, Any] = field(default_factory=dict)  # width, depth, heads, seq_len, vocab, batch_size, lr, seed
+    on: str = "local"  # "local" or "slurm"
+    slurm: slurm.SlurmOptions | None = None
+
+    def resolved(self, cwd: str | os.PathLike | None = None) -> RunConfig:
+        """A copy with ``script`` and ``resume`` made absolute against ``cwd`` (the caller's working
+        directory: the workers run in the run directory, where a relative path means something else)."""
+        base = Path(cwd or os.getcwd())
+        out = RunConfig(**{**self.__dict__})
+        if out.script:
+            out.script = str((base / Path(out.script).expanduser()).resolve())
+        if out.resume:
+            out.resume = str((base / Path(out.resume).expanduser()).resolve())
+        return out
+
+    def problems(self) -> dict[str, str]:
+        """What is wrong with this config, by field name (empty when it can be launched)."""
+        out: dict[str, str] = {}
+        if self.nproc < 1:
+            out["nproc"] = "needs at least 1 process"
+        if self.script:
+            if not Path(self.script).is_file():
+                out["script"] = f"{self.script}: no such file"
+        else:
+            if self.steps < 1:
+                out["steps"] = "steps must be at least 1"
+            if self.checkpoint_every < 0:
+                out["checkpoint_every"] = "must be 0 (never) or more"
+            if self.strategy not in ("fsdp", "ddp"):
+                out["strategy"] = f"unknown strategy {self.strategy!r} (fsdp or ddp)"
+        if self.resume and not (Path(self.resume) / ".metadata").is_file():
+            out["resume"] = f"{self.resume}: not a DCP checkpoint (no .metadata)"
+        if self.on not in ("local", "slurm"):
+            out["on"] = f"unknown place to run {self.on!r} (local or slurm)"
+        elif self.on == "slurm" and not slurm.available():
+            out["on"] = "SLURM's sbatch/scontrol/sinfo are not on PATH here"
+        return out
+
+    @property
+    def nproc_per_node(self) -> int:
+        if self.on == "slurm" and self.slurm and self.slurm.gpus_per_node:
+            return self.slurm.gpus_per_node
+        return self.nproc
 
     def trainer_args(self, run_dir: str) -> list[str]:
         if self.script:
@@ -48,14 +104,32 @@ class RunConfig:
             args += [f"--{k.replace('_', '-')}", str(v)]
         return args
 
+    def record(self) -> dict[str, Any]:
+        """What config.json records: only the fields that shaped this launch."""
+        rec: dict[str, Any] = {"kind": "script" if self.script else "builtin", "nproc": self.nproc,
+                               "device": self.device, "resume": self.resume, "on": self.on}
+        if self.script:
+            rec.update(script=self.script, script_args=list(self.script_args))
+        else:
+            rec.update(strategy=self.strategy, steps=self.steps, checkpoint_every=self.checkpoint_every,
+                       model=dict(self.model))
+        if self.on == "slurm":
+            rec["slurm"] = asdict(self.slurm or slurm.SlurmOptions())
+        return rec
 
-def default_runs_root() -> Path:
-    base = os.environ.get("SHARDSCOPE_DATA_DIR") or os.environ.get("XDG_DATA_HOME") or \
-        os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / ("runs" if os.environ.get("SHARDSCOPE_DATA_DIR") else "shardscope/runs")
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> RunConfig:
+        """The config a config.json record describes (to resume the same run)."""
+        known = {k: v for k, v in rec.items() if k in cls.__dataclass_fields__ and k != "slurm"}
+        cfg = cls(**known)
+        if isinstance(rec.get("slurm"), dict):
+            fields = slurm.SlurmOptions.__dataclass_fields__
+            cfg.slurm = slurm.SlurmOptions(**{k: v for k, v in rec["slurm"].items() if k in fields})
+        return cfg
 
 
 def describe_exit(code: int | None) -> str:
+    """An exit code in words (negative: killed by a signal)."""
     if code is None:
         return "still running"
     if code == 0:
@@ -71,8 +145,52 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def run_status(run_dir: str | os.PathLike, exit_code: int | None = None) -> dict[str, Any]:
+    """The run's state now. status.json, brought up to date: from the scheduler for a SLURM run; for a
+    local run whose torchrun has ended (``exit_code`` when we reaped it, else its pid is gone: the GUI
+    that started it was closed) from the ranks' exit records. A final state is written once."""
+    status = read_status(run_dir)
+    if status.get("state") in FINAL_STATES:
+        return status
+    if status.get("scheduler") == "slurm":
+        return slurm.refresh(Path(run_dir), status)
+    pid = status.get("pid")
+    if exit_code is None and (not isinstance(pid, int) or pid_alive(pid)):
+        return status
+    exits = rank_exits(run_dir)
+    failed = sorted(r for r, e in exits.items() if e.get("code"))
+    if status.get("stop_requested"):
+        state, why = "stopped", "stopped by the user (SIGTERM to every process of the run)"
+    elif not failed and (exit_code == 0 or (exit_code is None and exits)):
+        state, why = "finished", "success" if exit_code == 0 else "every rank recorded a clean exit"
+    else:
+        state = "failed"
+        why = describe_exit(exit_code) if exit_code is not None else \
+            "the launcher is gone and no rank recorded an exit (killed?)" if not exits else \
+            "the launcher is gone; state taken from the ranks' exit records"
+    return update_status(run_dir, state, end_time=time.time(), exit_code=exit_code, failed_ranks=failed,
+                         exit_codes={str(r): e.get("code") for r, e in exits.items()}, explanation=why)
+
+
+def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> dict[str, Any]:
+    """Stop a run, whoever started it: scancel for a SLURM job; else SIGTERM to torchrun's group and every
+    descendant, SIGKILL after ``grace``. The run then reads "stopped". Returns its final status."""
+    status = read_status(run_dir)
+    if status.get("state") in FINAL_STATES:
+        return status
+    if status.get("scheduler") == "slurm":
+        return slurm.cancel(Path(run_dir))
+    update_status(run_dir, stop_requested=time.time())
+    pid = status.get("pid")
+    if pid_alive(pid):
+        terminate_tree(pid, grace)
+        with open(Path(run_dir) / "logs" / "launcher.log", "a") as log:
+            log.write(STOP_NOTE)
+    return run_status(run_dir, exit_code=-signal.SIGTERM)
+
+
 class RunLauncher:
-    """Starts torchrun for one run; ``stop()`` ends every process of the run."""
+    """Starts one run (torchrun here, or a SLURM job); ``stop()`` ends every process of the run."""
 
     def __init__(self, run_dir: str | os.PathLike, config: RunConfig) -> None:
         self.run_dir = Path(run_dir).absolute()
@@ -82,234 +200,91 @@ class RunLauncher:
     def start(self) -> RunLauncher:
         """Start the run. A run directory that already holds a run is continued only when resuming
         (metrics append; the plots mark the restart); anything else must be a new directory."""
+        problems = self.config.problems()
+        if problems:
+            raise ShardscopeError("; ".join(problems.values()))
+        self._check_directory()
+        for sub in ("metrics", "logs", "checkpoints", "exit"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        for old in (self.run_dir / "exit").glob("*.json"):
+            old.unlink()
+        self._write_config()
+        history = read_config(self.run_dir).get("history", [])
+        write_json(self.run_dir / "status.json", {"state": "starting", "start_time": time.time(),
+                                                  "restarts": len(history), "updated": time.time(),
+                                                  "scheduler": self.config.on})
+        if self.config.on == "slurm":
+            job_id = slurm.submit(self.run_dir / "job.sbatch")
+            update_status(self.run_dir, "queued", job_id=job_id, submit_time=time.time())
+            return self
+        env = {**os.environ, **self._env()}
+        with open(self.run_dir / "logs" / "launcher.log", "ab") as log:
+            # NOTE: a new session, so stop() can signal torchrun *and* its workers as one group.
+            self.proc = subprocess.Popen(self.command(), cwd=str(self.run_dir), env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        update_status(self.run_dir, "running", pid=self.proc.pid)
+        return self
+
+    def _check_directory(self) -> None:
         existing = (self.run_dir / "config.json").exists()
         if existing and not self.config.resume:
             raise ShardscopeError(f"{self.run_dir}: already holds a run; resume it from one of its checkpoints "
                                   "(--resume) or choose a new run directory.")
         if not existing and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ShardscopeError(f"{self.run_dir}: run directory is not empty; choose a new one.")
-        if existing and read_status(self.run_dir).get("state") in ("starting", "running") and \
-                pid_alive(read_status(self.run_dir).get("pid")):
+        if existing and run_status(self.run_dir).get("state") not in (*FINAL_STATES, None):
             raise ShardscopeError(f"{self.run_dir}: the run is still running.")
-        for sub in ("metrics", "logs", "checkpoints", "exit"):
-            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        for old in (self.run_dir / "exit").glob("rank_*.json"):
-            old.unlink()
-        cfg = asdict(self.config)
-        cfg["command"] = self.command()
-        history = []
-        if existing:
-            try:
-                prev = json.loads((self.run_dir / "config.json").read_text())
-                history = [*prev.pop("history", []), prev]
-            except (OSError, ValueError):
-                history = []
-        cfg["history"] = history
-        (self.run_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-        status_file = self.run_dir / "status.json"
-        if status_file.exists():
-            status_file.unlink()
-        self._status("starting", start_time=time.time(), restarts=len(history))
-        env = {**os.environ, ENV_RUN_DIR: str(self.run_dir), "PYTHONUNBUFFERED": "1"}
-        log = open(self.run_dir / "logs" / "launcher.log", "ab")
-        # NOTE: a new session, so stop() can signal torchrun *and* its workers as one group.
-        self.proc = subprocess.Popen(self.command(), cwd=str(self.run_dir), env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        self._status("running", pid=self.proc.pid)
-        return self
+
+    def _env(self) -> dict[str, str]:
+        env = {ENV_RUN_DIR: str(self.run_dir), "PYTHONUNBUFFERED": "1"}
+        if self.config.resume:
+            env[ENV_RESUME] = self.config.resume
+        return env
+
+    def _write_config(self) -> None:
+        prev = read_config(self.run_dir)
+        history = [*prev.pop("history", []), prev] if prev else []
+        if self.config.on == "slurm":
+            text = slurm.job_script(self.run_dir, self.config.slurm or slurm.SlurmOptions(),
+                                    self.config.nproc_per_node, [*WORKER, *self.config.trainer_args(str(self.run_dir))],
+                                    env=self._env())
+            command = ["sbatch", str(slurm.write_script(self.run_dir, text))]
+        else:
+            command = self.command()
+        write_json(self.run_dir / "config.json", {**self.config.record(), "command": command,
+                                                  "launched_from": os.getcwd(), "launched_at": time.time(),
+                                                  "history": history})
 
     def command(self) -> list[str]:
+        """The local torchrun command line."""
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                "--nproc-per-node", str(self.config.nproc), "-m", "shardscope.backend.runs.worker_entry", "--",
-                *self.config.trainer_args(str(self.run_dir))]
+                "--nproc-per-node", str(self.config.nproc), *WORKER, *self.config.trainer_args(str(self.run_dir))]
 
-    def poll(self) -> int | None:
-        code = self.proc.poll() if self.proc else None
-        if code is not None:
-            self._finish(code)
-        return code
+    def status(self) -> dict[str, Any]:
+        """The run's state now (reaps torchrun when it ended; see :func:`run_status`)."""
+        code = self.proc.poll() if self.proc is not None else None
+        return run_status(self.run_dir, exit_code=code)
 
-    def wait(self, timeout: float | None = None) -> int:
-        assert self.proc is not None
-        code = self.proc.wait(timeout)
-        self._finish(code)
-        return code
+    def wait(self, timeout: float | None = None, interval: float = 0.5) -> dict[str, Any]:
+        """Wait until the run reaches a final state; returns its status (TimeoutError after ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status.get("state") in FINAL_STATES:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.run_dir}: still {status.get('state')} after {timeout} s")
+            if self.proc is not None:
+                try:
+                    self.proc.wait(interval)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                time.sleep(interval)
 
-    def stop(self, grace: float = 10.0) -> int:
-        """SIGTERM to the whole process group, then SIGKILL after ``grace`` seconds."""
-        if self.proc is None:
-            return 0
-        self._stopping = True
-        pgid = self.proc.pid
-        # NOTE: torchrun starts its workers in sessions of their own, so signalling our group
-        # alone would orphan them if torchrun dies first: collect every descendant up front.
-        family = run_processes(pgid)
-        _signal_group(pgid, signal.SIGTERM)
-        for p in family:
-            _signal_pid(p.pid, signal.SIGTERM)
-        try:
-            code = self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
-            code = self.proc.wait()
-        import psutil
-
-        _gone, alive = psutil.wait_procs(family, timeout=max(0.1, grace / 2))
-        for p in alive:
-            _signal_pid(p.pid, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=grace)
-        if _group_alive(pgid):
-            _signal_group(pgid, signal.SIGKILL)
-        self._finish(code)
-        return code
-
-    def _finish(self, code: int) -> None:
-        status = read_status(self.run_dir)
-        if status.get("state") in ("finished", "failed", "stopped"):
-            return
-        exits = rank_exits(self.run_dir)
-        failed = [r for r, e in exits.items() if e.get("code")]
-        if getattr(self, "_stopping", False):
-            state = "stopped"
-        else:
-            state = "finished" if code == 0 and not failed else "failed"
-        self._status(state, end_time=time.time(), exit_code=code,
-                     exit_codes={str(r): e.get("code") for r, e in exits.items()},
-                     failed_ranks=failed, explanation=describe_exit(code))
-
-    def _status(self, state: str, **extra: Any) -> None:
-        status = read_status(self.run_dir)
-        status.update(extra, state=state, updated=time.time())
-        tmp = self.run_dir / "status.json.tmp"
-        tmp.write_text(json.dumps(status, indent=2))
-        os.replace(tmp, self.run_dir / "status.json")
-
-
-def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> int | None:
-    """Stop a run this process did not start (a GUI reopened on it): SIGTERM to torchrun's group and
-    every descendant, SIGKILL after ``grace``; mark it stopped. Returns torchrun's pid, or None."""
-    import psutil
-
-    status = read_status(run_dir)
-    pid = status.get("pid")
-    if not pid_alive(pid):
-        return None
-    family = run_processes(pid)
-    _signal_group(pid, signal.SIGTERM)
-    for p in family:
-        _signal_pid(p.pid, signal.SIGTERM)
-    _gone, alive = psutil.wait_procs(family, timeout=grace)
-    for p in alive:
-        _signal_pid(p.pid, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=grace)
-    status.update(state="stopped", end_time=time.time(), updated=time.time(),
-                  explanation="stopped from Shardscope (SIGTERM, then SIGKILL after the grace period)")
-    tmp = Path(run_dir) / "status.json.tmp"
-    tmp.write_text(json.dumps(status, indent=2))
-    os.replace(tmp, Path(run_dir) / "status.json")
-    return pid
-
-
-def run_processes(pid: int) -> list:
-    """torchrun and every process it started (psutil handles)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _signal_pid(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
-    try:
-        return json.loads((Path(run_dir) / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def effective_status(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """status.json, corrected for a run whose launcher is gone (the GUI that started it was closed,
-    or it was killed): a "running" run with no live process ended, as its ranks' exit records say."""
-    status = read_status(run_dir)
-    if status.get("state") in ("starting", "running") and "pid" in status and not pid_alive(status["pid"]):
-        exits = rank_exits(run_dir)
-        failed = [r for r, e in exits.items() if e.get("code")]
-        status = {**status, "state": "failed" if failed or not exits else "finished", "failed_ranks": failed,
-                  "exit_codes": {str(r): e.get("code") for r, e in exits.items()},
-                  "explanation": "the launcher is gone; state taken from the ranks' exit records"
-                  if exits else "the launcher is gone and no rank recorded an exit (killed?)"}
-    return status
-
-
-def rank_exits(run_dir: str | os.PathLike) -> dict[int, dict]:
-    out = {}
-    for p in sorted((Path(run_dir) / "exit").glob("rank_*.json")):
-        try:
-            rec = json.loads(p.read_text())
-            out[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError):
-            continue
-    return out
-
-
-def read_metrics(run_dir: str | os.PathLike, offsets: dict[int, int] | None = None
-                 ) -> dict[int, list[dict[str, Any]]]:
-    """New metric records per rank since ``offsets`` (byte positions, updated in place)."""
-    offsets = offsets if offsets is not None else {}
-    out: dict[int, list[dict]] = {}
-    for p in sorted((Path(run_dir) / "metrics").glob("rank_*.jsonl")):
-        rank = int(p.stem.split("_")[1])
-        with open(p, "rb") as f:
-            f.seek(offsets.get(rank, 0))
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
-        offsets[rank] = offsets.get(rank, 0) + end
-        recs = []
-        for line in data[:end].splitlines():
-            try:
-                recs.append(json.loads(line))
-            except ValueError:
-                continue
-        out[rank] = recs
-    return out
-
-
-def log_tail(run_dir: str | os.PathLike, rank: int, lines: int = 30) -> str:
-    p = Path(run_dir) / "logs" / f"rank_{rank}.log"
-    try:
-        with open(p, "rb") as f:
-            f.seek(max(0, p.stat().st_size - 64_000))
-            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    root = Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if (p / ".metadata").exists())
+    def stop(self, grace: float = 10.0) -> dict[str, Any]:
+        """Stop the run (see :func:`stop_run`); returns its final status."""
+        status = stop_run(self.run_dir, grace)
+        if self.proc is not None:
+            self.proc.poll()
+        return status

@@ -7,7 +7,8 @@ import math
 
 import numpy as np
 
-FIELDS = ("step", "time", "loss", "rss", "cuda_allocated", "cuda_reserved", "steps_per_s", "tokens_per_s", "lr")
+FIELDS = ("step", "time", "loss", "rss", "cuda_allocated", "cuda_reserved", "cuda_peak", "steps_per_s",
+          "tokens_per_s", "lr")
 
 
 class Series:
@@ -39,7 +40,7 @@ class Series:
                 self.cols[f] = grown
         step = cols["step"]
         prev = np.concatenate(([self.cols["step"][self.n - 1] if self.n else np.nan], step[:-1]))
-        back = np.nonzero(np.isfinite(prev) & np.isfinite(step) & (step <= prev))[0]
+        back = np.nonzero(np.isfinite(prev) & np.isfinite(step) & (step < prev))[0]
         self.restarts.extend(int(self.n + i) for i in back)
         for f in FIELDS:
             self.cols[f][self.n:need] = cols[f]
@@ -47,11 +48,6 @@ class Series:
 
     def column(self, name: str) -> np.ndarray:
         return self.cols[name][: self.n]
-
-    def segments(self) -> list[slice]:
-        """Runs of points between restarts, so a resumed run's curve is not joined to the old one."""
-        bounds = [0, *self.restarts, self.n]
-        return [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def records_to_columns(records: list[dict]) -> dict[str, np.ndarray]:

@@ -2,13 +2,14 @@
 
 The launcher sets ``SHARDSCOPE_RUN_DIR``; without it every call is a no-op, so scripts can keep
 their ``report`` calls when run by hand. Memory is sampled on each call (process RSS; CUDA
-allocated/reserved/max when CUDA is in use).
+allocated/reserved/peak from ``torch.cuda.memory_stats`` when a CUDA device is in use).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -47,15 +48,20 @@ def _open() -> Any:
 
 
 def _memory() -> dict[str, int]:
+    """Process RSS; with a CUDA device in use, this device's allocated / reserved / peak allocated bytes
+    from ``torch.cuda.memory_stats`` (the caching allocator's own counters)."""
     out: dict[str, int] = {}
     proc = _state.get("proc")
     if proc is not None:
         out["rss"] = proc.memory_info().rss
-    torch = __import__("sys").modules.get("torch")
+    torch = sys.modules.get("torch")  # never import torch here: a script without torch stays without it
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda_allocated"] = torch.cuda.memory_allocated()
-        out["cuda_reserved"] = torch.cuda.memory_reserved()
-        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        stats = torch.cuda.memory_stats()
+        for key, stat in (("cuda_allocated", "allocated_bytes.all.current"),
+                          ("cuda_reserved", "reserved_bytes.all.current"),
+                          ("cuda_peak", "allocated_bytes.all.peak")):
+            if stat in stats:
+                out[key] = int(stats[stat])
     return out
 
 

@@ -7,7 +7,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launcher import effective_status
+from .launcher import run_status
+from .rundir import is_run_dir
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class RunInfo:
     path: Path
     state: str
     mtime: float
+    explanation: str = ""
 
 
 def list_runs(root: str | os.PathLike) -> list[RunInfo]:
@@ -26,12 +28,13 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
     except OSError:
         return []
     for p in entries:
-        if (p / "config.json").exists() or (p / "metrics").is_dir():
+        if is_run_dir(p):
             try:
                 mtime = p.stat().st_mtime
             except OSError:
                 continue
-            out.append(RunInfo(p, effective_status(p).get("state", "?"), mtime))
+            status = run_status(p)
+            out.append(RunInfo(p, status.get("state", "?"), mtime, status.get("explanation", "")))
     return sorted(out, key=lambda r: r.mtime, reverse=True)
 
 

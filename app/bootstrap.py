@@ -1,0 +1,84 @@
+"""Starting the window: the QApplication, the ``gui`` subcommand's options, and the demo's window."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from PySide6.QtWidgets import QApplication
+
+from .main_window import MainWindow
+from .screenshot import Screenshot
+from .settings import settings
+
+
+def make_app() -> QApplication:
+    """The one QApplication (Fusion style; Qt 6 scales for high-DPI screens by itself)."""
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Shardscope")
+    app.setOrganizationName("Shardscope")
+    app.setStyle("Fusion")  # follows the system colour scheme (dark or light) in Qt 6
+    return app  # type: ignore[return-value]
+
+
+def parse_size(text: str | None) -> tuple[int, int] | None:
+    """``1280x720`` -> (1280, 720)."""
+    if not text:
+        return None
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+        return w, h
+    except ValueError:
+        raise SystemExit(f"shardscope: --size wants WxH, e.g. 1280x720, not {text!r}") from None
+
+
+def is_run_dir(path: str) -> bool:
+    """A Shardscope run directory (or one written by ``report()``), not a checkpoint."""
+    p = Path(path)
+    return (p / "config.json").exists() or ((p / "metrics").is_dir() and not (p / ".metadata").exists())
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``gui`` subcommand: open the window as ``args`` says; exit code of the window."""
+    code = _run(args)
+    # NOTE: skip interpreter teardown after the event loop: on big checkpoints we saw (rarely)
+    # a "deallocating True" abort in the final garbage collection, inside a C extension.
+    settings().sync()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
+    app = make_app()
+    win = MainWindow()
+    size = parse_size(getattr(args, "size", None))
+    if size:
+        win.resize(*size)
+    shot_path = getattr(args, "screenshot", None)
+    shot = Screenshot(app, win, shot_path) if shot_path else None
+    win.quiet = shot is not None
+    select = getattr(args, "select", None)
+    run_dir = getattr(args, "run", None)
+    path = getattr(args, "path", None)
+    if path and is_run_dir(path):
+        run_dir, path = path, None
+    panel = win.training_panel(run_dir) if run_dir else None
+    pair = getattr(args, "compare", None)
+    if pair:
+        view = win.compare(*pair)
+        if shot:
+            shot.compare(view, select)
+    elif path:
+        cview = win.open_path(path)
+        if shot:
+            shot.checkpoint(cview, select)
+    elif shot and panel is not None:
+        shot.when(lambda: panel.follower is not None and bool(panel.follower.series), panel.plots.redraw)
+    elif shot:  # the Library (start page), once its first scan is shown
+        shot.when(lambda: win.library.snapshot is not None)
+    win.show()
+    code = app.exec()
+    return shot.code if shot else code

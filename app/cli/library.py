@@ -1,0 +1,137 @@
+"""``shardscope ls`` (every checkpoint under some roots, by run) and ``shardscope prune`` (rules, a plan,
+then a crash-safe removal to the trash or for good)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
+from shardscope.backend.format import escape_name, human_bytes
+from shardscope.backend.library.scan import ranks_text
+
+from .output import TerminalProgress, add_command, err
+
+
+def register(sub: Any) -> None:
+    sp = add_command(sub, "ls", run_ls, "List every checkpoint under ROOTs, by run: step, state, format, writer "
+                     "ranks, size on disk. Exit 0, or 2 when a root does not exist.")
+    sp.add_argument("roots", nargs="+", metavar="ROOT")
+    sp.add_argument("--json", action="store_true", help='print {"roots", "runs", "checkpoints"}')
+    sp = add_command(sub, "prune", run_prune, "Remove checkpoints no rule keeps (keep if any rule keeps). Prints "
+                     "the plan; --yes acts (to the desktop trash; --delete: for good).")
+    sp.add_argument("roots", nargs="+", metavar="ROOT")
+    sp.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest complete checkpoints of each run")
+    sp.add_argument("--keep-every", type=int, metavar="K", help="keep checkpoints whose step is divisible by K")
+    sp.add_argument("--keep-best", metavar="METRIC", help="keep the best --top N by METRIC at the checkpoint's "
+                    "step (the run's metrics/rank_N.jsonl, Lightning's metrics.csv or trainer_state.json)")
+    sp.add_argument("--mode", choices=("min", "max"), default="min", help="for --keep-best (default: min)")
+    sp.add_argument("--top", type=int, default=1, metavar="N", help="for --keep-best (default: 1)")
+    sp.add_argument("--keep", action="append", default=[], metavar="GLOB", help="keep names or paths matching GLOB")
+    sp.add_argument("--min-age", metavar="AGE", help="keep checkpoints newer than AGE (90s, 30m, 2h, 7d)")
+    sp.add_argument("--incomplete", action="store_true",
+                    help="also remove leftovers of failed saves (older than --min-age)")
+    sp.add_argument("--yes", action="store_true", help="act on the plan (default: only print it)")
+    sp.add_argument("--delete", action="store_true", help="delete for good instead of moving to the trash")
+    sp.add_argument("--json", action="store_true")
+
+
+def _finish_leftovers(listing: Any) -> list:
+    from shardscope.backend.library import finish_leftovers
+
+    done = finish_leftovers(listing.leftovers)
+    for o in done:
+        if o.result == "failed":
+            err(o.message)
+        else:
+            print(f"shardscope: finished an interrupted prune: {escape_name(o.path)} {o.result}", file=sys.stderr)
+    listing.leftovers = []
+    return done
+
+
+def _scan(roots: list[str], quiet: bool) -> Any:
+    from shardscope.backend.library import scan
+
+    with TerminalProgress(enabled=not quiet) as progress:
+        return scan(roots, progress=progress)
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    listing = _scan(args.roots, args.json)
+    _finish_leftovers(listing)
+    if args.json:
+        json.dump(listing.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    for run in listing.runs:
+        kind = f"Shardscope run, {run.state or 'state unknown'}" if run.kind == "shardscope" else "folder"
+        print(f"{escape_name(run.path)}  ({kind})  {len(run.checkpoints)} checkpoint(s), {human_bytes(run.bytes)}")
+        if run.checkpoints:
+            print(f"  {'STEP':>8}  {'STATE':<10}  {'FORMAT':<15}  {'RANKS':<7}  {'SIZE':>10}  {'MODIFIED':<16}  "
+                  "CHECKPOINT")
+        for c in run.checkpoints:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.mtime)) if c.mtime else "?"
+            note = f"  ({c.reason})" if c.reason and c.state != "complete" else ""
+            print(f"  {'-' if c.step is None else c.step:>8}  {c.state:<10}  {c.format:<15}  "
+                  f"{ranks_text(c.ranks):<7}  {human_bytes(c.bytes):>10}  {when:<16}  {escape_name(c.name)}{note}")
+    cks = listing.checkpoints
+    counts = ", ".join(f"{sum(1 for c in cks if c.state == s)} {s}" for s in ("complete", "incomplete", "writing",
+                                                                               "unreadable"))
+    print(f"total: {len(cks)} checkpoint(s) in {len(listing.runs)} run(s), {human_bytes(listing.bytes)} on disk "
+          f"({counts})")
+    return EXIT_OK
+
+
+def _rules(args: argparse.Namespace) -> Any:
+    from shardscope.backend.library import Rules, parse_age
+
+    rules = Rules(keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep_best, mode=args.mode,
+                  top=args.top, keep=tuple(args.keep), min_age=parse_age(args.min_age) if args.min_age else None,
+                  incomplete=args.incomplete)
+    rules.check()
+    return rules
+
+
+def print_plan(plan: Any) -> None:
+    """Every checkpoint, keep or remove, and the rule that keeps it (or why it goes)."""
+    by_run: dict[str, list] = {}
+    for d in plan.decisions:
+        by_run.setdefault(d.checkpoint.run, []).append(d)
+    for run, decisions in by_run.items():
+        print(escape_name(run))
+        for d in decisions:
+            c = d.checkpoint
+            print(f"  {d.action.upper():<6}  {'-' if c.step is None else c.step:>8}  {human_bytes(c.bytes):>10}  "
+                  f"{c.state:<10}  {escape_name(c.name):<28}  {'; '.join(d.reasons)}")
+    print(f"plan: remove {len(plan.remove)} of {len(plan.decisions)} checkpoint(s), "
+          f"freeing {human_bytes(plan.bytes_freed)}")
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    from shardscope.backend.library import execute, make_plan
+
+    rules = _rules(args)
+    listing = _scan(args.roots, args.json)
+    plan = make_plan(listing, rules)
+    if not args.json:
+        print_plan(plan)
+    if not args.yes:
+        if args.json:
+            json.dump({**plan.to_json(), "acted": False}, sys.stdout)
+            sys.stdout.write("\n")
+        elif plan.remove:
+            how = "delete them for good" if args.delete else "move them to the trash (--delete: for good)"
+            print(f"nothing removed yet: run again with --yes to {how}.")
+        return EXIT_OK
+    with TerminalProgress(enabled=not args.json) as progress:
+        result = execute(plan, delete=args.delete, progress=progress)
+    if args.json:
+        json.dump({**plan.to_json(), "acted": True, "result": result.to_json()}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        for line in result.summary().splitlines():
+            print(escape_name(line))
+    return EXIT_PROBLEMS if result.failed else EXIT_OK

@@ -1,0 +1,311 @@
+"""The one chunk reader: the bytes of a chunk, by file and byte range, for every storage variant.
+
+Every consumer reads tensor bytes through :class:`ChunkReader`: the inspector's values, ``show``, deep
+verify, export (``copy_range`` for the zero-copy path), diff, reshard and import's verification. It
+dispatches once over the storage variants (a ``torch.save`` zip item in a ``.distcp``, a safetensors blob
+in a ``.distcp``, the raw ranges of a ``HuggingFaceStorageWriter`` folder; local or remote files through
+:mod:`.storage`), caches where each chunk's values are, checks every range against the file before
+reading, and checks the stored CRC32 in the same pass as the read.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import zlib
+from typing import Any
+
+from ..errors import CheckpointError
+from ..progress import Progress
+from .items import (
+    ZIP_LOCAL,
+    ItemFormatError,
+    SafetensorsHeader,
+    StoredTensor,
+    parse_safetensors_header,
+    parse_torch_item,
+)
+from .model import ITEMSIZE, Checkpoint, Chunk, ObjectEntry, TensorEntry, contiguous_strides
+from .storage import LocalHandles, RemoteHandles, open_folder
+
+log = logging.getLogger(__name__)
+
+COPY_BLOCK = 16 << 20
+MAX_OBJECT_BYTES = 1 << 30  # a non-tensor entry (an optimizer step, an lr) is small; refuse a 1 GiB pickle
+
+
+class CorruptChunkError(CheckpointError):
+    """The bytes read do not match the CRC32 stored with them: the file changed on disk."""
+
+
+def torch_dtype(name: str) -> Any:
+    """The ``torch.dtype`` for a short dtype name, or a CheckpointError when this torch lacks it."""
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"dtype {name} is not known to this torch ({torch.__version__}).")
+    return dt
+
+
+def safe_name(name: str) -> bool:
+    """True for a plain file name inside the folder (what torch's writers produce): no separators, no ``..``."""
+    return bool(name) and isinstance(name, str) and "/" not in name and "\\" not in name and "\0" not in name \
+        and name not in (".", "..")
+
+
+_local = threading.local()
+
+
+def _thread_buffer() -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(COPY_BLOCK))
+    return buf
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    import os
+
+    pos = 0
+    while pos < len(view):
+        pos += os.pwrite(fd, view[pos:], offset + pos)
+
+
+class ChunkReader:
+    """Reads chunks and entries of one checkpoint; keeps files open and caches where values are.
+    Thread-safe for reads (local reads use ``pread``)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        folder = ckpt.folder if ckpt.folder is not None else open_folder(ckpt.path)
+        self.handles: LocalHandles | RemoteHandles = folder.handles()
+        self._located: dict[tuple[str, int, str], StoredTensor] = {}
+        self._blobs: dict[tuple[str, int], SafetensorsHeader] = {}
+        self._sizes: dict[str, int] = {}
+
+    def close(self) -> None:
+        self.handles.close()
+
+    def __enter__(self) -> ChunkReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ ranges
+    def _size(self, name: str) -> int:
+        size = self._sizes.get(name)
+        if size is None:
+            if not safe_name(name):
+                raise CheckpointError(f"{self.ckpt.path}: refusing to open {name!r}: not a plain file name "
+                                      "inside the checkpoint folder.", path=self.ckpt.path)
+            size = self._sizes[name] = self.handles.size(name)
+        return size
+
+    def _check_range(self, name: str, offset: int, length: int, what: str) -> None:
+        size = self._size(name)
+        if offset < 0 or length < 0 or offset + length > size:
+            where = self.handles.where(name)
+            raise CheckpointError(f"{where}: {what} needs bytes {offset}..{offset + length} but the file has "
+                                  f"{size}: the file is truncated or the metadata is wrong.", path=where)
+
+    def _where(self, fqn: str, chunk: Chunk) -> str:
+        return f"{self.handles.where(chunk.file)} (tensor {fqn}, chunk at offsets {list(chunk.offsets)})"
+
+    def _error(self, fqn: str, chunk: Chunk, text: str, cls: type[CheckpointError] = CheckpointError
+               ) -> CheckpointError:
+        return cls(f"{self._where(fqn, chunk)}: {text}", fqn=fqn, path=self.handles.where(chunk.file))
+
+    # ------------------------------------------------------------ where values are
+    def locate(self, fqn: str, chunk: Chunk) -> StoredTensor:
+        """Where a chunk's values are, checked against the metadata and the file (cached per chunk)."""
+        key = (chunk.file, chunk.offset, fqn)
+        st = self._located.get(key)
+        if st is None:
+            try:
+                st = self._locate(fqn, chunk)
+            except CheckpointError as exc:
+                if exc.fqn:
+                    raise
+                raise CheckpointError(f"{exc} (tensor {fqn}, chunk at offsets {list(chunk.offsets)})",
+                                      path=exc.path, fqn=fqn) from None
+            self._located[key] = st
+        return st
+
+    def _locate(self, fqn: str, chunk: Chunk) -> StoredTensor:
+        if not chunk.file:
+            raise CheckpointError(f"{fqn}: chunk at offsets {list(chunk.offsets)} has no storage entry.", fqn=fqn)
+        dtype = self.ckpt.tensor(fqn).dtype
+        self._check_range(chunk.file, chunk.offset, chunk.length, "the item")
+        try:
+            st = self._stored(fqn, chunk, dtype)
+        except ItemFormatError as exc:
+            raise self._error(fqn, chunk, f"item cannot be decoded ({exc}).") from None
+        if st.dtype != dtype:
+            raise self._error(fqn, chunk, f"item holds {st.dtype}, metadata says {dtype}.")
+        if tuple(st.shape) != tuple(chunk.sizes):
+            raise self._error(fqn, chunk, f"item has shape {list(st.shape)}, metadata says {list(chunk.sizes)}.")
+        if (st.storage_offset + st.span()) * ITEMSIZE.get(dtype, 1) > st.nbytes:
+            raise self._error(fqn, chunk, "item storage is shorter than its view.")
+        self._check_range(chunk.file, st.data_offset, st.nbytes, f"tensor {fqn}'s storage")
+        return st
+
+    def _stored(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
+        """The one dispatch over storage variants."""
+        if self.ckpt.format == "hf-safetensors":  # the chunk's byte range is the raw data itself
+            return StoredTensor(dtype, tuple(chunk.sizes), contiguous_strides(chunk.sizes), 0, chunk.offset,
+                                chunk.length, None)
+        magic = self.handles.read(chunk.file, chunk.offset, 4) if chunk.length >= 4 else b""
+        if magic == ZIP_LOCAL:
+            return parse_torch_item(self.handles, chunk.file, chunk.offset, chunk.length)
+        # SerializationFormat.SAFETENSORS: the item offset is where the file's safetensors blob starts.
+        blob_key = (chunk.file, chunk.offset)
+        blob = self._blobs.get(blob_key)
+        if blob is None:
+            blob = parse_safetensors_header(self.handles, chunk.file, chunk.offset, self._size(chunk.file))
+            self._blobs[blob_key] = blob
+        st = blob.tensors.get(fqn)
+        if st is None:
+            raise ItemFormatError(f"tensor {fqn} is not in the safetensors header")
+        return st
+
+    def direct_copy(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
+        """The chunk's StoredTensor when its values are stored as-is (``dtype``, contiguous), so
+        :meth:`copy_range` can copy them byte for byte; None when they must be assembled."""
+        st = self.locate(fqn, chunk)
+        return st if st.dtype == dtype and st.contiguous else None
+
+    # ------------------------------------------------------------ reading
+    def _read_checked(self, fqn: str, chunk: Chunk, st: StoredTensor, buf: memoryview) -> None:
+        self.handles.readinto(chunk.file, st.data_offset, buf)
+        if st.crc32 is not None:
+            crc = zlib.crc32(buf)
+            if crc != st.crc32:
+                raise self._corrupt(fqn, chunk, st, crc)
+
+    def _corrupt(self, fqn: str, chunk: Chunk, st: StoredTensor, crc: int) -> CorruptChunkError:
+        return self._error(fqn, chunk, f"fails its CRC32 check (stored {st.crc32:08x}, read {crc:08x}): the "
+                                       "bytes changed on disk.", CorruptChunkError)  # type: ignore[return-value]
+
+    def read_chunk(self, fqn: str, chunk: Chunk, dtype: str) -> Any:
+        """The chunk as a torch tensor of ``chunk.sizes``; its CRC32 checked in the same pass as the read."""
+        import torch
+
+        st = self.locate(fqn, chunk)
+        tdtype = torch_dtype(dtype)
+        if st.nbytes % tdtype.itemsize:
+            raise self._error(fqn, chunk, f"item storage of {st.nbytes} bytes is not a whole number of {dtype}.")
+        buf = bytearray(st.nbytes)
+        self._read_checked(fqn, chunk, st, memoryview(buf))
+        if not st.nbytes:
+            return torch.empty(st.shape, dtype=tdtype)
+        return torch.frombuffer(buf, dtype=tdtype).as_strided(st.shape, st.stride, st.storage_offset)
+
+    def read_tensor(self, entry: TensorEntry, progress: Progress | None = None) -> Any:
+        """The whole tensor assembled from its chunks (reads only this tensor's items)."""
+        import torch
+
+        out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+        chunks = entry.chunks
+        if progress:
+            progress.start(len(chunks), f"reading {entry.fqn}")
+        for c in chunks:
+            t = self.read_chunk(entry.fqn, c, entry.dtype)
+            out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))].copy_(t)
+            if progress:
+                progress.advance(1)
+        return out
+
+    def check_chunk(self, fqn: str, chunk: Chunk) -> StoredTensor:
+        """Deep verification of one chunk: located, every stored byte read once and its CRC32 checked.
+        Reads in blocks (memory bounded by the block, not the chunk)."""
+        st = self.locate(fqn, chunk)
+        self._stream(fqn, chunk, st, None, 0, 0, 0, None)
+        return st
+
+    def copy_range(self, fqn: str, chunk: Chunk, fd: int, dst_offset: int, progress: Progress | None = None) -> int:
+        """Copy a directly copyable chunk's value bytes into ``fd`` at ``dst_offset``; returns the bytes copied.
+        The whole storage record's CRC32 is computed in the same pass; CorruptChunkError is raised after
+        copying when it does not match, so the caller discards its (temporary) output."""
+        st = self.locate(fqn, chunk)
+        if not st.contiguous:
+            raise self._error(fqn, chunk, "item is not stored contiguously; read it with read_chunk.")
+        elem = ITEMSIZE.get(st.dtype, 1)
+        start, count = st.storage_offset * elem, st.numel * elem
+        self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
+        return count
+
+    def _stream(self, fqn: str, chunk: Chunk, st: StoredTensor, fd: int | None, dst_offset: int, start: int,
+                count: int, progress: Progress | None) -> None:
+        """Read the storage record block by block: CRC over all of it, bytes [start, start+count) to fd."""
+        buf = _thread_buffer()
+        crc = 0
+        pos = 0
+        while pos < st.nbytes:
+            n = min(len(buf), st.nbytes - pos)
+            view = buf[:n]
+            self.handles.readinto(chunk.file, st.data_offset + pos, view)
+            if st.crc32 is not None:
+                crc = zlib.crc32(view, crc)
+            lo, hi = max(pos, start), min(pos + n, start + count)
+            if fd is not None and hi > lo:
+                _pwrite_all(fd, view[lo - pos:hi - pos], dst_offset + lo - start)
+                if progress:
+                    progress.advance(hi - lo)
+            elif progress:
+                progress.check()
+            pos += n
+        if st.crc32 is not None and crc != st.crc32:
+            raise self._corrupt(fqn, chunk, st, crc)
+
+    # ------------------------------------------------------------ non-tensor entries
+    def read_object_bytes(self, obj: ObjectEntry) -> bytes:
+        """The raw stored bytes of a non-tensor entry (a torch.save pickle), range checked."""
+        if obj.file is None:
+            raise CheckpointError(f"{obj.fqn}: no storage entry in the metadata.", fqn=obj.fqn)
+        try:
+            if obj.length > MAX_OBJECT_BYTES:
+                raise CheckpointError(f"{self.handles.where(obj.file)}: a {obj.length}-byte non-tensor entry is "
+                                      "implausible.", path=self.handles.where(obj.file))
+            self._check_range(obj.file, obj.offset, obj.length, "the entry")
+            return self.handles.read(obj.file, obj.offset, obj.length)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (entry {obj.fqn})", path=exc.path, fqn=obj.fqn) from None
+
+    def read_file(self, name: str) -> bytes:
+        """A whole small file of the folder (``meta.pt``), size checked."""
+        size = self._size(name)
+        if size > MAX_OBJECT_BYTES:
+            raise CheckpointError(f"{self.handles.where(name)}: {size} bytes is implausible for this file.",
+                                  path=self.handles.where(name))
+        return self.handles.read(name, 0, size)
+
+    def read_object(self, obj: ObjectEntry) -> Any:
+        """A non-tensor entry, decoded with ``weights_only=True`` (refuses arbitrary objects)."""
+        data = self.read_object_bytes(obj)
+        where = self.handles.where(obj.file or "")
+        return load_weights_only(data, f"{where} (entry {obj.fqn})", fqn=obj.fqn, path=where)
+
+
+def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str | None = None) -> Any:
+    """``torch.load(weights_only=True)`` of untrusted bytes; any failure is a CheckpointError."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, KeyError,
+            IndexError, OverflowError, UnicodeDecodeError, RecursionError, MemoryError, NotImplementedError,
+            AssertionError, ImportError, OSError) as exc:
+        # torch.load's zip reader and weights-only unpickler raise all of these on damaged input.
+        log.debug("torch.load failed on %s", where, exc_info=True)
+        text = (str(exc).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{where}: cannot be decoded safely ({type(exc).__name__}: {text}).",
+                              fqn=fqn, path=path) from None
+
+
+__all__ = ["COPY_BLOCK", "ChunkReader", "CorruptChunkError", "StoredTensor", "load_weights_only", "safe_name",
+           "torch_dtype"]

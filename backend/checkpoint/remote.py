@@ -1,0 +1,542 @@
+"""Checkpoints and exports on fsspec URLs (``s3://``, ``gs://``, ``hf://``, ``memory://``, ...).
+
+Latency, not bandwidth, is what a remote read costs, so reads are planned: a miss fetches the whole
+item it falls in (when the reader told us the item boundaries), or a whole small file, or reads
+ahead; neighbouring ranges are coalesced into one GET, batches go out concurrently, and the bytes
+stay in a bounded LRU cache so the zip header, pickle, data and tail reads of one item cost one
+request. Errors of the remote backend become one-line :class:`CheckpointError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import re
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
+BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub",
+            "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp",
+            "hdfs": "pyarrow", "sftp": "paramiko", "ssh": "paramiko"}
+# Object stores where one PUT (or a multipart upload) appears only when complete: a file goes there directly.
+ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"}
+# Errors raised by the network stacks under fsspec backends that mean "cannot reach / read it".
+REMOTE_ERROR_MODULES = {"botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure",
+                        "huggingface_hub", "s3fs", "gcsfs", "adlfs", "fsspec", "paramiko"}
+
+WHOLE_FILE = 8 << 20  # files up to this size are read whole on the first miss
+READ_AHEAD = 2 << 20  # least bytes fetched on a miss without item boundaries
+COALESCE = 8 << 20  # small items are merged into one request up to this size
+MAX_GAP = 1 << 20  # neighbouring ranges closer than this are fetched as one
+MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
+CACHE_BUDGET = 192 << 20  # fetched bytes kept for later reads (LRU)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """True for ``scheme://...`` other than ``file://``."""
+    m = URL_RE.match(str(path))
+    return bool(m) and m.group(1) != "file"
+
+
+def default_options(protocol: str) -> dict[str, Any]:
+    """Options that make an unreachable endpoint fail in about a second instead of retrying for minutes."""
+    if protocol in ("s3", "s3a"):
+        return {"config_kwargs": {"connect_timeout": 5, "read_timeout": 120,
+                                  "retries": {"max_attempts": 2, "mode": "standard"}}}
+    return {}
+
+
+def merge_options(base: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """``extra`` over ``base``, nested dicts merged key by key (the user's options win)."""
+    out = dict(base)
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_options(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def is_remote_error(exc: BaseException) -> bool:
+    """An error of the storage backend or the network (not a bug of ours)."""
+    if isinstance(exc, (OSError, TimeoutError)):
+        return True
+    return any(c.__module__.split(".")[0] in REMOTE_ERROR_MODULES for c in type(exc).__mro__[:-2])
+
+
+def remote_error(where: str, exc: BaseException, doing: str = "cannot read it") -> CheckpointError:
+    """One line naming the URL and what the backend said."""
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointError(f"{where}: no such file or folder.", path=where)
+    if isinstance(exc, PermissionError):
+        return CheckpointError(f"{where}: access denied ({_first_line(exc)}).", path=where,
+                               hint="Check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
+                                    "--storage-option key=... secret=...).")
+    text = _first_line(exc)
+    if "connect" in text.lower() or "endpoint" in text.lower() or isinstance(exc, TimeoutError):
+        return CheckpointError(f"{where}: cannot reach the storage endpoint ({text}).", path=where,
+                               hint="Check AWS_ENDPOINT_URL or --storage-option client_kwargs.endpoint_url=...")
+    return CheckpointError(f"{where}: {doing} ({text}).", path=where)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def fs_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem and path for ``url``; a missing backend package is named."""
+    try:
+        import fsspec
+    except ImportError:
+        raise CheckpointError(f"{url}: opening URLs needs the fsspec package (pip install fsspec).",
+                              path=url) from None
+    protocol = URL_RE.match(url).group(1)  # type: ignore[union-attr]
+    options = merge_options(default_options(protocol), storage_options)
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        pkg = BACKENDS.get(protocol, f"the fsspec backend for {protocol}://")
+        raise CheckpointError(f"{url}: no fsspec backend for {protocol}:// is installed ({exc}).", path=url,
+                              hint=f"Install it, e.g. `pip install {pkg}`.") from None
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{url}: bad storage options or URL ({_first_line(exc)}).", path=url) from None
+
+
+def call(where: str, fn: Any, *args: Any, doing: str = "cannot read it", **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with backend errors turned into one-line :class:`CheckpointError`."""
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        if not is_remote_error(exc):
+            raise
+        log.info("%s: %r", where, exc)
+        raise remote_error(where, exc, doing) from None
+
+
+# ------------------------------------------------------------------ the read planner
+class _Fetch:
+    """Bytes ``[start, end)`` of one file: being fetched (``done`` not set) or fetched."""
+
+    __slots__ = ("cached", "data", "done", "end", "error", "start")
+
+    def __init__(self, start: int, end: int, cached: bool) -> None:
+        self.start, self.end, self.cached = start, end, cached
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+@dataclass
+class _File:
+    """What the planner knows of one remote file: its fetched extents (sorted, disjoint) and item bounds."""
+
+    size: int | None = None
+    starts: list[int] = field(default_factory=list)
+    fetches: list[_Fetch] = field(default_factory=list)
+    item_start: np.ndarray | None = None  # item bounds, sorted by start
+    item_end: np.ndarray | None = None
+    next_seq: int = -1  # where the last read ended (sequential read-ahead)
+    ahead: int = READ_AHEAD
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """Requests and bytes these handles asked the backend for."""
+
+    requests: int
+    bytes: int
+
+
+class RemoteHandles:
+    """Planned, cached byte-range reads from one folder on an fsspec filesystem; thread-safe."""
+
+    local = False
+
+    def __init__(self, fs: Any, root: str, url: str, sizes: dict[str, int] | None = None,
+                 budget: int = CACHE_BUDGET) -> None:
+        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        self.budget = budget
+        self._files: dict[str, _File] = {}
+        self._sizes = dict(sizes or {})
+        self._lru: OrderedDict[int, tuple[str, _Fetch]] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._requests = 0
+        self._bytes = 0
+
+    # -- public
+    def where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    @property
+    def stats(self) -> RequestStats:
+        return RequestStats(self._requests, self._bytes)
+
+    def size(self, name: str) -> int:
+        size = self._file(name).size
+        if size is None:
+            size = int(call(self.where(name), self.fs.size, f"{self.root}/{name}"))
+            with self._lock:
+                self._file(name).size = size
+        return size
+
+    def plan_items(self, name: str, extents: Iterable[tuple[int, int]] | np.ndarray) -> None:
+        """Item boundaries ``(offset, length)`` of ``name`` (pairs or an (n, 2) array): a miss then
+        fetches the whole item it falls in, merged with small neighbours."""
+        arr = np.asarray(extents if isinstance(extents, np.ndarray) else list(extents), dtype=np.int64)
+        arr = arr.reshape(-1, 2)
+        arr = arr[arr[:, 1] > 0]
+        order = np.argsort(arr[:, 0], kind="stable")
+        with self._lock:
+            f = self._file(name)
+            f.item_start = arr[order, 0]
+            f.item_end = arr[order, 0] + arr[order, 1]
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        pieces = self._acquire([(name, offset, offset + length)])[0]
+        f = pieces[0] if len(pieces) == 1 else None
+        if f is not None and f.start <= offset and f.end >= offset + length:
+            if f.start == offset and f.end == offset + length:
+                return f.data  # type: ignore[return-value]
+            return f.data[offset - f.start:offset - f.start + length]  # type: ignore[index]
+        buf = bytearray(length)
+        self._copy_into(name, offset, memoryview(buf), pieces)
+        return bytes(buf)
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        view = buf.cast("B") if buf.format != "B" else buf
+        if len(view):
+            self._copy_into(name, offset, view, self._acquire([(name, offset, offset + len(view))])[0])
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """The bytes of every ``(name, start, end)``, fetched as one coalesced, concurrent batch."""
+        out = []
+        for (name, start, end), pieces in zip(ranges, self._acquire(list(ranges)), strict=True):
+            buf = bytearray(max(0, end - start))
+            if buf:
+                self._copy_into(name, start, memoryview(buf), pieces)
+            out.append(bytes(buf))
+        return out
+
+    def prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        """Start fetching these ranges in the background (bounded by the cache budget)."""
+        with self._lock:
+            room = max(0, self.budget - self._used)
+            todo = []
+            for name, start, end in ranges:
+                for f in self._plan(name, start, end, readahead=False):
+                    if f.end - f.start > room:
+                        self._forget(name, f)
+                        continue
+                    room -= f.end - f.start
+                    todo.append((name, f))
+            if not todo:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="shardscope-prefetch")
+            pool = self._pool
+        pool.submit(self._run, todo)
+
+    def fd(self, name: str) -> int:
+        raise OSError("remote files have no descriptor")
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._files.clear()
+            self._lru.clear()
+            self._used = 0
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> RemoteHandles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- planning (under the lock)
+    def _file(self, name: str) -> _File:
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = _File(size=self._sizes.get(name))
+        return f
+
+    def _acquire(self, ranges: list[tuple[str, int, int]]) -> list[list[_Fetch]]:
+        """For each range, the fetches that cover it, after fetching the missing ones (one batch)."""
+        todo: list[tuple[str, _Fetch]] = []
+        covers = []
+        with self._lock:
+            for name, start, end in ranges:
+                new = self._plan(name, start, end, readahead=True)
+                todo.extend((name, f) for f in new)
+                covers.append(self._covering(name, start, end))
+                self._file(name).next_seq = end
+        if todo:
+            self._run(todo)
+        for name, start, end in ranges:
+            self._check_end(name, start, end)
+        for pieces in covers:
+            for f in pieces:
+                f.done.wait()
+                if f.error is not None:
+                    raise f.error
+        return covers
+
+    def _check_end(self, name: str, start: int, end: int) -> None:
+        size = self._file(name).size
+        if size is not None and end > size:
+            raise CheckpointError(f"{self.where(name)}: file ends before byte {end} (read at {start}, {end - start} "
+                                  "bytes): the file is truncated.", path=self.where(name))
+
+    def _covering(self, name: str, start: int, end: int) -> list[_Fetch]:
+        f = self._file(name)
+        i = max(0, bisect.bisect_right(f.starts, start) - 1)
+        out = []
+        while i < len(f.fetches) and f.fetches[i].start < end:
+            if f.fetches[i].end > start:
+                out.append(f.fetches[i])
+                key = id(f.fetches[i])
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+            i += 1
+        return out
+
+    def _gaps(self, name: str, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Uncovered parts of ``[start, end)`` as ``(gap_start, gap_end, lo, hi)``: lo/hi bound a fetch."""
+        f = self._file(name)
+        hi_file = f.size if f.size is not None else 1 << 62
+        end = min(end, hi_file)
+        out = []
+        pos = start
+        i = bisect.bisect_right(f.starts, pos) - 1
+        lo = 0
+        if i >= 0:
+            lo = f.fetches[i].end
+            if f.fetches[i].end > pos:
+                pos = f.fetches[i].end
+        i += 1
+        while pos < end:
+            nxt = f.fetches[i].start if i < len(f.fetches) else hi_file
+            if nxt > pos:
+                out.append((pos, min(end, nxt), max(lo, 0), nxt))
+            if i >= len(f.fetches):
+                break
+            lo = pos = max(pos, f.fetches[i].end)
+            i += 1
+        return out
+
+    def _plan(self, name: str, start: int, end: int, readahead: bool) -> list[_Fetch]:
+        """Register the fetches that will cover ``[start, end)`` and return the new ones."""
+        f = self._file(name)
+        new = []
+        for g0, g1, lo, hi in self._gaps(name, start, end):
+            a, b = self._extent(f, g0, g1, lo, hi, readahead)
+            step = MAX_REQUEST if b - a > MAX_REQUEST else b - a
+            for s in range(a, b, step):
+                fetch = _Fetch(s, min(b, s + step), cached=(b - a) <= self.budget // 2)
+                k = bisect.bisect_left(f.starts, s)
+                f.starts.insert(k, s)
+                f.fetches.insert(k, fetch)
+                new.append(fetch)
+        return new
+
+    def _extent(self, f: _File, g0: int, g1: int, lo: int, hi: int, readahead: bool) -> tuple[int, int]:
+        """What to fetch for the gap ``[g0, g1)`` that must stay within ``[lo, hi)``."""
+        if f.size is not None and f.size <= WHOLE_FILE:
+            return lo, hi  # a small file: all of what is missing, in one request
+        starts, ends = f.item_start, f.item_end
+        if starts is not None and ends is not None and len(starts):
+            k = int(np.searchsorted(starts, g0, side="right")) - 1
+            if k >= 0 and starts[k] <= g0 < ends[k]:
+                a, b = max(lo, int(starts[k])), int(ends[k])
+                if b - a <= MAX_REQUEST:
+                    k += 1  # merge following small items while they are close and the request stays small
+                    while k < len(starts) and starts[k] - b <= MAX_GAP and ends[k] - a <= COALESCE:
+                        b = max(b, int(ends[k]))
+                        k += 1
+                    return a, min(hi, max(b, g1))
+        if not readahead:
+            return g0, g1
+        if g0 == f.next_seq:
+            f.ahead = min(MAX_REQUEST, f.ahead * 2)
+        else:
+            f.ahead = READ_AHEAD
+        return g0, min(hi, max(g1, g0 + f.ahead))
+
+    def _forget(self, name: str, fetch: _Fetch) -> None:
+        f = self._files.get(name)
+        if f is None:
+            return
+        for i, other in enumerate(f.fetches):
+            if other is fetch:
+                del f.fetches[i]
+                del f.starts[i]
+                break
+
+    # -- fetching
+    def _run(self, todo: list[tuple[str, _Fetch]]) -> None:
+        """Fetch all of ``todo`` concurrently, then publish (cache or drop) each result."""
+        paths = [f"{self.root}/{name}" for name, _ in todo]
+        try:
+            results = self.fs.cat_ranges(paths, [f.start for _, f in todo], [f.end for _, f in todo],
+                                         on_error="return")
+        except Exception as exc:  # the whole batch failed (e.g. the event loop could not run it)
+            results = [exc] * len(todo)
+        with self._lock:
+            self._requests += len(todo)
+            for (name, fetch), data in zip(todo, results, strict=True):
+                if isinstance(data, BaseException):
+                    fetch.error = self._error(name, data)
+                    self._forget(name, fetch)
+                else:
+                    self._bytes += len(data)
+                    fetch.data = data
+                    self._settle(name, fetch)
+                fetch.done.set()
+            self._evict()
+
+    def _error(self, name: str, exc: BaseException) -> BaseException:
+        if isinstance(exc, CheckpointError) or not is_remote_error(exc):
+            return exc
+        log.info("%s: %r", self.where(name), exc)
+        return remote_error(self.where(name), exc)
+
+    def _settle(self, name: str, fetch: _Fetch) -> None:
+        """A fetch shorter than asked means the file ends there; keep it if it fits the budget."""
+        got = fetch.start + len(fetch.data)  # type: ignore[arg-type]
+        if got < fetch.end:
+            f = self._file(name)
+            if f.size is None or f.size > got:
+                f.size = got
+            fetch.end = got
+        if fetch.cached:
+            self._lru[id(fetch)] = (name, fetch)
+            self._used += fetch.end - fetch.start
+        else:
+            self._forget(name, fetch)
+
+    def _evict(self) -> None:
+        while self._used > self.budget and self._lru:
+            _, (name, fetch) = self._lru.popitem(last=False)
+            self._used -= fetch.end - fetch.start
+            self._forget(name, fetch)
+
+    def _copy_into(self, name: str, offset: int, view: memoryview, pieces: list[_Fetch]) -> None:
+        pos, end = offset, offset + len(view)
+        for f in pieces:
+            if f.start > pos:
+                break
+            a, b = pos, min(end, f.end)
+            if b <= a:
+                continue
+            view[a - offset:b - offset] = memoryview(f.data)[a - f.start:b - f.start]  # type: ignore[arg-type]
+            pos = b
+        if pos < end:
+            raise CheckpointError(f"{self.where(name)}: file ends before byte {end} (read at {offset}, "
+                                  f"{len(view)} bytes): the file is truncated.", path=self.where(name))
+
+
+# ------------------------------------------------------------------ writing to a URL
+class RemoteTarget:
+    """An export destination on an fsspec URL, committed only when the whole upload succeeded."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.fs, root = fs_for(self.url, storage_options)
+        self.root = root.rstrip("/")
+        self.protocol = URL_RE.match(self.url).group(1)  # type: ignore[union-attr]
+
+    def exists(self) -> bool:
+        return bool(call(self.url, self.fs.exists, self.root, doing="cannot check the destination"))
+
+    def check(self, force: bool) -> None:
+        """Refuse an existing destination unless ``force``; fails fast on an unreachable endpoint."""
+        if self.exists() and not force:
+            raise CheckpointError(f"{self.url}: already exists (use --force to replace it).", path=self.url)
+
+    def commit(self, local_path: str, kind: str) -> None:
+        """Upload ``local_path`` (a file, or a folder when ``kind == "dir"``) to the URL."""
+        if kind == "file":
+            if self.protocol in ATOMIC_PUT:  # one PUT or a multipart upload: visible only when complete
+                self._put(local_path, self.root)
+                self._check_size(local_path, self.root)
+                return
+            tmp = self._temp_name()
+            self._upload_then_move([(local_path, tmp, self.root)], tmp)
+            return
+        tmp = self._temp_name()
+        names = sorted(os.listdir(local_path), key=lambda n: (n.endswith(".json"), n))  # the index last
+        moves = [(os.path.join(local_path, n), f"{tmp}/{n}", f"{self.root}/{n}") for n in names
+                 if os.path.isfile(os.path.join(local_path, n))]
+        old = self._old_files()
+        self._upload_then_move(moves, tmp)
+        for path in sorted(old - {final for _, _, final in moves}):  # --force: the old folder's other files
+            self._quiet_rm(path)
+
+    def _old_files(self) -> set[str]:
+        if not self.exists():
+            return set()
+        found = call(self.url, self.fs.find, self.root, doing="cannot list the destination")
+        return {p.rstrip("/") for p in found}
+
+    def _temp_name(self) -> str:
+        parent, _, base = self.root.rpartition("/")
+        return f"{parent}/.shardscope-tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}-{base}"
+
+    def _put(self, local: str, remote: str) -> None:
+        call(self.url, self.fs.put_file, local, remote, doing="upload failed")
+
+    def _check_size(self, local: str, remote: str) -> None:
+        info = call(self.url, self.fs.info, remote, doing="cannot check the upload")
+        if int(info.get("size") or 0) != os.path.getsize(local):
+            raise CheckpointError(f"{self.url}: the uploaded object has {info.get('size')} bytes, the written file "
+                                  f"{os.path.getsize(local)}.", path=self.url)
+
+    def _upload_then_move(self, moves: list[tuple[str, str, str]], tmp: str) -> None:
+        done: list[str] = []
+        try:
+            for local, staged, _ in moves:
+                self._put(local, staged)
+                self._check_size(local, staged)
+            for _, staged, final in moves:
+                call(self.url, self.fs.mv, staged, final, doing="cannot move the upload into place")
+                done.append(final)
+        except BaseException:
+            for final in done:  # a half-moved folder is worse than none
+                self._quiet_rm(final)
+            raise
+        finally:
+            self._quiet_rm(tmp, recursive=True)
+
+    def _quiet_rm(self, path: str, recursive: bool = False) -> None:
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=recursive)
+        except Exception as exc:  # cleanup after a failure must not hide that failure
+            if not is_remote_error(exc):
+                raise
+            log.warning("could not remove %s: %r", path, exc)
+
+
+__all__ = ["RemoteHandles", "RemoteTarget", "RequestStats", "call", "fs_for", "is_remote_error", "is_url",
+           "remote_error"]

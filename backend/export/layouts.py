@@ -1,0 +1,86 @@
+"""Which layout a checkpoint was saved in, and so which keys are the model's weights.
+
+Recognised: torch's DCP recipe (``{"model": ..., "optimizer": ...}``), Lightning (Trainer's
+``state_dict`` with ``optimizer_0``..., FSDPStrategy/Fabric's ``model`` with ``meta.pt``),
+torchtitan (model keys at the top level next to ``optimizer``, ``lr_scheduler``, ``dataloader``,
+``train_state``), HF Trainer/accelerate FSDP folders (``pytorch_model_fsdp_0/``, ``optimizer_0/``)
+and Megatron-style names (``decoder.``/``embedding.``/``output_layer.``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ..checkpoint.model import Checkpoint
+
+TRAINING_STATE_ROOTS = frozenset({
+    "optimizer", "optimizers", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers", "scheduler",
+    "schedulers", "dataloader", "train_state", "rng_state", "rng_states", "rng", "trainer_state", "step",
+    "epoch", "global_step", "iteration", "args", "checkpoint_version", "opt_param_scheduler",
+    "num_floating_point_operations_so_far", "extra", "loops", "callbacks", "hparams", "hyper_parameters",
+})
+_OPTIMIZER_N = re.compile(r"optimizer_\d+$")
+MEGATRON_ROOTS = frozenset({"decoder", "encoder", "embedding", "output_layer", "language_model"})
+ACCELERATE_MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A recognised layout: ``model_roots`` are the first key parts holding the model's weights
+    (None: every root that is not training state); ``container`` is the prefix a safetensors
+    export removes by default so keys load into the module (``model.``), or ''."""
+
+    name: str
+    model_roots: tuple[str, ...] | None
+    container: str = ""
+
+    def is_model(self, fqn: str) -> bool:
+        root = fqn.split(".", 1)[0]
+        if self.model_roots is not None:
+            return root in self.model_roots
+        return not is_training_state(root)
+
+
+def is_training_state(root: str) -> bool:
+    """True for a first key part that holds optimizer/scheduler/loader/trainer state, not weights."""
+    return root in TRAINING_STATE_ROOTS or bool(_OPTIMIZER_N.match(root))
+
+
+def recognise_layout(ckpt: Checkpoint) -> Layout:
+    """The layout of a checkpoint, from its keys, its folder name and its extra files."""
+    tensor_roots = {t.fqn.split(".", 1)[0] for t in ckpt.tensors}
+    folder = os.path.basename(ckpt.path.rstrip("/"))
+    if "state_dict" in tensor_roots:
+        return Layout("Lightning Trainer (state_dict, optimizer_N, meta.pt)", ("state_dict",), "state_dict.")
+    if "model" in tensor_roots:
+        if ACCELERATE_MODEL_DIR.search(folder):
+            return Layout("HF Trainer / accelerate FSDP (pytorch_model_fsdp_N)", ("model",), "model.")
+        if ckpt.extra_files.get("meta.pt") or any(_OPTIMIZER_N.match(r) for r in tensor_roots):
+            return Layout("Lightning FSDP / Fabric (model, optimizer_N, meta.pt)", ("model",), "model.")
+        return Layout("torch DCP recipe (model, optimizer, ...)", ("model",), "model.")
+    if tensor_roots & MEGATRON_ROOTS:
+        return Layout("Megatron-style names (decoder, embedding, output_layer)", None)
+    if any(is_training_state(r) for r in tensor_roots) and any(not is_training_state(r) for r in tensor_roots):
+        return Layout("torchtitan-style (model keys at the top level next to optimizer, lr_scheduler, ...)", None)
+    return Layout("flat state dict", None)
+
+
+def find_model_folder(path: str) -> tuple[str, str | None]:
+    """For an HF Trainer/accelerate checkpoint folder (``checkpoint-500/`` holding
+    ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; else ``path``."""
+    if "://" in path or os.path.exists(os.path.join(path, ".metadata")) or not os.path.isdir(path):
+        return path, None
+    models = sorted(n for n in os.listdir(path) if ACCELERATE_MODEL_DIR.match(n)
+                    and os.path.exists(os.path.join(path, n, ".metadata")))
+    if not models:
+        return path, None
+    others = sorted(n for n in os.listdir(path) if n not in models and not n.startswith("."))
+    note = (f"accelerate FSDP folder: exporting {models[0]}/"
+            + (f"; left out {', '.join(others[:6])}{' ...' if len(others) > 6 else ''}" if others else "")
+            + (f"; other models: {', '.join(models[1:])}" if len(models) > 1 else ""))
+    return os.path.join(path, models[0]), note
+
+
+__all__ = ["Layout", "find_model_folder", "is_training_state", "recognise_layout"]

@@ -1,0 +1,215 @@
+"""Bytes of one output tensor, written at a file offset: copied straight from the shards through
+the chunk reader when the layout allows, else assembled (and cast) in memory. Every write returns
+the CRC32 of the bytes written, which the verifier later compares with a re-read of the output."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..checkpoint.chunks import ChunkReader, StoredTensor, torch_dtype
+from ..checkpoint.model import Chunk, itemsize
+from ..errors import CheckpointError
+from ..progress import Progress
+from .plan import ExportItem
+
+BUDGET_FLOOR = 128 << 20  # bytes of assembled tensors in flight, or the largest tensor if bigger
+
+
+def io_threads() -> int:
+    """Worker threads for writing tensors (file I/O and CRC32 release the GIL)."""
+    return max(1, min(4, 2 * (os.cpu_count() or 1)))
+
+
+def pwrite_all(fd: int, buf: Any, offset: int) -> None:
+    """Write all of ``buf`` at ``offset`` (os.pwrite may write less than asked)."""
+    view = memoryview(buf).cast("B")
+    pos = 0
+    while pos < len(view):
+        pos += os.pwrite(fd, view[pos:], offset + pos)
+
+
+# ------------------------------------------------------------------ CRC32 of concatenated pieces
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python lacks)."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+# ------------------------------------------------------------------ budget for assembled tensors
+class ByteBudget:
+    """Bounds the bytes of assembled tensors in flight across threads (at least one always fits)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self.used and self.used + n > self.limit:
+                self._cond.wait()
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+    def open_up(self) -> None:
+        """Let every waiting thread through (used when the export is being torn down)."""
+        with self._cond:
+            self.limit = 1 << 62
+            self._cond.notify_all()
+
+
+class TensorSource:
+    """Writes output tensors of one checkpoint; the reader checks stored CRC32s on the way in."""
+
+    def __init__(self, reader: ChunkReader, items: list[ExportItem]) -> None:
+        self.reader = reader
+        self.budget = ByteBudget(max(BUDGET_FLOOR, max((i.nbytes for i in items), default=0)))
+
+    def _copyable(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
+        """The chunk's stored tensor when it can be copied byte for byte with a known CRC32 of exactly
+        the bytes copied (the whole storage record, whose zip CRC the reader checks)."""
+        st = self.reader.direct_copy(fqn, chunk, dtype)
+        if st is None or st.crc32 is None or st.storage_offset != 0 or st.numel * itemsize(dtype) != st.nbytes:
+            return None
+        return st
+
+    def _direct_ranges(self, item: ExportItem) -> list[tuple[Chunk, int, int]] | None:
+        """(chunk, offset in the output tensor) for chunks that are contiguous row bands stored as-is,
+        tiling the tensor exactly; None when the tensor must be assembled."""
+        e = item.entry
+        if item.dtype != e.dtype or e.ndim == 0 or not e.numel:
+            return None
+        row_bytes = math.prod(e.shape[1:]) * (item.nbytes // e.numel)
+        out = []
+        for c in e.chunks:
+            if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(e.shape[1:]):
+                return None
+            st = self._copyable(e.fqn, c, e.dtype)
+            if st is None:
+                return None
+            out.append((c, c.offsets[0] * row_bytes, st.crc32))
+        out.sort(key=lambda x: x[1])
+        pos = 0
+        for c, dst, _ in out:
+            if dst != pos:
+                return None  # a gap or an overlap: let the reader assemble (and report) it
+            pos += c.sizes[0] * row_bytes
+        return out if pos == item.nbytes else None
+
+    def write(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> int:
+        """Write the item's bytes at ``base``; returns their CRC32."""
+        try:
+            ranges = self._direct_ranges(item)
+            if ranges is not None:
+                crc = 0
+                for c, dst, part in ranges:
+                    if progress:
+                        progress.check()
+                    n = self.reader.copy_range(item.entry.fqn, c, fd, base + dst, progress)
+                    crc = crc32_combine(crc, part, n)  # part: the record's CRC, checked by the reader
+                return crc
+            self.budget.acquire(item.nbytes)
+            try:
+                return write_buffer(fd, base, self.tensor_bytes(item), progress)
+            finally:
+                self.budget.release(item.nbytes)
+        except CheckpointError as exc:
+            if exc.fqn:
+                raise
+            raise CheckpointError(f"{exc} (while exporting tensor {item.entry.fqn})", path=exc.path,
+                                  fqn=item.entry.fqn) from None
+
+    def tensor(self, item: ExportItem) -> Any:
+        """The whole output tensor in memory (cast when the plan says so), contiguous."""
+        t = self.reader.read_tensor(item.entry)
+        if item.dtype != item.entry.dtype:
+            t = t.to(torch_dtype(item.dtype))
+        return t.contiguous()
+
+    def tensor_bytes(self, item: ExportItem) -> memoryview:
+        return tensor_bytes(self.tensor(item))
+
+    def write_all(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None) -> list[int]:
+        """Write (item, fd, offset) jobs on a thread pool; each item has its own byte range. Returns CRCs."""
+        return run_parallel([(self.write, (it, fd, off, progress)) for it, fd, off in jobs], progress, self.budget)
+
+
+def tensor_bytes(t: Any) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_buffer(fd: int, offset: int, buf: memoryview, progress: Progress | None) -> int:
+    """pwrite a buffer; returns its CRC32 (computed before the write, from the source bytes)."""
+    crc = zlib.crc32(buf)
+    pwrite_all(fd, buf, offset)
+    if progress:
+        progress.advance(len(buf))
+    return crc
+
+
+def run_parallel(calls: list[tuple[Callable, tuple]], progress: Progress | None,
+                 budget: ByteBudget | None = None) -> list[Any]:
+    """Run calls on the export thread pool; the first error cancels the rest and is raised."""
+    with ThreadPoolExecutor(io_threads(), thread_name_prefix="export") as pool:
+        futures = [pool.submit(fn, *args) for fn, args in calls]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            if progress:
+                progress.cancel()  # the other workers stop at their next check
+            for f in futures:
+                f.cancel()
+            if budget is not None:
+                budget.open_up()
+            raise
+
+
+__all__ = ["ByteBudget", "TensorSource", "crc32_combine", "io_threads", "pwrite_all", "run_parallel",
+           "tensor_bytes", "write_buffer"]

@@ -1,0 +1,352 @@
+"""Pruning by rules: a plan first (every checkpoint keep or remove, and the rule that keeps it), then a
+crash-safe removal to the desktop trash (send2trash) or for good.
+
+Rules combine as "keep if any rule keeps it" (Orbax's ``AnyPreservationPolicy``). Never removed: the
+newest complete checkpoint of a run, any checkpoint of a running run, anything being written, a root
+itself, anything outside the roots. Each checkpoint is first renamed out of the way in the same folder
+(``.shardscope-prune-<mode>-<name>``, one atomic rename), then deleted or trashed; a prune killed
+half-way leaves every checkpoint whole or gone, and the next ``prune`` or ``ls`` finishes the rest.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ShardscopeError
+from ..format import human_bytes
+from ..progress import Progress
+from ..runs.rundir import ACTIVE_STATES
+from .metrics import checkpoint_metrics
+from .scan import (
+    PRUNE_PREFIX,
+    CheckpointRecord,
+    Leftover,
+    Listing,
+    RunRecord,
+    is_shardscope_run,
+    leftover_of,
+    order_key,
+    resolve_root,
+    run_state,
+    scan,
+    within,
+)
+
+PAUSE_ENV = "SHARDSCOPE_TEST_PAUSE_AFTER_RENAME"  # tests: seconds to wait after each rename (to kill us there)
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> float:
+    """``90s``, ``30m``, ``2h``, ``7d``, ``1w`` (or plain seconds) as seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhdw]?)\s*", text.lower())
+    if not m:
+        raise ShardscopeError(f"--min-age: not an age: {text!r} (use e.g. 90s, 30m, 2h, 7d).")
+    return float(m.group(1)) * _AGE_UNITS[m.group(2) or "s"]
+
+
+def _age_text(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What to keep. A checkpoint goes only when no rule keeps it and nothing protects it."""
+
+    keep_last: int | None = None  # per run
+    keep_every: int | None = None  # steps divisible by K
+    keep_best: str | None = None  # a metric name
+    mode: str = "min"
+    top: int = 1
+    keep: tuple[str, ...] = ()  # globs on the name or the path
+    min_age: float | None = None  # seconds: newer ones are kept
+    incomplete: bool = False  # also remove leftovers of failed saves (older than min_age)
+
+    def has_keep_rule(self) -> bool:
+        return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best, self.min_age)) or \
+            bool(self.keep)
+
+    def check(self) -> None:
+        if not self.has_keep_rule() and not self.incomplete:
+            raise ShardscopeError("prune: give at least one rule (--keep-last N, --keep-every K, --keep-best "
+                                  "METRIC, --keep GLOB, --min-age AGE) or --incomplete; nothing was removed.")
+        for name, v in (("--keep-last", self.keep_last), ("--keep-every", self.keep_every), ("--top", self.top)):
+            if v is not None and v < 1:
+                raise ShardscopeError(f"prune: {name} must be at least 1, not {v}.")
+        if self.mode not in ("min", "max"):
+            raise ShardscopeError(f"prune: --mode must be min or max, not {self.mode!r}.")
+
+
+@dataclass(slots=True)
+class Decision:
+    checkpoint: CheckpointRecord
+    remove: bool
+    reasons: list[str]  # what keeps it (rules, protections), or why it goes
+    metric: float | None = None
+
+    @property
+    def action(self) -> str:
+        return "remove" if self.remove else "keep"
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.checkpoint
+        return {"path": c.path, "run": c.run, "step": c.step, "bytes": c.bytes, "state": c.state,
+                "action": self.action, "reasons": list(self.reasons), "metric": self.metric}
+
+
+@dataclass(slots=True)
+class Plan:
+    roots: list[str]
+    rules: Rules
+    decisions: list[Decision]
+    leftovers: list[Leftover] = field(default_factory=list)
+
+    @property
+    def remove(self) -> list[Decision]:
+        return [d for d in self.decisions if d.remove]
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(d.checkpoint.bytes for d in self.remove)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"roots": list(self.roots), "checkpoints": [d.to_json() for d in self.decisions],
+                "remove": len(self.remove), "keep": len(self.decisions) - len(self.remove),
+                "bytes_freed": self.bytes_freed, "leftovers": [x.original for x in self.leftovers]}
+
+
+def make_plan(listing: Listing, rules: Rules, now: float | None = None) -> Plan:
+    """Keep or remove for every checkpoint of the listing, with the reasons."""
+    rules.check()
+    now = time.time() if now is None else now
+    decisions = [d for run in listing.runs for d in _plan_run(run, rules, now, listing.roots)]
+    return Plan(list(listing.roots), rules, decisions, list(listing.leftovers))
+
+
+def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord | None, roots: list[str]) -> list[str]:
+    out = []
+    if c.path in roots:
+        out.append("a root you named")
+    if run.running:
+        out.append("its run is running")
+    if c.state == "writing":
+        out.append("being written")
+    if c is newest:
+        out.append("the newest complete checkpoint of its run")
+    if c.state == "unreadable":
+        out.append(f"unreadable ({c.reason}); check it with `shardscope verify`")
+    return out
+
+
+def _rule_reasons(c: CheckpointRecord, rules: Rules, last: set[str], best: dict[str, float],
+                  best_kept: set[str], age: float) -> list[str]:
+    out = []
+    if c.path in last:
+        out.append(f"keep-last {rules.keep_last}")
+    if rules.keep_every and c.step is not None and c.step % rules.keep_every == 0:
+        out.append(f"keep-every {rules.keep_every}")
+    if rules.keep_best:
+        if c.path in best_kept:
+            out.append(f"keep-best {rules.keep_best} ({rules.mode}, top {rules.top}): {best[c.path]:.6g}")
+        elif c.path not in best:
+            out.append(f"keep-best: no {rules.keep_best} at this step (kept, as Orbax's BestN does)")
+    out.extend(f"keep {g}" for g in rules.keep if fnmatch.fnmatch(c.name, g) or fnmatch.fnmatch(c.path, g))
+    if rules.min_age is not None and age < rules.min_age:
+        out.append(f"min-age {_age_text(rules.min_age)} (it is {_age_text(age)} old)")
+    return out
+
+
+def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str]) -> list[Decision]:
+    complete = sorted((c for c in run.checkpoints if c.state == "complete"), key=order_key)
+    newest = complete[-1] if complete else None
+    last = {c.path for c in complete[-rules.keep_last:]} if rules.keep_last else set()
+    best: dict[str, float] = {}
+    best_kept: set[str] = set()
+    if rules.keep_best:
+        best = {p: v for p, v in checkpoint_metrics(run, rules.keep_best).items()
+                if p in {c.path for c in complete}}
+        ranked = sorted(best, key=best.__getitem__, reverse=rules.mode == "max")
+        best_kept = set(ranked[:rules.top])
+    out = []
+    for c in run.checkpoints:
+        age = max(0.0, now - c.mtime)
+        keep = _protections(c, run, newest, roots)
+        if c.state == "incomplete":
+            if not rules.incomplete:
+                keep.append(f"incomplete ({c.reason}); --incomplete removes failed saves")
+            elif rules.min_age is not None and age < rules.min_age:
+                keep.append(f"incomplete but newer than --min-age {_age_text(rules.min_age)}")
+            gone = [f"leftover of a failed save: {c.reason}"]
+        elif c.state == "complete":
+            keep += _rule_reasons(c, rules, last, best, best_kept, age)
+            if not rules.has_keep_rule():
+                keep.append("complete (only --incomplete given)")
+            gone = ["no rule keeps it"]
+        else:
+            gone = []
+        out.append(Decision(c, not keep, keep or gone, best.get(c.path)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- acting
+@dataclass(slots=True)
+class Outcome:
+    path: str
+    result: str  # trashed, deleted, skipped, failed
+    bytes: int = 0
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "result": self.result, "bytes": self.bytes, "message": self.message}
+
+
+@dataclass(slots=True)
+class PruneResult:
+    mode: str  # trash or delete
+    outcomes: list[Outcome] = field(default_factory=list)
+    leftovers: list[Outcome] = field(default_factory=list)  # interrupted prunes finished first
+
+    @property
+    def removed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.result in ("trashed", "deleted")]
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes + self.leftovers if o.result == "failed"]
+
+    def summary(self) -> str:
+        where = "moved to the trash" if self.mode == "trash" else "deleted"
+        lines = [f"{len(self.removed)} checkpoint(s) {where}, {human_bytes(sum(o.bytes for o in self.removed))} "
+                 "freed" + (" (once the trash is emptied)" if self.mode == "trash" and self.removed else "")]
+        lines += [f"finished an interrupted prune: {o.path} {o.result}" for o in self.leftovers
+                  if o.result != "failed"]
+        lines += [f"skipped {o.path}: {o.message}" for o in self.outcomes if o.result == "skipped"]
+        lines += [f"FAILED {o.path}: {o.message}" for o in self.failed]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "outcomes": [o.to_json() for o in self.outcomes],
+                "leftovers": [o.to_json() for o in self.leftovers],
+                "removed": len(self.removed), "bytes_freed": sum(o.bytes for o in self.removed),
+                "failed": len(self.failed)}
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _dispose(path: str, mode: str) -> None:
+    """Delete ``path`` for good, or move it to the desktop trash."""
+    if mode == "trash":
+        from send2trash import send2trash
+
+        send2trash(path)
+    elif os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def finish_leftovers(leftovers: list[Leftover]) -> list[Outcome]:
+    """Finish what interrupted prunes left: each renamed checkpoint is trashed or deleted as was asked."""
+    out = []
+    for x in leftovers:
+        if not os.path.lexists(x.path):
+            continue
+        try:
+            _dispose(x.path, x.mode)
+            out.append(Outcome(x.original, "trashed" if x.mode == "trash" else "deleted"))
+        except OSError as exc:
+            out.append(Outcome(x.original, "failed", 0, f"cannot finish removing {x.path}: {exc}"))
+    return out
+
+
+def _why_not_now(c: CheckpointRecord, roots: list[str]) -> str | None:
+    """Check again right before acting: the plan may be minutes old."""
+    if not os.path.lexists(c.path):
+        return "no longer there"
+    if os.path.islink(c.path):
+        return "is a symbolic link"
+    real = os.path.realpath(c.path)
+    if not any(within(real, r) and real != r for r in roots):
+        return "outside the roots"
+    if is_shardscope_run(c.run) and run_state(c.run) in ACTIVE_STATES:
+        return "its run is running now"
+    fresh = scan([c.path]).checkpoints
+    now = next((f for f in fresh if f.path == resolve_root(c.path)), None)
+    if now is None or now.state != c.state:
+        return f"its state changed ({c.state} -> {now.state if now else 'not a checkpoint'})"
+    return None
+
+
+def _pause_for_tests(hidden: str) -> None:
+    pause = os.environ.get(PAUSE_ENV)
+    if pause:
+        print(f"renamed to {hidden}", file=sys.stderr, flush=True)
+        time.sleep(float(pause))
+
+
+def remove_one(c: CheckpointRecord, mode: str, roots: list[str]) -> Outcome:
+    """Rename the checkpoint out of the way (atomic), then trash or delete the renamed folder."""
+    why = _why_not_now(c, roots)
+    if why:
+        return Outcome(c.path, "skipped", 0, why)
+    parent = os.path.dirname(c.path)
+    hidden = os.path.join(parent, f"{PRUNE_PREFIX}{mode}-{c.name}")
+    if os.path.lexists(hidden):
+        earlier = leftover_of(hidden)
+        finish_leftovers([earlier] if earlier else [])
+        if os.path.lexists(hidden):
+            return Outcome(c.path, "failed", 0, f"{hidden} is in the way")
+    try:
+        os.rename(c.path, hidden)
+    except OSError as exc:
+        return Outcome(c.path, "failed", 0, f"cannot rename it out of the way ({exc.strerror}); left as it was")
+    _fsync_dir(parent)
+    _pause_for_tests(hidden)
+    try:
+        _dispose(hidden, mode)
+    except OSError as exc:
+        if mode == "trash":
+            try:
+                os.rename(hidden, c.path)
+                return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
+                               "(--delete removes it for good)")
+            except OSError:
+                pass
+        return Outcome(c.path, "failed", 0, f"stopped half-way ({exc}); the rest is in {hidden}, which the next "
+                       "prune removes")
+    return Outcome(c.path, "trashed" if mode == "trash" else "deleted", c.bytes)
+
+
+def execute(plan: Plan, delete: bool = False, progress: Progress | None = None) -> PruneResult:
+    """Carry out a plan: finish interrupted prunes, then remove what the plan removes, one at a time."""
+    result = PruneResult("delete" if delete else "trash")
+    result.leftovers = finish_leftovers(plan.leftovers)
+    todo = plan.remove
+    if progress:
+        progress.start(len(todo), "removing checkpoints")
+    roots = [resolve_root(r) for r in plan.roots]
+    for d in todo:
+        result.outcomes.append(remove_one(d.checkpoint, result.mode, roots))
+        if progress:
+            progress.advance(1, d.checkpoint.name)
+    return result

@@ -1,0 +1,34 @@
+"""What the Library window shows after one poll: the listing, the loss at each checkpoint's step, and what
+the current prune rules would free. Made in a worker thread every few seconds (Qt-free)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..progress import Progress
+from .metrics import checkpoint_metrics
+from .prune import Plan, Rules, make_plan
+from .scan import Listing, scan
+
+
+@dataclass(slots=True)
+class LibrarySnapshot:
+    listing: Listing
+    metric: dict[str, float] = field(default_factory=dict)  # checkpoint path -> loss at its step
+    plan: Plan | None = None  # the rules' plan (for "what the rules would free")
+    missing: list[str] = field(default_factory=list)  # roots that do not exist (now)
+
+
+def take_snapshot(roots: list[str], rules: Rules | None = None, metric: str = "loss",
+                  progress: Progress | None = None) -> LibrarySnapshot:
+    """Scan ``roots`` (missing ones are reported, not fatal), read ``metric`` per checkpoint, plan ``rules``."""
+    listing = scan(roots, progress=progress, missing_ok=True)
+    values: dict[str, float] = {}
+    for run in listing.runs:
+        values.update(checkpoint_metrics(run, metric))
+    plan = None
+    if rules is not None and (rules.has_keep_rule() or rules.incomplete):
+        plan = make_plan(listing, rules)
+    missing = [r for r in roots if not os.path.exists(os.path.expanduser(r))]
+    return LibrarySnapshot(listing, values, plan, missing)

@@ -1,0 +1,194 @@
+"""The run directory on disk, in one place: its name, status.json, config.json, per-rank metrics,
+logs and exit records, checkpoints, and whether a folder is a run at all.
+
+    RUN/config.json          what was launched (see RunConfig.record)
+    RUN/status.json          state: queued | starting | running | finished | failed | stopped
+    RUN/metrics/rank_N.jsonl one line per report() call
+    RUN/logs/rank_N.log      each rank's output; logs/launcher.log torchrun's (or the SLURM job's)
+    RUN/exit/rank_N.json     each rank's exit code and the end of its traceback
+    RUN/checkpoints/step_*   DCP checkpoints
+    RUN/job.sbatch           the SLURM job script of a run launched with --on slurm
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+RUN_NAME_FORMAT = "run-%Y%m%d-%H%M%S"
+ACTIVE_STATES = ("queued", "starting", "running")
+FINAL_STATES = ("finished", "failed", "stopped")
+SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files match EVENT_FILE_MARK
+EVENT_FILE_MARK = "tfevents"
+SKIP_DIRS = {"metrics", "logs", "exit", "__pycache__", ".git"}
+SEARCH_DEPTH = 4
+
+
+def default_runs_root() -> Path:
+    """Where new runs go: $SHARDSCOPE_DATA_DIR/runs, else the XDG data dir."""
+    base = os.environ.get("SHARDSCOPE_DATA_DIR") or os.environ.get("XDG_DATA_HOME") or \
+        os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / ("runs" if os.environ.get("SHARDSCOPE_DATA_DIR") else "shardscope/runs")
+
+
+def new_run_dir(root: str | os.PathLike | None = None) -> Path:
+    """A fresh run directory name (not created) under ``root`` (default: :func:`default_runs_root`)."""
+    root = Path(root) if root else default_runs_root()
+    path = root / time.strftime(RUN_NAME_FORMAT)
+    n = 1
+    while path.exists():
+        n += 1
+        path = root / f"{time.strftime(RUN_NAME_FORMAT)}-{n}"
+    return path
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file; {} when it is missing or not (yet) a complete object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    """Write atomically: a temporary name in the same folder, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(value, indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """status.json as written (see :func:`shardscope.backend.runs.launcher.run_status` for the live state)."""
+    return read_json(Path(run_dir) / "status.json")
+
+
+def update_status(run_dir: str | os.PathLike, state: str | None = None, **changes: Any) -> dict[str, Any]:
+    """Merge ``changes`` (and the new ``state``) into status.json; returns the new status."""
+    status = read_status(run_dir)
+    status.update(changes, updated=time.time())
+    if state is not None:
+        status["state"] = state
+    write_json(Path(run_dir) / "status.json", status)
+    return status
+
+
+def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """config.json: what was launched (the latest launch; earlier ones under "history")."""
+    return read_json(Path(run_dir) / "config.json")
+
+
+def rank_exits(run_dir: str | os.PathLike) -> dict[int, dict]:
+    """Each rank's exit record (code, end of traceback), by rank."""
+    out = {}
+    for p in sorted((Path(run_dir) / "exit").glob("rank_*.json")):
+        rec = read_json(p)
+        if isinstance(rec.get("rank"), int):
+            out[rec["rank"]] = rec
+    return out
+
+
+def read_metrics(run_dir: str | os.PathLike, offsets: dict[int, int] | None = None
+                 ) -> dict[int, list[dict[str, Any]]]:
+    """New metric records per rank since ``offsets`` (byte positions, updated in place)."""
+    offsets = offsets if offsets is not None else {}
+    out: dict[int, list[dict]] = {}
+    for p in sorted((Path(run_dir) / "metrics").glob("rank_*.jsonl")):
+        try:
+            rank = int(p.stem.split("_")[1])
+            with open(p, "rb") as f:
+                f.seek(offsets.get(rank, 0))
+                data = f.read()
+        except (OSError, ValueError):
+            continue
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
+        offsets[rank] = offsets.get(rank, 0) + end
+        recs = []
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                recs.append(rec)
+        out[rank] = recs
+    return out
+
+
+def log_tail(run_dir: str | os.PathLike, rank: int, lines: int = 30) -> str:
+    """The last ``lines`` lines of a rank's log (-1: the launcher's)."""
+    p = Path(run_dir) / "logs" / ("launcher.log" if rank == -1 else f"rank_{rank}.log")
+    try:
+        with open(p, "rb") as f:
+            f.seek(max(0, p.stat().st_size - 64_000))
+            return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _is_checkpoint_dir(p: Path) -> bool:
+    return (p / ".metadata").is_file() or (p / "meta.pt").is_file()
+
+
+def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints in a run folder: DCP folders (ours under checkpoints/step_*, or anywhere a few levels
+    down in a folder launched by hand), Lightning/Fabric folders (meta.pt) and Lightning ``.ckpt`` files."""
+    root = Path(run_dir)
+    found: list[Path] = []
+    stack = [(root, 0)]
+    while stack:
+        folder, depth = stack.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for e in entries:
+            p = Path(e.path)
+            if e.is_dir(follow_symlinks=False):
+                if _is_checkpoint_dir(p):
+                    found.append(p)
+                elif depth < SEARCH_DEPTH and e.name not in SKIP_DIRS and not e.name.startswith("."):
+                    stack.append((p, depth + 1))
+            elif e.name.endswith(".ckpt"):
+                found.append(p)
+    return sorted(found, key=lambda p: (str(p.parent), p.name))
+
+
+def scalar_logs(run_dir: str | os.PathLike) -> list[Path]:
+    """TensorBoard event files and Lightning CSVLogger metrics.csv files in a run folder."""
+    root = Path(run_dir)
+    out: list[Path] = []
+    stack = [(root, 0)]
+    while stack:
+        folder, depth = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                if depth < SEARCH_DEPTH and e.name not in SKIP_DIRS and not e.name.startswith(".") and \
+                        not _is_checkpoint_dir(Path(e.path)):
+                    stack.append((Path(e.path), depth + 1))
+            elif EVENT_FILE_MARK in e.name or e.name in SCALAR_LOG_NAMES:
+                out.append(Path(e.path))
+    return sorted(out)
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """A folder the Training panel can follow: one of ours (config.json, metrics/), or any folder with
+    TensorBoard event files or a Lightning metrics.csv, such as a run launched on a cluster by hand."""
+    p = Path(path)
+    if not p.is_dir() or _is_checkpoint_dir(p):
+        return False
+    return (p / "config.json").is_file() or (p / "metrics").is_dir() or bool(scalar_logs(p))

@@ -1,0 +1,372 @@
+"""The checkpoint library: `shardscope ls` and `shardscope prune` on real trees.
+
+The tree holds a real run of the built-in trainer (torchrun, FSDP2 on gloo, several checkpoints and
+metrics), a Lightning-style run (a DCP folder with meta.pt, a torch.save .ckpt file and CSVLogger
+metrics), HF Trainer-style checkpoint-N folders, consolidated files (one truncated), an incomplete save
+and a run that is running (live process) with a save in progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+from safetensors.torch import save_file
+from shardscope.backend.library import Rules, execute, make_plan, scan
+from shardscope.backend.library.prune import PAUSE_ENV
+from shardscope.backend.library.scan import PRUNE_PREFIX, step_from_name
+from shardscope.backend.runs.launcher import RunConfig, RunLauncher
+
+SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
+RUN_STEPS = [5, 10, 15, 20]
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A real run of the built-in trainer: 20 steps, a DCP checkpoint every 5, per-rank metrics."""
+    run_dir = tmp_path_factory.mktemp("library_run") / "run-real"
+    cfg = RunConfig(strategy="fsdp", nproc=2, steps=20, checkpoint_every=5, model=dict(SMALL, lr=1e-2))
+    status = RunLauncher(run_dir, cfg).start().wait(600)
+    assert status["state"] == "finished", (run_dir / "logs" / "launcher.log").read_text()
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def live_process():
+    """A process that stays alive: the pid a "running" run's status.json names."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _age(path: Path, seconds: float = 3600) -> None:
+    """Make every file of a tree look ``seconds`` old (nothing in it is being written)."""
+    t = time.time() - seconds
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+def _without_metadata(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    (dst / ".metadata").unlink()
+    return dst
+
+
+def _hf_trainer(folder: Path, step: int, loss: float) -> None:
+    folder.mkdir(parents=True)
+    save_file({"w": torch.full((8, 4), float(step))}, str(folder / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": []}, folder / "optimizer.pt")
+    history = [{"step": s, "loss": loss + (step - s) / 1000} for s in range(100, step + 1, 100)]
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+
+
+def build_tree(root: Path, fixtures: dict[str, Path], trained_run: Path, pid: int) -> Path:
+    """Every kind of checkpoint the library must find, under ``root``."""
+    runs = root / "runs"
+    shutil.copytree(trained_run, runs / "run-real")
+    # Lightning: version_0/checkpoints/ with a sharded (DCP + meta.pt) folder and a torch.save file
+    lv = root / "lightning_logs" / "version_0"
+    shutil.copytree(fixtures["lightning_r2"], lv / "checkpoints" / "epoch=1-step=20.ckpt")
+    torch.save({"state_dict": {"w": torch.ones(3)}, "global_step": 10}, lv / "checkpoints" / "epoch=0-step=10.ckpt")
+    (lv / "metrics.csv").write_text("epoch,step,train_loss,val_loss\n0,10,2.5,2.0\n0,10,,1.9\n1,20,2.1,\n1,20,,2.2\n")
+    # HF Trainer output_dir
+    _hf_trainer(root / "hf_out" / "checkpoint-500", 500, 1.5)
+    _hf_trainer(root / "hf_out" / "checkpoint-1000", 1000, 1.2)
+    # consolidated files; one truncated the way a killed torch.save leaves it
+    ex = root / "exports"
+    ex.mkdir()
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(ex / "model_step_300.safetensors"))
+    torch.save({"w": torch.arange(64)}, ex / "model.pt")
+    data = (ex / "model.pt").read_bytes()
+    (ex / "broken.pt").write_bytes(data[: len(data) // 2])
+    # an incomplete save next to a complete one: data files, no .metadata, a .metadata.tmp left
+    other = root / "other"
+    shutil.copytree(fixtures["fsdp2_r2"], other / "step_000100")
+    bad = _without_metadata(fixtures["fsdp2_r2"], other / "step_000200")
+    (bad / ".metadata.tmp").write_bytes(b"\x80partial")
+    _age(root)
+    # a run that is running (live pid), with a save in progress (no .metadata yet, files still fresh)
+    live = runs / "run-live"
+    (live / "checkpoints").mkdir(parents=True)
+    (live / "config.json").write_text(json.dumps({"strategy": "fsdp", "nproc": 2}))
+    (live / "status.json").write_text(json.dumps({"state": "running", "pid": pid, "start_time": time.time()}))
+    shutil.copytree(fixtures["fsdp2_r2"], live / "checkpoints" / "step_000010")
+    _age(live / "checkpoints" / "step_000010")
+    _without_metadata(fixtures["fsdp2_r2"], live / "checkpoints" / "step_000020")
+    return root
+
+
+@pytest.fixture
+def tree(tmp_path, fixtures, trained_run, live_process) -> Path:
+    return build_tree(tmp_path.resolve() / "tree", fixtures, trained_run, live_process.pid)
+
+
+def _ls(root: Path) -> dict:
+    proc = run_cli("ls", root, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _by_rel(listing: dict, root: Path) -> dict[str, dict]:
+    return {os.path.relpath(c["path"], root): c for c in listing["checkpoints"]}
+
+
+@pytest.mark.parametrize("name, step", [
+    ("step_000100", 100), ("step-100", 100), ("global_step100", 100), ("checkpoint-500", 500),
+    ("epoch=3-step=12000.ckpt", 12000), ("iter_0000100", 100), ("model_step_300.safetensors", 300), ("250", 250),
+    ("model.pt", None), ("epoch=3.ckpt", None), ("best", None)])
+def test_step_from_the_name(name, step):
+    assert step_from_name(name) == step
+
+
+def test_ls_finds_every_kind(tree):
+    listing = _ls(tree)
+    assert set(listing) == {"roots", "runs", "checkpoints"}
+    assert listing["roots"] == [str(tree.resolve())]
+    got = _by_rel(listing, tree)
+    for c in got.values():
+        assert set(c) == {"path", "run", "step", "format", "ranks", "bytes", "mtime", "state"}
+    expect = {  # path: (run, step, format, ranks, state)
+        **{f"runs/run-real/checkpoints/step_{s:06d}": ("runs/run-real", s, "dcp", [0, 1], "complete")
+           for s in RUN_STEPS},
+        "lightning_logs/version_0/checkpoints/epoch=1-step=20.ckpt": ("lightning_logs/version_0", 20, "lightning",
+                                                                      [0, 1], "complete"),
+        "lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt": ("lightning_logs/version_0", 10, "torch", [],
+                                                                      "complete"),
+        "hf_out/checkpoint-500": ("hf_out", 500, "hf-trainer", [], "complete"),
+        "hf_out/checkpoint-1000": ("hf_out", 1000, "hf-trainer", [], "complete"),
+        "exports/model_step_300.safetensors": ("exports", 300, "safetensors", [], "complete"),
+        "exports/model.pt": ("exports", None, "torch", [], "complete"),
+        "exports/broken.pt": ("exports", None, "torch", [], "incomplete"),
+        "other/step_000100": ("other", 100, "dcp", [0, 1], "complete"),
+        "other/step_000200": ("other", 200, "dcp", [0, 1], "incomplete"),
+        "runs/run-live/checkpoints/step_000010": ("runs/run-live", 10, "dcp", [0, 1], "complete"),
+        "runs/run-live/checkpoints/step_000020": ("runs/run-live", 20, "dcp", [0, 1], "writing"),
+    }
+    assert set(got) == set(expect)
+    for rel, (run, step, fmt, ranks, state) in expect.items():
+        c = got[rel]
+        assert (os.path.relpath(c["run"], tree), c["step"], c["format"], c["ranks"], c["state"]) == \
+            (run, step, fmt, ranks, state), rel
+    # bytes on disk from stat (st_blocks), the folder's files summed
+    ck = tree / "runs/run-real/checkpoints/step_000020"
+    assert got[str(ck.relative_to(tree))]["bytes"] == sum(p.stat().st_blocks * 512 for p in ck.iterdir())
+    assert got[str(ck.relative_to(tree))]["mtime"] == pytest.approx(max(p.stat().st_mtime for p in [ck, *ck.iterdir()]))
+    runs = {os.path.relpath(r["path"], tree): r for r in listing["runs"]}
+    assert set(runs["runs/run-real"]) == {"path", "name", "bytes", "checkpoints"}
+    assert runs["runs/run-real"]["name"] == "run-real"
+    assert runs["runs/run-real"]["checkpoints"] == [str(tree.resolve() / f"runs/run-real/checkpoints/step_{s:06d}")
+                                                    for s in RUN_STEPS]
+    assert runs["runs/run-real"]["bytes"] == sum(got[f"runs/run-real/checkpoints/step_{s:06d}"]["bytes"]
+                                                 for s in RUN_STEPS)
+
+
+def test_ls_table_ends_with_totals_and_missing_root_exits_2(tree):
+    proc = run_cli("ls", tree)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("total: 15 checkpoint(s) in 6 run(s)")
+    assert "12 complete, 2 incomplete, 1 writing, 0 unreadable" in lines[-1]
+    assert any("step_000020" in line and "writing" in line for line in lines)
+    proc = run_cli("ls", tree, tree / "nope")
+    assert proc.returncode == 2 and "nope: no such file or folder" in proc.stderr and not proc.stdout
+
+
+def test_ls_never_follows_symlinks_nor_descends_into_checkpoints(tmp_path, fixtures):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    shutil.copytree(fixtures["fsdp2_r2"], outside / "step_000001")
+    shutil.copytree(fixtures["steps_r2"], root / "run")
+    (root / "linked").symlink_to(outside)  # a link out of the root
+    (root / "run" / "latest").symlink_to(root / "run" / "step3")  # a link inside it
+    nested = root / "run" / "step3" / "sub" / "step_000009"  # inside a checkpoint: not a checkpoint of its own
+    shutil.copytree(fixtures["fsdp2_r2"], nested)
+    listing = scan([root])
+    assert sorted(c.name for c in listing.checkpoints) == ["step2", "step3"]
+
+
+def _plan(tree: Path, **rules) -> dict[str, tuple[str, list[str]]]:
+    plan = make_plan(scan([tree]), Rules(**rules))
+    return {os.path.relpath(d.checkpoint.path, tree): (d.action, d.reasons) for d in plan.decisions}
+
+
+def _removed(plan: dict) -> set[str]:
+    return {p for p, (action, _r) in plan.items() if action == "remove"}
+
+
+REAL = "runs/run-real/checkpoints/step_{:06d}"
+
+
+def test_plan_of_each_rule(tree, trained_run):
+    real = {REAL.format(s) for s in RUN_STEPS}
+    last2 = _plan(tree, keep_last=2)
+    assert _removed(last2) & real == {REAL.format(5), REAL.format(10)}
+    assert "keep-last 2" in last2[REAL.format(15)][1]
+    # the newest complete checkpoint of each run is never removed, whatever the rules
+    assert "the newest complete checkpoint of its run" in last2[REAL.format(20)][1]
+    assert last2["hf_out/checkpoint-500"] == ("keep", ["keep-last 2"])
+    last1 = _plan(tree, keep_last=1)
+    assert last1["hf_out/checkpoint-500"] == ("remove", ["no rule keeps it"])
+    assert _removed(last1) & real == real - {REAL.format(20)}
+    every10 = _plan(tree, keep_every=10)
+    assert _removed(every10) & real == {REAL.format(5), REAL.format(15)}
+    assert "keep-every 10" in every10[REAL.format(10)][1]
+    # keep-best: the mean over ranks of the loss at the checkpoint's step, from metrics/rank_N.jsonl
+    recs = [[json.loads(line) for line in (trained_run / "metrics" / f"rank_{r}.jsonl").read_text().splitlines()]
+            for r in (0, 1)]
+    mean = {s: sum(next(x["loss"] for x in rank if x["step"] == s) for rank in recs) / 2 for s in RUN_STEPS}
+    best = min(RUN_STEPS, key=mean.__getitem__)
+    plan = _plan(tree, keep_best="loss", mode="min", top=1)
+    assert _removed(plan) & real == {REAL.format(s) for s in RUN_STEPS if s not in (best, 20)}
+    assert any(r.startswith("keep-best loss (min, top 1)") for r in plan[REAL.format(best)][1])
+    worst = max(RUN_STEPS, key=mean.__getitem__)
+    plan = _plan(tree, keep_best="loss", mode="max", top=1)
+    assert any(r.startswith("keep-best") for r in plan[REAL.format(worst)][1])
+    # Lightning's CSVLogger metrics.csv; HF Trainer's trainer_state.json log_history
+    plan = _plan(tree, keep_best="val_loss", mode="min")
+    assert plan["lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt"][0] == "keep"  # 1.9 < 2.2
+    plan = _plan(tree, keep_best="loss", mode="max")
+    assert plan["hf_out/checkpoint-500"][0] == "keep" and "keep-best" in plan["hf_out/checkpoint-500"][1][0]
+    globbed = _plan(tree, keep=("step_00001*",))
+    assert _removed(globbed) & real == {REAL.format(5)}
+    assert "keep step_00001*" in globbed[REAL.format(15)][1]
+    young = _plan(tree, min_age=10 * 86400)  # everything is younger than ten days
+    assert not _removed(young)
+    # incomplete saves go only with --incomplete; the one being written never
+    assert "other/step_000200" not in _removed(_plan(tree, keep_last=1))
+    inc = _plan(tree, incomplete=True)
+    assert _removed(inc) == {"other/step_000200", "exports/broken.pt"}
+    assert inc["runs/run-live/checkpoints/step_000020"][0] == "keep"
+
+
+def test_plan_cli_json_and_no_rule_is_an_error(tree):
+    proc = run_cli("prune", tree, "--keep-last", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["acted"] is False
+    removed = {os.path.relpath(c["path"], tree) for c in plan["checkpoints"] if c["action"] == "remove"}
+    assert removed == _removed(_plan(tree, keep_last=1))
+    assert plan["bytes_freed"] == sum(c["bytes"] for c in plan["checkpoints"] if c["action"] == "remove")
+    assert all((tree / p).exists() for p in removed)  # only a plan
+    text = run_cli("prune", tree, "--keep-last", "1")
+    assert "REMOVE" in text.stdout and "run again with --yes" in text.stdout
+    assert "the newest complete checkpoint of its run" in text.stdout
+    proc = run_cli("prune", tree)
+    assert proc.returncode == 2 and "give at least one rule" in proc.stderr
+
+
+def _trash_env(tmp_path: Path) -> dict[str, str]:
+    return {"XDG_DATA_HOME": str(tmp_path / "xdg")}
+
+
+def _cli_env(*args, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardscope.app.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint's files and sizes (to prove what survived is whole)."""
+    out = {}
+    for c in scan([root]).checkpoints:
+        p = Path(c.path)
+        files = sorted(p.rglob("*")) if p.is_dir() else [p]
+        out[os.path.relpath(c.path, root)] = tuple((str(f.relative_to(p)) if p.is_dir() else "", f.stat().st_size)
+                                                   for f in files if f.is_file())
+    return out
+
+
+@pytest.mark.parametrize("delete", [False, True])
+def test_yes_removes_exactly_the_plan(tree, tmp_path, delete):
+    before = _snapshot(tree)
+    planned = _removed(_plan(tree, keep_last=2, keep_every=10, incomplete=True))
+    assert planned == {REAL.format(5), "exports/broken.pt", "other/step_000200"}
+    args = ["prune", tree, "--keep-last", "2", "--keep-every", "10", "--incomplete", "--yes", "--json"]
+    proc = _cli_env(*args, *(["--delete"] if delete else []), env=_trash_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["acted"] and out["result"]["failed"] == 0
+    assert {os.path.relpath(o["path"], tree) for o in out["result"]["outcomes"]} == planned
+    after = _snapshot(tree)
+    assert set(after) == set(before) - planned  # exactly the plan went
+    assert all(after[k] == before[k] for k in after)  # and what stayed is untouched
+    assert not list(tree.rglob(f"{PRUNE_PREFIX}*"))
+    trash = tmp_path / "xdg" / "Trash"
+    trashed = sorted(p.name for p in (trash / "files").iterdir()) if (trash / "files").exists() else []
+    if delete:
+        assert trashed == []
+    else:
+        assert len(trashed) == len(planned)
+        assert len(list((trash / "info").iterdir())) == len(planned)
+        assert sum(p.stat().st_size for p in (trash / "files").rglob("*") if p.is_file()) == \
+            sum(size for k in planned for _n, size in before[k])
+
+
+def test_protected_checkpoints_survive(tree, tmp_path):
+    keep_nothing = ["--keep-every", "1000000", "--incomplete"]
+    proc = _cli_env("prune", tree, *keep_nothing, "--yes", "--delete", env=_trash_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    left = set(_snapshot(tree))
+    assert {REAL.format(20),  # the newest complete of its run
+            "runs/run-live/checkpoints/step_000010",  # its run is running
+            "runs/run-live/checkpoints/step_000020",  # being written
+            "other/step_000100", "hf_out/checkpoint-1000", "exports/model_step_300.safetensors",
+            "lightning_logs/version_0/checkpoints/epoch=1-step=20.ckpt"} == left
+    assert (tree / "runs/run-real/metrics").is_dir() and (tree / "runs/run-real/config.json").is_file()
+
+
+def test_a_checkpoint_that_starts_changing_is_skipped(tree, tmp_path):
+    plan = make_plan(scan([tree]), Rules(keep_last=3))
+    target = tree / REAL.format(5)
+    assert target.as_posix() in {d.checkpoint.path for d in plan.remove}
+    (target / "__0_0.distcp").touch()  # written again after the plan was made
+    result = execute(plan, delete=True)
+    assert any(o.path == str(target) and o.result == "skipped" for o in result.outcomes)
+    assert (target / ".metadata").exists()
+
+
+def test_killed_prune_leaves_no_half_checkpoint(tree, tmp_path):
+    before = _snapshot(tree)
+    env = {**os.environ, **_trash_env(tmp_path), PAUSE_ENV: "120"}
+    proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "prune", tree, "--keep-last", "1", "--yes",
+                             "--delete"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "renamed to" not in line:  # the hook pauses right after the first rename
+            assert time.monotonic() < deadline and proc.poll() is None
+            line = proc.stderr.readline()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    hidden = Path(line.split("renamed to", 1)[1].strip())
+    assert hidden.name.startswith(PRUNE_PREFIX + "delete-") and hidden.exists()
+    after = _snapshot(tree)
+    gone = set(before) - set(after)
+    assert len(gone) == 1 and str(tree / next(iter(gone))) == str(hidden.parent / hidden.name.split("-", 3)[-1])
+    assert all(after[k] == before[k] for k in after)  # every other checkpoint is whole
+    # the next ls finishes the interrupted prune (it was asked to delete) and says so
+    proc = _cli_env("ls", tree, "--json", env=_trash_env(tmp_path))
+    assert proc.returncode == 0 and "finished an interrupted prune" in proc.stderr
+    assert not hidden.exists() and set(_snapshot(tree)) == set(after)
+
+
+def test_prune_min_age_keeps_young_ones(tmp_path, fixtures):
+    root = tmp_path / "r"
+    for s in (1, 2, 3):
+        shutil.copytree(fixtures["fsdp2_r2"], root / f"step_{s}")
+    _age(root / "step_1", 3 * 3600)
+    _age(root / "step_2", 600)
+    _age(root / "step_3", 60)
+    plan = _plan(root, min_age=3600)
+    assert plan["step_1"][0] == "remove" and plan["step_2"][0] == "keep"
+    assert any(r.startswith("min-age 1h") for r in plan["step_2"][1])
+    proc = run_cli("prune", root, "--min-age", "soon")
+    assert proc.returncode == 2 and "not an age" in proc.stderr

@@ -1,0 +1,179 @@
+"""The Library window under pytest-qt: the model (qtmodeltester), live updates from disk, writing
+checkpoints that do not open, Compare from two selections (and Ctrl+D's two pickers), and the Prune
+dialog's live preview and removal."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QSettings
+from shardscope.backend.library import Rules, scan
+from shardscope.backend.library.snapshot import take_snapshot
+from shardscope.widgets.library_view import COLUMNS, LibraryModel, LibraryView
+from shardscope.widgets.prune_dialog import PruneDialog
+
+TIMEOUT = 60_000
+
+
+@pytest.fixture(autouse=True)
+def _own_settings(tmp_path_factory):
+    """QSettings in a temporary folder: the tests never see or change the user's Library roots."""
+    QSettings.setDefaultFormat(QSettings.Format.IniFormat)
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(tmp_path_factory.mktemp("qs")))
+
+
+def _age(path: Path, seconds: float = 3600) -> None:
+    t = time.time() - seconds
+    for p in [path, *path.rglob("*")]:
+        os.utime(p, (t, t))
+
+
+@pytest.fixture
+def root(tmp_path, fixtures) -> Path:
+    """A run folder with three complete DCP checkpoints (steps 1, 2, 3)."""
+    base = tmp_path.resolve() / "root"
+    ckpts = base / "runA" / "checkpoints"
+    shutil.copytree(fixtures["fsdp2_r2"], ckpts / "step_000001")
+    shutil.copytree(fixtures["steps_r2"] / "step2", ckpts / "step_000002")
+    shutil.copytree(fixtures["steps_r2"] / "step3", ckpts / "step_000003")
+    _age(base)
+    return base
+
+
+def _names(model: LibraryModel) -> list[list[str]]:
+    return [[c.name for c in run.checkpoints] for run in model.runs]
+
+
+def test_library_model_passes_qtmodeltester(qtmodeltester, root, fixtures):
+    model = LibraryModel()
+    model.set_snapshot(take_snapshot([str(root)]))
+    qtmodeltester.check(model, force_py=True)
+    assert _names(model) == [["step_000001", "step_000002", "step_000003"]]
+    run_index = model.index(0, 0)
+    assert model.data(run_index) == "runA"
+    ck = model.index(2, COLUMNS.index("step"), run_index)
+    assert model.data(ck) == "3" and model.parent(ck) == run_index
+    assert model.data(model.index(2, COLUMNS.index("state"), run_index)) == "complete"
+    # an update in place: one checkpoint gone, one new, a second run
+    shutil.rmtree(root / "runA" / "checkpoints" / "step_000002")
+    shutil.copytree(fixtures["fsdp2_r2"], root / "runA" / "checkpoints" / "step_000004")
+    shutil.copytree(fixtures["fsdp2_r2"], root / "runB" / "checkpoints" / "step_000001")
+    _age(root)
+    model.set_snapshot(take_snapshot([str(root)]))
+    qtmodeltester.check(model, force_py=True)
+    assert _names(model) == [["step_000001", "step_000003", "step_000004"], ["step_000001"]]
+
+
+def _state(view: LibraryView, path: Path) -> str | None:
+    snap = view.snapshot
+    rec = snap.listing.find(str(path)) if snap else None
+    return rec.state if rec else None
+
+
+def test_library_follows_the_disk_and_opens_only_complete(qtbot, root, fixtures):
+    view = LibraryView([str(root)], None)
+    qtbot.addWidget(view)
+    view.resize(1280, 700)
+    view.show()
+    qtbot.waitUntil(lambda: view.snapshot is not None and len(view.snapshot.listing.checkpoints) == 3,
+                    timeout=TIMEOUT)
+    assert view.tree.model().rowCount() == 1
+    # a save starts: data files, no .metadata yet -> it shows as being written and does not open
+    new = root / "runA" / "checkpoints" / "step_000004"
+    new.mkdir()
+    shutil.copy(fixtures["fsdp2_r2"] / "__0_0.distcp", new / "__0_0.distcp")
+    qtbot.waitUntil(lambda: _state(view, new) == "writing", timeout=TIMEOUT)
+    view.select_paths([str(new)])
+    assert len(view.selected_checkpoints()) == 1
+    assert not view.open_button.isEnabled() and "opens once it is complete" in view.open_button.toolTip()
+    with qtbot.assertNotEmitted(view.openRequested, wait=100):
+        view.open_selected()
+    # the save finishes: it becomes complete (once its files stop changing) and opens
+    for name in ("__1_0.distcp", ".metadata"):
+        shutil.copy(fixtures["fsdp2_r2"] / name, new / name)
+    qtbot.waitUntil(lambda: _state(view, new) == "complete", timeout=TIMEOUT)
+    view.select_paths([str(new)])
+    assert view.open_button.isEnabled()
+    with qtbot.waitSignal(view.openRequested) as opened:
+        view.open_button.click()
+    assert opened.args == [str(new)]
+    # two selected -> Compare, the older one as A
+    a, b = root / "runA" / "checkpoints" / "step_000003", root / "runA" / "checkpoints" / "step_000001"
+    view.select_paths([str(a), str(b)])
+    assert view.compare_button.isEnabled() and not view.open_button.isEnabled()
+    with qtbot.waitSignal(view.compareRequested) as compared:
+        view.compare_button.click()
+    assert compared.args == [str(b), str(a)]
+    # the disk-usage view: the run, its size, what the rules (keep the last 3) would free
+    assert view.usage.rowCount() == 1
+    freed = view.usage.data(view.usage.index(0, 3))
+    assert freed != "—" and "would free" in view.rules_label.text()
+    view.shutdown()
+
+
+def test_prune_dialog_preview_and_removal(qtbot, root):
+    dlg = PruneDialog(scan([root]), Rules(keep_last=2))
+    qtbot.addWidget(dlg)
+    qtbot.waitUntil(lambda: dlg.plan is not None, timeout=TIMEOUT)
+    assert [d.checkpoint.name for d in dlg.plan.remove] == ["step_000001"]
+    assert "Removes 1 of 3 checkpoints" in dlg.summary.text()
+    assert dlg.model.rowCount() == 3 and dlg.act_button.isEnabled()
+    dlg.last_n.setValue(1)  # the preview follows the rules
+    qtbot.waitUntil(lambda: dlg.plan is not None and len(dlg.plan.remove) == 2, timeout=TIMEOUT)
+    assert "Removes 2 of 3" in dlg.summary.text()
+    dlg.last_on.setChecked(False)  # no rule at all: nothing to do, and it says why
+    qtbot.waitUntil(lambda: dlg.plan is None, timeout=TIMEOUT)
+    assert "give at least one rule" in dlg.summary.text() and not dlg.act_button.isEnabled()
+    dlg.last_on.setChecked(True)
+    qtbot.waitUntil(lambda: dlg.plan is not None and len(dlg.plan.remove) == 2, timeout=TIMEOUT)
+    dlg.delete.setChecked(True)
+    assert dlg.act_button.text() == "Delete for good"
+    with qtbot.waitSignal(dlg.pruned, timeout=TIMEOUT) as done:
+        dlg.start_removal(delete=True)
+    assert len(done.args[0].removed) == 2 and not done.args[0].failed
+    ckpts = root / "runA" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000003"]
+    assert "2 checkpoint(s) deleted" in dlg.summary.text()
+
+
+def test_compare_from_the_window_with_two_selected_or_two_pickers(qtbot, root):
+    from shardscope.app.main_window import MainWindow
+    from shardscope.widgets.compare_view import CompareView
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.resize(1280, 720)
+    win.show()
+    assert win.tabs.widget(0) is win.library and win.tabs.tabText(0) == "Library"
+    win.library.user_roots = [str(root)]
+    win.library.poll(force=True)
+    qtbot.waitUntil(lambda: win.library.snapshot is not None and
+                    len([c for c in win.library.snapshot.listing.checkpoints if c.run.startswith(str(root))]) == 3,
+                    timeout=TIMEOUT)
+    action = next(a for a in win.findChildren(type(win.menuBar().actions()[0])) if a.text() == "&Compare…")
+    assert action.shortcut().toString() == "Ctrl+D"
+    one, three = (str(root / "runA" / "checkpoints" / f"step_00000{i}") for i in (1, 3))
+    win.library.select_paths([three, one])
+    action.trigger()
+    views = [w for w in (win.tabs.widget(i) for i in range(win.tabs.count())) if isinstance(w, CompareView)]
+    assert [(v.path_a, v.path_b) for v in views] == [(one, three)]
+    # nothing selected: two pickers, which offer the Library's checkpoints
+    win.show_library()
+    win.library.tree.clearSelection()
+    action.trigger()
+    picker = win.compare_picker
+    assert picker.isVisible() and len(picker.boxes) == 2
+    offered = [picker.boxes[0].itemText(i) for i in range(picker.boxes[0].count())]
+    assert one in offered and three in offered
+    picker.boxes[0].setCurrentText(three)
+    picker.boxes[1].setCurrentText(one)
+    picker.accept()
+    views = [w for w in (win.tabs.widget(i) for i in range(win.tabs.count())) if isinstance(w, CompareView)]
+    assert [(v.path_a, v.path_b) for v in views][-1] == (three, one)
+    for v in views:
+        v.shutdown()
+    win.library.shutdown()

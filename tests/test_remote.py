@@ -1,0 +1,175 @@
+"""Checkpoints on S3, against a real S3 API server (moto's server mode in its own process) that counts
+every request it answers: reads are planned (few requests), exports go to and come from s3:// URLs,
+endpoints come from the environment or --storage-option, failures are one line and leave nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import s3fs
+from s3_server import S3Server
+
+BUCKET = "ckpts"
+REMOTE_FIXTURES = ("fsdp2_r4", "fsdp_safetensors_r2", "hf_r2")
+
+
+def big_checkpoint(out: Path) -> Path:
+    """A checkpoint with large items (above the whole-file and coalescing sizes), written by dcp.save."""
+    script = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "sd = {f'layers.{i}.weight': torch.randn(1536, 1024, generator=g) for i in range(3)}\n"
+        "sd['norm.weight'] = torch.ones(1024)\n"
+        "dcp.save({'model': sd}, checkpoint_id=sys.argv[1], no_dist=True)\n")
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, capture_output=True, timeout=600)
+    return out
+
+
+@pytest.fixture(scope="session")
+def s3(fixtures, tmp_path_factory):
+    """The server, an s3fs client of it, and the fixture checkpoints uploaded to s3://ckpts/<name>."""
+    server = S3Server()
+    try:
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", use_listings_cache=False,
+                               client_kwargs={"endpoint_url": server.endpoint, "region_name": "us-east-1"})
+        fs.mkdir(BUCKET)
+        local = {name: fixtures[name] for name in REMOTE_FIXTURES}
+        local["big"] = big_checkpoint(tmp_path_factory.mktemp("big") / "big")
+        for name, path in local.items():
+            fs.put(f"{path}/", f"{BUCKET}/{name}/", recursive=True)
+        yield server, fs, local
+    finally:
+        server.stop()
+
+
+def shardscope(server: S3Server | None, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, int]:
+    """Run the CLI in a fresh process (endpoint from AWS_* variables when ``server``); also return the
+    number of requests the server answered meanwhile."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["SHARDSCOPE_CACHE_DIR"] = env.get("SHARDSCOPE_CACHE_DIR", "") + "-remote-nocache"
+    if server is not None:
+        env.update(server.env())
+        server.reset()
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    return proc, (server.total() if server is not None else 0)
+
+
+def data_files(path: Path) -> int:
+    return sum(1 for p in path.iterdir() if p.is_file())
+
+
+def test_inspect_verify_show_read_few_requests(s3):
+    server, _, local = s3
+    files = data_files(local["fsdp2_r4"])
+    url = f"s3://{BUCKET}/fsdp2_r4"
+    proc, requests = shardscope(server, "inspect", url, "--no-cache")
+    assert proc.returncode == 0, proc.stderr
+    assert "healthy" in proc.stdout and requests <= 6, (requests, proc.stdout)
+    proc, requests = shardscope(server, "verify", "--deep", url, "--no-cache")
+    assert proc.returncode == 0, proc.stderr
+    assert requests <= files + 4, requests  # every small file read whole, once (was 2,747 requests)
+    fqn = "model.blocks.0.fc1.weight"
+    proc, requests = shardscope(server, "show", url, fqn, "--json", "--no-cache")
+    local_proc, _ = shardscope(None, "show", str(local["fsdp2_r4"]), fqn, "--json", "--no-cache")
+    assert proc.returncode == 0 and local_proc.returncode == 0, proc.stderr + local_proc.stderr
+    assert requests <= files + 4, requests
+    assert proc.stdout.replace(url, "X") == local_proc.stdout.replace(str(local["fsdp2_r4"]), "X")
+
+
+@pytest.mark.parametrize("name", ["fsdp2_r4", "fsdp_safetensors_r2", "hf_r2", "big"])
+def test_export_from_s3_equals_local_export(s3, tmp_path, name):
+    server, _, local = s3
+    remote_out, local_out = tmp_path / "remote.safetensors", tmp_path / "local.safetensors"
+    proc, requests = shardscope(server, "export", f"s3://{BUCKET}/{name}", str(remote_out))
+    assert proc.returncode == 0, proc.stderr
+    ref, _ = shardscope(None, "export", str(local[name]), str(local_out))
+    assert ref.returncode == 0, ref.stderr
+    assert remote_out.read_bytes() == local_out.read_bytes()
+    large_items = 3 if name == "big" else 0  # three 6 MiB tensors: one request each at most
+    assert requests <= data_files(local[name]) + 2 * large_items + 4, requests
+
+
+def test_export_to_s3_file_and_sharded_folder(s3, tmp_path):
+    server, fs, local = s3
+    src = f"s3://{BUCKET}/fsdp2_r4"
+    ref, _ = shardscope(None, "export", str(local["fsdp2_r4"]), str(tmp_path / "ref.safetensors"))
+    assert ref.returncode == 0, ref.stderr
+    proc, _ = shardscope(server, "export", src, f"s3://{BUCKET}/out/model.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert fs.cat(f"{BUCKET}/out/model.safetensors") == (tmp_path / "ref.safetensors").read_bytes()
+    again, _ = shardscope(server, "export", src, f"s3://{BUCKET}/out/model.safetensors")
+    assert again.returncode == 2 and "already exists" in again.stderr and again.stderr.count("\n") == 1
+
+    ref_dir = tmp_path / "ref_sharded"
+    ref, _ = shardscope(None, "export", str(local["fsdp2_r4"]), str(ref_dir), "--max-shard-size", "4KB")
+    assert ref.returncode == 0, ref.stderr
+    dst = f"{BUCKET}/out/sharded"
+    proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "4KB")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.path.basename(p) for p in fs.find(dst)) == sorted(os.listdir(ref_dir))
+    for name in os.listdir(ref_dir):
+        assert fs.cat(f"{dst}/{name}") == (ref_dir / name).read_bytes(), name
+    # --force replaces the folder: fewer, larger shards and none of the old ones left behind
+    proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "1MB", "--force")
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads(fs.cat(f"{dst}/model.safetensors.index.json"))
+    assert sorted(os.path.basename(p) for p in fs.find(dst)) == sorted(
+        {*index["weight_map"].values(), "model.safetensors.index.json"})
+    assert not [p for p in fs.find(BUCKET) if ".shardscope-tmp" in p]
+
+
+def test_failed_upload_leaves_no_final_key(s3):
+    server, fs, _ = s3
+    src = f"s3://{BUCKET}/fsdp2_r4"
+    try:
+        server.fail_puts("fail1/model.safetensors")
+        proc, _ = shardscope(server, "export", src, f"s3://{BUCKET}/fail1/model.safetensors")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"s3://{BUCKET}/fail1/model.safetensors" in proc.stderr
+        assert not fs.exists(f"{BUCKET}/fail1/model.safetensors")
+        # a folder: the shards are staged and moved into place; the index (moved last) fails, so the
+        # shards already moved are taken back
+        server.fail_puts("fail2/sharded/model.safetensors.index.json")
+        proc, _ = shardscope(server, "export", src, f"s3://{BUCKET}/fail2/sharded", "--max-shard-size", "4KB")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert server.requests().get("failed", 0) >= 1
+        assert fs.find(f"{BUCKET}/fail2") == []
+    finally:
+        server.fail_puts("")
+    assert not [p for p in fs.find(BUCKET) if ".shardscope-tmp" in p]
+
+
+def test_storage_option_gives_endpoint_and_credentials_without_env(s3):
+    server, _, _ = s3
+    opts = ["--storage-option", f"client_kwargs.endpoint_url={server.endpoint}",
+            "--storage-option", "key=testing", "--storage-option", "secret=testing",
+            "--storage-option", "client_kwargs.region_name=us-east-1"]
+    server.reset()
+    proc, _ = shardscope(None, "verify", f"s3://{BUCKET}/fsdp2_r4", *opts)
+    assert proc.returncode == 0, proc.stderr
+    assert server.total() > 0  # it really went to this server
+    proc, _ = shardscope(None, "verify", f"s3://{BUCKET}/fsdp2_r4", "--storage-option", "nokey")
+    assert proc.returncode == 2 and "KEY=VALUE" in proc.stderr
+
+
+def test_unreachable_endpoint_is_one_line_and_exit_2():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc, _ = shardscope(None, "inspect", f"s3://{BUCKET}/fsdp2_r4",
+                         "--storage-option", f"client_kwargs.endpoint_url=http://127.0.0.1:{port}",
+                         "--storage-option", "key=k", "--storage-option", "secret=s", timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "cannot reach the storage endpoint" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 60, elapsed  # about a second of retries plus start-up (was six seconds of retries)

@@ -1,0 +1,646 @@
+"""The Library: every checkpoint of every run under the user's roots, the start page of the window.
+
+A tree of runs -> checkpoints (step, time, size with a bar, writer ranks, format, state, loss at the
+step), refreshed by a scan in a worker every two seconds (so a network file system never blocks the
+window), a disk-usage table per root with what the prune rules would free, and the actions: Open,
+Export, Show in folder, Compare (two selected), Prune.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import (
+    QAbstractItemModel,
+    QAbstractTableModel,
+    QModelIndex,
+    QPersistentModelIndex,
+    QRectF,
+    QSortFilterProxyModel,
+    Qt,
+    QTimer,
+    QUrl,
+    Signal,
+)
+from PySide6.QtGui import QColor, QDesktopServices, QPainter
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSplitter,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
+    QTableView,
+    QTreeView,
+    QVBoxLayout,
+    QWidget,
+)
+from shardscope.backend.format import human_bytes
+from shardscope.backend.library.prune import Plan, Rules
+from shardscope.backend.library.scan import CheckpointRecord, RunRecord, ranks_text
+from shardscope.backend.library.snapshot import LibrarySnapshot, take_snapshot
+
+from .workers import Worker, run_in_background
+
+COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "format", "state", "loss")
+SIZE_COLUMN = COLUMNS.index("size")
+ObjectRole = Qt.ItemDataRole.UserRole
+SortRole = Qt.ItemDataRole.UserRole + 1
+STATE_COLORS = {"complete": "#2ca02c", "incomplete": "#d62728", "writing": "#ff7f0e", "unreadable": "#9467bd",
+                "running": "#ff7f0e", "failed": "#d62728"}
+POLL_MS = 2000
+OPENABLE = ("complete",)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "?"
+
+
+class LibraryModel(QAbstractItemModel):
+    """Runs -> checkpoints: an adapter over the runs of a backend ``Listing`` (which stays the source of truth).
+
+    Updates are incremental (insert/remove/changed rows), so a poll every two seconds keeps the selection,
+    the expanded runs and the scroll position."""
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.runs: list[RunRecord] = []
+        self.metric: dict[str, float] = {}
+        # NOTE: a checkpoint's index carries a stable integer id of its run (never a Python pointer, which Qt
+        # would hold without a reference, and never the run's row, which moves when runs come and go).
+        self._ids: dict[str, int] = {}
+        self._max_ckpt = 1
+        self._max_run = 1
+
+    # ------------------------------------------------------------------ structure
+    def _run_id(self, run: RunRecord) -> int:
+        return self._ids.setdefault(run.path, len(self._ids) + 1)
+
+    def _run_row(self, run_id: int) -> int:
+        for i, r in enumerate(self.runs):
+            if self._ids.get(r.path) == run_id:
+                return i
+        return -1
+
+    def index(self, row: int, column: int, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> QModelIndex:
+        if not self.hasIndex(row, column, parent):
+            return QModelIndex()
+        if not parent.isValid():
+            return self.createIndex(row, column, 0)
+        if parent.internalId() == 0:
+            return self.createIndex(row, column, self._run_id(self.runs[parent.row()]))
+        return QModelIndex()
+
+    def parent(self, index: QModelIndex | QPersistentModelIndex | None = None) -> Any:  # type: ignore[override]
+        if index is None:
+            return super().parent()
+        if not index.isValid() or index.internalId() == 0:
+            return QModelIndex()
+        row = self._run_row(index.internalId())
+        return self.createIndex(row, 0, 0) if row >= 0 else QModelIndex()
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        if not parent.isValid():
+            return len(self.runs)
+        if parent.internalId() == 0 and parent.column() == 0:
+            return len(self.runs[parent.row()].checkpoints)
+        return 0
+
+    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return len(COLUMNS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return COLUMNS[section]
+        return None
+
+    def record(self, index: QModelIndex | QPersistentModelIndex) -> RunRecord | CheckpointRecord | None:
+        if not index.isValid():
+            return None
+        if index.internalId() == 0:
+            return self.runs[index.row()] if index.row() < len(self.runs) else None
+        row = self._run_row(index.internalId())
+        if row < 0 or index.row() >= len(self.runs[row].checkpoints):
+            return None
+        return self.runs[row].checkpoints[index.row()]
+
+    def bar_fraction(self, index: QModelIndex | QPersistentModelIndex) -> float:
+        rec = self.record(index)
+        if isinstance(rec, RunRecord):
+            return rec.bytes / self._max_run
+        return rec.bytes / self._max_ckpt if rec is not None else 0.0
+
+    # ------------------------------------------------------------------ data
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        rec = self.record(index)
+        if rec is None:
+            return None
+        if role == ObjectRole:
+            return rec
+        col = COLUMNS[index.column()]
+        if isinstance(rec, RunRecord):
+            return self._run_data(rec, col, role)
+        return self._checkpoint_data(rec, col, role)
+
+    def _run_data(self, run: RunRecord, col: str, role: int) -> Any:
+        newest = max((c.mtime for c in run.checkpoints), default=0.0)
+        if role == Qt.ItemDataRole.DisplayRole:
+            state = ("running" if run.running else run.state or "") if run.kind == "shardscope" else ""
+            return {"checkpoint": run.name, "step": f"{len(run.checkpoints)} ckpt", "modified": _when(newest),
+                    "size": human_bytes(run.bytes), "state": state,
+                    "format": "run" if run.kind == "shardscope" else "folder"}.get(col)
+        if role == SortRole:
+            return {"checkpoint": run.name.lower(), "step": len(run.checkpoints), "modified": newest,
+                    "size": run.bytes}.get(col, "")
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return run.path
+        if role == Qt.ItemDataRole.ForegroundRole and col == "state":
+            return QColor(STATE_COLORS.get("running" if run.running else run.state or "", "#777777"))
+        return self._align(col, role)
+
+    def _checkpoint_data(self, c: CheckpointRecord, col: str, role: int) -> Any:
+        loss = self.metric.get(c.path)
+        if role == Qt.ItemDataRole.DisplayRole:
+            return {"checkpoint": c.name, "step": "" if c.step is None else str(c.step), "modified": _when(c.mtime),
+                    "size": human_bytes(c.bytes), "ranks": ranks_text(c.ranks), "format": c.format,
+                    "state": c.state, "loss": "" if loss is None else f"{loss:.4f}"}[col]
+        if role == SortRole:
+            return {"checkpoint": c.name.lower(), "step": -1 if c.step is None else c.step, "modified": c.mtime,
+                    "size": c.bytes, "ranks": len(c.ranks), "format": c.format, "state": c.state,
+                    "loss": float("inf") if loss is None else loss}[col]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return c.path + (f"\n{c.state}: {c.reason}" if c.reason else "")
+        if role == Qt.ItemDataRole.ForegroundRole and col == "state":
+            return QColor(STATE_COLORS.get(c.state, "#777777"))
+        return self._align(col, role)
+
+    @staticmethod
+    def _align(col: str, role: int) -> Any:
+        if role == Qt.ItemDataRole.TextAlignmentRole and col in ("step", "size", "loss"):
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        return None
+
+    # ------------------------------------------------------------------ updates
+    def set_snapshot(self, snap: LibrarySnapshot) -> None:
+        """Bring the rows in line with a new listing: remove what went, insert what came, refresh the rest."""
+        self.metric = dict(snap.metric)
+        new_runs = sorted(snap.listing.runs, key=lambda r: r.path)
+        self._max_ckpt = max((c.bytes for r in new_runs for c in r.checkpoints), default=1) or 1
+        self._max_run = max((r.bytes for r in new_runs), default=1) or 1
+        wanted = {r.path for r in new_runs}
+        for i in reversed(range(len(self.runs))):
+            if self.runs[i].path not in wanted:
+                self.beginRemoveRows(QModelIndex(), i, i)
+                del self.runs[i]
+                self.endRemoveRows()
+        for i, run in enumerate(new_runs):
+            if i < len(self.runs) and self.runs[i].path == run.path:
+                self._sync_run(i, run)
+            else:
+                self.beginInsertRows(QModelIndex(), i, i)
+                # a copy: the rows are synced in place later, and the snapshot's listing stays as it was
+                self.runs.insert(i, RunRecord(run.path, run.kind, run.state, list(run.checkpoints)))
+                self.endInsertRows()
+        if self.runs:
+            self.dataChanged.emit(self.index(0, 0), self.index(len(self.runs) - 1, len(COLUMNS) - 1))
+
+    def _sync_run(self, row: int, new: RunRecord) -> None:
+        old = self.runs[row]
+        parent = self.index(row, 0)
+        wanted = [c.path for c in new.checkpoints]
+        keep = set(wanted)
+        for i in reversed(range(len(old.checkpoints))):
+            if old.checkpoints[i].path not in keep:
+                self.beginRemoveRows(parent, i, i)
+                del old.checkpoints[i]
+                self.endRemoveRows()
+        by_path = {c.path: c for c in new.checkpoints}
+        for i, path in enumerate(wanted):
+            if i < len(old.checkpoints) and old.checkpoints[i].path == path:
+                old.checkpoints[i] = by_path[path]
+            elif path in {c.path for c in old.checkpoints[i:]}:  # reordered (rare): move it here
+                j = next(k for k in range(i, len(old.checkpoints)) if old.checkpoints[k].path == path)
+                self.beginMoveRows(parent, j, j, parent, i)
+                old.checkpoints.insert(i, old.checkpoints.pop(j))
+                self.endMoveRows()
+                old.checkpoints[i] = by_path[path]
+            else:
+                self.beginInsertRows(parent, i, i)
+                old.checkpoints.insert(i, by_path[path])
+                self.endInsertRows()
+        old.kind, old.state = new.kind, new.state
+        if old.checkpoints:
+            self.dataChanged.emit(self.index(0, 0, parent), self.index(len(old.checkpoints) - 1, len(COLUMNS) - 1,
+                                                                        parent))
+
+
+class SizeBarDelegate(QStyledItemDelegate):
+    """A bar behind the size, scaled to the largest checkpoint (runs: to the largest run)."""
+
+    def __init__(self, fraction, parent=None) -> None:
+        super().__init__(parent)
+        self.fraction = fraction  # index -> 0..1
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
+              index: QModelIndex | QPersistentModelIndex) -> None:
+        frac = max(0.0, min(1.0, self.fraction(index)))
+        if frac > 0:
+            r = QRectF(option.rect).adjusted(1, 3, -1, -3)
+            r.setWidth(max(1.0, r.width() * frac))
+            painter.fillRect(r, QColor(31, 119, 180, 60))
+        super().paint(painter, option, index)
+
+
+class DiskUsageModel(QAbstractTableModel):
+    """Runs of one root, largest first, with what the prune rules would free in each."""
+
+    HEADERS = ("run", "checkpoints", "size", "rules free")
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.rows: list[tuple[RunRecord, int]] = []
+        self._max = 1
+
+    def set_rows(self, runs: list[RunRecord], plan: Plan | None) -> None:
+        freed: dict[str, int] = {}
+        for d in plan.remove if plan is not None else []:
+            freed[d.checkpoint.run] = freed.get(d.checkpoint.run, 0) + d.checkpoint.bytes
+        self.beginResetModel()
+        self.rows = sorted(((r, freed.get(r.path, 0)) for r in runs), key=lambda x: -x[0].bytes)
+        self._max = max((r.bytes for r, _ in self.rows), default=1) or 1
+        self.endResetModel()
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.HEADERS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return self.HEADERS[section]
+        return None
+
+    def fraction(self, index: QModelIndex | QPersistentModelIndex) -> float:
+        return self.rows[index.row()][0].bytes / self._max if index.isValid() else 0.0
+
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        run, freed = self.rows[index.row()]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return (run.name, str(len(run.checkpoints)), human_bytes(run.bytes),
+                    human_bytes(freed) if freed else "—")[index.column()]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return run.path
+        if role == ObjectRole:
+            return run
+        if role == Qt.ItemDataRole.TextAlignmentRole and index.column() > 0:
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        return None
+
+
+class LibraryView(QWidget):
+    """The start page: the library tree, the disk-usage table and the actions."""
+
+    openRequested = Signal(str)
+    exportRequested = Signal(str)
+    compareRequested = Signal(str, str)
+    openFolderRequested = Signal()
+    demoRequested = Signal()
+    rootsChanged = Signal(list)  # the roots the user added (the default runs directory is not among them)
+    refreshed = Signal()  # a poll's snapshot was applied
+
+    def __init__(self, roots: list[str], default_root: str | None = None, rules: Rules | None = None,
+                 parent=None) -> None:
+        super().__init__(parent)
+        self.user_roots = [os.path.abspath(os.path.expanduser(r)) for r in roots]
+        self.default_root = default_root
+        self.rules = rules or Rules(keep_last=3)
+        self.snapshot: LibrarySnapshot | None = None
+        self._worker: Worker | None = None
+        self._stale = False
+        self.model = LibraryModel(self)
+        self.proxy = QSortFilterProxyModel(self)
+        self.proxy.setSourceModel(self.model)
+        self.proxy.setSortRole(SortRole)
+        self.proxy.setRecursiveFilteringEnabled(True)
+        self.proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
+        self.proxy.setFilterKeyColumn(0)
+        self.usage = DiskUsageModel(self)
+        lay = QVBoxLayout(self)
+        lay.addLayout(self._build_buttons())
+        self.empty_hint = QLabel()
+        self.empty_hint.setWordWrap(True)
+        self.empty_hint.hide()
+        lay.addWidget(self.empty_hint)
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(self._build_tree())
+        split.addWidget(self._build_usage())
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 1)
+        split.setSizes([900, 340])
+        lay.addWidget(split, 1)
+        self.status = QLabel("Scanning …")
+        lay.addWidget(self.status)
+        self.timer = QTimer(self)
+        self.timer.setInterval(POLL_MS)
+        self.timer.timeout.connect(self.poll)
+        self.timer.start()
+        self._update_buttons()
+        QTimer.singleShot(0, self.poll)
+
+    # ------------------------------------------------------------------ layout
+    def _button(self, text: str, slot, tip: str = "") -> QPushButton:
+        b = QPushButton(text)
+        b.clicked.connect(slot)
+        b.setToolTip(tip)
+        return b
+
+    def _build_buttons(self) -> QHBoxLayout:
+        row = QHBoxLayout()
+        row.addWidget(self._button("Open folder…", self.openFolderRequested.emit, "Open a checkpoint folder (Ctrl+O)"))
+        row.addWidget(self._button("Add root…", self.add_root_dialog, "Watch another folder of runs"))
+        self.remove_root_button = self._button("Remove root", self.remove_selected_root,
+                                               "Stop watching the root chosen in Disk usage")
+        row.addWidget(self.remove_root_button)
+        row.addWidget(self._button("Run the demo", self.demoRequested.emit,
+                                   "Train a tiny FSDP model on 2 CPU ranks; its checkpoints appear here"))
+        row.addSpacing(16)
+        self.open_button = self._button("Open", self.open_selected, "Browse the selected checkpoint")
+        self.export_button = self._button("Export…", self.export_selected, "Consolidate the selected checkpoint")
+        self.folder_button = self._button("Show in folder", self.show_selected_in_folder)
+        self.compare_button = self._button("Compare", self.compare_selected, "Select two checkpoints to compare")
+        for b in (self.open_button, self.export_button, self.folder_button, self.compare_button):
+            row.addWidget(b)
+        row.addStretch(1)
+        self.filter = QLineEdit()
+        self.filter.setPlaceholderText("Filter runs and checkpoints")
+        self.filter.setClearButtonEnabled(True)
+        self.filter.textChanged.connect(self.proxy.setFilterFixedString)
+        self.filter.setMaximumWidth(240)
+        row.addWidget(self.filter)
+        self.prune_button = self._button("Prune…", self.prune_dialog, "Remove checkpoints by rules, with a preview")
+        row.addWidget(self.prune_button)
+        return row
+
+    def _build_tree(self) -> QTreeView:
+        self.tree = QTreeView()
+        self.tree.setModel(self.proxy)
+        self.tree.setSortingEnabled(True)
+        self.tree.sortByColumn(0, Qt.SortOrder.AscendingOrder)
+        self.tree.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        self.tree.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.tree.setUniformRowHeights(True)
+        self.tree.setAlternatingRowColors(True)
+        self.tree.setItemDelegateForColumn(SIZE_COLUMN, SizeBarDelegate(
+            lambda i: self.model.bar_fraction(self.proxy.mapToSource(i)), self.tree))
+        header = self.tree.header()
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for col, width in zip(range(1, len(COLUMNS)), (70, 130, 110, 60, 110, 90, 70)):
+            header.setSectionResizeMode(col, QHeaderView.ResizeMode.Interactive)
+            header.resizeSection(col, width)
+        self.tree.selectionModel().selectionChanged.connect(lambda *_: self._update_buttons())
+        self.tree.doubleClicked.connect(lambda _i: self.open_selected())
+        self.proxy.rowsInserted.connect(self._expand_new)
+        return self.tree
+
+    def _build_usage(self) -> QWidget:
+        box = QWidget()
+        v = QVBoxLayout(box)
+        v.setContentsMargins(0, 0, 0, 0)
+        v.addWidget(QLabel("<b>Disk usage</b> by run"))
+        self.root_box = QComboBox()
+        self.root_box.currentIndexChanged.connect(lambda _i: self._fill_usage())
+        v.addWidget(self.root_box)
+        self.usage_table = QTableView()
+        self.usage_table.setModel(self.usage)
+        self.usage_table.verticalHeader().hide()
+        self.usage_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.usage_table.setItemDelegateForColumn(2, SizeBarDelegate(self.usage.fraction, self.usage_table))
+        self.usage_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.usage_table.doubleClicked.connect(self._reveal_run)
+        v.addWidget(self.usage_table, 1)
+        self.rules_label = QLabel()
+        self.rules_label.setWordWrap(True)
+        v.addWidget(self.rules_label)
+        return box
+
+    # ------------------------------------------------------------------ roots
+    def roots(self) -> list[str]:
+        out = [self.default_root] if self.default_root else []
+        return out + [r for r in self.user_roots if r not in out]
+
+    def add_root(self, path: str) -> None:
+        path = os.path.abspath(os.path.expanduser(path))
+        if path not in self.roots():
+            self.user_roots.append(path)
+            self.rootsChanged.emit(list(self.user_roots))
+        self.poll(force=True)
+
+    def add_root_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Add a folder of runs or checkpoints to the Library")
+        if path:
+            self.add_root(path)
+
+    def remove_selected_root(self) -> None:
+        root = self.root_box.currentData()
+        if root in self.user_roots:
+            self.user_roots.remove(root)
+            self.rootsChanged.emit(list(self.user_roots))
+            self.poll(force=True)
+
+    # ------------------------------------------------------------------ polling
+    def poll(self, force: bool = False) -> None:
+        """Start a scan in a worker (one at a time); skipped while the Library is hidden."""
+        if self._worker is not None:
+            self._stale = self._stale or force
+            return
+        if not force and not self.isVisible() and self.snapshot is not None:
+            return
+        self._worker = run_in_background(take_snapshot, self.roots(), self.rules, on_result=self._apply,
+                                         on_error=self._failed, on_finished=self._done)
+
+    def _done(self) -> None:
+        self._worker = None
+        if self._stale:
+            self._stale = False
+            self.poll(force=True)
+
+    def _failed(self, message: str) -> None:
+        self.status.setText(f"<span style='color:#d62728'>Scan failed: {message}</span>")
+
+    def _apply(self, snap: LibrarySnapshot) -> None:
+        self.snapshot = snap
+        self.model.set_snapshot(snap)
+        cks = snap.listing.checkpoints
+        counts = {s: sum(1 for c in cks if c.state == s) for s in ("incomplete", "writing", "unreadable")}
+        extra = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        missing = f" · missing: {', '.join(snap.missing)}" if snap.missing else ""
+        left = f" · {len(snap.listing.leftovers)} interrupted prune(s) to finish (Prune…)" \
+            if snap.listing.leftovers else ""
+        self.status.setText(f"{len(cks)} checkpoints in {len(snap.listing.runs)} runs, "
+                            f"{human_bytes(snap.listing.bytes)}{f' ({extra})' if extra else ''} · roots: "
+                            f"{', '.join(self.roots())}{missing}{left} · updated {time.strftime('%H:%M:%S')}")
+        self.empty_hint.setVisible(not cks)
+        self.empty_hint.setText("<b>No checkpoints yet.</b> Run the demo to train a tiny model whose checkpoints "
+                                "appear here as they are written, add a folder of runs with Add root…, or open "
+                                "one checkpoint folder with Open folder….")
+        self._fill_roots()
+        self._update_buttons()
+        self.refreshed.emit()
+
+    def _expand_new(self, parent: QModelIndex, first: int, last: int) -> None:
+        if not parent.isValid():
+            for row in range(first, last + 1):
+                self.tree.expand(self.proxy.index(row, 0))
+
+    def _fill_roots(self) -> None:
+        current = self.root_box.currentData()
+        self.root_box.blockSignals(True)
+        self.root_box.clear()
+        for r in self.roots():
+            self.root_box.addItem(r, r)
+        i = self.root_box.findData(current)
+        self.root_box.setCurrentIndex(max(i, 0))
+        self.root_box.blockSignals(False)
+        self._fill_usage()
+
+    def _fill_usage(self) -> None:
+        snap = self.snapshot
+        root = self.root_box.currentData()
+        self.remove_root_button.setEnabled(root in self.user_roots)
+        if snap is None or root is None:
+            self.usage.set_rows([], None)
+            return
+        real = os.path.realpath(root)
+        runs = [r for r in snap.listing.runs if any(c.path.startswith(real.rstrip(os.sep) + os.sep) or c.path == real
+                                                    for c in r.checkpoints)]
+        self.usage.set_rows(runs, snap.plan)
+        freed = sum(f for _r, f in self.usage.rows)
+        self.rules_label.setText(f"{human_bytes(sum(r.bytes for r in runs))} in {len(runs)} runs. The prune rules "
+                                 f"({describe_rules(self.rules)}) would free {human_bytes(freed)}.")
+
+    def _reveal_run(self, index: QModelIndex) -> None:
+        run = self.usage.data(index, ObjectRole)
+        row = next((i for i, r in enumerate(self.model.runs) if r.path == run.path), -1)
+        if row >= 0:
+            proxy_index = self.proxy.mapFromSource(self.model.index(row, 0))
+            self.tree.expand(proxy_index)
+            self.tree.setCurrentIndex(proxy_index)
+            self.tree.scrollTo(proxy_index)
+
+    # ------------------------------------------------------------------ selection and actions
+    def selected_checkpoints(self) -> list[CheckpointRecord]:
+        out = []
+        for i in self.tree.selectionModel().selectedRows(0):
+            rec = self.model.record(self.proxy.mapToSource(i))
+            if isinstance(rec, CheckpointRecord):
+                out.append(rec)
+        return out
+
+    def select_paths(self, paths: list[str]) -> None:
+        """Select these checkpoints (tests and the window's Compare use it)."""
+        sel = self.tree.selectionModel()
+        sel.clearSelection()
+        for r, run in enumerate(self.model.runs):
+            for k, c in enumerate(run.checkpoints):
+                if c.path in paths:
+                    idx = self.proxy.mapFromSource(self.model.index(k, 0, self.model.index(r, 0)))
+                    self.tree.expand(idx.parent())
+                    sel.select(idx, sel.SelectionFlag.Select | sel.SelectionFlag.Rows)
+
+    def _update_buttons(self) -> None:
+        sel = self.selected_checkpoints()
+        one = sel[0] if len(sel) == 1 else None
+        ready = one is not None and one.state in OPENABLE
+        self.open_button.setEnabled(ready and not one.is_file)
+        self.export_button.setEnabled(ready and not one.is_file)
+        self.folder_button.setEnabled(one is not None)
+        self.compare_button.setEnabled(len(sel) == 2 and all(c.state in OPENABLE for c in sel))
+        if one is not None and not ready:
+            self.open_button.setToolTip(f"{one.name} is {one.state}: it opens once it is complete")
+        elif one is not None and one.is_file:
+            self.open_button.setToolTip("A consolidated file: Compare it with another checkpoint")
+        else:
+            self.open_button.setToolTip("Browse the selected checkpoint")
+
+    def open_selected(self) -> None:
+        sel = self.selected_checkpoints()
+        if len(sel) == 1 and sel[0].state in OPENABLE and not sel[0].is_file:
+            self.openRequested.emit(sel[0].path)
+        elif len(sel) == 1:
+            self.status.setText(f"{sel[0].name} is {sel[0].state}"
+                                f"{': ' + sel[0].reason if sel[0].reason else ''}; it opens once it is complete.")
+
+    def export_selected(self) -> None:
+        sel = self.selected_checkpoints()
+        if len(sel) == 1 and sel[0].state in OPENABLE:
+            self.exportRequested.emit(sel[0].path)
+
+    def show_selected_in_folder(self) -> None:
+        sel = self.selected_checkpoints()
+        if sel:
+            QDesktopServices.openUrl(QUrl.fromLocalFile(str(Path(sel[0].path).parent)))
+
+    def compare_selected(self) -> bool:
+        """Compare the two selected checkpoints (the older one as A). False when two are not selected."""
+        sel = self.selected_checkpoints()
+        if len(sel) != 2 or not all(c.state in OPENABLE for c in sel):
+            return False
+        a, b = sorted(sel, key=lambda c: (c.step if c.step is not None else -1, c.mtime))
+        self.compareRequested.emit(a.path, b.path)
+        return True
+
+    def known_paths(self) -> list[str]:
+        """Complete checkpoints, newest first (the Compare pickers offer them)."""
+        cks = self.snapshot.listing.checkpoints if self.snapshot else []
+        return [c.path for c in sorted(cks, key=lambda c: -c.mtime) if c.state in OPENABLE]
+
+    def prune_dialog(self) -> None:
+        from .prune_dialog import PruneDialog
+
+        if self.snapshot is None:
+            return
+        dlg = PruneDialog(self.snapshot.listing, self.rules, self)
+        dlg.rulesChanged.connect(self._set_rules)
+        dlg.pruned.connect(lambda: self.poll(force=True))
+        dlg.exec()
+
+    def _set_rules(self, rules: Rules) -> None:
+        self.rules = rules
+        self.poll(force=True)
+
+    def shutdown(self) -> None:
+        self.timer.stop()
+        if self._worker is not None:
+            self._worker.quit()
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.poll()
+
+
+def describe_rules(rules: Rules) -> str:
+    parts = []
+    if rules.keep_last:
+        parts.append(f"keep last {rules.keep_last}")
+    if rules.keep_every:
+        parts.append(f"every {rules.keep_every} steps")
+    if rules.keep_best:
+        parts.append(f"best {rules.top} by {rules.keep_best} ({rules.mode})")
+    parts += [f"keep {g}" for g in rules.keep]
+    if rules.min_age is not None:
+        parts.append(f"newer than {rules.min_age / 3600:g} h")
+    if rules.incomplete:
+        parts.append("remove failed saves")
+    return ", ".join(parts) or "none"

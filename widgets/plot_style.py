@@ -1,0 +1,64 @@
+"""The one way plots are made here: pyqtgraph widgets in the window's palette, with axes that never
+print an SI multiplier, and an integer axis that labels categories (ranks, tensors) only where they fit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pyqtgraph as pg
+from PySide6.QtGui import QGuiApplication
+
+
+def themed_plot(**axis_items: pg.AxisItem) -> pg.PlotWidget:
+    """A PlotWidget coloured by the palette (dark or light); axes without auto SI prefixes."""
+    w = pg.PlotWidget(axisItems=axis_items or None)
+    pal = QGuiApplication.palette()
+    w.setBackground(pal.base().color())
+    for axis in ("left", "bottom"):
+        ax = w.getAxis(axis)
+        ax.setTextPen(pal.text().color())
+        ax.setPen(pal.mid().color())
+        ax.enableAutoSIPrefix(False)
+    return w
+
+
+def nice_step(raw: float) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... at least ``raw``."""
+    if raw <= 1:
+        return 1
+    base = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if m * base >= raw:
+            return int(m * base)
+    return int(10 * base)
+
+
+class CategoryAxis(pg.AxisItem):
+    """Ticks at whole numbers only (one per category), spaced so that labels never run together:
+    each label gets ``min_pixels`` (its text width across, or a line height along a vertical axis)."""
+
+    def __init__(self, orientation: str, label_of: Callable[[int], str] | None = None, **kwargs) -> None:
+        super().__init__(orientation, **kwargs)
+        self.label_of = label_of or str
+        self.count = 0
+        self.min_pixels = 24.0
+        self.enableAutoSIPrefix(False)
+
+    def set_categories(self, count: int, label_of: Callable[[int], str], min_pixels: float) -> None:
+        self.count, self.label_of, self.min_pixels = count, label_of, min_pixels
+        self.picture = None
+        self.update()
+
+    def tickSpacing(self, minVal: float, maxVal: float, size: float):
+        if size <= 0:
+            return [(1.0, 0.0)]
+        step = nice_step((maxVal - minVal) * self.min_pixels / size)
+        return [(float(step), 0.0)]
+
+    def tickStrings(self, values, scale, spacing):
+        out = []
+        for v in values:
+            i = round(v)
+            out.append(self.label_of(i) if abs(v - i) < 1e-6 and 0 <= i < self.count else "")
+        return out

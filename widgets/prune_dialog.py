@@ -1,0 +1,293 @@
+"""Prune…: the rules of ``shardscope prune`` with a live preview of what goes and the space it frees; then it
+acts as the CLI does (to the desktop trash, or for good), in a worker, with progress and a summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt, QTimer, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QGridLayout,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QLineEdit,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QTableView,
+    QVBoxLayout,
+)
+from shardscope.backend.errors import ShardscopeError
+from shardscope.backend.format import human_bytes
+from shardscope.backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
+from shardscope.backend.library.scan import Listing
+
+from .workers import Worker, run_in_background
+
+
+def plan_rules(listing: Listing, rules: Rules, progress: Any = None) -> Plan:
+    """The plan (a worker function: ``--keep-best`` reads metric files)."""
+    return make_plan(listing, rules)
+
+
+class PlanModel(QAbstractTableModel):
+    """One row per checkpoint: keep or remove, and why (an adapter over the plan's decisions)."""
+
+    HEADERS = ("action", "run", "checkpoint", "step", "size", "state", "why")
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.plan: Plan | None = None
+
+    def set_plan(self, plan: Plan | None) -> None:
+        self.beginResetModel()
+        self.plan = plan
+        self.endResetModel()
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() or self.plan is None else len(self.plan.decisions)
+
+    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.HEADERS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return self.HEADERS[section]
+        return None
+
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid() or self.plan is None:
+            return None
+        d = self.plan.decisions[index.row()]
+        c = d.checkpoint
+        if role == Qt.ItemDataRole.DisplayRole:
+            return (d.action, c.run.rsplit("/", 1)[-1], c.name, "" if c.step is None else str(c.step),
+                    human_bytes(c.bytes), c.state, "; ".join(d.reasons))[index.column()]
+        if role == Qt.ItemDataRole.ForegroundRole and index.column() == 0:
+            return QColor("#d62728" if d.remove else "#2ca02c")
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return f"{c.path}\n" + "\n".join(d.reasons)
+        if role == Qt.ItemDataRole.UserRole:
+            return d
+        return None
+
+
+class PruneDialog(QDialog):
+    rulesChanged = Signal(object)  # Rules, when the user changed them
+    pruned = Signal(object)  # PruneResult
+
+    def __init__(self, listing: Listing, rules: Rules, parent=None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Prune checkpoints")
+        self.resize(980, 640)
+        self.listing = listing
+        self.plan: Plan | None = None
+        self.result: PruneResult | None = None
+        self._plan_worker: Worker | None = None
+        self._again = False
+        self._act_worker: Worker | None = None
+        self.current_rules: Rules | None = None
+        lay = QVBoxLayout(self)
+        lay.addLayout(self._build_rules(rules))
+        self.model = PlanModel(self)
+        self.table = QTableView()
+        self.table.setModel(self.model)
+        self.table.verticalHeader().hide()
+        self.table.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        header.setStretchLastSection(True)
+        for col, width in enumerate((60, 150, 200, 60, 80, 80)):
+            header.resizeSection(col, width)
+        lay.addWidget(self.table, 1)
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        lay.addWidget(self.summary)
+        row = QHBoxLayout()
+        self.progress = QProgressBar()
+        self.progress.setVisible(False)
+        row.addWidget(self.progress, 1)
+        row.addStretch(0)
+        self.act_button = QPushButton("Move to the trash")
+        self.act_button.clicked.connect(self.act)
+        self.close_button = QPushButton("Close")
+        self.close_button.clicked.connect(self.reject)
+        row.addWidget(self.act_button)
+        row.addWidget(self.close_button)
+        lay.addLayout(row)
+        self.debounce = QTimer(self)
+        self.debounce.setSingleShot(True)
+        self.debounce.setInterval(150)
+        self.debounce.timeout.connect(self.update_preview)
+        self.update_preview()
+
+    # ------------------------------------------------------------------ rules
+    def _build_rules(self, rules: Rules) -> QGridLayout:
+        g = QGridLayout()
+
+        def check(text: str, on: bool) -> QCheckBox:
+            box = QCheckBox(text)
+            box.setChecked(on)
+            box.toggled.connect(self._changed)
+            return box
+
+        def spin(value: int, hi: int = 10**9) -> QSpinBox:
+            s = QSpinBox()
+            s.setRange(1, hi)
+            s.setValue(max(1, value))
+            s.valueChanged.connect(self._changed)
+            return s
+
+        self.last_on, self.last_n = check("Keep the last", rules.keep_last is not None), spin(rules.keep_last or 3)
+        g.addWidget(self.last_on, 0, 0)
+        g.addWidget(self.last_n, 0, 1)
+        g.addWidget(QLabel("complete checkpoints of each run"), 0, 2, 1, 3)
+        self.every_on, self.every_k = check("Keep every", rules.keep_every is not None), spin(rules.keep_every or 1000)
+        g.addWidget(self.every_on, 1, 0)
+        g.addWidget(self.every_k, 1, 1)
+        g.addWidget(QLabel("steps (step divisible by it)"), 1, 2, 1, 3)
+        self.best_on, self.best_top = check("Keep the best", rules.keep_best is not None), spin(rules.top, 10**6)
+        self.best_metric = QLineEdit(rules.keep_best or "loss")
+        self.best_metric.textChanged.connect(self._changed)
+        self.best_mode = QComboBox()
+        self.best_mode.addItems(["min", "max"])
+        self.best_mode.setCurrentText(rules.mode)
+        self.best_mode.currentIndexChanged.connect(self._changed)
+        g.addWidget(self.best_on, 2, 0)
+        g.addWidget(self.best_top, 2, 1)
+        g.addWidget(QLabel("by"), 2, 2)
+        g.addWidget(self.best_metric, 2, 3)
+        g.addWidget(self.best_mode, 2, 4)
+        self.glob_on = check("Keep names matching", bool(rules.keep))
+        self.globs = QLineEdit(", ".join(rules.keep))
+        self.globs.setPlaceholderText("e.g. *final*, step_*0000")
+        self.globs.textChanged.connect(self._changed)
+        g.addWidget(self.glob_on, 3, 0)
+        g.addWidget(self.globs, 3, 1, 1, 4)
+        self.age_on = check("Keep newer than", rules.min_age is not None)
+        self.age = QLineEdit(f"{rules.min_age / 3600:g}h" if rules.min_age else "2h")
+        self.age.textChanged.connect(self._changed)
+        g.addWidget(self.age_on, 4, 0)
+        g.addWidget(self.age, 4, 1)
+        g.addWidget(QLabel("(90s, 30m, 2h, 7d)"), 4, 2, 1, 3)
+        self.incomplete = check("Also remove leftovers of failed saves (incomplete, older than the age above)",
+                                rules.incomplete)
+        g.addWidget(self.incomplete, 5, 0, 1, 5)
+        self.delete = check("Delete for good (default: to the desktop trash)", False)
+        g.addWidget(self.delete, 6, 0, 1, 5)
+        note = QLabel("Never removed: the newest complete checkpoint of a run, a running run's checkpoints, anything "
+                      "being written. A checkpoint is kept if any rule keeps it.")
+        note.setWordWrap(True)
+        g.addWidget(note, 7, 0, 1, 5)
+        g.setColumnStretch(3, 1)
+        return g
+
+    def rules(self) -> Rules:
+        """The rules as set (raises ShardscopeError for a bad age)."""
+        age_needed = self.age_on.isChecked() or self.incomplete.isChecked()
+        return Rules(keep_last=self.last_n.value() if self.last_on.isChecked() else None,
+                     keep_every=self.every_k.value() if self.every_on.isChecked() else None,
+                     keep_best=(self.best_metric.text().strip() or None) if self.best_on.isChecked() else None,
+                     mode=self.best_mode.currentText(), top=self.best_top.value(),
+                     keep=tuple(g.strip() for g in self.globs.text().split(",") if g.strip())
+                     if self.glob_on.isChecked() else (),
+                     min_age=parse_age(self.age.text()) if age_needed and self.age_on.isChecked() else None,
+                     incomplete=self.incomplete.isChecked())
+
+    def _changed(self, *_: object) -> None:
+        self.act_button.setText("Delete for good" if self.delete.isChecked() else "Move to the trash")
+        self.debounce.start()
+
+    # ------------------------------------------------------------------ preview
+    def update_preview(self) -> None:
+        """Plan the current rules in a worker; the table and the summary follow."""
+        try:
+            rules = self.rules()
+            rules.check()
+        except ShardscopeError as exc:
+            self._show_plan(None, str(exc))
+            return
+        self.current_rules = rules
+        if self._plan_worker is not None:
+            self._again = True
+            return
+        self._plan_worker = run_in_background(plan_rules, self.listing, rules, on_result=self._show_plan,
+                                              on_error=lambda m: self._show_plan(None, m),
+                                              on_finished=self._plan_done)
+
+    def _plan_done(self) -> None:
+        self._plan_worker = None
+        if self._again:
+            self._again = False
+            self.update_preview()
+
+    def _show_plan(self, plan: Plan | None, error: str = "") -> None:
+        self.plan = plan
+        self.model.set_plan(plan)
+        if plan is None:
+            self.summary.setText(f"<span style='color:#d62728'>{error}</span>")
+        else:
+            left = f" Also finishes {len(plan.leftovers)} interrupted prune(s)." if plan.leftovers else ""
+            self.summary.setText(f"<b>Removes {len(plan.remove)} of {len(plan.decisions)} checkpoints, frees "
+                                 f"{human_bytes(plan.bytes_freed)}.</b>{left}")
+        self.act_button.setEnabled(self._act_worker is None and self.result is None and plan is not None and
+                                   bool(plan.remove or plan.leftovers))
+
+    # ------------------------------------------------------------------ acting
+    def act(self) -> None:
+        plan = self.plan
+        if plan is None or self._act_worker is not None:
+            return
+        delete = self.delete.isChecked()
+        if delete and QMessageBox.question(
+                self, "Delete for good", f"Delete {len(plan.remove)} checkpoints ({human_bytes(plan.bytes_freed)}) "
+                "for good? They do not go to the trash.") != QMessageBox.StandardButton.Yes:
+            return
+        self.start_removal(delete)
+
+    def start_removal(self, delete: bool) -> Worker:
+        """Carry out the plan shown (tests call this directly; the button asks first for --delete)."""
+        assert self.plan is not None
+        self.act_button.setEnabled(False)
+        self.progress.setVisible(True)
+        self.progress.setRange(0, max(1, len(self.plan.remove)))
+        self._act_worker = run_in_background(execute, self.plan, delete, on_result=self._acted,
+                                             on_error=self._act_failed,
+                                             on_progress=lambda d, _t, _m: self.progress.setValue(d))
+        self._act_worker.signals.cancelled.connect(
+            lambda: self._act_failed("Stopped. What was removed before is gone; everything else is untouched."))
+        self.close_button.setText("Stop")
+        return self._act_worker
+
+    def _acted(self, result: PruneResult) -> None:
+        self.result = result
+        self._act_worker = None
+        self.progress.setVisible(False)
+        self.close_button.setText("Close")
+        color = "#d62728" if result.failed else "#2ca02c"
+        self.summary.setText(f"<span style='color:{color}'>{result.summary().replace(chr(10), '<br>')}</span>")
+        self.pruned.emit(result)
+
+    def _act_failed(self, message: str) -> None:
+        self._act_worker = None
+        self.progress.setVisible(False)
+        self.close_button.setText("Close")
+        self.summary.setText(f"<span style='color:#d62728'>{message}</span>")
+        self.pruned.emit(None)
+
+    def reject(self) -> None:
+        if self._act_worker is not None:  # Stop: ends after the checkpoint being removed (whole or gone)
+            self._act_worker.quit()
+            return
+        super().reject()
+
+    def done(self, code: int) -> None:
+        if self.current_rules is not None:
+            self.rulesChanged.emit(self.current_rules)  # the Library's disk-usage view follows the last rules
+        super().done(code)
