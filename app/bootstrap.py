@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from PySide6.QtWidgets import QApplication
+from shardscope.backend.errors import EXIT_PROBLEMS
+from shardscope.backend.runs.launcher import RunConfig
+from shardscope.backend.runs.rundir import is_run_dir
 
+from .first_run import start_demo
 from .main_window import MainWindow
 from .screenshot import Screenshot
 from .settings import settings
@@ -34,15 +37,23 @@ def parse_size(text: str | None) -> tuple[int, int] | None:
         raise SystemExit(f"shardscope: --size wants WxH, e.g. 1280x720, not {text!r}") from None
 
 
-def is_run_dir(path: str) -> bool:
-    """A Shardscope run directory (or one written by ``report()``), not a checkpoint."""
-    p = Path(path)
-    return (p / "config.json").exists() or ((p / "metrics").is_dir() and not (p / ".metadata").exists())
-
-
 def run(args: argparse.Namespace) -> int:
     """The ``gui`` subcommand: open the window as ``args`` says; exit code of the window."""
-    code = _run(args)
+    return _exit(_run(args))
+
+
+def run_demo(config: RunConfig | None = None, run_dir: str | None = None) -> int:
+    """``shardscope demo``'s window: open at once on the Training tab with the run live; its last
+    checkpoint opens (a tensor selected, a hint shown) when the run ends."""
+    app = make_app()
+    win = MainWindow()
+    win.show()
+    if start_demo(win, config, run_dir) is None:
+        return _exit(EXIT_PROBLEMS)
+    return _exit(app.exec())
+
+
+def _exit(code: int) -> int:
     # NOTE: skip interpreter teardown after the event loop: on big checkpoints we saw (rarely)
     # a "deallocating True" abort in the final garbage collection, inside a C extension.
     settings().sync()
@@ -73,6 +84,8 @@ def _run(args: argparse.Namespace) -> int:
             shot.compare(view, select)
     elif path:
         cview = win.open_path(path)
+        if getattr(args, "tab", None):
+            cview.show_tab(args.tab)
         if shot:
             shot.checkpoint(cview, select)
     elif shot and panel is not None:

@@ -36,7 +36,6 @@ from shardscope.widgets.library_view import LibraryView
 from shardscope.widgets.training_panel import TrainingPanel
 from shardscope.widgets.workers import run_in_background
 
-from .log import log_file
 from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
 
 
@@ -162,7 +161,7 @@ class MainWindow(QMainWindow):
             act = QAction(topic.title, self)
             if topic.shortcut:
                 act.setShortcut(QKeySequence(topic.shortcut))
-            act.triggered.connect(lambda _c=False, t=topic.key: show_help(self, t, str(log_file())))
+            act.triggered.connect(lambda _c=False, t=topic.key: show_help(self, t))
             help_menu.addAction(act)
         help_menu.addSeparator()
         help_menu.addAction("&About Shardscope", lambda: show_help(self, "about"))
@@ -339,7 +338,7 @@ class MainWindow(QMainWindow):
     def _make_library(self) -> LibraryView:
         from shardscope.backend.runs.rundir import default_runs_root
 
-        lib = LibraryView(library_roots(), str(default_runs_root()))
+        lib = LibraryView(library_roots(), str(default_runs_root()), recent=recent_paths)
         lib.openRequested.connect(self.open_path)
         lib.exportRequested.connect(self._export_path)
         lib.compareRequested.connect(self.compare)
@@ -447,8 +446,8 @@ class MainWindow(QMainWindow):
         s = settings()
         for name, split in (("main", view.main_split), ("right", view.right_split)):
             state = s.value(f"splitters/{name}")
-            if state is not None:
-                split.restoreState(state)
+            if state is not None and split.restoreState(state):
+                view.layout_restored = True
 
     def _save_splitters(self, view: CheckpointView) -> None:
         s = settings()

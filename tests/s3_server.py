@@ -57,6 +57,9 @@ class RequestCounter:
             return [body]
         with self.lock:
             self.counts[environ["REQUEST_METHOD"]] += 1
+        if os.environ.get("S3_SERVER_LOG"):  # for a person debugging request counts
+            print(environ["REQUEST_METHOD"], path, environ.get("QUERY_STRING", ""), environ.get("HTTP_RANGE", ""),
+                  file=sys.stderr, flush=True)
         return self.app(environ, start_response)
 
 

@@ -370,3 +370,29 @@ def test_prune_min_age_keeps_young_ones(tmp_path, fixtures):
     assert any(r.startswith("min-age 1h") for r in plan["step_2"][1])
     proc = run_cli("prune", root, "--min-age", "soon")
     assert proc.returncode == 2 and "not an age" in proc.stderr
+
+
+def test_step_folders_of_parts_are_one_checkpoint(tmp_path, fixtures):
+    root = tmp_path.resolve() / "r"
+    for tp in (0, 1):  # Megatron-LM's legacy layout: iter_N/mp_rank_NN/model_optim_rng.pt
+        part = root / "mega" / "checkpoints" / "iter_0000100" / f"mp_rank_{tp:02d}"
+        part.mkdir(parents=True)
+        torch.save({"model": {"w": torch.ones(4)}, "iteration": 100}, part / "model_optim_rng.pt")
+    (root / "mega" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("100")
+    plain = root / "plain" / "step_200"  # model and optimizer saved side by side
+    plain.mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, plain / "model.pt")
+    torch.save({"state": {}}, plain / "optim.pt")
+    for s in (1, 2):  # a run whose own name holds a step number: its checkpoints stay separate
+        shutil.copytree(fixtures["fsdp2_r2"], root / "exp-step-5" / "checkpoints" / f"step_{s}")
+    _age(root)
+    got = {os.path.relpath(c.path, root): c for c in scan([root]).checkpoints}
+    assert sorted(got) == ["exp-step-5/checkpoints/step_1", "exp-step-5/checkpoints/step_2",
+                           "mega/checkpoints/iter_0000100", "plain/step_200"]
+    mega = got["mega/checkpoints/iter_0000100"]
+    assert (mega.format, mega.ranks, mega.step, mega.state, mega.run) == \
+        ("megatron", [0, 1], 100, "complete", str(root / "mega"))
+    assert mega.bytes == sum(p.stat().st_blocks * 512 for p in (root / "mega/checkpoints/iter_0000100").rglob("*.pt"))
+    assert (got["plain/step_200"].format, got["plain/step_200"].files) == ("torch", 2)
+    plan = make_plan(scan([root]), Rules(keep_last=1))
+    assert [os.path.relpath(d.checkpoint.path, root) for d in plan.remove] == ["exp-step-5/checkpoints/step_1"]

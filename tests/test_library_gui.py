@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings, QThreadPool
 from shardscope.backend.library import Rules, scan
 from shardscope.backend.library.snapshot import take_snapshot
 from shardscope.widgets.library_view import COLUMNS, LibraryModel, LibraryView
@@ -113,6 +113,7 @@ def test_library_follows_the_disk_and_opens_only_complete(qtbot, root, fixtures)
     freed = view.usage.data(view.usage.index(0, 3))
     assert freed != "—" and "would free" in view.rules_label.text()
     view.shutdown()
+    assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
 
 
 def test_prune_dialog_preview_and_removal(qtbot, root):
@@ -138,6 +139,7 @@ def test_prune_dialog_preview_and_removal(qtbot, root):
     ckpts = root / "runA" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000003"]
     assert "2 checkpoint(s) deleted" in dlg.summary.text()
+    assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
 
 
 def test_compare_from_the_window_with_two_selected_or_two_pickers(qtbot, root):
@@ -177,3 +179,4 @@ def test_compare_from_the_window_with_two_selected_or_two_pickers(qtbot, root):
     for v in views:
         v.shutdown()
     win.library.shutdown()
+    assert QThreadPool.globalInstance().waitForDone(TIMEOUT)

@@ -38,7 +38,7 @@ def s3(fixtures, tmp_path_factory):
     server = S3Server()
     try:
         fs = s3fs.S3FileSystem(key="testing", secret="testing", use_listings_cache=False,
-                               client_kwargs={"endpoint_url": server.endpoint, "region_name": "us-east-1"})
+                               client_kwargs={"endpoint_url": server.endpoint})
         fs.mkdir(BUCKET)
         local = {name: fixtures[name] for name in REMOTE_FIXTURES}
         local["big"] = big_checkpoint(tmp_path_factory.mktemp("big") / "big")
@@ -93,8 +93,8 @@ def test_export_from_s3_equals_local_export(s3, tmp_path, name):
     ref, _ = shardscope(None, "export", str(local[name]), str(local_out))
     assert ref.returncode == 0, ref.stderr
     assert remote_out.read_bytes() == local_out.read_bytes()
-    large_items = 3 if name == "big" else 0  # three 6 MiB tensors: one request each at most
-    assert requests <= data_files(local[name]) + 2 * large_items + 4, requests
+    large_items = 3 if name == "big" else 0  # three 6 MiB tensors: one request each (was ~56 per tensor)
+    assert requests <= data_files(local[name]) + large_items + 3, requests
 
 
 def test_export_to_s3_file_and_sharded_folder(s3, tmp_path):
@@ -150,8 +150,7 @@ def test_failed_upload_leaves_no_final_key(s3):
 def test_storage_option_gives_endpoint_and_credentials_without_env(s3):
     server, _, _ = s3
     opts = ["--storage-option", f"client_kwargs.endpoint_url={server.endpoint}",
-            "--storage-option", "key=testing", "--storage-option", "secret=testing",
-            "--storage-option", "client_kwargs.region_name=us-east-1"]
+            "--storage-option", "key=testing", "--storage-option", "secret=testing"]
     server.reset()
     proc, _ = shardscope(None, "verify", f"s3://{BUCKET}/fsdp2_r4", *opts)
     assert proc.returncode == 0, proc.stderr

@@ -65,8 +65,8 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
 
 
 def slurm_config(**kw) -> RunConfig:
-    base = dict(strategy="ddp", nproc=2, steps=6, checkpoint_every=3, device="cpu", model=SMALL, on="slurm",
-                slurm=slurm.SlurmOptions())
+    base = {"strategy": "ddp", "nproc": 2, "steps": 6, "checkpoint_every": 3, "device": "cpu", "model": SMALL,
+            "on": "slurm", "slurm": slurm.SlurmOptions()}
     return RunConfig(**{**base, **kw})
 
 
@@ -123,7 +123,9 @@ def test_scancel_mid_run_reads_stopped_and_leaves_no_process(cluster, tmp_path):
     assert read_status(run_dir)["job_id"]
     wait_for(lambda: (run_dir / "metrics" / "rank_1.jsonl").exists(), "rank 1's first step")
     assert run_status(run_dir)["state"] == "running"
-    assert len([p for p in run_processes(run_dir) if "worker_entry" in " ".join(p.cmdline())]) == 2
+    cmds = [" ".join(p.cmdline()) for p in run_processes(run_dir)]
+    workers = [c for c in cmds if "worker_entry" in c and "torch.distributed.run" not in c and "srun" not in c]
+    assert len(workers) == 2, cmds
     status = launcher.stop()
     assert status["state"] == "stopped" and status["slurm_state"] == "CANCELLED"
     assert "scancel" in status["explanation"]

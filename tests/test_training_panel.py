@@ -1,17 +1,20 @@
-"""The Training panel and the run follower, under pytest-qt; a real run for the end-to-end check."""
+"""The Training panel and the run follower, under pytest-qt; real runs for the end-to-end checks."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
-
-pytest.importorskip("PySide6")
-
 from PySide6.QtCore import QThreadPool
 from shardscope.backend.runs.follow import RunFollower
-from shardscope.backend.runs.launcher import RunConfig, RunLauncher, checkpoints, effective_status
+from shardscope.backend.runs.launcher import STOP_NOTE, RunConfig, RunLauncher, run_status
+from shardscope.backend.runs.rundir import checkpoints, read_config
 from shardscope.widgets.training_panel import TrainingPanel
 
 SMALL = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
@@ -20,24 +23,40 @@ SMALL = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
 @pytest.fixture(autouse=True)
 def no_thread_left_running():
     yield
-    assert QThreadPool.globalInstance().waitForDone(20000), "a background worker was left running"
+    assert QThreadPool.globalInstance().waitForDone(60000), "a background worker was left running"
 
 
-def write_metrics(run_dir, rank, steps, t0=None, loss=lambda s: 5.0 / s):
+@pytest.fixture
+def panel(qtbot, tmp_path):
+    p = TrainingPanel(runs_root=tmp_path)
+    qtbot.addWidget(p)
+    yield p
+    p.shutdown()
+
+
+def write_metrics(run_dir, rank, steps, t0=None, loss=lambda s: 5.0 / s, **extra):
     (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
     t0 = time.time() if t0 is None else t0
     with open(run_dir / "metrics" / f"rank_{rank}.jsonl", "a") as f:
         for s in steps:
             f.write(json.dumps({"time": t0 + s * 0.01, "rank": rank, "step": s, "loss": loss(s),
-                                "rss": 100 * 2**20, "tokens_per_s": 1000.0}) + "\n")
+                                "rss": 100 * 2**20, "tokens_per_s": 1000.0, **extra}) + "\n")
 
 
-def test_panel_plots_points_as_lines_arrive(qtbot, tmp_path):
+def small_form(panel, steps=100000):
+    panel.form.strategy.setCurrentText("ddp")
+    panel.form.steps.setValue(steps)
+    panel.form.ckpt_every.setValue(0)
+    panel.form.width_.setValue(32)
+    panel.form.depth.setValue(1)
+    panel.form.heads.setValue(2)
+    panel.form.batch.setValue(2)
+
+
+def test_panel_plots_points_as_lines_arrive(qtbot, panel, tmp_path):
     run = tmp_path / "run"
     write_metrics(run, 0, range(1, 11))
     write_metrics(run, 1, range(1, 11))
-    panel = TrainingPanel(runs_root=tmp_path)
-    qtbot.addWidget(panel)
     panel.follow(str(run))
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 0)) == 10, timeout=10000)
     assert panel.plots.curve_points(("raw", 1)) == 10
@@ -48,42 +67,55 @@ def test_panel_plots_points_as_lines_arrive(qtbot, tmp_path):
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 0)) == 30, timeout=10000)
     assert panel.plots.curve_points(("raw", 1)) == 10
     assert set(panel.log_views) >= {0, 1}
-    panel.shutdown()
 
 
-def test_resumed_run_is_split_and_marked(qtbot, tmp_path):
+def test_legends_do_not_cover_the_curves(qtbot, panel, tmp_path):
     run = tmp_path / "run"
-    write_metrics(run, 0, range(1, 21))
+    write_metrics(run, 0, range(1, 11), cuda_allocated=2**30, cuda_reserved=2**31)
+    write_metrics(run, 1, range(1, 11), cuda_allocated=2**30, cuda_reserved=2**31)
+    panel.resize(1024, 700)
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("cuda_reserved", 1)) == 10, timeout=10000)
+    for plot in (panel.plots.loss, panel.plots.memory, panel.plots.speed):
+        assert plot.getPlotItem().legend is None  # no legend box inside any plot
+    text = panel.plots.legend.text()
+    assert "rank 0" in text and "rank 1" in text and "mean of ranks" in text
+    assert "dashed CUDA allocated" in text and "dotted CUDA reserved" in text
+
+
+def test_resumed_run_is_split_and_memory_is_plotted_per_step(qtbot, panel, tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run, 0, range(1, 21), t0=time.time() - 86400)  # the first segment, a day ago
     write_metrics(run, 0, range(11, 31))  # resumed from step 10 into the same run directory
-    panel = TrainingPanel(runs_root=tmp_path)
-    qtbot.addWidget(panel)
     panel.follow(str(run))
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 0)) == 40, timeout=10000)
     assert panel.follower.series[0].restarts == [20]
     assert len(panel.plots._restart_lines) == 1 and panel.plots._restart_lines[0].value() == 11
     x = panel.plots._curves[("raw", 0)].xData
     assert sum(v != v for v in x) == 1  # one NaN break between the two segments
-    panel.shutdown()
+    mem_x = panel.plots._curves[("rss", 0)].xData
+    finite = mem_x[mem_x == mem_x]
+    assert finite.min() == 1 and finite.max() == 30  # the day between the segments takes no room
 
 
-def test_stalled_rank_is_flagged(tmp_path):
+def test_stall_detection_waits_for_the_resumed_ranks(tmp_path):
     run = tmp_path / "run"
     now = time.time()
-    write_metrics(run, 0, range(1, 5), t0=now - 1)
+    write_metrics(run, 0, range(1, 5), t0=now - 500)  # the previous segment's last steps: long ago
     write_metrics(run, 1, range(1, 5), t0=now - 500)
-    (run / "status.json").write_text(json.dumps({"state": "running"}))
+    (run / "status.json").write_text(json.dumps({"state": "running", "start_time": now - 1}))
     follower = RunFollower(run, stall_seconds=60)
-    snap = follower.poll(now=now)
-    assert snap.stalled == [1]
-    (run / "status.json").write_text(json.dumps({"state": "finished"}))
+    assert follower.poll(now=now).stalled == []  # resumed one second ago: nothing has started yet
+    write_metrics(run, 0, range(5, 7), t0=now - 0.05)
     assert follower.poll(now=now).stalled == []
+    assert follower.poll(now=now + 120).stalled == [0]  # rank 0 started, then went quiet
+    (run / "status.json").write_text(json.dumps({"state": "finished"}))
+    assert follower.poll(now=now + 120).stalled == []
 
 
-def test_smoothing_slider_changes_the_smoothed_curve(qtbot, tmp_path):
+def test_smoothing_slider_changes_the_smoothed_curve(qtbot, panel, tmp_path):
     run = tmp_path / "run"
     write_metrics(run, 0, range(1, 101), loss=lambda s: float(s % 7))
-    panel = TrainingPanel(runs_root=tmp_path)
-    qtbot.addWidget(panel)
     panel.follow(str(run))
     qtbot.waitUntil(lambda: panel.plots.curve_points(("smooth", 0)) == 100, timeout=10000)
     before = panel.plots._curves[("smooth", 0)].yData.copy()
@@ -92,37 +124,133 @@ def test_smoothing_slider_changes_the_smoothed_curve(qtbot, tmp_path):
     after = panel.plots._curves[("smooth", 0)].yData
     raw = panel.plots._curves[("raw", 0)].yData
     assert (after == raw).all() and not (before == raw).all()
-    panel.shutdown()
 
 
-def test_panel_starts_follows_and_stops_a_real_run(qtbot, tmp_path):
-    panel = TrainingPanel(runs_root=tmp_path)
-    qtbot.addWidget(panel)
-    panel.strategy.setCurrentText("ddp")
-    panel.steps.setValue(100000)
-    panel.ckpt_every.setValue(0)
-    panel.width_.setValue(32)
-    panel.depth.setValue(1)
-    panel.heads.setValue(2)
-    panel.batch.setValue(2)
-    run_dir = panel.start_run()
-    assert run_dir is not None
-    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 3, timeout=120000)
+def test_form_says_what_is_wrong_next_to_the_field(qtbot, panel, tmp_path):
+    small_form(panel)
+    panel.form.steps.setValue(0)
+    assert panel.form.steps.value() == 0  # 0 can be typed (and is refused), not silently replaced
+    assert panel.start_run() is False
+    assert panel.form.errors["steps"].isVisibleTo(panel) and "at least 1" in panel.form.errors["steps"].text()
+    panel.form.steps.setValue(5)
+    panel.form.script.setText(str(tmp_path / "nope.py"))
+    assert panel.start_run() is False
+    assert not panel.form.errors["steps"].isVisibleTo(panel)
+    assert "nope.py: no such file" in panel.form.errors["script"].text()
+    assert panel.form.errors["script"].isVisibleTo(panel)
+    assert not panel.launchers and [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_failure_traceback_is_collapsed_and_does_not_squash_the_plots(qtbot, panel, tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run, 0, range(1, 11))
+    (run / "exit").mkdir()
+    tb = "Traceback (most recent call last):\n" + "".join(f'  File "x.py", line {i}, in f\n    g()\n'
+                                                          for i in range(60)) + "RuntimeError: boom on rank 0"
+    (run / "exit" / "rank_0.json").write_text(json.dumps({"rank": 0, "code": 1, "traceback_tail": tb}))
+    (run / "status.json").write_text(json.dumps({"state": "failed", "failed_ranks": [0], "exit_code": 1,
+                                                 "explanation": "exited with code 1"}))
+    panel.resize(1280, 720)
+    panel.show()
+    qtbot.waitExposed(panel)
+    before = panel.plots.loss.height()
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: "rank 0 failed: RuntimeError: boom on rank 0" in panel.status.text(), timeout=10000)
+    qtbot.wait(50)
+    assert panel.details_button.isVisible() and not panel.details.isVisible()
+    assert panel.status.text().count("<br>") < 6  # one line per failed rank, not the traceback
+    assert panel.plots.loss.height() >= before * 0.85
+    panel.details_button.click()
+    assert panel.details.isVisible() and "RuntimeError: boom on rank 0" in panel.details.toPlainText()
+    assert panel.details.maximumHeight() <= 200
+
+
+def test_panel_starts_follows_and_stops_a_real_run(qtbot, panel, tmp_path):
+    small_form(panel)
+    assert panel.start_run() is True
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=60000)
+    run_dir = next(iter(panel.launchers))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 3, timeout=180000)
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "running", timeout=30000)
+    stall_free = time.time() - run_status(run_dir)["start_time"] < panel.follower.stall_seconds
+    assert "stalled" not in panel.status.text() or not stall_free
     qtbot.waitUntil(lambda: panel.stop_button.isEnabled(), timeout=10000)
     panel.stop_button.click()
-    qtbot.waitUntil(lambda: effective_status(run_dir).get("state") == "stopped", timeout=30000)
-    launcher = panel.launchers[run_dir]
-    assert launcher.proc.poll() is not None
-    panel.shutdown()
+    qtbot.waitUntil(lambda: run_status(run_dir).get("state") == "stopped", timeout=60000)
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "stopped", timeout=30000)  # the Runs list follows
+    qtbot.waitUntil(lambda: "stopped by the user" in panel.status.text(), timeout=30000)
+    assert "exited with code" not in panel.status.text() and "failed" not in panel.status.text()
+    assert not panel.details_button.isVisible()
+    assert STOP_NOTE.strip() in (Path(run_dir) / "logs" / "launcher.log").read_text()
+    assert panel.launchers[run_dir].proc.poll() is not None
+
+
+def test_runs_list_follows_a_run_to_its_end(qtbot, panel, tmp_path):
+    small_form(panel, steps=3)
+    panel.form.nproc.setValue(1)
+    assert panel.start_run()
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=60000)
+    run_dir = next(iter(panel.launchers))
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "finished", timeout=240000)
+    assert read_config(run_dir)["kind"] == "builtin" and read_config(run_dir)["steps"] == 3
 
 
 def test_gui_restart_reads_final_state_from_exit_records(tmp_path):
     """A run whose launcher is gone (the GUI that started it was closed) is not shown as running."""
     run = tmp_path / "run"
     cfg = RunConfig(strategy="ddp", nproc=1, steps=3, checkpoint_every=3, model=SMALL)
-    RunLauncher(run, cfg).start().wait(300)
-    status = json.loads((run / "status.json").read_text())
-    status["state"] = "running"  # as if nobody reaped it
-    (run / "status.json").write_text(json.dumps(status))
-    assert effective_status(run)["state"] == "finished"
+    RunLauncher(run, cfg).start().proc.wait(300)  # reaped here, as a closed GUI would never do
+    assert json.loads((run / "status.json").read_text())["state"] == "running"
+    assert run_status(run)["state"] == "finished"
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"  # written once
     assert [c.name for c in checkpoints(run)] == ["step_000003"]
+
+
+SCRIPT = textwrap.dedent("""
+    import time
+    from shardscope import report
+    for step in range(1, 5):
+        report(step=step, loss=1.0 / step)
+        time.sleep(0.05)
+""")
+
+
+def test_script_path_is_resolved_against_the_callers_directory(tmp_path):
+    """`train --script train.py` from the script's folder: found (not looked up in the run directory),
+    recorded absolute, config.json says what ran, and progress shows no invented total or speed."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "train", "--script", "train.py", "--nproc",
+                           "1", "--run-dir", str(run)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = read_config(run)
+    assert cfg["kind"] == "script" and cfg["script"] == str(tmp_path / "train.py")
+    assert "steps" not in cfg and "strategy" not in cfg and "model" not in cfg
+    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert steps and steps[-1].startswith("step 4  loss 0.2500")
+    assert "/50" not in proc.stdout and "0.0 steps/s" not in proc.stdout
+    missing = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "train", "--script", "gone.py",
+                              "--run-dir", str(tmp_path / "run2")], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2 and "gone.py: no such file" in missing.stderr
+    assert not (tmp_path / "run2").exists()
+
+
+def test_cuda_memory_stats_are_sampled_when_a_device_is_in_use(monkeypatch, tmp_path):
+    """No GPU here: torch.cuda is patched at its boundary (is_available, is_initialized, memory_stats);
+    report() must take allocated / reserved / peak from memory_stats, next to RSS."""
+    import torch
+    from shardscope import report
+
+    stats = {"allocated_bytes.all.current": 3 * 2**30, "reserved_bytes.all.current": 4 * 2**30,
+             "allocated_bytes.all.peak": 5 * 2**30}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setenv("SHARDSCOPE_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    assert report(step=1, loss=1.0)
+    rec = json.loads((tmp_path / "metrics" / "rank_0.jsonl").read_text())
+    assert rec["cuda_allocated"] == 3 * 2**30 and rec["cuda_reserved"] == 4 * 2**30
+    assert rec["cuda_peak"] == 5 * 2**30 and rec["rss"] > 0

@@ -7,7 +7,6 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QLineEdit,
     QMenu,
@@ -123,10 +122,10 @@ class CheckpointView(QWidget):
         self.verify_button.clicked.connect(self.verify_contents)
         self.tabs.setCornerWidget(self.verify_button)
         self.right_split.addWidget(self.tabs)
-        self.right_split.setSizes([420, 300])
         self.main_split.addWidget(self.right_split)
-        self.main_split.setSizes([480, 800])
-        self.main_split.setStretchFactor(1, 1)
+        self.main_split.setStretchFactor(0, 2)
+        self.main_split.setStretchFactor(1, 3)
+        self.layout_restored = False  # the window restored the user's splitter positions
         layout.addWidget(self.main_split, 1)
 
         self._filter_timer = QTimer(self)
@@ -149,10 +148,17 @@ class CheckpointView(QWidget):
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
         if watched is self.tree and event.type() in (QEvent.Type.Resize, QEvent.Type.Move, QEvent.Type.Show):
             self._place_progress()
+            if event.type() == QEvent.Type.Resize:
+                self._fit_name_column()
         return super().eventFilter(watched, event)
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
+        if not self.layout_restored and self.width() > 400:
+            # NOTE: sizes only mean something once the view has its real width (first resize)
+            self.layout_restored = True
+            self.main_split.setSizes([int(self.width() * 0.4), int(self.width() * 0.6)])
+            self.right_split.setSizes([int(self.height() * 0.5), int(self.height() * 0.5)])
         self._place_progress()
 
     def _place_progress(self) -> None:
@@ -189,16 +195,24 @@ class CheckpointView(QWidget):
     def _size_columns(self) -> None:
         """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
         fm = self.tree.fontMetrics()
-        pad = 3 * fm.averageCharWidth()
+        pad = 2 * fm.averageCharWidth() + 4
         samples = ("bfloat16", "4096×4096", "1023.9 MiB", "00000", "000–000")
         header = self.tree.header()
         header.setStretchLastSection(False)
         header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
         for col, text in enumerate(samples, start=1):
             self.tree.setColumnWidth(col, fm.horizontalAdvance(text) + pad)
-        # NOTE: the name takes what is left, so the numbers are never cut; names elide in the middle
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         self.tree.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self._fit_name_column()
+
+    def _fit_name_column(self) -> None:
+        """The name column takes what the numbers leave (never under ~14 characters: then the tree
+        scrolls sideways), so sizes and counts are never cut."""
+        if self.tree.header().count() < 2:
+            return
+        others = sum(self.tree.columnWidth(c) for c in range(1, self.tree.header().count()))
+        room = self.tree.viewport().width() - others
+        self.tree.setColumnWidth(0, max(room, self.tree.fontMetrics().averageCharWidth() * 14 + 40))
 
     def _on_loaded(self, data: BrowseData) -> None:
         self.progress.finish()
@@ -316,6 +330,12 @@ class CheckpointView(QWidget):
         self.map.set_highlight_rank(rank)
         self.rank_chip.setVisible(rank is not None)
         self.rank_chip.setText(f"rank {rank} ✕")
+
+    def show_tab(self, name: str) -> None:
+        """Bring the Inspector, Ranks or Health tab to the front (by its name, any case)."""
+        for i in range(self.tabs.count()):
+            if self.tabs.tabText(i).lower().startswith(name.lower()):
+                self.tabs.setCurrentIndex(i)
 
     def focus_filter(self) -> None:
         self.filter_edit.setFocus()

@@ -12,11 +12,12 @@ from PySide6.QtCore import (
     QModelIndex,
     QPersistentModelIndex,
     QRectF,
+    QSettings,
     QSortFilterProxyModel,
     Qt,
     Signal,
 )
-from PySide6.QtGui import QColor, QGuiApplication, QPainter
+from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QHeaderView,
@@ -33,10 +34,12 @@ from PySide6.QtWidgets import (
 from shardscope.backend.compare import diff, open_source
 from shardscope.backend.compare.diff import Change, DiffResult, difference_histogram
 
+from .plot_style import themed_plot
 from .shard_map import ShardMapView
 from .workers import Worker, run_in_background
 
 COLUMNS = ("entry", "kind", "max |a−b|", "rel. L2", "changed")
+WIDTHS_KEY = "compare/column_widths"
 SortRole = Qt.ItemDataRole.UserRole + 1
 
 
@@ -89,6 +92,8 @@ class DiffModel(QAbstractTableModel):
             return -1.0 if v is None else float(v)
         if role == Qt.ItemDataRole.UserRole:
             return c
+        if role == Qt.ItemDataRole.ToolTipRole and col == 0:
+            return c.fqn  # the full name; the cell elides in the middle (exp_avg vs exp_avg_sq stay apart)
         if role == Qt.ItemDataRole.TextAlignmentRole and col >= 2:
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         return None
@@ -115,6 +120,7 @@ class BarDelegate(QStyledItemDelegate):
 
 class CompareView(QWidget):
     finished = Signal(object)  # DiffResult, or None on error
+    detailDone = Signal()  # the selected entry's shard maps and difference histogram are shown
 
     def __init__(self, path_a: str, path_b: str, parent=None) -> None:
         super().__init__(parent)
@@ -150,7 +156,13 @@ class CompareView(QWidget):
         self.table.verticalHeader().hide()
         self.table.setWordWrap(False)
         self.table.verticalHeader().setDefaultSectionSize(self.table.fontMetrics().height() + 6)
-        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)  # the user sets widths; remembered
+        header.setStretchLastSection(True)
+        self._restoring = False
+        self._restore_widths()
+        header.sectionResized.connect(lambda *_a: self._save_widths())
         self.table.setItemDelegateForColumn(3, BarDelegate(self.model, self))
         self.table.selectionModel().currentRowChanged.connect(self._row_changed)
         split.addWidget(self.table)
@@ -165,8 +177,8 @@ class CompareView(QWidget):
             box.addWidget(m, 1)
             ml.addLayout(box)
         right.addWidget(maps)
-        self.hist = pg.PlotWidget(title="a − b")
-        self.hist.setBackground(QGuiApplication.palette().base().color())
+        self.hist = themed_plot()
+        self.hist.setTitle("a − b")
         self.hist.setLabel("bottom", "a − b")
         self.hist.setLabel("left", "count")
         right.addWidget(self.hist)
@@ -196,6 +208,7 @@ class CompareView(QWidget):
         self.progress.hide()
         self.cancel_button.hide()
         self.model.set_result(result)
+        self._restore_widths()  # NOTE: a model reset gives the header its default section sizes again
         self.table.sortByColumn(3, Qt.SortOrder.DescendingOrder)  # the biggest relative change first
         layout_only = sum(c.kind == "layout" for c in result.changed)
         verdict = "<span style='color:#2ca02c'>no differences in values</span>" if not result.differs else \
@@ -228,17 +241,52 @@ class CompareView(QWidget):
                 view.clear_map("not in this checkpoint" if ck is not None else "a consolidated file: one piece")
         self.hist.clear()
         self.detail.setText("")
-        if c.kind != "values" or c.rel_l2 is None:
-            return
         if self._detail_worker is not None:
             self._detail_worker.quit()
-        self._detail_worker = run_in_background(difference_histogram, a, b, c.fqn, on_result=self._show_hist)
+            self._detail_worker = None
+        if c.kind != "values" or c.rel_l2 is None:
+            self.detailDone.emit()
+            return
+        w = run_in_background(difference_histogram, a, b, c.fqn, on_result=self._show_hist,
+                              on_error=lambda msg: self.detail.setText(msg))
+        w.signals.finished.connect(lambda wk=w: self._detail_finished(wk))
+        self._detail_worker = w
+
+    def detail_pending(self) -> bool:
+        """A difference histogram is being computed (``detailDone`` follows)."""
+        return self._detail_worker is not None
+
+    def _detail_finished(self, worker: Worker) -> None:
+        if self._detail_worker is worker:
+            self._detail_worker = None
+            self.detailDone.emit()
 
     def _show_hist(self, d) -> None:
         if d.counts:
             self.hist.plot(d.edges, d.counts, stepMode="center", fillLevel=0, brush=(214, 39, 40, 120),
                            pen=pg.mkPen("#d62728"))
         self.detail.setText(f"{d.fqn}: {d.nonzero:,} of {d.numel:,} elements differ")
+
+    # ------------------------------------------------------------------ column widths (remembered)
+    def _restore_widths(self) -> None:
+        """The widths the user last set (QSettings), else widths from the font."""
+        widths = QSettings("Shardscope", "Shardscope").value(WIDTHS_KEY)
+        fm = self.table.fontMetrics()
+        if not (isinstance(widths, list) and len(widths) == len(COLUMNS)
+                and all(str(w).isdigit() and int(w) > 0 for w in widths)):
+            extra = 2 * fm.averageCharWidth() + 8
+            widths = [fm.averageCharWidth() * 44] + [fm.horizontalAdvance(t) + extra for t in
+                                                     ("only in A", "0.0001234", "0.0001234", "100.00 %")]
+        self._restoring = True
+        for col, w in enumerate(widths[:-1]):  # the last one stretches
+            self.table.setColumnWidth(col, int(w))
+        self._restoring = False
+
+    def _save_widths(self) -> None:
+        if self._restoring:
+            return
+        QSettings("Shardscope", "Shardscope").setValue(
+            WIDTHS_KEY, [self.table.columnWidth(c) for c in range(len(COLUMNS))])
 
     def select(self, fqn: str) -> bool:
         for row in range(self.proxy.rowCount()):

@@ -141,7 +141,7 @@ class HelpDialog(QDialog):
         self.resize(760, 560)
 
 
-def help_text(key: str, window: QMainWindow | None = None, log_file: str = "") -> tuple[str, str, bool]:
+def help_text(key: str, window: QMainWindow | None = None) -> tuple[str, str, bool]:
     """(title, text, is_markdown) of a help topic."""
     if key == "shortcuts":
         return "Keyboard shortcuts", shortcuts_html(window), False
@@ -150,17 +150,18 @@ def help_text(key: str, window: QMainWindow | None = None, log_file: str = "") -
     if key == "export":
         return "How export chooses keys", EXPORT, False
     if key == "runs":
+        from shardscope.backend.log import log_file
         from shardscope.backend.runs.rundir import default_runs_root
 
-        return "Runs and logs", runs_html(str(default_runs_root()), log_file), False
+        return "Runs and logs", runs_html(str(default_runs_root()), str(log_file())), False
     if key == "readme":
         return "README", readme_text() or "The README is not available in this installation.", True
     return "About Shardscope", ABOUT, False
 
 
-def show_help(window: QMainWindow, key: str, log_file: str = "") -> HelpDialog:
+def show_help(window: QMainWindow, key: str) -> HelpDialog:
     """Show one topic (non-modal, so the user can follow it while using the window)."""
-    title, text, markdown = help_text(key, window, log_file)
+    title, text, markdown = help_text(key, window)
     dlg = HelpDialog(title, text, markdown, window)
     dlg.setModal(False)
     dlg.show()

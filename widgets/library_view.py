@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from PySide6.QtCore import (
     QUrl,
     Signal,
 )
-from PySide6.QtGui import QColor, QDesktopServices, QPainter
+from PySide6.QtGui import QColor, QDesktopServices, QGuiApplication, QPainter
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
@@ -34,6 +35,7 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLabel,
     QLineEdit,
+    QMenu,
     QPushButton,
     QSplitter,
     QStyledItemDelegate,
@@ -320,14 +322,16 @@ class LibraryView(QWidget):
     refreshed = Signal()  # a poll's snapshot was applied
 
     def __init__(self, roots: list[str], default_root: str | None = None, rules: Rules | None = None,
-                 parent=None) -> None:
+                 recent: Callable[[], list[str]] | None = None, parent=None) -> None:
         super().__init__(parent)
+        self.recent = recent or list  # the window's recently opened checkpoints (read when the menu opens)
         self.user_roots = [os.path.abspath(os.path.expanduser(r)) for r in roots]
         self.default_root = default_root
         self.rules = rules or Rules(keep_last=3)
         self.snapshot: LibrarySnapshot | None = None
         self._worker: Worker | None = None
         self._stale = False
+        self._started = 0.0
         self.model = LibraryModel(self)
         self.proxy = QSortFilterProxyModel(self)
         self.proxy.setSourceModel(self.model)
@@ -368,6 +372,11 @@ class LibraryView(QWidget):
     def _build_buttons(self) -> QHBoxLayout:
         row = QHBoxLayout()
         row.addWidget(self._button("Open folder…", self.openFolderRequested.emit, "Open a checkpoint folder (Ctrl+O)"))
+        recent = self._button("Recent", lambda: None, "Checkpoints opened recently")
+        self.recent_menu = QMenu(recent)
+        self.recent_menu.aboutToShow.connect(self._fill_recent)
+        recent.setMenu(self.recent_menu)
+        row.addWidget(recent)
         row.addWidget(self._button("Add root…", self.add_root_dialog, "Watch another folder of runs"))
         self.remove_root_button = self._button("Remove root", self.remove_selected_root,
                                                "Stop watching the root chosen in Disk usage")
@@ -411,6 +420,8 @@ class LibraryView(QWidget):
             header.resizeSection(col, width)
         self.tree.selectionModel().selectionChanged.connect(lambda *_: self._update_buttons())
         self.tree.doubleClicked.connect(lambda _i: self.open_selected())
+        self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.tree.customContextMenuRequested.connect(self._context_menu)
         self.proxy.rowsInserted.connect(self._expand_new)
         return self.tree
 
@@ -434,6 +445,14 @@ class LibraryView(QWidget):
         self.rules_label.setWordWrap(True)
         v.addWidget(self.rules_label)
         return box
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        paths = self.recent()
+        for p in paths:
+            self.recent_menu.addAction(p, lambda p=p: self.openRequested.emit(p))
+        if not paths:
+            self.recent_menu.addAction("(none yet)").setEnabled(False)
 
     # ------------------------------------------------------------------ roots
     def roots(self) -> list[str]:
@@ -467,11 +486,14 @@ class LibraryView(QWidget):
             return
         if not force and not self.isVisible() and self.snapshot is not None:
             return
+        self._started = time.monotonic()
         self._worker = run_in_background(take_snapshot, self.roots(), self.rules, on_result=self._apply,
                                          on_error=self._failed, on_finished=self._done)
 
     def _done(self) -> None:
         self._worker = None
+        # a slow (network) file system is polled less often: at most a fifth of the time is spent scanning
+        self.timer.setInterval(max(POLL_MS, int(5000 * (time.monotonic() - self._started))))
         if self._stale:
             self._stale = False
             self.poll(force=True)
@@ -573,6 +595,16 @@ class LibraryView(QWidget):
             self.open_button.setToolTip("A consolidated file: Compare it with another checkpoint")
         else:
             self.open_button.setToolTip("Browse the selected checkpoint")
+
+    def _context_menu(self, pos) -> None:
+        menu = QMenu(self)
+        for button in (self.open_button, self.export_button, self.folder_button, self.compare_button):
+            menu.addAction(button.text(), button.click).setEnabled(button.isEnabled())
+        paths = [c.path for c in self.selected_checkpoints()]
+        menu.addAction("Copy path", lambda: QGuiApplication.clipboard().setText("\n".join(paths))).setEnabled(
+            bool(paths))
+        menu.addAction("Prune…", self.prune_dialog)
+        menu.exec(self.tree.viewport().mapToGlobal(pos))
 
     def open_selected(self) -> None:
         sel = self.selected_checkpoints()

@@ -37,7 +37,7 @@ from .plot_style import CategoryAxis, themed_plot
 
 DOMINANCE = 20.0  # the largest rank writes this many times the median: switch to a log scale
 LABELLED_BARS = 32  # chunk counts written on the bars up to this many ranks (else: hover)
-NAME_CHARS = 26  # tensor names on the heat map's axis are elided in the middle to this many characters
+NAME_CHARS = 26  # tensor names on the heat map's axis are elided to this many characters
 
 
 @dataclass
@@ -62,6 +62,13 @@ class RankData:
 
     def cell_text(self, row: int, col: int) -> str:
         return f"{self.tensors[row]} · rank {self.ranks[col]}: {human_bytes(int(self.heat[row, col]))}"
+
+
+def log2_bytes(v: float) -> str:
+    """A log2 axis tick as bytes: 10 -> "1 KiB", 15 -> "32 KiB" (empty between whole powers)."""
+    if abs(v - round(v)) > 1e-6:
+        return ""
+    return human_bytes(2 ** round(v)).replace(".0 ", " ")
 
 
 class RanksView(QWidget):
@@ -150,10 +157,10 @@ class RanksView(QWidget):
         self._draw_heat()
 
     def _scaled(self, values: np.ndarray, floor: float) -> np.ndarray:
-        """Bytes as drawn: in the chosen unit, or log10(bytes) (zeros at ``floor``)."""
+        """Bytes as drawn: in the chosen unit, or log2(bytes) (zeros at ``floor``); base 2 so that the
+        log ticks read 1 KiB, 32 KiB, 1 MiB."""
         if self.log_box.isChecked():
-            with np.errstate(divide="ignore"):
-                return np.where(values > 0, np.log10(np.maximum(values, 1)), floor)
+            return np.where(values > 0, np.log2(np.maximum(values, 1)), floor)
         return values / self._unit[0]
 
     def _draw_bars(self) -> None:
@@ -167,7 +174,7 @@ class RanksView(QWidget):
             return
         log = self.log_box.isChecked()
         self._unit = byte_unit(float(d.bytes.max()))
-        floor = math.floor(math.log10(max(1.0, float(d.bytes[d.bytes > 0].min(initial=1))))) if log else 0.0
+        floor = math.floor(math.log2(max(1.0, float(d.bytes[d.bytes > 0].min(initial=1))))) - 1 if log else 0.0
         heights = self._scaled(d.bytes, floor) - floor
         self.bars.addItem(pg.BarGraphItem(x=np.arange(n), height=heights, y0=floor, width=0.8 if n <= 64 else 1.0,
                                           brushes=[rank_color(r) for r in d.ranks], pen=None if n > 64 else "k"))
@@ -175,8 +182,8 @@ class RanksView(QWidget):
         span = max(top - floor, 1e-9)
         left = self.bars.getAxis("left")
         if log:
-            left.setLabel("bytes written (log scale)")
-            left.tickStrings = lambda values, _s, _sp: [human_bytes(10**v) for v in values]
+            left.setLabel("bytes (log)")
+            left.tickStrings = lambda values, _s, _sp: [log2_bytes(v) for v in values]
         else:
             left.setLabel(f"{self._unit[1]} written")
             left.tickStrings = lambda values, s, sp: pg.AxisItem.tickStrings(left, values, s, sp)
@@ -195,7 +202,7 @@ class RanksView(QWidget):
         """Y range with room above the tallest bar for its chunk-count label, in pixels (never cut off)."""
         floor, span = self._bar_span
         plot_px = max(1.0, self.bars.getPlotItem().vb.height())
-        label_px = self.fontMetrics().height() + 6 if len(self.data.ranks) <= LABELLED_BARS else 4
+        label_px = self.fontMetrics().height() + 12 if len(self.data.ranks) <= LABELLED_BARS else 4
         frac = min(0.5, label_px / plot_px)
         self.bars.setYRange(floor, floor + span / (1 - frac), padding=0)
 
@@ -208,25 +215,26 @@ class RanksView(QWidget):
         fm = self.fontMetrics()
         self.heat_x.set_categories(cols, lambda i: str(d.ranks[i]),
                                    fm.horizontalAdvance(str(max(d.ranks, default=0))) + 14)
-        short = [fm.elidedText(name, Qt.TextElideMode.ElideMiddle, fm.averageCharWidth() * NAME_CHARS)
+        # NOTE: elided on the left: the end of a dotted name (layer number, weight) is what tells rows apart
+        short = [fm.elidedText(name, Qt.TextElideMode.ElideLeft, fm.averageCharWidth() * NAME_CHARS)
                  for name in d.tensors]
         self.heat_y.set_categories(rows, lambda i: short[i], fm.lineSpacing() + 2)
         self.heat_y.setWidth(fm.averageCharWidth() * NAME_CHARS + 12)
         log = self.log_box.isChecked()
         nonzero = d.heat[d.heat > 0]
-        floor = math.log10(float(nonzero.min())) - 0.3 if (log and nonzero.size) else 0.0
+        floor = math.log2(float(nonzero.min())) - 1 if (log and nonzero.size) else 0.0
         img = self._scaled(d.heat, floor)
         self.heat_image.setImage(img.T, autoLevels=False)  # NOTE: ImageItem is column-major: x = rank
         self.heat_image.setRect(-0.5, -0.5, cols, rows)  # cell (row, col) centred on whole numbers
         lo, hi = (floor, float(img.max())) if log else (0.0, float(img.max()))
         self.heat_bar.setLevels((lo, hi if hi > lo else lo + 1))
-        self.heat_bar.axis.setLabel("bytes written (log)" if log else f"{self._unit[1]} written")
+        self.heat_bar.axis.setLabel("bytes (log)" if log else f"{self._unit[1]} written")
         self.heat.setXRange(-0.5, cols - 0.5, padding=0)
         self.heat.setYRange(-0.5, rows - 0.5, padding=0)
 
     def _colour_ticks(self, values, _scale, _spacing) -> list[str]:
         if self.log_box.isChecked():
-            return [human_bytes(10**v) for v in values]
+            return [log2_bytes(v) for v in values]
         return [f"{v:g}" for v in values]
 
     def _fill_files(self, ckpt: Checkpoint) -> None:
@@ -237,7 +245,7 @@ class RanksView(QWidget):
                                    "MISSING" if f.bytes is None else human_bytes(f.bytes))):
                 item = QTableWidgetItem(v)
                 if j:
-                    item.setTextAlignment(int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter))
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.files.setItem(i, j, item)
         self.files.resizeColumnsToContents()
 
@@ -362,7 +370,7 @@ class InspectorView(QWidget):
                 if j == 2:
                     item.setBackground(rank_color(c.rank))
                 if j >= 4:
-                    item.setTextAlignment(int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter))
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.chunks.setItem(i, j, item)
 
     def set_busy(self, busy: bool) -> None:

@@ -99,6 +99,8 @@ class PruneDialog(QDialog):
         self.table = QTableView()
         self.table.setModel(self.model)
         self.table.verticalHeader().hide()
+        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
+        self.table.setWordWrap(False)
         self.table.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
@@ -142,6 +144,7 @@ class PruneDialog(QDialog):
             s.setRange(1, hi)
             s.setValue(max(1, value))
             s.valueChanged.connect(self._changed)
+            s.setMaximumWidth(110)
             return s
 
         self.last_on, self.last_n = check("Keep the last", rules.keep_last is not None), spin(rules.keep_last or 3)
@@ -173,19 +176,21 @@ class PruneDialog(QDialog):
         self.age_on = check("Keep newer than", rules.min_age is not None)
         self.age = QLineEdit(f"{rules.min_age / 3600:g}h" if rules.min_age else "2h")
         self.age.textChanged.connect(self._changed)
+        self.age.setMaximumWidth(110)
+        self.best_metric.setMaximumWidth(220)
         g.addWidget(self.age_on, 4, 0)
         g.addWidget(self.age, 4, 1)
         g.addWidget(QLabel("(90s, 30m, 2h, 7d)"), 4, 2, 1, 3)
         self.incomplete = check("Also remove leftovers of failed saves (incomplete, older than the age above)",
                                 rules.incomplete)
-        g.addWidget(self.incomplete, 5, 0, 1, 5)
+        g.addWidget(self.incomplete, 5, 0, 1, 6)
         self.delete = check("Delete for good (default: to the desktop trash)", False)
-        g.addWidget(self.delete, 6, 0, 1, 5)
+        g.addWidget(self.delete, 6, 0, 1, 6)
         note = QLabel("Never removed: the newest complete checkpoint of a run, a running run's checkpoints, anything "
                       "being written. A checkpoint is kept if any rule keeps it.")
         note.setWordWrap(True)
-        g.addWidget(note, 7, 0, 1, 5)
-        g.setColumnStretch(3, 1)
+        g.addWidget(note, 7, 0, 1, 6)
+        g.setColumnStretch(5, 1)
         return g
 
     def rules(self) -> Rules:

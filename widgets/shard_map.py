@@ -158,6 +158,9 @@ class ShardMapView(QGraphicsView):
                                        QPen(self.palette().mid().color(), 0),
                                        QBrush(self.palette().alternateBase().color()))
             box.setZValue(-1)
+            # NOTE: drop the previous map's zoom and extent, or the message is drawn at its scale (tiny)
+            self.resetTransform()
+            self.scene().setSceneRect(box.sceneBoundingRect())
 
     def show_tensors(self, ckpt: Checkpoint, entries: list[TensorEntry]) -> None:
         self.clear_map()

@@ -1,322 +1,61 @@
-"""The Training panel: run form, run list, live per-rank plots, logs and checkpoints of a run."""
+"""The Training panel: run form, run list, the followed run's header, plots, logs and checkpoints.
+
+Nothing here reads or writes a file or waits on a process: starting, stopping, polling (which reaps
+finished torchruns and writes their final status) and listing runs go through backend functions on
+the thread pool, and their results come back as queued signals.
+"""
 
 from __future__ import annotations
 
-import itertools
 import os
-import time
 from pathlib import Path
 
-import numpy as np
-import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
-    QDoubleSpinBox,
     QFileDialog,
-    QFormLayout,
-    QGroupBox,
     QHBoxLayout,
     QLabel,
-    QLineEdit,
     QListWidget,
     QListWidgetItem,
     QPlainTextEdit,
     QPushButton,
-    QSlider,
-    QSpinBox,
     QSplitter,
     QTabWidget,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.runs.follow import RunFollower, RunSnapshot
-from shardscope.backend.runs.launcher import (
-    RunConfig,
-    RunLauncher,
-    default_runs_root,
-    describe_exit,
-    log_tail,
-    stop_run,
-)
-from shardscope.backend.runs.metrics import PeakBlocks, Series, debiased_ema, peak_view, smooth_segments
+from shardscope.backend.errors import ShardscopeError
+from shardscope.backend.runs import slurm
+from shardscope.backend.runs.follow import RunFollower, RunSnapshot, is_rank
+from shardscope.backend.runs.launcher import RunConfig, RunLauncher, stop_run
+from shardscope.backend.runs.rundir import ACTIVE_STATES, default_runs_root, new_run_dir, read_config
 from shardscope.backend.runs.store import RunInfo, list_runs, write_text
 
-from .palette import rank_color
-from .workers import Worker, run_in_background
+from .run_form import RunForm
+from .run_plots import RunPlots
+from .workers import run_in_background
 
 REDRAW_MS = 100  # 10 Hz: redraw on a timer, never per line read
 POLL_MS = 500
+LIST_EVERY = 4  # the Runs list is refreshed every 4th poll (2 s)
 LOG_LINES = 20000
+STATE_COLORS = {"failed": "#d62728", "stopped": "#7f7f7f", "finished": "#2ca02c", "queued": "#e6a000"}
 
 
-def _plot(title: str, left: str, bottom: str) -> pg.PlotWidget:
-    w = pg.PlotWidget(title=title)
-    pal = QGuiApplication.palette()
-    w.setBackground(pal.base().color())
-    w.setLabel("left", left)
-    w.setLabel("bottom", bottom)
-    # w.showGrid(x=True, y=True, alpha=0.15)
-    w.addLegend(offset=(-10, 10))
-    return w
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def _curve(plot: pg.PlotWidget, color: QColor, width: float = 1.5, name: str | None = None,
-           style: Qt.PenStyle = Qt.PenStyle.SolidLine) -> pg.PlotDataItem:
-    item = plot.plot(pen=pg.mkPen(color, width=width, style=style), name=name)
-    # NOTE: the data given here is already peak-downsampled to the visible range (peak_view): a few
-    # thousand points whatever the run's length, so every min and max stays visible and frames stay cheap
-    item.setSkipFiniteCheck(True)
-    return item
-
-
-class RunPlots(QWidget):
-    """Loss per rank and mean (raw faint, smoothed on top), memory per rank, throughput."""
-
-    def __init__(self, parent=None) -> None:
-        super().__init__(parent)
-        layout = QVBoxLayout(self)
-        bar = QHBoxLayout()
-        bar.addWidget(QLabel("Smoothing"))
-        self.slider = QSlider(Qt.Orientation.Horizontal)
-        self.slider.setRange(0, 99)
-        self.slider.setValue(60)
-        self.slider.setMaximumWidth(200)
-        self.slider_label = QLabel("0.60")
-        bar.addWidget(self.slider)
-        bar.addWidget(self.slider_label)
-        bar.addStretch(1)
-        self.png_button = QPushButton("Save plots as PNG…")
-        self.csv_button = QPushButton("Save data as CSV…")
-        bar.addWidget(self.png_button)
-        bar.addWidget(self.csv_button)
-        layout.addLayout(bar)
-        split = QSplitter(Qt.Orientation.Vertical)
-        self.loss = _plot("loss", "loss", "step")
-        split.addWidget(self.loss)
-        lower = QSplitter(Qt.Orientation.Horizontal)
-        self.memory = _plot("memory", "MiB", "seconds since start")
-        self.speed = _plot("throughput", "tokens/s", "step")
-        lower.addWidget(self.memory)
-        lower.addWidget(self.speed)
-        split.addWidget(lower)
-        split.setSizes([400, 220])
-        layout.addWidget(split, 1)
-        self.follower: RunFollower | None = None
-        self.overlay: RunFollower | None = None
-        self._curves: dict[tuple, pg.PlotDataItem] = {}
-        self._smooth: dict[int, tuple[np.ndarray, tuple[float, int], int]] = {}
-        self._restart_lines: list[pg.InfiniteLine] = []
-        self._blocks: dict[tuple, PeakBlocks] = {}
-        self._dirty = False
-        for plot in (self.loss, self.memory, self.speed):
-            plot.getViewBox().sigXRangeChanged.connect(lambda *_a: self.mark_dirty())
-        self._smooth_worker: Worker | None = None
-        self.slider.valueChanged.connect(self._weight_changed)
-
-    @property
-    def weight(self) -> float:
-        return self.slider.value() / 100
-
-    def set_follower(self, follower: RunFollower | None) -> None:
-        self.follower = follower
-        for plot in (self.loss, self.memory, self.speed):
-            plot.clear()
-            plot.addLegend(offset=(-10, 10))
-        self._curves.clear()
-        self._smooth.clear()
-        self._blocks.clear()
-        self._restart_lines.clear()
-        self._dirty = True
-
-    def _set(self, key: tuple, plot: pg.PlotWidget, x: np.ndarray, y: np.ndarray, restarts: list[int],
-             x_shift: float = 0.0, y_scale: float = 1.0) -> None:
-        """Hand one curve its visible data, peak-downsampled, split at restarts. The shift and scale
-        apply to the few thousand points drawn, not to the million behind them."""
-        vb = plot.getViewBox()
-        x_range = None if vb.autoRangeEnabled()[0] else tuple(v + x_shift for v in vb.viewRange()[0])
-        buckets = max(200, plot.width())
-        if not restarts:
-            blocks = self._blocks.setdefault(key, PeakBlocks())
-            blocks.update(y)
-            px, py = peak_view(x, y, blocks, x_range, buckets)
-        else:
-            bounds = [0, *restarts, len(y)]
-            xs, ys = [], []
-            for a, b in itertools.pairwise(bounds):
-                sx, sy = peak_view(x[a:b], y[a:b], None, x_range, buckets)
-                xs += [sx, [np.nan]]
-                ys += [sy, [np.nan]]
-            px, py = np.concatenate(xs[:-1]), np.concatenate(ys[:-1])
-        if x_shift:
-            px = px - x_shift
-        if y_scale != 1.0:
-            py = py * y_scale
-        self._curves[key].setData(px, py, connect="finite")
-
-    def set_overlay(self, follower: RunFollower | None) -> None:
-        self.overlay = follower
-        key = ("overlay",)
-        if key in self._curves:
-            self.loss.removeItem(self._curves.pop(key))
-        self._dirty = True
-
-    def mark_dirty(self) -> None:
-        self._dirty = True
-
-    def _weight_changed(self, _v: int) -> None:
-        self.slider_label.setText(f"{self.weight:.2f}")
-        self._smooth.clear()  # recomputed from scratch, in the background for long runs
-        for key in [k for k in self._blocks if k[0] in ("smooth", "mean")]:
-            del self._blocks[key]
-        if self.follower is None:
-            return
-        series = {r: s.column("loss").copy() for r, s in self.follower.series.items()}
-        restarts = {r: list(s.restarts) for r, s in self.follower.series.items()}
-        if sum(len(v) for v in series.values()) < 200_000:
-            self._dirty = True
-            return
-        w = self.weight
-
-        def smooth_all(progress=None):
-            table = {r: (*smooth_segments(v, w, (0.0, 0), 0, restarts.get(r, [])), len(v))
-                     for r, v in series.items()}
-            if len(series) >= 2:  # the mean of ranks is key -1
-                n = min(len(v) for v in series.values())
-                mean = np.mean([v[:n] for v in series.values()], axis=0)
-                table[-1] = (*smooth_segments(mean, w, (0.0, 0), 0, restarts.get(min(series), [])), n)
-            return w, table
-
-        self._smooth_worker = run_in_background(smooth_all, on_result=self._smoothed)
-
-    def _smoothed(self, result) -> None:
-        self._smooth_worker = None
-        w, table = result
-        if w == self.weight:
-            self._smooth = dict(table.items())
-            self._dirty = True
-
-    def _smoothed_loss(self, rank: int, s: Series) -> np.ndarray:
-        loss = s.column("loss")
-        have = self._smooth.get(rank)
-        backlog = len(loss) - (have[2] if have is not None else 0)
-        if backlog > 200_000:  # a long run just opened: smooth it off the GUI thread, raw until then
-            if self._smooth_worker is None:
-                self._weight_changed(self.slider.value())
-            return have[0] if have is not None else np.full(len(loss), np.nan)
-        if have is None:
-            out, state = smooth_segments(loss, self.weight, (0.0, 0), 0, s.restarts)
-            self._smooth[rank] = (out, state, len(loss))
-            return out
-        arr, state, n = have
-        if n < len(loss):
-            more, state = smooth_segments(loss[n:], self.weight, state, n, s.restarts)
-            arr = np.concatenate([arr, more])
-            self._smooth[rank] = (arr, state, len(loss))
-        return arr
-
-    def redraw(self) -> bool:
-        """Update every curve from the follower's buffers; returns False when nothing changed."""
-        if not self._dirty or self.follower is None:
-            return False
-        self._dirty = False
-        series = self.follower.series
-        ranks = sorted(series)
-        faint = []
-        for r in ranks:
-            s = series[r]
-            if not len(s):
-                continue
-            step = s.column("step")
-            color = rank_color(r)
-            raw = QColor(color)
-            raw.setAlpha(60)
-            key = ("raw", r)
-            if key not in self._curves:
-                self._curves[key] = _curve(self.loss, raw, 1)
-                self._curves[("smooth", r)] = _curve(self.loss, color, 1, f"rank {r}")
-                self._curves[("rss", r)] = _curve(self.memory, color, 1, f"rank {r} RSS")
-                self._curves[("cuda", r)] = _curve(self.memory, color, 1, None, Qt.PenStyle.DashLine)
-                self._curves[("tok", r)] = _curve(self.speed, color, 1, f"rank {r}")
-            self._set(key, self.loss, step, s.column("loss"), s.restarts)
-            self._set(("smooth", r), self.loss, step, self._smoothed_loss(r, s), s.restarts)
-            t = s.column("time")
-            t0 = t[0] if len(t) and np.isfinite(t[0]) else 0.0
-            # memory is plotted against time, which keeps rising across restarts
-            self._set(("rss", r), self.memory, t, s.column("rss"), s.restarts, x_shift=t0, y_scale=2**-20)
-            cuda = s.column("cuda_allocated")
-            if np.isfinite(cuda[-1:]).any():
-                self._set(("cuda", r), self.memory, t, cuda, s.restarts, x_shift=t0, y_scale=2**-20)
-            self._set(("tok", r), self.speed, step, s.column("tokens_per_s"), s.restarts)
-            faint.append(s)
-        self._draw_mean(faint)
-        self._draw_restarts(series)
-        self._draw_overlay()
-        return True
-
-    def _draw_mean(self, series: list[Series]) -> None:
-        if len(series) < 2:
-            return
-        n = min(len(s) for s in series)
-        if not n:
-            return
-        steps = series[0].column("step")[:n]
-        pen = QGuiApplication.palette().text().color()
-        if ("mean",) not in self._curves:
-            self._curves[("mean",)] = _curve(self.loss, pen, 2, "mean of ranks")
-        # incremental, like the per-rank curves: only points new since the last frame are averaged
-        # and smoothed (key -1 in the smoothing cache is the mean)
-        have = self._smooth.get(-1)
-        done = have[2] if have is not None and have[2] <= n else 0
-        if n - done > 200_000:  # being smoothed in the background (see _smoothed_loss)
-            return
-        mean_new = np.mean([s.column("loss")[done:n] for s in series], axis=0)
-        restarts = series[0].restarts
-        if have is None or done == 0:
-            smooth, state = smooth_segments(mean_new, self.weight, (0.0, 0), 0, restarts)
-        else:
-            more, state = smooth_segments(mean_new, self.weight, have[1], done, restarts)
-            smooth = np.concatenate([have[0], more])
-        self._smooth[-1] = (smooth, state, n)
-        self._set(("mean",), self.loss, steps, smooth, [r for r in series[0].restarts if r < n])
-
-    def _draw_restarts(self, series: dict[int, Series]) -> None:
-        s0 = series.get(0) or next(iter(series.values()), None)
-        if s0 is None:
-            return
-        steps = s0.column("step")
-        for i in s0.restarts[len(self._restart_lines):]:
-            line = pg.InfiniteLine(pos=float(steps[i]), angle=90, pen=pg.mkPen("#d62728", style=Qt.PenStyle.DashLine),
-                                   label="resumed", labelOpts={"position": 0.9, "color": "#d62728"})
-            self.loss.addItem(line)
-            self._restart_lines.append(line)
-
-    def _draw_overlay(self) -> None:
-        if self.overlay is None or not self.overlay.series:
-            return
-        series = [s for s in self.overlay.series.values() if len(s)]
-        if not series:
-            return
-        n = min(len(s) for s in series)
-        mean = np.mean([s.column("loss")[:n] for s in series], axis=0)
-        smooth, _ = debiased_ema(mean, self.weight)
-        if ("overlay",) not in self._curves:
-            self._curves[("overlay",)] = _curve(self.loss, QColor("#7f7f7f"), 2.0,
-                                                f"compare: {self.overlay.run_dir.name}", Qt.PenStyle.DashLine)
-        self._blocks.pop(("overlay",), None)
-        self._set(("overlay",), self.loss, series[0].column("step")[:n], smooth, series[0].restarts)
-
-    def curve_points(self, key: tuple) -> int:
-        """Points of the data behind a curve (not the downsampled points drawn)."""
-        if self.follower is None:
-            return 0
-        if key[0] == "mean":
-            return self._smooth.get(-1, (None, None, 0))[2] if key in self._curves else 0
-        s = self.follower.series.get(key[1]) if len(key) > 1 else None
-        if s is None or key not in self._curves:
-            return 0
-        return int(np.isfinite(s.column("loss")).sum())
+def _slurm_partitions(progress=None) -> list | str:
+    """Partitions from sinfo, or why SLURM cannot be used here (runs on the pool)."""
+    if not slurm.available():
+        return "sbatch/sinfo are not on PATH on this machine"
+    try:
+        return slurm.partitions()
+    except ShardscopeError as exc:
+        return str(exc)
 
 
 class TrainingPanel(QWidget):
@@ -324,14 +63,16 @@ class TrainingPanel(QWidget):
 
     openCheckpoint = Signal(str)
     compareRequested = Signal(str, str)
-    runChanged = Signal(str)
+    runStateChanged = Signal(str, str)  # (run dir, state) of the followed run, when its state changes
 
-    def __init__(self, runs_root: str | os.PathLike | None = None, parent=None) -> None:
+    def __init__(self, runs_root: str | os.PathLike | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.runs_root = Path(runs_root) if runs_root else default_runs_root()
         self.follower: RunFollower | None = None
         self.launchers: dict[str, RunLauncher] = {}
+        self.runs: list[RunInfo] = []
         self._reading = False
+        self._polls = 0
         self._status: dict = {}
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self._build_left())
@@ -346,79 +87,30 @@ class TrainingPanel(QWidget):
         self.poll_timer.setInterval(POLL_MS)
         self.poll_timer.timeout.connect(self.poll)
         self.poll_timer.start()
+        run_in_background(_slurm_partitions, on_result=self._slurm_found)
         self.refresh_runs()
 
     # ------------------------------------------------------------------ layout
     def _build_left(self) -> QWidget:
         left = QWidget()
         lv = QVBoxLayout(left)
-        box = QGroupBox("New run")
-        form = QFormLayout(box)
-        self.strategy = QComboBox()
-        self.strategy.addItems(["fsdp", "ddp"])
-        self.nproc = QSpinBox()
-        self.nproc.setRange(1, 64)
-        self.nproc.setValue(2)
-        self.device = QComboBox()
-        self.device.addItems(["auto", "cpu", "cuda"])
-        self.steps = QSpinBox()
-        self.steps.setRange(1, 10_000_000)
-        self.steps.setValue(200)
-        self.ckpt_every = QSpinBox()
-        self.ckpt_every.setRange(0, 1_000_000)
-        self.ckpt_every.setValue(50)
-        self.width_ = QSpinBox()
-        self.width_.setRange(8, 8192)
-        self.width_.setValue(64)
-        self.depth = QSpinBox()
-        self.depth.setRange(1, 256)
-        self.depth.setValue(2)
-        self.heads = QSpinBox()
-        self.heads.setRange(1, 128)
-        self.heads.setValue(4)
-        self.batch = QSpinBox()
-        self.batch.setRange(1, 4096)
-        self.batch.setValue(8)
-        self.lr = QDoubleSpinBox()
-        self.lr.setDecimals(5)
-        self.lr.setRange(1e-6, 1.0)
-        self.lr.setValue(3e-3)
-        self.stall = QSpinBox()
-        self.stall.setRange(5, 86400)
-        self.stall.setValue(60)
-        self.stall.setSuffix(" s")
-        self.stall.setToolTip("Flag a rank as stalled when it reports no new step for this long")
-        self.stall.valueChanged.connect(lambda v: self.follower and setattr(self.follower, "stall_seconds", float(v)))
-        self.script = QLineEdit()
-        self.script.setPlaceholderText("optional: your own script (uses the same launcher)")
-        self.script_args = QLineEdit()
-        self.script_args.setPlaceholderText("arguments for the script")
-        for label, w in (("Strategy", self.strategy), ("Processes", self.nproc), ("Device", self.device),
-                         ("Steps", self.steps), ("Checkpoint every", self.ckpt_every), ("Width", self.width_),
-                         ("Depth", self.depth), ("Heads", self.heads), ("Batch / rank", self.batch),
-                         ("Learning rate", self.lr), ("Script", self.script), ("Script args", self.script_args),
-                         ("Stalled after", self.stall)):
-            form.addRow(label, w)
-        buttons = QHBoxLayout()
-        self.start_button = QPushButton("Start")
-        self.stop_button = QPushButton("Stop")
-        self.stop_button.setEnabled(False)
-        self.start_button.clicked.connect(self.start_run)
-        self.stop_button.clicked.connect(self.stop_run)
-        buttons.addWidget(self.start_button)
-        buttons.addWidget(self.stop_button)
-        form.addRow(buttons)
-        lv.addWidget(box)
+        self.form = RunForm()
+        self.form.start_button.clicked.connect(lambda: self.start_run())
+        self.form.stop_button.clicked.connect(self.stop_run)
+        self.form.stall.valueChanged.connect(
+            lambda v: self.follower and setattr(self.follower, "stall_seconds", float(v)))
+        self.start_button, self.stop_button = self.form.start_button, self.form.stop_button
+        lv.addWidget(self.form)
         lv.addWidget(QLabel("Runs"))
         self.run_list = QListWidget()
         self.run_list.currentItemChanged.connect(
             lambda cur, _prev: cur and self.follow(cur.data(Qt.ItemDataRole.UserRole)))
         lv.addWidget(self.run_list, 1)
-        row = QHBoxLayout()
         open_button = QPushButton("Open run folder…")
+        open_button.setToolTip("Any folder with Shardscope metrics, TensorBoard event files or a Lightning "
+                               "metrics.csv, and its checkpoints (e.g. a run launched on a cluster by hand)")
         open_button.clicked.connect(self._open_run_dialog)
-        row.addWidget(open_button)
-        lv.addLayout(row)
+        lv.addWidget(open_button)
         lv.addWidget(QLabel("Compare loss with"))
         self.compare = QComboBox()
         self.compare.currentIndexChanged.connect(self._compare_changed)
@@ -432,15 +124,38 @@ class TrainingPanel(QWidget):
         self.status.setWordWrap(True)
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         rv.addWidget(self.status)
+        self.details_button = QToolButton()
+        self.details_button.setCheckable(True)
+        self.details_button.setText("Show the traceback")
+        self.details_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.details_button.setArrowType(Qt.ArrowType.RightArrow)
+        self.details_button.toggled.connect(self._toggle_details)
+        self.details_button.hide()
+        rv.addWidget(self.details_button)
+        # NOTE: a fixed, small height: a long traceback scrolls here instead of squashing the plots
+        self.details = QPlainTextEdit()
+        self.details.setReadOnly(True)
+        self.details.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        self.details.setMaximumHeight(160)
+        self.details.hide()
+        rv.addWidget(self.details)
         split = QSplitter(Qt.Orientation.Vertical)
         self.plots = RunPlots()
         self.plots.png_button.clicked.connect(self._save_png)
         self.plots.csv_button.clicked.connect(self._save_csv)
         split.addWidget(self.plots)
-        bottom = QTabWidget()
+        self.bottom = QTabWidget()
         self.logs = QTabWidget()
         self.log_views: dict[int, QPlainTextEdit] = {}
-        bottom.addTab(self.logs, "Logs")
+        self.bottom.addTab(self.logs, "Logs")
+        self.bottom.addTab(self._build_checkpoints(), "Checkpoints")
+        split.addWidget(self.bottom)
+        split.setSizes([560, 240])
+        split.setChildrenCollapsible(False)
+        rv.addWidget(split, 1)
+        return right
+
+    def _build_checkpoints(self) -> QWidget:
         ck = QWidget()
         cl = QVBoxLayout(ck)
         self.ckpt_list = QListWidget()
@@ -456,28 +171,45 @@ class TrainingPanel(QWidget):
         row.addWidget(self.resume_button)
         row.addWidget(self.compare_button)
         cl.addLayout(row)
-        bottom.addTab(ck, "Checkpoints")
-        split.addWidget(bottom)
-        split.setSizes([560, 240])
-        rv.addWidget(split, 1)
-        return right
+        return ck
+
+    def _slurm_found(self, result: list | str) -> None:
+        self.form.set_slurm(None, result) if isinstance(result, str) else self.form.set_slurm(result)
 
     # ------------------------------------------------------------------ runs
     def refresh_runs(self, select: str | None = None) -> None:
+        """List the runs under the runs folder again (in the background) and select ``select``."""
+        root = self.runs_root
+        run_in_background(lambda progress=None: list_runs(root),
+                          on_result=lambda runs: self._show_runs(runs, select))
+
+    def _show_runs(self, runs: list[RunInfo], select: str | None = None) -> None:
         current = select or (self.follower and str(self.follower.run_dir))
-        self.run_list.blockSignals(True)
-        self.run_list.clear()
-        runs = list_runs(self.runs_root)
-        if current and current not in [str(r.path) for r in runs] and Path(current).exists():
-            runs.insert(0, RunInfo(Path(current), "", 0.0))  # a run folder opened from elsewhere
-        for r in runs:
-            item = QListWidgetItem(f"{r.path.name}  {r.state}")
-            item.setData(Qt.ItemDataRole.UserRole, str(r.path))
-            item.setToolTip(str(r.path))
-            self.run_list.addItem(item)
-            if str(r.path) == current:
+        if current and current not in [str(r.path) for r in runs]:
+            state = self._status.get("state", "") if self.follower and str(self.follower.run_dir) == current else ""
+            runs.insert(0, RunInfo(Path(current), state, 0.0))  # a run folder opened from elsewhere
+        self.runs = runs
+        items = {self.run_list.item(i).data(Qt.ItemDataRole.UserRole): self.run_list.item(i)
+                 for i in range(self.run_list.count())}
+        if list(items) != [str(r.path) for r in runs]:
+            self.run_list.blockSignals(True)
+            self.run_list.clear()
+            for r in runs:
+                item = QListWidgetItem()
+                item.setData(Qt.ItemDataRole.UserRole, str(r.path))
+                self.run_list.addItem(item)
+            self.run_list.blockSignals(False)
+            self._fill_compare(runs)
+        for i, r in enumerate(runs):
+            item = self.run_list.item(i)
+            item.setText(f"{r.path.name}  {r.state}")
+            item.setToolTip(f"{r.path}\n{r.explanation}".strip())
+            if str(r.path) == current and self.run_list.currentItem() is not item:
+                self.run_list.blockSignals(True)
                 self.run_list.setCurrentItem(item)
-        self.run_list.blockSignals(False)
+                self.run_list.blockSignals(False)
+
+    def _fill_compare(self, runs: list[RunInfo]) -> None:
         self.compare.blockSignals(True)
         self.compare.clear()
         self.compare.addItem("(none)", "")
@@ -485,63 +217,82 @@ class TrainingPanel(QWidget):
             self.compare.addItem(r.path.name, str(r.path))
         self.compare.blockSignals(False)
 
+    def run_state(self, run_dir: str) -> str:
+        """The state the Runs list shows for a run."""
+        for i in range(self.run_list.count()):
+            item = self.run_list.item(i)
+            if item.data(Qt.ItemDataRole.UserRole) == str(run_dir):
+                return item.text().rsplit("  ", 1)[-1]
+        return ""
+
     def _open_run_dialog(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Open a run directory", str(self.runs_root))
+        path = QFileDialog.getExistingDirectory(self, "Open a run folder", str(self.runs_root))
         if path:
             self.follow(path)
             self.refresh_runs(select=path)
 
     def follow(self, run_dir: str) -> None:
-        """Show a run (ours, or one written by `report()` on another machine) and follow it live."""
+        """Show a run (ours, one written by `report()` elsewhere, or any folder with TensorBoard or CSV
+        logs) and follow it live."""
         if self.follower is not None and str(self.follower.run_dir) == str(run_dir):
             return
-        self.follower = RunFollower(run_dir, stall_seconds=float(self.stall.value()))
+        self.follower = RunFollower(run_dir, stall_seconds=float(self.form.stall.value()))
         self.plots.set_follower(self.follower)
         for i in reversed(range(self.logs.count())):
             self.logs.removeTab(i)
         self.log_views.clear()
         self.ckpt_list.clear()
+        self._set_details({})
+        self._status = {}
         self.status.setText(f"Following {run_dir} …")
-        self.runChanged.emit(str(run_dir))
         self.poll()
 
     def config(self) -> RunConfig:
-        model = {"width": self.width_.value(), "depth": self.depth.value(), "heads": self.heads.value(),
-                 "batch_size": self.batch.value(), "lr": self.lr.value()}
-        script = self.script.text().strip() or None
-        return RunConfig(strategy=self.strategy.currentText(), nproc=self.nproc.value(), steps=self.steps.value(),
-                         checkpoint_every=self.ckpt_every.value(),
-                         device=None if self.device.currentText() == "auto" else self.device.currentText(),
-                         script=script, script_args=self.script_args.text().split() if script else [],
-                         model={} if script else model)
+        return self.form.config()
 
-    def start_run(self, run_dir: str | None = None, config: RunConfig | None = None) -> str | None:
-        run_dir = run_dir or str(self.runs_root / time.strftime("run-%Y%m%d-%H%M%S"))
-        try:
-            launcher = RunLauncher(run_dir, config or self.config()).start()
-        except Exception as exc:
-            self.status.setText(f"<span style='color:#d62728'>Cannot start: {exc}</span>")
-            return None
+    def start_run(self, run_dir: str | None = None, config: RunConfig | None = None) -> bool:
+        """Check the form (or ``config``) and start the run in the background; False (and the problems
+        shown next to their fields) when it cannot start."""
+        config = (config or self.form.config()).resolved()
+        problems = config.problems()
+        self.form.show_problems(problems)
+        if problems:
+            self.status.setText("<span style='color:#d62728'>Cannot start: fix the fields marked in red.</span>")
+            return False
+        root = self.runs_root
+
+        def launch(progress=None) -> RunLauncher:
+            return RunLauncher(run_dir or new_run_dir(root), config).start()
+
+        self.start_button.setEnabled(False)
+        self.status.setText("Starting …")
+        run_in_background(launch, on_result=self._started, on_error=self._start_failed,
+                          on_finished=lambda: self.start_button.setEnabled(True))
+        return True
+
+    def _started(self, launcher: RunLauncher) -> None:
         self.launchers[str(launcher.run_dir)] = launcher
         self.follower = None
         self.follow(str(launcher.run_dir))
         self.refresh_runs(select=str(launcher.run_dir))
-        return str(launcher.run_dir)
+
+    def _start_failed(self, message: str) -> None:
+        self.status.setText(f"<span style='color:#d62728'>Cannot start: {_escape(message)}</span>")
 
     def resume_run(self) -> None:
         item = self.ckpt_list.currentItem()
         if self.follower is None or item is None:
             self.status.setText("Select a checkpoint of this run to resume from.")
             return
-        import json
+        run_dir, ckpt = self.follower.run_dir, item.data(Qt.ItemDataRole.UserRole)
 
-        try:
-            cfg = json.loads((self.follower.run_dir / "config.json").read_text())
-        except (OSError, ValueError):
-            cfg = {}
-        known = {k: v for k, v in cfg.items() if k in RunConfig.__dataclass_fields__}
-        config = RunConfig(**{**known, "resume": item.data(Qt.ItemDataRole.UserRole)})
-        self.start_run(str(self.follower.run_dir), config)
+        def launch(progress=None) -> RunLauncher:
+            config = RunConfig.from_record(read_config(run_dir))
+            config.resume = ckpt
+            return RunLauncher(run_dir, config).start()
+
+        self.status.setText("Resuming …")
+        run_in_background(launch, on_result=self._started, on_error=self._start_failed)
 
     def stop_run(self) -> None:
         if self.follower is None:
@@ -549,38 +300,55 @@ class TrainingPanel(QWidget):
         run_dir = str(self.follower.run_dir)
         launcher = self.launchers.get(run_dir)
         self.stop_button.setEnabled(False)
-        self.status.setText("Stopping: SIGTERM to every process of the run, SIGKILL after 10 s …")
+        how = "scancel" if self._status.get("scheduler") == "slurm" else \
+            "SIGTERM to every process of the run, SIGKILL after 10 s"
+        self.status.setText(f"Stopping: {how} …")
 
         def stop(progress=None):
             return launcher.stop() if launcher is not None else stop_run(run_dir)
 
-        run_in_background(stop, on_result=lambda _c: self.poll(), on_error=lambda m: self.status.setText(m))
+        run_in_background(stop, on_result=lambda _s: self.poll(),
+                          on_error=lambda m: self.status.setText(_escape(m)))
 
     # ------------------------------------------------------------------ live updates
     def poll(self) -> None:
-        for launcher in self.launchers.values():
-            launcher.poll()  # reaps finished torchrun processes and writes their final status
-        if self.follower is None or self._reading:
+        """One background read: reap our torchruns (their final status is written), what is new in the
+        followed run, and every few polls the Runs list with each run's state."""
+        if self._reading:
             return
         self._reading = True
+        self._polls += 1
         follower = self.follower
-        run_in_background(lambda progress=None: follower.read(), on_result=lambda snap: self._apply(follower, snap),
+        launchers = list(self.launchers.values())
+        root = self.runs_root if self._polls % LIST_EVERY == 0 else None
+
+        def work(progress=None):
+            for launcher in launchers:
+                launcher.status()
+            return (follower.read() if follower is not None else None), (list_runs(root) if root else None)
+
+        run_in_background(work, on_result=lambda r: self._apply(follower, *r),
+                          on_error=lambda m: self.status.setText(_escape(m)),
                           on_finished=lambda: setattr(self, "_reading", False))
 
-    def _apply(self, follower: RunFollower, snap: RunSnapshot) -> None:
-        if follower is not self.follower:
+    def _apply(self, follower: RunFollower | None, snap: RunSnapshot | None, runs: list[RunInfo] | None) -> None:
+        if runs is not None:
+            self._show_runs(runs)
+        if follower is None or follower is not self.follower or snap is None:
             return
         follower.apply(snap)
-        if snap.new_points:
+        if snap.new_points or snap.replaced:
             self.plots.mark_dirty()
         for rank in follower.series:
-            self._log_view(rank)  # a tab for every rank that reports, even one that printed nothing yet
+            if is_rank(rank):
+                self._log_view(rank)  # a tab for every rank that reports, even one that printed nothing yet
         for rank, text in sorted(snap.new_log.items()):
             self._log_view(rank).appendPlainText(text.rstrip("\n"))
         names = [self.ckpt_list.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.ckpt_list.count())]
         for p in snap.checkpoints:
             if str(p) not in names:
-                item = QListWidgetItem(p.name)
+                item = QListWidgetItem(str(p.relative_to(follower.run_dir)) if p.is_relative_to(follower.run_dir)
+                                       else p.name)
                 item.setData(Qt.ItemDataRole.UserRole, str(p))
                 self.ckpt_list.addItem(item)
         self._show_status(follower, snap)
@@ -600,29 +368,48 @@ class TrainingPanel(QWidget):
 
     def _show_status(self, follower: RunFollower, snap: RunSnapshot) -> None:
         st = snap.status
-        self._status = st
-        state = st.get("state", "unknown (no status.json: a run started by hand?)")
+        previous, self._status = self._status.get("state"), st
+        state = st.get("state")
+        if state and state != previous:
+            self.runStateChanged.emit(str(follower.run_dir), state)
         ours = str(follower.run_dir) in self.launchers
-        running = state in ("starting", "running")
-        self.stop_button.setEnabled(running and (ours or bool(st.get("pid"))))
-        s0 = follower.series.get(0)
-        parts = [f"<b>{follower.run_dir.name}</b>: {state}"]
-        if s0 is not None and len(s0):
-            step = s0.column("step")[-1]
-            loss = s0.column("loss")[-1]
-            sps = s0.column("steps_per_s")[-1]
-            parts.append(f"step {step:.0f}, loss {loss:.4f}, {sps:.1f} steps/s" if np.isfinite(sps) else
-                         f"step {step:.0f}, loss {loss:.4f}")
+        self.stop_button.setEnabled(state in ACTIVE_STATES and (ours or bool(st.get("pid") or st.get("job_id"))))
+        shown = state or "no status.json: a run started outside Shardscope; following its files"
+        color = STATE_COLORS.get(state or "")
+        head = f"<span style='color:{color}'>{shown}</span>" if color else shown
+        nodes = f", {st['nodes']}" if st.get("nodes") else ""
+        where = f" (SLURM job {st['job_id']}{nodes})" if st.get("job_id") else ""
+        parts = [f"<b>{_escape(follower.run_dir.name)}</b>: {head}{where}"]
+        line = follower.progress()
+        if line:
+            parts.append(line)
+        if state == "queued":
+            parts.append(f"waiting: {_escape(st.get('explanation', ''))}")
         if snap.stalled:
             parts.append(f"<span style='color:#d62728'><b>stalled</b>: no new step from rank(s) "
                          f"{', '.join(map(str, snap.stalled))} for {follower.stall_seconds:.0f} s</span>")
-        if state in ("finished", "failed", "stopped"):
-            parts.append(describe_exit(st.get("exit_code")) if "exit_code" in st else st.get("explanation", ""))
-        if state == "failed":
-            for r in st.get("failed_ranks") or []:
-                parts.append(f"<span style='color:#d62728'>rank {r} failed; end of its log:</span>"
-                             f"<pre>{_escape(log_tail(follower.run_dir, r, 12))}</pre>")
+        if state in ("finished", "failed", "stopped") and st.get("explanation"):
+            parts.append(_escape(st["explanation"]))
+        for problem in snap.problems:
+            parts.append(f"<span style='color:#d62728'>{_escape(problem)}</span>")
+        self._set_details(snap.failures)
+        for r, tb in sorted(snap.failures.items()):
+            last = next((ln for ln in reversed(tb.splitlines()) if ln.strip()), "no traceback recorded")
+            who = "torchrun" if r == -1 else f"rank {r}"
+            parts.append(f"<span style='color:#d62728'>{who} failed: {_escape(last)}</span>")
         self.status.setText("<br>".join(p for p in parts if p))
+
+    def _set_details(self, failures: dict[int, str]) -> None:
+        text = "\n\n".join(f"--- {'launcher' if r == -1 else f'rank {r}'}\n{tb}" for r, tb in sorted(failures.items()))
+        if text != self.details.toPlainText():
+            self.details.setPlainText(text)
+        self.details_button.setVisible(bool(text))
+        self.details.setVisible(bool(text) and self.details_button.isChecked())
+
+    def _toggle_details(self, on: bool) -> None:
+        self.details_button.setArrowType(Qt.ArrowType.DownArrow if on else Qt.ArrowType.RightArrow)
+        self.details_button.setText("Hide the traceback" if on else "Show the traceback")
+        self.details.setVisible(on and bool(self.details.toPlainText()))
 
     def _compare_selected(self) -> None:
         items = self.ckpt_list.selectedItems()
@@ -638,11 +425,8 @@ class TrainingPanel(QWidget):
             self.plots.set_overlay(None)
             return
         other = RunFollower(path)
-
-        def read(progress=None):
-            return other.read()
-
-        run_in_background(read, on_result=lambda snap: (other.apply(snap), self.plots.set_overlay(other)))
+        run_in_background(lambda progress=None: other.read(),
+                          on_result=lambda snap: (other.apply(snap), self.plots.set_overlay(other)))
 
     def _save_png(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Save plots", "loss.png", "PNG (*.png)")
@@ -654,12 +438,11 @@ class TrainingPanel(QWidget):
             return
         path, _ = QFileDialog.getSaveFileName(self, "Save metrics", "metrics.csv", "CSV (*.csv)")
         if path:
-            write_text(path, self.follower.csv())
+            text = self.follower.csv()
+            run_in_background(lambda progress=None: write_text(path, text),
+                              on_error=lambda m: self.status.setText(_escape(m)))
 
     def shutdown(self) -> None:
         self.poll_timer.stop()
         self.redraw_timer.stop()
 
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -8,9 +8,8 @@ from typing import Any
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 
 from .gui import no_display
-from .gui import run as run_gui
 from .output import add_command
-from .train import add_train_options, follow_run
+from .train import add_train_options, follow_run, run_config
 
 
 def register(sub: Any) -> None:
@@ -25,6 +24,12 @@ def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint.verify import verify
     from shardscope.backend.runs.rundir import checkpoints
 
+    if not args.no_gui and not no_display():
+        # The window opens at once on the Training tab with the run live; it opens the last checkpoint
+        # itself when the run ends (app/first_run.py).
+        from shardscope.app.bootstrap import run_demo
+
+        return run_demo(run_config(args), args.run_dir)
     code, run_dir = follow_run(args)
     if code != EXIT_OK:
         return code
@@ -40,11 +45,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"try: shardscope inspect {last}\n     shardscope export {last} model.safetensors --strip-prefix model.")
     if problems:
         return EXIT_PROBLEMS
-    if args.no_gui:
-        return EXIT_OK
-    if no_display():
+    if not args.no_gui:
         print(f"no display here, so the window is not opened; on a desktop: shardscope gui {last} --run {run_dir}")
-        return EXIT_OK
-    ns = argparse.Namespace(path=str(last), select="model.blocks.0", screenshot=None, size=None, run=run_dir,
-                            compare=None)
-    return run_gui(ns)
+    return EXIT_OK

@@ -20,6 +20,7 @@ def register(sub: Any) -> None:
     sp.add_argument("--size", metavar="WxH", default=None, help="window size, e.g. 1400x900")
     sp.add_argument("--run", metavar="RUN_DIR", help="follow this run directory in the Training panel")
     sp.add_argument("--compare", nargs=2, metavar=("A", "B"), help="open the Compare view on two checkpoints")
+    sp.add_argument("--tab", choices=("inspector", "ranks", "health"), help="show this tab of the checkpoint view")
 
 
 def no_display() -> bool:

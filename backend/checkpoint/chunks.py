@@ -26,6 +26,7 @@ from .items import (
     parse_safetensors_header,
     parse_torch_item,
 )
+from .layout import coverage
 from .model import ITEMSIZE, Checkpoint, Chunk, ObjectEntry, TensorEntry, contiguous_strides
 from .storage import LocalHandles, RemoteHandles, open_folder
 
@@ -81,6 +82,9 @@ class ChunkReader:
         self.ckpt = ckpt
         folder = ckpt.folder if ckpt.folder is not None else open_folder(ckpt.path)
         self.handles: LocalHandles | RemoteHandles = folder.handles()
+        if not self.handles.local:  # remote: a read inside an item fetches the whole item (one request)
+            t = ckpt.chunk_table
+            self.handles.plan_table([f.name for f in ckpt.files], t.file, t.byte_offset, t.length)
         self._located: dict[tuple[str, int, str], StoredTensor] = {}
         self._blobs: dict[tuple[str, int], SafetensorsHeader] = {}
         self._sizes: dict[str, int] = {}
@@ -207,8 +211,14 @@ class ChunkReader:
         """The whole tensor assembled from its chunks (reads only this tensor's items)."""
         import torch
 
-        out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+        if not coverage(self.ckpt, entry).exact:  # also bounds the allocation by the bytes really stored
+            raise CheckpointError(f"{self.ckpt.path}: the chunks of {entry.fqn} do not tile its shape "
+                                  f"{list(entry.shape)} (see `shardscope verify`), so its values cannot be "
+                                  "assembled.", path=self.ckpt.path, fqn=entry.fqn)
         chunks = entry.chunks
+        for c in chunks:  # every chunk's bytes exist before the tensor is allocated
+            self.locate(entry.fqn, c)
+        out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         if progress:
             progress.start(len(chunks), f"reading {entry.fqn}")
         for c in chunks:

@@ -43,6 +43,7 @@ COALESCE = 8 << 20  # small items are merged into one request up to this size
 MAX_GAP = 1 << 20  # neighbouring ranges closer than this are fetched as one
 MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
 CACHE_BUDGET = 192 << 20  # fetched bytes kept for later reads (LRU)
+RETAIN = 16 << 20  # what the cache keeps once its readers are closed
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -209,6 +210,14 @@ class RemoteHandles:
             f.item_start = arr[order, 0]
             f.item_end = arr[order, 0] + arr[order, 1]
 
+    def plan_table(self, names: Sequence[str], file: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
+        """:meth:`plan_items` for a whole chunk table: item ``i`` is in ``names[file[i]]`` (-1: none)."""
+        file = np.asarray(file)
+        pairs = np.stack([np.asarray(offset, dtype=np.int64), np.asarray(length, dtype=np.int64)], 1)
+        for idx in np.unique(file[file >= 0]).tolist():
+            if 0 <= idx < len(names):
+                self.plan_items(names[idx], pairs[file == idx])
+
     def read(self, name: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
@@ -260,13 +269,14 @@ class RemoteHandles:
         raise OSError("remote files have no descriptor")
 
     def close(self) -> None:
+        """Stop prefetching and shrink the cache to what later readers of the folder likely need
+        (headers, small files): the handles are shared by every reader of one folder."""
         with self._lock:
             pool, self._pool = self._pool, None
-            self._files.clear()
-            self._lru.clear()
-            self._used = 0
         if pool is not None:
             pool.shutdown(wait=True)
+        with self._lock:
+            self._evict(RETAIN)
 
     def __enter__(self) -> RemoteHandles:
         return self
@@ -435,8 +445,8 @@ class RemoteHandles:
         else:
             self._forget(name, fetch)
 
-    def _evict(self) -> None:
-        while self._used > self.budget and self._lru:
+    def _evict(self, budget: int | None = None) -> None:
+        while self._used > (self.budget if budget is None else budget) and self._lru:
             _, (name, fetch) = self._lru.popitem(last=False)
             self._used -= fetch.end - fetch.start
             self._forget(name, fetch)

@@ -81,6 +81,9 @@ class LocalHandles:
     def plan_items(self, name: str, extents: Iterable[tuple[int, int]]) -> None:
         """Item boundaries of a file (used by remote handles only)."""
 
+    def plan_table(self, names: Sequence[str], file: Any, offset: Any, length: Any) -> None:
+        """Item boundaries of a chunk table (used by remote handles only)."""
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
@@ -106,7 +109,8 @@ class Folder:
         self.path = path  # what the user sees: a local path or the URL
         self.fs, self.root = fs, root
         self.storage_options = storage_options
-        self._listing: dict[str, int] | None = None
+        self._listing: dict[str, int] | None = None  # remote: the listing made when opened
+        self._remote: RemoteHandles | None = None
 
     @property
     def local(self) -> bool:
@@ -115,8 +119,12 @@ class Folder:
     def join(self, name: str) -> str:
         return os.path.join(self.path, name) if self.local else f"{self.path.rstrip('/')}/{name}"
 
-    def _remote(self, name: str) -> str:
+    def _key(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"  # type: ignore[union-attr]
+
+    def _set_listing(self, entries: list[dict[str, Any]]) -> None:
+        self._listing = {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
+                         for d in entries if d.get("type") == "file"}
 
     def listing(self) -> dict[str, int]:
         """Regular files of the folder and their sizes (one listing request when remote)."""
@@ -131,28 +139,30 @@ class Folder:
             except OSError as exc:
                 raise CheckpointError(f"{self.path}: cannot list the folder ({exc.strerror}).",
                                       path=self.path) from None
-        entries = call(self.path, self.fs.ls, self.root, detail=True, doing="cannot list the folder")
-        self._listing = {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
-                         for d in entries if d.get("type") == "file"}
-        return dict(self._listing)
+        if self._listing is None:
+            self._set_listing(call(self.path, self.fs.ls, self.root, detail=True, doing="cannot list the folder"))
+        return dict(self._listing)  # type: ignore[arg-type]
 
     def open(self, name: str) -> Any:
         """A binary file object (metadata pickles are read as a stream)."""
         if self.local:
             return os.fdopen(open_regular(os.path.join(self.path, name)), "rb")
-        return call(self.join(name), self.fs.open, self._remote(name), "rb", block_size=8 << 20)
+        return call(self.join(name), self.fs.open, self._key(name), "rb", block_size=8 << 20)
 
     def read_all(self, name: str) -> bytes:
         if self.local:
             with self.open(name) as f:
                 return f.read()
-        return call(self.join(name), self.fs.cat_file, self._remote(name))
+        return call(self.join(name), self.fs.cat_file, self._key(name))
 
     def handles(self) -> LocalHandles | RemoteHandles:
-        """Byte-range readers for this folder's files; make one per reader and share it between threads."""
+        """Byte-range readers for this folder's files; make one per reader and share it between threads.
+        Remote: one planner and cache per folder, shared by every reader of it (closing it drops the cache)."""
         if self.local:
             return LocalHandles(self.path)
-        return RemoteHandles(self.fs, self.root or "", self.path, sizes=self._listing)
+        if self._remote is None:
+            self._remote = RemoteHandles(self.fs, self.root or "", self.path, sizes=self._listing)
+        return self._remote
 
     def identity(self, names: list[str]) -> str | None:
         """What changes when these files change (for the metadata cache)."""
@@ -163,7 +173,7 @@ class Folder:
                     st = os.stat(os.path.join(self.path, name))
                     parts.append(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_dev}")
                 else:
-                    info = call(self.join(name), self.fs.info, self._remote(name))
+                    info = call(self.join(name), self.fs.info, self._key(name))
                     stamp = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
                     if stamp is None:
                         return None  # nothing tells a changed remote file apart: do not cache
@@ -199,13 +209,16 @@ def open_folder(path: str | os.PathLike | Folder, storage_options: dict[str, Any
 
 def _open_remote(url: str, storage_options: dict[str, Any] | None) -> Folder:
     fs, root = fs_for(url, storage_options)
-    kind = call(url, fs.info, root).get("type")
-    if kind == "file":
-        base = root.rstrip("/").rsplit("/", 1)
-        if base[-1] == ".metadata" or RANK_METADATA_RE.match(base[-1]):
-            return Folder(url.rstrip("/").rsplit("/", 1)[0], fs, base[0], storage_options)
+    root = root.rstrip("/")
+    entries = call(url, fs.ls, root, detail=True)  # one request: a folder's listing, or the file itself
+    if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == root:
+        parent, _, base = root.rpartition("/")
+        if base == ".metadata" or RANK_METADATA_RE.match(base):
+            return Folder(url.rstrip("/").rsplit("/", 1)[0], fs, parent, storage_options)
         raise CheckpointError(f"{url}: is a file, not a checkpoint folder.", path=url)
-    return Folder(url.rstrip("/"), fs, root, storage_options)
+    folder = Folder(url.rstrip("/"), fs, root, storage_options)
+    folder._set_listing(entries)
+    return folder
 
 
 def handles_for(path: str | Folder, storage_options: dict[str, Any] | None = None) -> LocalHandles | RemoteHandles:

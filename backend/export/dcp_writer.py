@@ -81,7 +81,9 @@ def _save_pieces(t: TensorIn, files: list[Any], names: list[str], storage: dict,
         off = f.tell()
         piece = piece.contiguous().clone()
         written.append(_Written(t.fqn, offsets, zlib.crc32(tensor_bytes(piece))))
-        torch.save(piece, f)
+        # NOTE: serialised in memory, then written by Python: a failing write (disk full) inside torch's zip
+        # writer ended in a C++ terminate for .pt exports (issue 10); here it stays an OSError.
+        f.write(_saved(piece))
         meta = ChunkStorageMetadata(torch.Size(offsets), torch.Size(piece.shape))
         chunks.append(meta)
         storage[MetadataIndex(t.fqn, meta.offsets)] = _StorageInfo(names[r], off, f.tell() - off)
@@ -102,7 +104,7 @@ def _write_metadata(folder: str, sdm: dict, storage: dict, planner_data: dict, d
         os.fsync(f.fileno())
 
 
-def write_dcp(tensors: Iterable[TensorIn], objects: Iterable[ObjectIn], dst: str, ranks: int,
+def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ranks: int,
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
               progress: Progress | None = None, total_bytes: int = 0) -> ExportResult:
     """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last."""
@@ -119,7 +121,8 @@ def write_dcp(tensors: Iterable[TensorIn], objects: Iterable[ObjectIn], dst: str
         raise ExportError("--ranks must be at least 1.")
     t0 = time.monotonic()
     names = [f"__{r}_0.distcp" for r in range(ranks)]
-    with AtomicOutput(dst, kind="dir", force=force, need_bytes=total_bytes + (1 << 20)) as out:
+    need = total_bytes + sum(len(o.data) for o in objects) + 4096 * ranks + (1 << 20)
+    with AtomicOutput(dst, kind="dir", force=force, need_bytes=need) as out:
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         written: list[_Written] = []

@@ -54,22 +54,12 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python lacks)."""
     if len2 <= 0:
         return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
+    op = _gf2_square(_gf2_square([0xEDB88320] + [1 << n for n in range(31)]))  # appends four zero bits
+    while len2:
+        op = _gf2_square(op)  # appends 1, 2, 4, ... zero bytes
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
     return crc1 ^ crc2
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..checkpoint.chunks import ChunkReader, load_weights_only, torch_dtype
 from ..checkpoint.flatten import dotted, flatten
+from ..checkpoint.items import StorageRef
 from ..checkpoint.model import contiguous_strides
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
@@ -34,15 +35,6 @@ class _Placeholder:
     """Stands for output tensor ``index`` in the nested dict until the pickler meets it."""
 
     index: int
-
-
-class StorageRecord:
-    """A storage of the archive (``data/<key>``) as the pickler's persistent id sees it."""
-
-    __slots__ = ("dtype", "key", "numel")
-
-    def __init__(self, key: str, numel: int, dtype: str) -> None:
-        self.key, self.numel, self.dtype = key, numel, dtype
 
 
 def set_element(root: dict, path: tuple, value: Any) -> None:
@@ -94,15 +86,15 @@ def nested_state(plan: ExportPlan, reader: ChunkReader) -> dict:
     return root
 
 
-def pickle_state(root: dict, items: tuple[ExportItem, ...]) -> tuple[bytes, list[tuple[StorageRecord, Any]]]:
+def pickle_state(root: dict, items: tuple[ExportItem, ...]) -> tuple[bytes, list[tuple[StorageRef, Any]]]:
     """data.pkl, and the storages in key order: (record, ExportItem or an in-memory tensor)."""
     import torch
 
-    storages: list[tuple[StorageRecord, Any]] = []
+    storages: list[tuple[StorageRef, Any]] = []
     storage_types = torch.storage._dtype_to_storage_type_map()
 
     def rebuild(dtype: str, shape: tuple, what: Any) -> Any:
-        rec = StorageRecord(str(len(storages)), math.prod(shape), dtype)
+        rec = StorageRef(str(len(storages)), math.prod(shape), dtype)
         storages.append((rec, what))
         return (torch._utils._rebuild_tensor_v2, (rec, 0, shape, contiguous_strides(shape), False, OrderedDict()))
 
@@ -117,7 +109,7 @@ def pickle_state(root: dict, items: tuple[ExportItem, ...]) -> tuple[bytes, list
             return NotImplemented
 
         def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, StorageRecord):
+            if isinstance(obj, StorageRef):
                 stype = getattr(torch, storage_types[torch_dtype(obj.dtype)])
                 return ("storage", stype, obj.key, "cpu", obj.numel)
             return None
@@ -251,5 +243,5 @@ def check_archive(path: str, plan: ExportPlan, storages: list, torch: Any) -> No
     del loaded, flat
 
 
-__all__ = ["ALIGN", "StorageRecord", "archive_name", "check_archive", "nested_state", "pickle_state",
+__all__ = ["ALIGN", "archive_name", "check_archive", "nested_state", "pickle_state",
            "set_element", "write"]

@@ -75,6 +75,29 @@ def _jsonl_values(path: str) -> dict[str, dict[int, float]]:
         return state.values
 
 
+def _whole_file_cached(read):
+    """Cache a whole-file reader by (path, size, mtime): the Library polls every few seconds."""
+    cache: dict[str, tuple[tuple[int, int], dict[str, dict[int, float]]]] = {}
+
+    def cached(path: str) -> dict[str, dict[int, float]]:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return {}
+        stamp = (st.st_size, st.st_mtime_ns)
+        with _lock:
+            hit = cache.get(path)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        values = read(path)
+        with _lock:
+            cache[path] = (stamp, values)
+        return values
+
+    return cached
+
+
+@_whole_file_cached
 def _csv_values(path: str) -> dict[str, dict[int, float]]:
     """Lightning's CSVLogger file: a ``step`` column and one column per logged metric (blank where not logged)."""
     try:
@@ -94,6 +117,7 @@ def _csv_values(path: str) -> dict[str, dict[int, float]]:
         return {}
 
 
+@_whole_file_cached
 def _trainer_state_values(path: str) -> dict[str, dict[int, float]]:
     try:
         if os.path.getsize(path) > MAX_STATE_BYTES:

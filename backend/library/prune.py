@@ -157,8 +157,9 @@ def _rule_reasons(c: CheckpointRecord, rules: Rules, last: set[str], best: dict[
     if rules.keep_best:
         if c.path in best_kept:
             out.append(f"keep-best {rules.keep_best} ({rules.mode}, top {rules.top}): {best[c.path]:.6g}")
-        elif c.path not in best:
-            out.append(f"keep-best: no {rules.keep_best} at this step (kept, as Orbax's BestN does)")
+        elif c.path not in best:  # kept, as Orbax's BestN keeps checkpoints without metrics
+            out.append(f"keep-best: no {rules.keep_best} at this step" if best else
+                       f"keep-best: the run logs no {rules.keep_best}")
     out.extend(f"keep {g}" for g in rules.keep if fnmatch.fnmatch(c.name, g) or fnmatch.fnmatch(c.path, g))
     if rules.min_age is not None and age < rules.min_age:
         out.append(f"min-age {_age_text(rules.min_age)} (it is {_age_text(age)} old)")

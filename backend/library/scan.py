@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.reader import DATA_FILE_RE, RANK_METADATA_RE
 from ..errors import ShardscopeError
 from ..procs import pid_alive
 from ..progress import Progress
@@ -30,8 +29,13 @@ CONSOLIDATED_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 CHECKPOINT_HOLDERS = {"checkpoints", "checkpoint", "ckpt", "ckpts"}
 SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "wandb", "tensorboard"}
 RUN_SKIP_DIRS = {"metrics", "logs", "exit"}
+# The names torch's FileSystemWriter gives (as in checkpoint.reader; repeated here so that a listing does not
+# import numpy and the checkpoint model: 0.3 s of the 1 s an `ls` takes).
+DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 HF_SHARD_RE = re.compile(r"^shard-(\d+)-.*\.safetensors$")
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's per-model-parallel-rank folders
 HF_TRAINER_RE = re.compile(r"^(tmp-)?checkpoint-\d+$")
 STEP_RES = (
     re.compile(r"(?:^|[^a-z])(?:global_)?step[_=\-]?(\d+)", re.IGNORECASE),  # step_000100 step-100 step=12000
@@ -102,10 +106,6 @@ class RunRecord:
     def bytes(self) -> int:
         return sum(c.bytes for c in self.checkpoints)
 
-    def newest_complete(self) -> CheckpointRecord | None:
-        done = [c for c in self.checkpoints if c.state == "complete"]
-        return max(done, key=order_key) if done else None
-
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "name": self.name, "bytes": self.bytes,
                 "checkpoints": [c.path for c in self.checkpoints]}
@@ -133,9 +133,6 @@ class Listing:
     @property
     def bytes(self) -> int:
         return sum(r.bytes for r in self.runs)
-
-    def run_of(self, ckpt: CheckpointRecord) -> RunRecord | None:
-        return next((r for r in self.runs if r.path == ckpt.run), None)
 
     def find(self, path: str) -> CheckpointRecord | None:
         return next((c for c in self.checkpoints if c.path == path), None)
@@ -191,7 +188,7 @@ class _Scanner:
     def scan_root(self, root: str) -> None:
         self.root = root
         if os.path.isfile(root):
-            rec = self.file_checkpoint(root, os.lstat(root))
+            rec = self.file_checkpoint(root, os.lstat(root)) if is_checkpoint_file(os.path.basename(root)) else None
             if rec is not None:
                 self.found.append(rec)
             return
@@ -217,10 +214,22 @@ class _Scanner:
         if "config.json" in files and "status.json" in files:
             run = path
             self.run_dirs[path] = "shardscope"
+        mark = len(self.found)
+        self.walk_contents(path, files, dirs, depth, run)
+        step = step_from_name(os.path.basename(path))
+        children = self.found[mark:]
+        depth_of = path.count(os.sep)
+        if step is not None and run != path and children and all(
+                step_from_name(c.name) is None and c.path.count(os.sep) - depth_of <= 2 for c in children):
+            # a step folder of parts (model.pt + optim.pt, Megatron's mp_rank_NN/, model/ + optim/ DCP folders)
+            del self.found[mark:]
+            self.found.append(self.composite(path, step, children, files, dirs, run))
+
+    def walk_contents(self, path: str, files: dict[str, os.DirEntry], dirs: list[os.DirEntry], depth: int,
+                      run: str | None) -> None:
+        """Consolidated files in a folder that is not a checkpoint, then its subfolders; leftovers of prunes."""
         for name, entry in files.items():
-            if name.startswith("."):
-                continue
-            if name.endswith(CONSOLIDATED_SUFFIXES) or (name.startswith("pytorch_model") and name.endswith(".bin")):
+            if is_checkpoint_file(name):
                 rec = self.file_checkpoint(entry.path, entry.stat(follow_symlinks=False), run)
                 if rec is not None:
                     self.found.append(rec)
@@ -235,6 +244,23 @@ class _Scanner:
             leftover = leftover_of(os.path.join(path, name))
             if leftover is not None:
                 self.leftovers.append(leftover)
+
+    def composite(self, path: str, step: int, parts: list[CheckpointRecord], files: dict[str, os.DirEntry],
+                  dirs: list[os.DirEntry], run: str | None) -> CheckpointRecord:
+        """One checkpoint made of the checkpoints found inside a step folder."""
+        total, newest, count = _usage(path, files.values(), dirs)
+        mp_ranks = {int(m.group(1)) for d in dirs if (m := MP_RANK_RE.match(d.name))}
+        formats = {c.format for c in parts}
+        fmt = "megatron" if mp_ranks else formats.pop() if len(formats) == 1 else "mixed"
+        ranks = sorted(set().union(mp_ranks, *(c.ranks for c in parts)))
+        state = next((s for s in ("writing", "incomplete", "unreadable") if any(c.state == s for c in parts)),
+                     "complete")
+        reason = next((f"{os.path.relpath(c.path, path)}: {c.reason}" for c in parts if c.state == state and c.reason),
+                      "")
+        rec = CheckpointRecord(path, run or self.default_run(path), step, fmt, ranks, total, newest, state, reason,
+                               False, count)
+        self.mark_writing(rec)
+        return rec
 
     def default_run(self, ckpt_path: str) -> str:
         """The folder holding a checkpoint, or the one above a ``checkpoints/`` folder."""
@@ -274,6 +300,12 @@ class _Scanner:
         age = self.now - rec.mtime
         if -60 < age < self.writing_seconds and rec.state != "unreadable":
             rec.state, rec.reason = "writing", f"files changed {max(age, 0):.0f} s ago"
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """A consolidated checkpoint's file name (hidden names are temporaries of a writer)."""
+    return not name.startswith(".") and (name.endswith(CONSOLIDATED_SUFFIXES) or
+                                         (name.startswith("pytorch_model") and name.endswith(".bin")))
 
 
 def is_shardscope_run(path: str) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ShardscopeError
 from .launcher import run_status
 from .metrics import FIELDS, Series, records_to_columns
-from .rundir import checkpoints, read_metrics, scalar_logs
+from .rundir import checkpoints, log_tail, rank_exits, read_metrics, scalar_logs
 from .scalars import CsvLogSource, EventFileSource, open_source
 
 LOG_CHUNK = 1 << 20
@@ -36,6 +36,7 @@ class RunSnapshot:
     stalled: list[int] = field(default_factory=list)
     checkpoints: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)  # failed rank (-1: launcher) -> end of its traceback
 
 
 def is_rank(key: int) -> bool:
@@ -69,7 +70,19 @@ class RunFollower:
                 snap.new_log[key] = text
         snap.status = run_status(self.run_dir)
         snap.checkpoints = checkpoints(self.run_dir)
+        if snap.status.get("state") == "failed":
+            snap.failures = self.failures(snap.status)
         return snap
+
+    def failures(self, status: dict) -> dict[int, str]:
+        """The end of each failed rank's traceback (its exit record, else its log); the launcher's log
+        when no rank recorded a failure (torchrun itself failed, or the job was killed)."""
+        exits = rank_exits(self.run_dir)
+        out = {}
+        for r in status.get("failed_ranks") or []:
+            tb = exits.get(r, {}).get("traceback_tail") or log_tail(self.run_dir, r, 40)
+            out[int(r)] = tb.strip()
+        return out or {-1: log_tail(self.run_dir, -1, 40).strip()}
 
     def _read_scalar_logs(self, snap: RunSnapshot) -> None:
         for path in scalar_logs(self.run_dir):

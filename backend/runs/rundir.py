@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ ACTIVE_STATES = ("queued", "starting", "running")
 FINAL_STATES = ("finished", "failed", "stopped")
 SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files match EVENT_FILE_MARK
 EVENT_FILE_MARK = "tfevents"
-SKIP_DIRS = {"metrics", "logs", "exit", "__pycache__", ".git"}
+SKIP_DIRS = {"exit", "__pycache__", "node_modules"}
 SEARCH_DEPTH = 4
 
 
@@ -56,9 +57,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
     """Write atomically: a temporary name in the same folder, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)  # unique: two threads (a poll and a stop) may write the same status at once
     try:
-        with open(tmp, "w") as f:
+        with os.fdopen(fd, "w") as f:
             f.write(json.dumps(value, indent=2))
             f.flush()
             os.fsync(f.fileno())

@@ -1,0 +1,359 @@
+"""Hostile and damaged checkpoints built from real dcp.save output: every one gives a clean exit code and
+one line, never a traceback, a hang, or memory driven by a number inside the file; and damaged bytes are
+never reported as good values."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import run_cli
+from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.checkpoint.chunks import ChunkReader, CorruptChunkError
+from shardscope.backend.checkpoint.layout import coverage
+from shardscope.backend.checkpoint.verify import verify, verify_contents
+from shardscope.backend.errors import CheckpointError
+from shardscope.backend.progress import Progress
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch_reference import torch_metadata
+
+FQN = "model.blocks.0.fc1.weight"
+MEASURE = ("import resource, sys\nfrom shardscope.app.cli.main import main\nrc = main(sys.argv[1:])\n"
+           "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\nsys.exit(rc)")
+
+
+def run_measured(*args: object, timeout: float = 300) -> tuple[subprocess.CompletedProcess, int]:
+    """Run the CLI in a subprocess; the exit code, output and its peak RSS in MB."""
+    proc = subprocess.run([sys.executable, "-c", MEASURE, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    line = [x for x in proc.stderr.splitlines() if x.startswith("MAXRSS_KB")]
+    return proc, int(line[0].split()[1]) // 1024 if line else -1
+
+
+def clean(proc: subprocess.CompletedProcess, codes: tuple[int, ...] = (2,)) -> None:
+    assert proc.returncode in codes, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+
+
+def save_metadata(folder, md, protocol: int = 2) -> bytes:
+    data = pickle.dumps(md, protocol=protocol)
+    (folder / ".metadata").write_bytes(data)
+    return data
+
+
+def index_of(md, fqn: str, offsets) -> MetadataIndex:
+    return next(k for k in md.storage_data if k.fqn == fqn and tuple(k.offset) == tuple(offsets))
+
+
+# ---------------------------------------------------------------- allocation bombs and nesting
+def test_bytearray_bomb_is_refused_without_allocating(tmp_path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    bomb = b"\x80\x02cbuiltins\nbytearray\n\x8a\x05" + (5_000_000_000).to_bytes(5, "little") + b"\x85R."
+    (tmp_path / ".metadata").write_bytes(bomb)
+    assert len(bomb) < 40
+    proc, mb = run_measured("inspect", tmp_path)
+    clean(proc)
+    assert "allocation bomb" in proc.stderr and mb < 1500, mb
+
+
+class _Bytes:
+    def __reduce__(self):
+        return bytearray, (20_000_000,)
+
+
+class _ListOfBytes:
+    def __reduce__(self):
+        return list, (_Bytes(),)
+
+
+def test_shape_built_from_a_huge_bytearray_is_refused(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    md = torch_metadata(ckpt)
+    md.state_dict_metadata[FQN].size = _ListOfBytes()
+    assert len(save_metadata(ckpt, md)) < 100_000
+    proc, mb = run_measured("inspect", ckpt, "--no-cache")
+    clean(proc)
+    assert mb < 1500, mb
+
+
+def test_deeply_nested_version_and_dict_key(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    md = torch_metadata(ckpt)
+    md.version = "VERSIONMARK"
+    data = pickle.dumps(md, protocol=2)
+    marker = b"X\x0b\x00\x00\x00VERSIONMARK"
+    assert data.count(marker) == 1
+    # a dict whose key is a tuple nested 200,000 deep: hashing it recurses in C
+    nested = b"}" + b")" + b"\x85" * 200_000 + b"K\x01s"
+    (ckpt / ".metadata").write_bytes(data.replace(marker, nested))
+    for cmd in ("inspect", "verify"):
+        clean(run_cli(cmd, ckpt, "--no-cache"))
+
+
+def test_nested_version_string_is_bad_input_not_a_cache_crash(copy_of):
+    ckpt = copy_of("nopg")
+    md = torch_metadata(ckpt)
+    md.version = "VERSIONMARK"
+    data = pickle.dumps(md, protocol=2)
+    nested = b")" + b"\x85" * 200_000  # a tuple nested 200,000 deep where the version string belongs
+    (ckpt / ".metadata").write_bytes(data.replace(b"X\x0b\x00\x00\x00VERSIONMARK", nested))
+    proc = run_cli("inspect", ckpt)  # with the metadata cache on
+    clean(proc)
+    assert "version" in proc.stderr
+
+
+# ---------------------------------------------------------------- record fields checked after unpickling
+def _bad_records():
+    def chunk_is_int(md):
+        md.state_dict_metadata[FQN].chunks[0] = 7
+
+    def none_in_sizes(md):
+        md.state_dict_metadata[FQN].chunks[0].sizes = [None, 12]
+
+    def string_offsets(md):
+        md.state_dict_metadata[FQN].chunks[0].offsets = "ab"
+
+    def huge_offset(md):
+        info = md.storage_data[index_of(md, FQN, (0, 0))]
+        info.offset = 2**63
+
+    def ragged(md):
+        md.state_dict_metadata[FQN].chunks[0].offsets = (0,)
+
+    def path_none(md):
+        md.storage_data[index_of(md, FQN, (0, 0))].relative_path = None
+
+    def path_absolute(md):
+        md.storage_data[index_of(md, FQN, (0, 0))].relative_path = "/dev/zero"
+
+    def path_escapes(md):
+        md.storage_data[index_of(md, FQN, (0, 0))].relative_path = "../../../../../../dev/zero"
+
+    def dtype_junk(md):
+        md.state_dict_metadata[FQN].properties.dtype = [1, 2]
+
+    def shape_huge(md):
+        md.state_dict_metadata[FQN].size = (2**63, 1)
+
+    def fqn_not_str(md):
+        md.state_dict_metadata[(1, 2)] = md.state_dict_metadata.pop(FQN)
+
+    return [chunk_is_int, none_in_sizes, string_offsets, huge_offset, ragged, path_none, path_absolute,
+            path_escapes, dtype_junk, shape_huge, fqn_not_str]
+
+
+@pytest.mark.parametrize("damage", _bad_records(), ids=lambda f: f.__name__)
+def test_bad_record_fields_are_bad_input(copy_of, damage):
+    ckpt = copy_of("fsdp2_r2")
+    md = torch_metadata(ckpt)
+    damage(md)
+    save_metadata(ckpt, md)
+    with pytest.raises(CheckpointError):
+        open_checkpoint(ckpt, use_cache=False)
+    proc = run_cli("show", ckpt, FQN, "--no-cache", timeout=120)
+    clean(proc)
+
+
+def test_unhashable_storage_key_is_bad_input(copy_of):
+    ckpt = copy_of("nopg")
+    md = torch_metadata(ckpt)
+    # a list where the MetadataIndex's offset belongs makes the storage_data key unhashable
+    first = next(k for k in md.storage_data if k.offset is not None)
+    info = md.storage_data.pop(first)
+    key = MetadataIndex(first.fqn)
+    object.__setattr__(key, "offset", "OFFSETMARK__")
+    md.storage_data[key] = info
+    data = pickle.dumps(md, protocol=2).replace(b"X\x0c\x00\x00\x00OFFSETMARK__", b"]")
+    (ckpt / ".metadata").write_bytes(data)
+    clean(run_cli("inspect", ckpt, "--no-cache"), (0, 2))
+    proc = run_cli("verify", ckpt, "--no-cache")
+    clean(proc, (1, 2))
+    assert first.fqn in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- analysis cost and integer width
+def test_fifty_thousand_repeated_chunks_are_fast(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    md = torch_metadata(ckpt)
+    tm = md.state_dict_metadata[FQN]
+    tm.chunks = tm.chunks + [tm.chunks[0]] * 50_000  # pickle memo references: a few bytes each
+    assert len(save_metadata(ckpt, md)) < 2_000_000
+    t0 = time.monotonic()
+    problems = verify(open_checkpoint(ckpt, use_cache=False))
+    assert time.monotonic() - t0 < 60  # was 119 s with a per-chunk slice update
+    over = [p for p in problems if p.kind == "overlap" and p.fqn == FQN]
+    extra = 50_000 * math.prod(tm.chunks[0].sizes)
+    assert over and f"overlap on {extra} elements" in over[0].message
+
+
+def test_huge_shape_with_half_missing_is_reported(copy_of):
+    ckpt = copy_of("nopg")
+    md = torch_metadata(ckpt)
+    fqn = next(k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+               and len(v.size) == 2)
+    tm = md.state_dict_metadata[fqn]
+    old = tm.chunks[0]
+    info = md.storage_data.pop(index_of(md, fqn, old.offsets))
+    import torch
+
+    tm.size = torch.Size([2**40, 2**40])
+    tm.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2**39, 2**40]))]
+    md.storage_data[MetadataIndex(fqn, torch.Size([0, 0]))] = info
+    save_metadata(ckpt, md)
+    ck = open_checkpoint(ckpt, use_cache=False)
+    cov = coverage(ck, ck.tensor(fqn))
+    assert not cov.exact and cov.gap_elements == 2**79
+    gaps = [p for p in verify(ck) if p.kind == "gap"]
+    assert gaps and gaps[0].fqn == fqn
+    clean(run_cli("show", ckpt, fqn, "--no-cache"))  # not 4 TiB of torch.empty: bad input
+
+
+# ---------------------------------------------------------------- untrusted lengths inside .distcp items
+def _item(ckpt_path, fqn=FQN):
+    ck = open_checkpoint(ckpt_path, use_cache=False)
+    chunk = ck.tensor(fqn).chunks[0]
+    return ck, chunk
+
+
+def test_zip64_central_directory_claim(copy_of, tmp_path):
+    ckpt = copy_of("fsdp2_r2")
+    _ck, chunk = _item(ckpt)
+    path = ckpt / chunk.file
+    data = bytearray(path.read_bytes())
+    item = data[chunk.offset:chunk.offset + chunk.length]
+    eocd, z64 = item.rfind(b"PK\x05\x06"), item.rfind(b"PK\x06\x06")
+    assert eocd > 0 and z64 > 0
+    struct.pack_into("<I", data, chunk.offset + eocd + 16, 0xFFFFFFFF)  # "see the zip64 record"
+    struct.pack_into("<Q", data, chunk.offset + z64 + 40, 2**50)  # a 1 PiB central directory
+    path.write_bytes(bytes(data))
+    proc, mb = run_measured("verify", "--deep", ckpt)
+    clean(proc, (1,))
+    assert FQN in proc.stdout and mb < 1500
+    for args in (("show", ckpt, FQN), ("export", ckpt, tmp_path / "out.safetensors"),
+                 ("diff", ckpt, ckpt)):
+        clean(run_cli(*args))
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_data_pkl_size_is_bounded_by_the_item(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    _ck, chunk = _item(ckpt)
+    path = ckpt / chunk.file
+    data = bytearray(path.read_bytes())
+    item = bytes(data[chunk.offset:chunk.offset + chunk.length])
+    cd = item.find(b"PK\x01\x02")
+    while cd >= 0:  # every central-directory size of data.pkl claims 3 GB
+        nlen = struct.unpack_from("<H", item, cd + 28)[0]
+        if item[cd + 46:cd + 46 + nlen].endswith(b"data.pkl"):
+            struct.pack_into("<I", data, chunk.offset + cd + 20, 3_000_000_000)
+        cd = item.find(b"PK\x01\x02", cd + 4)
+    path.write_bytes(bytes(data))
+    problems = verify(open_checkpoint(ckpt, use_cache=False), deep=True)
+    assert [p.kind for p in problems] == ["unreadable"] and problems[0].fqn == FQN
+    clean(run_cli("show", ckpt, FQN))
+
+
+def test_hf_shard_claiming_more_than_exists(copy_of):
+    ckpt = copy_of("hf_r2")
+    name = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".safetensors")[0]
+    path = ckpt / name
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    a = header[key]["data_offsets"][0]
+    header[key]["data_offsets"][1] = a + 5_000_000_000
+    raw = json.dumps(header).encode()
+    raw += b" " * (n - len(raw)) if len(raw) <= n else b""
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    proc, mb = run_measured("verify", "--deep", ckpt)
+    clean(proc)
+    assert name in proc.stderr and mb < 1500
+
+
+# ---------------------------------------------------------------- paths
+def test_relative_path_to_a_fifo_in_the_folder_does_not_hang(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    os.mkfifo(ckpt / "fifo.distcp")
+    md = torch_metadata(ckpt)
+    md.storage_data[index_of(md, FQN, (0, 0))].relative_path = "fifo.distcp"
+    save_metadata(ckpt, md)
+    problems = verify(open_checkpoint(ckpt, use_cache=False), deep=True)
+    assert any(p.kind == "missing_file" and p.file == "fifo.distcp" for p in problems)
+    clean(run_cli("show", ckpt, FQN, timeout=120))
+    with ChunkReader(open_checkpoint(ckpt, use_cache=False)) as reader, pytest.raises(CheckpointError) as exc:
+        reader.handles.read("fifo.distcp", 0, 10)
+    assert "not a regular file" in str(exc.value)
+
+
+def test_symlinked_item_to_a_device_is_refused(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    _ck, chunk = _item(ckpt)
+    os.unlink(ckpt / chunk.file)
+    os.symlink("/dev/zero", ckpt / chunk.file)
+    proc, mb = run_measured("show", ckpt, FQN, "--no-cache")
+    clean(proc)
+    assert mb < 1500
+
+
+# ---------------------------------------------------------------- wrong answers that look right
+def _flip_a_value_bit(ckpt):
+    ck = open_checkpoint(ckpt, use_cache=False)
+    chunk = ck.tensor(FQN).chunks[0]
+    with ChunkReader(ck) as reader:
+        st = reader.locate(FQN, chunk)
+    f = ckpt / chunk.file
+    data = bytearray(f.read_bytes())
+    data[st.data_offset + 10] ^= 0x40
+    f.write_bytes(bytes(data))
+    return chunk
+
+
+def test_flipped_bit_is_an_error_on_every_read(copy_of, tmp_path):
+    ckpt = copy_of("fsdp2_r2")
+    chunk = _flip_a_value_bit(ckpt)
+    ck = open_checkpoint(ckpt, use_cache=False)
+    with ChunkReader(ck) as reader, pytest.raises(CorruptChunkError) as exc:
+        reader.read_tensor(ck.tensor(FQN))
+    assert exc.value.fqn == FQN and chunk.file in str(exc.value)
+    proc = run_cli("show", ckpt, FQN)
+    clean(proc)
+    assert "CRC32" in proc.stderr and FQN in proc.stderr and chunk.file in proc.stderr
+    for dst in ("out.safetensors", "out.pt"):
+        proc = run_cli("export", ckpt, tmp_path / dst, "--strip-prefix=")
+        assert proc.returncode != 0 and "verified" not in proc.stdout, proc.stdout
+        assert "Traceback" not in proc.stderr and not (tmp_path / dst).exists()
+    kinds = [p.kind for p in verify_contents(ck, Progress())]
+    assert kinds == ["corrupt"]
+
+
+def test_two_chunks_reading_the_same_bytes_are_reported(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    md = torch_metadata(ckpt)
+    other = "optimizer.state.blocks.0.fc1.weight.exp_avg"  # same chunk shapes, same file
+    a = md.storage_data[index_of(md, FQN, md.state_dict_metadata[FQN].chunks[0].offsets)]
+    b = md.storage_data[index_of(md, other, md.state_dict_metadata[other].chunks[0].offsets)]
+    assert a.relative_path == b.relative_path
+    a.offset, a.length = b.offset, b.length  # FQN's first chunk now reads the exp_avg item
+    save_metadata(ckpt, md)
+    deep = verify(open_checkpoint(ckpt, use_cache=False), deep=True)
+    assert "storage_overlap" in [p.kind for p in deep]
+    proc = run_cli("verify", "--deep", ckpt)
+    clean(proc, (1,))
+    assert "overlap" in proc.stdout
+
+
+def test_partly_overlapping_ranges_are_found_without_reading(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    md = torch_metadata(ckpt)
+    a = md.storage_data[index_of(md, FQN, md.state_dict_metadata[FQN].chunks[0].offsets)]
+    a.length += 100  # runs into the next item
+    save_metadata(ckpt, md)
+    assert "storage_overlap" in [p.kind for p in verify(open_checkpoint(ckpt, use_cache=False))]
