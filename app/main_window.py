@@ -464,6 +464,7 @@ class MainWindow(QMainWindow):
             w.shutdown()
         if getattr(self, "_training", None) is not None:
             self._training.shutdown()
+        self.library.shutdown()
         super().closeEvent(event)
 
 

@@ -46,10 +46,10 @@ def trainer_step_time() -> float:
 
 def redraw_time(points: int = 1_000_000, ranks: int = 4, frames: int = 10) -> tuple[float, float]:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from shardscope.app.main_window import make_app
+    from shardscope.app.bootstrap import make_app
     from shardscope.backend.runs.follow import RunFollower
     from shardscope.backend.runs.metrics import Series
-    from shardscope.widgets.training_panel import RunPlots
+    from shardscope.widgets.run_plots import RunPlots
 
     app = make_app()
     plots = RunPlots()

@@ -32,6 +32,7 @@ import torch
 REFCOUNT_SLACK = 2000
 WARMUP_ACTIONS = 300
 SAMPLE_EVERY = 25
+PAINT_EVERY = 0.25  # seconds between letting Qt paint and run its timers
 # relative weights of the user actions (Soak.act_<name>)
 ACTIONS = {"select": 30, "hover": 30, "zoom": 6, "right_tab": 6, "main_tab": 5, "rank": 4, "filter": 4,
            "compare": 8, "plots": 5, "reload": 0.3, "layout": 0.7}
@@ -52,6 +53,11 @@ def make_big_checkpoint(workdir: Path) -> Path:
     subprocess.run([sys.executable, "-m", "shardscope.app.cli", "import", str(src), str(dst), "--ranks", "512",
                     "--prefix", "model"], check=True, capture_output=True, timeout=600)
     return dst
+
+
+def loaded(view) -> bool:
+    """A checkpoint view has its tree and its analysis (health, ranks) shown."""
+    return view.data is not None and view.data.problems is not None and view.progress.isHidden()
 
 
 class MetricsWriter(threading.Thread):
@@ -85,7 +91,8 @@ class MetricsWriter(threading.Thread):
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         from PySide6.QtCore import QThreadPool
-        from shardscope.app.main_window import MainWindow, make_app
+        from shardscope.app.bootstrap import make_app
+        from shardscope.app.main_window import MainWindow
 
         self.args = args
         self.rng = random.Random(args.seed)
@@ -96,6 +103,7 @@ class Soak:
         self.win.resize(1280, 720)
         self.win.show()
         self.counts: Counter[str] = Counter()
+        self.spent: Counter[str] = Counter()  # seconds per kind of action
         self.samples: list[tuple[int, int, int, int]] = []  # (actions, None, True, False)
         self.errors: list[str] = []
         self.tooltips = 0
@@ -103,6 +111,7 @@ class Soak:
 
     def _excepthook(self, kind, value, tb) -> None:
         self.errors.append("".join(traceback.format_exception(kind, value, tb))[-2000:])
+        sys.__excepthook__(kind, value, tb)
 
     # ------------------------------------------------------------------ waiting
     def wait_until(self, cond, what: str, timeout: float = 120.0) -> None:
@@ -118,7 +127,7 @@ class Soak:
         self.views = []
         for path in self.args.checkpoints:
             view = self.win.open_path(str(path))
-            self.wait_until(lambda v=view: v.data is not None and v.data.problems is not None, f"{path} to load")
+            self.wait_until(lambda v=view: loaded(v), f"{path} to load")
             self.views.append(view)
         self.paths = {id(v): self._paths(v) for v in self.views}
         self.panel = None
@@ -169,9 +178,15 @@ class Soak:
         if view is None:
             return self.act_select()
         vp = view.map.viewport()
+        boxes = view.map.hover.boxes
         pos = QPoint()
         for _ in range(4):
             pos = QPoint(self.rng.randrange(max(1, vp.width())), self.rng.randrange(max(1, vp.height())))
+            if boxes and self.rng.random() < 0.8:  # mostly over something drawn: a chunk, a frame
+                x0, y0, x1, y1 = self.rng.choice(boxes)
+                centre = view.map.mapFromScene(QPointF((x0 + x1) / 2, (y0 + y1) / 2))
+                if vp.rect().contains(centre):
+                    pos = centre
             QApplication.sendEvent(vp, QMouseEvent(QEvent.Type.MouseMove, QPointF(pos), QPointF(vp.mapToGlobal(pos)),
                                                    Qt.MouseButton.NoButton, Qt.MouseButton.NoButton,
                                                    Qt.KeyboardModifier.NoModifier))
@@ -239,7 +254,7 @@ class Soak:
             return
         self.win.reload_current()
         new = self.win.current_view()
-        self.wait_until(lambda: new.data is not None and new.data.problems is not None, f"{new.path} to reload")
+        self.wait_until(lambda: loaded(new), f"{new.path} to reload")
         self.views[self.views.index(view)] = new
         self.paths[id(new)] = self.paths.pop(id(view))
 
@@ -277,15 +292,20 @@ class Soak:
         t0 = time.monotonic()
         deadline = t0 + self.args.seconds
         actions = 0
+        painted = t0
         problem = None
         while time.monotonic() < deadline and actions < self.args.max_actions and not self.errors:
             name = self.rng.choices(names, weights)[0]
+            t_act = time.monotonic()
             getattr(self, f"act_{name}")()
+            self.spent[name] += time.monotonic() - t_act
             self.counts[name] += 1
             actions += 1
-            self.app.processEvents()
-            if actions % 10 == 0:
-                QTest.qWait(1)  # let timers (plot redraw, run polling, filter) fire
+            if time.monotonic() - painted > PAINT_EVERY:  # let the window paint and timers fire, as a screen would
+                t_paint = time.monotonic()
+                QTest.qWait(1)
+                painted = time.monotonic()
+                self.spent["(paint, timers)"] += painted - t_paint
             if actions % SAMPLE_EVERY == 0:
                 self.sample(actions)
                 problem = self.fallen()
@@ -296,8 +316,9 @@ class Soak:
         gc.collect()
         self.sample(actions)
         problem = problem or self.fallen()
-        summary = {"actions": actions, "seconds": round(elapsed, 1),
-                   "setup_seconds": round(setup, 1), "by_kind": dict(self.counts), "tooltips_checked": self.tooltips,
+        summary = {"actions": actions, "seconds": round(elapsed, 1), "setup_seconds": round(setup, 1),
+                   "by_kind": dict(self.counts), "tooltips_checked": self.tooltips,
+                   "ms_per_action": {k: round(1000 * v / max(1, self.counts[k]), 1) for k, v in self.spent.items()},
                    "metrics_lines": getattr(getattr(self, "writer", None), "lines", 0),
                    "refcounts_first_last": [self.samples[0], self.samples[-1]] if self.samples else [],
                    "errors": self.errors[:5], "problem": problem}

@@ -145,13 +145,18 @@ def test_dotted_name_through_allowed_module_is_refused(copy_of, tmp_path):
     ckpt = copy_of("nopg")
     marker = tmp_path / "pwned2"
     # STACK_GLOBAL('torch.distributed.checkpoint.filesystem', 'os.system')('touch marker')
-    cmd = f"touch {marker}".encode()
-    mod, name = b"torch.distributed.checkpoint.filesystem", b"os.system"
-    payload = (b"\x80\x04" + b"\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name + b"\x93"
-               + b"\x8c" + bytes([len(cmd)]) + cmd + b"\x85R.")
-    (ckpt / ".metadata").write_bytes(payload)
-    # plain pickle would run it: prove the payload is live, on a copy, without our reader
-    assert b"os.system" in payload
+    def payload(target) -> bytes:
+        cmd = f"touch {target}".encode()
+        mod, name = b"torch.distributed.checkpoint.filesystem", b"os.system"
+        return (b"\x80\x04" + b"\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name + b"\x93"
+                + b"\x8c" + bytes([len(cmd)]) + cmd + b"\x85R.")
+
+    (ckpt / ".metadata").write_bytes(payload(marker))
+    # plain pickle would run it: prove the same payload is live (with another marker) without our reader
+    live = tmp_path / "live"
+    subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(bytes.fromhex(sys.argv[1]))",
+                    payload(live).hex()], check=True, timeout=300)
+    assert live.exists()
     with pytest.raises(RefusedPickleError, match=r"os\.system"):
         open_checkpoint(ckpt, use_cache=False)
     assert not marker.exists()
@@ -298,8 +303,8 @@ def test_backend_imports_without_qt(fixtures):
     assert out["tried"] == [] and out["qt_loaded"] == [] and out["problems"] == 0
     # the walk reached every module file under backend/ (a package left out would be missed here)
     src = Path(__file__).parent.parent / "backend"
-    on_disk = {"shardscope.backend." + ".".join(f.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
-               for f in src.rglob("*.py") if f.name != "__main__.py"} - {"shardscope.backend."}
+    on_disk = {".".join(("shardscope", "backend", *f.relative_to(src).with_suffix("").parts)).removesuffix(".__init__")
+               for f in src.rglob("*.py") if f.name != "__main__.py"} - {"shardscope.backend"}
     assert on_disk <= set(out["modules"]), on_disk - set(out["modules"])
 
 

@@ -180,3 +180,40 @@ def test_compare_from_the_window_with_two_selected_or_two_pickers(qtbot, root):
         v.shutdown()
     win.library.shutdown()
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
+
+
+def test_run_the_demo_from_the_library_and_watch_its_checkpoints_arrive(qtbot):
+    """The Library's "Run the demo" starts the real demo run (torchrun, in the Training tab) without blocking;
+    the run's checkpoints appear in the Library as they are written, by polling."""
+    from shardscope.app.main_window import MainWindow
+    from shardscope.backend.runs.rundir import default_runs_root
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.show()
+    qtbot.waitUntil(lambda: win.library.snapshot is not None, timeout=TIMEOUT)
+    assert str(default_runs_root()) in win.library.roots()
+    demo = next(b for b in win.library.findChildren(type(win.library.open_button)) if b.text() == "Run the demo")
+    demo.click()
+    panel = win._training
+    assert panel is not None
+    qtbot.waitUntil(lambda: len(panel.launchers) == 1, timeout=TIMEOUT)  # started in a worker
+    run_dir = next(iter(panel.launchers))
+    seen: set[str] = set()
+
+    def arrived() -> bool:
+        snap = win.library.snapshot
+        cks = [c for c in snap.listing.checkpoints if c.run == run_dir] if snap else []
+        seen.update(c.state for c in cks)
+        return any(c.state == "complete" for c in cks)
+
+    try:
+        win.show_library()
+        qtbot.waitUntil(arrived, timeout=300_000)
+    finally:
+        for launcher in panel.launchers.values():
+            launcher.stop(grace=5)
+    assert "complete" in seen
+    win.library.shutdown()
+    panel.shutdown()
+    assert QThreadPool.globalInstance().waitForDone(TIMEOUT)

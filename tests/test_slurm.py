@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
+import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -73,9 +75,17 @@ def slurm_config(**kw) -> RunConfig:
 @pytest.fixture(scope="module")
 def finished_run(cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("slurm-runs") / "ddp"
-    proc = run_cli("train", "--on", "slurm", "--strategy", "ddp", "--nproc", "2", "--steps", "6",
-                   "--checkpoint-every", "3", "--device", "cpu", "--width", "32", "--depth", "1", "--heads", "2",
-                   "--seq-len", "16", "--batch-size", "2", "--run-dir", run_dir, "--time", "10:00")
+    try:
+        proc = run_cli("train", "--on", "slurm", "--strategy", "ddp", "--nproc", "2", "--steps", "6",
+                       "--checkpoint-every", "3", "--device", "cpu", "--width", "32", "--depth", "1", "--heads", "2",
+                       "--seq-len", "16", "--batch-size", "2", "--run-dir", run_dir, "--time", "10:00")
+    except subprocess.TimeoutExpired:  # a hung rank: have every worker print its stacks into its log first
+        for p in run_processes(run_dir):
+            if "worker_entry" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline()):
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        raise AssertionError(f"the job did not end: {run_status(run_dir)}\n{log_tail(run_dir, 0, 80)}\n"
+                             f"{log_tail(run_dir, 1, 80)}") from None
     assert proc.returncode == 0, proc.stdout + proc.stderr + log_tail(run_dir, -1, 60) + cluster.logs()[-3000:]
     return run_dir
 
@@ -190,3 +200,34 @@ def test_multi_node_script_meets_torchrun_requirements(tmp_path):
     assert "export A='b c'" in text
     # the same command runs on every node (one srun task per node): same id, same endpoint everywhere
     assert text.count("torch.distributed.run") == 1
+
+
+def test_window_runs_on_slurm_with_partitions_from_sinfo(cluster, qtbot, tmp_path):
+    from PySide6.QtCore import QThreadPool
+    from shardscope.widgets.run_form import SLURM
+    from shardscope.widgets.training_panel import TrainingPanel
+
+    panel = TrainingPanel(runs_root=tmp_path)
+    qtbot.addWidget(panel)
+    try:
+        form = panel.form
+        qtbot.waitUntil(lambda: form.partition.count() == 1, timeout=30000)
+        assert form.partition.currentData() == "debug" and form.on.model().item(1).isEnabled()
+        form.on.setCurrentText(SLURM)
+        assert form.nodes.isVisibleTo(panel) and form.partition.isVisibleTo(panel)
+        for w, v in ((form.steps, 4), (form.ckpt_every, 2), (form.width_, 32), (form.depth, 1), (form.heads, 2),
+                     (form.batch, 2)):
+            w.setValue(v)
+        form.strategy.setCurrentText("ddp")
+        form.device.setCurrentText("cpu")
+        assert panel.start_run()
+        qtbot.waitUntil(lambda: bool(panel.launchers), timeout=60000)
+        run_dir = next(iter(panel.launchers))
+        qtbot.waitUntil(lambda: "SLURM job" in panel.status.text(), timeout=60000)
+        qtbot.waitUntil(lambda: panel.run_state(run_dir) == "finished", timeout=DEADLINE * 1000)
+        assert read_status(run_dir)["job_id"] and (Path(run_dir) / "job.sbatch").exists()
+        assert "#SBATCH --partition=debug" in (Path(run_dir) / "job.sbatch").read_text()
+        qtbot.waitUntil(lambda: panel.ckpt_list.count() == 2, timeout=30000)
+    finally:
+        panel.shutdown()
+        assert QThreadPool.globalInstance().waitForDone(60000)

@@ -308,3 +308,40 @@ def test_help_topics_are_inside_the_app(qtbot):
 
 def test_settings_are_isolated():
     assert QSettings("Shardscope", "Shardscope").value("compare/column_widths") is None
+
+
+# ------------------------------------------------------------------ the first minute
+def test_demo_opens_at_once_on_training_then_offers_its_last_checkpoint(qtbot, tmp_path):
+    from shardscope.app.first_run import demo_config, start_demo
+    from shardscope.app.main_window import MainWindow
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.show()
+    config = demo_config()
+    config.steps, config.checkpoint_every = 6, 3
+    guide = start_demo(win, config, str(tmp_path / "demo-run"))
+    assert guide is not None
+    panel = win.training_panel()
+    assert win.tabs.currentWidget() is panel, "the Training tab is in front at once, before any step ran"
+    qtbot.waitUntil(lambda: guide.state in ("running", "finished"), timeout=240000)
+    qtbot.waitUntil(lambda: guide.view is not None and guide.view.selected_node() is not None, timeout=300000)
+    node = guide.view.selected_node()
+    assert node.entry is not None and node.path.startswith("model.")
+    assert guide.view.path.endswith("step_000006")
+    assert win.tabs.currentWidget() is guide.view
+    assert win.statusBar().currentMessage().startswith("Demo finished")
+    win.close()
+
+
+def test_screenshot_mode_waits_for_the_comparison_and_its_detail(tmp_path, fixtures):
+    from conftest import run_cli
+
+    out = tmp_path / "compare.png"
+    a, b = fixtures["steps_r2"] / "step2", fixtures["steps_r2"] / "step3"
+    proc = run_cli("gui", "--compare", a, b, "--select", "model.emb.weight", "--screenshot", out,
+                   "--size", "1280x720")
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 10000
+    proc = run_cli("gui", "--compare", a, b, "--select", "no.such.entry", "--screenshot", out)
+    assert proc.returncode == 2 and "no changed entry" in proc.stderr

@@ -92,6 +92,7 @@ class CheckpointView(QWidget):
         self.tree.setSortingEnabled(True)
         self.tree.sortByColumn(-1, Qt.SortOrder.AscendingOrder)
         self.tree.setUniformRowHeights(True)  # NOTE: keeps 100k-row trees fast
+        self.tree.setIndentation(max(12, self.fontMetrics().averageCharWidth() * 2))  # deep names keep room
         self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)

@@ -181,11 +181,15 @@ class CompareView(QWidget):
         self.hist.setTitle("a − b")
         self.hist.setLabel("bottom", "a − b")
         self.hist.setLabel("left", "count")
+        self.hist.hide()  # shown with a difference histogram only: no empty axes
         right.addWidget(self.hist)
-        self.detail = QLabel("")
+        self.detail = QLabel("Select an entry to see both layouts and, for changed values, a histogram of a − b.")
+        self.detail.setWordWrap(True)
         right.addWidget(self.detail)
+        right.setSizes([400, 300, 40])
         split.addWidget(right)
-        split.setSizes([560, 640])
+        split.setStretchFactor(0, 1)
+        split.setStretchFactor(1, 1)
         layout.addWidget(split, 1)
 
     def start(self) -> None:
@@ -240,6 +244,7 @@ class CompareView(QWidget):
             else:
                 view.clear_map("not in this checkpoint" if ck is not None else "a consolidated file: one piece")
         self.hist.clear()
+        self.hist.hide()
         self.detail.setText("")
         if self._detail_worker is not None:
             self._detail_worker.quit()
@@ -263,6 +268,7 @@ class CompareView(QWidget):
 
     def _show_hist(self, d) -> None:
         if d.counts:
+            self.hist.show()
             self.hist.plot(d.edges, d.counts, stepMode="center", fillLevel=0, brush=(214, 39, 40, 120),
                            pen=pg.mkPen("#d62728"))
         self.detail.setText(f"{d.fqn}: {d.nonzero:,} of {d.numel:,} elements differ")
@@ -275,7 +281,7 @@ class CompareView(QWidget):
         if not (isinstance(widths, list) and len(widths) == len(COLUMNS)
                 and all(str(w).isdigit() and int(w) > 0 for w in widths)):
             extra = 2 * fm.averageCharWidth() + 8
-            widths = [fm.averageCharWidth() * 44] + [fm.horizontalAdvance(t) + extra for t in
+            widths = [fm.averageCharWidth() * 34] + [fm.horizontalAdvance(t) + extra for t in
                                                      ("only in A", "0.0001234", "0.0001234", "100.00 %")]
         self._restoring = True
         for col, w in enumerate(widths[:-1]):  # the last one stretches

@@ -9,6 +9,7 @@ Export, Show in folder, Compare (two selected), Prune.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,11 @@ STATE_COLORS = {"complete": "#2ca02c", "incomplete": "#d62728", "writing": "#ff7
                 "running": "#ff7f0e", "failed": "#d62728"}
 POLL_MS = 2000
 OPENABLE = ("complete",)
+
+
+def natural(name: str) -> str:
+    """A sort key as text (Qt compares it): numbers zero-padded, so checkpoint-500 sorts before checkpoint-1000."""
+    return re.sub(r"\d+", lambda m: m.group().zfill(20), name.lower())
 
 
 def _when(t: float) -> str:
@@ -160,7 +166,7 @@ class LibraryModel(QAbstractItemModel):
                     "size": human_bytes(run.bytes), "state": state,
                     "format": "run" if run.kind == "shardscope" else "folder"}.get(col)
         if role == SortRole:
-            return {"checkpoint": run.name.lower(), "step": len(run.checkpoints), "modified": newest,
+            return {"checkpoint": natural(run.name), "step": len(run.checkpoints), "modified": newest,
                     "size": run.bytes}.get(col, "")
         if role == Qt.ItemDataRole.ToolTipRole:
             return run.path
@@ -175,7 +181,7 @@ class LibraryModel(QAbstractItemModel):
                     "size": human_bytes(c.bytes), "ranks": ranks_text(c.ranks), "format": c.format,
                     "state": c.state, "loss": "" if loss is None else f"{loss:.4f}"}[col]
         if role == SortRole:
-            return {"checkpoint": c.name.lower(), "step": -1 if c.step is None else c.step, "modified": c.mtime,
+            return {"checkpoint": natural(c.name), "step": -1 if c.step is None else c.step, "modified": c.mtime,
                     "size": c.bytes, "ranks": len(c.ranks), "format": c.format, "state": c.state,
                     "loss": float("inf") if loss is None else loss}[col]
         if role == Qt.ItemDataRole.ToolTipRole:
@@ -438,7 +444,11 @@ class LibraryView(QWidget):
         self.usage_table.verticalHeader().hide()
         self.usage_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.usage_table.setItemDelegateForColumn(2, SizeBarDelegate(self.usage.fraction, self.usage_table))
+        self.usage_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.usage_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.usage_table.setWordWrap(False)
+        self.usage_table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self.usage_table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
         self.usage_table.doubleClicked.connect(self._reveal_run)
         v.addWidget(self.usage_table, 1)
         self.rules_label = QLabel()

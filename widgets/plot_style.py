@@ -56,6 +56,14 @@ class CategoryAxis(pg.AxisItem):
         step = nice_step((maxVal - minVal) * self.min_pixels / size)
         return [(float(step), 0.0)]
 
+    def tickValues(self, minVal: float, maxVal: float, size: float):
+        """Pyqtgraph's ticks, without those whose label would stick out past either end of the axis."""
+        levels = super().tickValues(minVal, maxVal, size)
+        if size <= 0 or maxVal <= minVal:
+            return levels
+        margin = (maxVal - minVal) * (self.min_pixels / 2) / size
+        return [(sp, [v for v in vals if minVal + margin <= v <= maxVal - margin]) for sp, vals in levels]
+
     def tickStrings(self, values, scale, spacing):
         out = []
         for v in values:

@@ -133,7 +133,8 @@ class RunForm(QGroupBox):
             item.setEnabled(False)
             item.setToolTip(why)
             self.on.setCurrentIndex(0)
-            self.on_note.setText(f"SLURM: {why}")
+            self.on_note.setText("SLURM: not available here (hover for why)")
+            self.on_note.setToolTip(why)
             return
         item.setEnabled(True)
         self.partition.clear()

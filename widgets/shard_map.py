@@ -309,7 +309,8 @@ def legend_html(ranks: list[int]) -> str:
     shown = ranks[:24]
     parts = [f"<span style='color:{rank_color(r).name()}'>■</span>&nbsp;r{r}" for r in shown]
     more = f" … ({len(ranks)} ranks)" if len(ranks) > len(shown) else ""
-    return "&nbsp;&nbsp;".join(parts) + more + "&nbsp;&nbsp;<span style='color:#d62728'>▨</span>&nbsp;gap"
+    # NOTE: "&nbsp; " between entries lets the label wrap; an unbreakable legend set the window's minimum width
+    return "&nbsp; ".join(parts) + more + "&nbsp; <span style='color:#d62728'>▨</span>&nbsp;gap"
 
 
 def _region_rect(region: Region, e: TensorEntry, y0: float, sx: float, sy: float) -> QRectF:

@@ -14,12 +14,14 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QListWidget,
     QListWidgetItem,
     QPlainTextEdit,
     QPushButton,
+    QScrollArea,
     QSplitter,
     QTabWidget,
     QToolButton,
@@ -75,7 +77,12 @@ class TrainingPanel(QWidget):
         self._polls = 0
         self._status: dict = {}
         split = QSplitter(Qt.Orientation.Horizontal)
-        split.addWidget(self._build_left())
+        # NOTE: the form scrolls, so the panel (and the window) still fits 1280x720 with every row shown
+        left = QScrollArea()
+        left.setWidgetResizable(True)
+        left.setFrameShape(QFrame.Shape.NoFrame)
+        left.setWidget(self._build_left())
+        split.addWidget(left)
         split.addWidget(self._build_right())
         split.setSizes([330, 1000])
         QVBoxLayout(self).addWidget(split)
@@ -372,6 +379,10 @@ class TrainingPanel(QWidget):
         state = st.get("state")
         if state and state != previous:
             self.runStateChanged.emit(str(follower.run_dir), state)
+        known = next((r for r in self.runs if r.path == follower.run_dir), None)
+        if known is None or known.state != (state or ""):  # the Runs list says what the header says
+            self._show_runs([RunInfo(r.path, state or "", r.mtime, st.get("explanation", "")) if r is known else r
+                             for r in self.runs])
         ours = str(follower.run_dir) in self.launchers
         self.stop_button.setEnabled(state in ACTIVE_STATES and (ours or bool(st.get("pid") or st.get("job_id"))))
         shown = state or "no status.json: a run started outside Shardscope; following its files"

@@ -10,6 +10,7 @@ from typing import Any
 from shardscope.backend.errors import EXIT_BAD_INPUT
 
 from .output import add_command
+from .storage_options import add_storage_options, apply_to_window
 
 
 def register(sub: Any) -> None:
@@ -21,6 +22,7 @@ def register(sub: Any) -> None:
     sp.add_argument("--run", metavar="RUN_DIR", help="follow this run directory in the Training panel")
     sp.add_argument("--compare", nargs=2, metavar=("A", "B"), help="open the Compare view on two checkpoints")
     sp.add_argument("--tab", choices=("inspector", "ranks", "health"), help="show this tab of the checkpoint view")
+    add_storage_options(sp)
 
 
 def no_display() -> bool:
@@ -38,5 +40,7 @@ def run(args: argparse.Namespace) -> int:
               "  with QT_QPA_PLATFORM=offscreen and --screenshot FILE.png.", file=sys.stderr)
         return EXIT_BAD_INPUT
     from shardscope.app.bootstrap import run as run_window
+
+    apply_to_window(args)
 
     return run_window(args)

@@ -42,7 +42,7 @@ READ_AHEAD = 2 << 20  # least bytes fetched on a miss without item boundaries
 COALESCE = 8 << 20  # small items are merged into one request up to this size
 MAX_GAP = 1 << 20  # neighbouring ranges closer than this are fetched as one
 MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
-CACHE_BUDGET = 192 << 20  # fetched bytes kept for later reads (LRU)
+CACHE_BUDGET = 64 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
 RETAIN = 16 << 20  # what the cache keeps once its readers are closed
 
 
@@ -134,13 +134,28 @@ def call(where: str, fn: Any, *args: Any, doing: str = "cannot read it", **kwarg
 class _Fetch:
     """Bytes ``[start, end)`` of one file: being fetched (``done`` not set) or fetched."""
 
-    __slots__ = ("cached", "data", "done", "end", "error", "start")
+    __slots__ = ("cached", "data", "done", "end", "error", "served", "start")
 
     def __init__(self, start: int, end: int, cached: bool) -> None:
         self.start, self.end, self.cached = start, end, cached
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.served: list[list[int]] = []  # merged [a, b) ranges handed out so far
+
+    def serve(self, a: int, b: int) -> bool:
+        """Record that ``[a, b)`` was handed out; True once every byte of the fetch has been."""
+        a, b = max(a, self.start), min(b, self.end)
+        if b > a:
+            merged = []
+            for r in self.served:
+                if r[1] < a or r[0] > b:
+                    merged.append(r)
+                else:
+                    a, b = min(a, r[0]), max(b, r[1])
+            merged.append([a, b])
+            self.served = sorted(merged)
+        return len(self.served) == 1 and self.served[0][0] <= self.start and self.served[0][1] >= self.end
 
 
 @dataclass
@@ -224,6 +239,7 @@ class RemoteHandles:
         pieces = self._acquire([(name, offset, offset + length)])[0]
         f = pieces[0] if len(pieces) == 1 else None
         if f is not None and f.start <= offset and f.end >= offset + length:
+            self._served(name, pieces, offset, offset + length)
             if f.start == offset and f.end == offset + length:
                 return f.data  # type: ignore[return-value]
             return f.data[offset - f.start:offset - f.start + length]  # type: ignore[index]
@@ -379,7 +395,7 @@ class RemoteHandles:
             k = int(np.searchsorted(starts, g0, side="right")) - 1
             if k >= 0 and starts[k] <= g0 < ends[k]:
                 a, b = max(lo, int(starts[k])), int(ends[k])
-                if b - a <= MAX_REQUEST:
+                if b - a <= min(MAX_REQUEST, self.budget // 4):  # larger items: head, tail and data apart
                     k += 1  # merge following small items while they are close and the request stays small
                     while k < len(starts) and starts[k] - b <= MAX_GAP and ends[k] - a <= COALESCE:
                         b = max(b, int(ends[k]))
@@ -464,6 +480,16 @@ class RemoteHandles:
         if pos < end:
             raise CheckpointError(f"{self.where(name)}: file ends before byte {end} (read at {offset}, "
                                   f"{len(view)} bytes): the file is truncated.", path=self.where(name))
+        self._served(name, pieces, offset, end)
+
+    def _served(self, name: str, pieces: list[_Fetch], start: int, end: int) -> None:
+        """Drop fetches whose every byte has been handed out: a copy reads each item once, so
+        keeping them would only hold memory (headers and small files stay until evicted)."""
+        with self._lock:
+            for f in pieces:
+                if f.serve(start, end) and f.cached and self._lru.pop(id(f), None) is not None:
+                    self._used -= f.end - f.start
+                    self._forget(name, f)
 
 
 # ------------------------------------------------------------------ writing to a URL

@@ -308,6 +308,38 @@ def _stream_size(stream: Any) -> int:
     return end
 
 
+MEMO_ALLOWANCE = 256 << 20  # address space an unpickle may add on top of 16x the file's size
+
+
+@contextlib.contextmanager
+def address_space_limit(extra: int):
+    """Cap the process's new address space at ``extra`` bytes above what it maps now (Linux), so that
+    allocations the C unpickler makes from numbers in the file fail with MemoryError instead of filling
+    RAM. NOTE: pickle's own memo table is sized by the index a PUT opcode names (``LONG_BINPUT
+    0x2a05f200`` zero-fills 11 GB) and nothing outside C sees that opcode; the limit is per process, so
+    it is only as generous as the largest legitimate object graph (7x the file for a million chunks)."""
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, StopIteration, ValueError):
+        yield  # not Linux: no limit
+        return
+    want = vm + extra
+    if soft != resource.RLIM_INFINITY and soft <= want:
+        yield
+        return
+    with _LIMIT_LOCK:
+        resource.setrlimit(resource.RLIMIT_AS, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+_LIMIT_LOCK = threading.Lock()
 _STACK_LOCK = threading.Lock()
 MAX_STACK = 4 << 30
 
@@ -355,15 +387,18 @@ def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides
     size = _stream_size(stream)
 
     def load() -> Any:
-        with gc_paused():
+        with gc_paused(), address_space_limit(MEMO_ALLOWANCE + 16 * size):
             return _Unpickler(stream, source, allowed, size).load()
 
     try:
         return _with_deep_stack(load, size)
     except RefusedPickleError:
         raise
+    except MemoryError:
+        raise RefusedPickleError(f"{source}: the pickle asks for far more memory than a {size}-byte file can "
+                                 "need (an allocation bomb); refused.", path=source) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
-            KeyError, OverflowError, MemoryError, UnicodeDecodeError, RecursionError) as exc:
+            KeyError, OverflowError, UnicodeDecodeError, RecursionError) as exc:
         raise RefusedPickleError(
             f"{source}: not a readable DCP metadata pickle ({type(exc).__name__}: {str(exc)[:200]}).", path=source
         ) from None

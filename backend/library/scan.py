@@ -96,7 +96,11 @@ class RunRecord:
 
     @property
     def name(self) -> str:
-        return os.path.basename(self.path.rstrip(os.sep)) or self.path
+        """The folder's name; with its parent for Lightning's ``version_N`` (``my-exp/version_0``)."""
+        base = os.path.basename(self.path.rstrip(os.sep)) or self.path
+        if re.fullmatch(r"version_\d+", base):
+            return f"{os.path.basename(os.path.dirname(self.path))}/{base}"
+        return base
 
     @property
     def running(self) -> bool:
@@ -384,8 +388,10 @@ def classify_folder(name: str, files: dict[str, Any] | set[str], dirs: list[str]
     return None
 
 
-def folder_state(path: str, fmt: str, names: set[str], dirs: list[str]) -> tuple[str, str, list[int]]:
-    """(state, reason, writer ranks) of a checkpoint folder, from names and a few header bytes."""
+def folder_state(path: str, fmt: str, names: set[str], dirs: list[str], probe: bool = True
+                 ) -> tuple[str, str, list[int]]:
+    """(state, reason, writer ranks) of a checkpoint folder, from names and (``probe``: a local folder) a few
+    header bytes."""
     ranks = sorted({int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))})
     if fmt == "empty":
         return "incomplete", "an empty folder: a save that never wrote a file", []
@@ -393,9 +399,9 @@ def folder_state(path: str, fmt: str, names: set[str], dirs: list[str]) -> tuple
         ranks = sorted({int(m.group(1)) - 1 for n in names if (m := HF_SHARD_RE.match(n))})
         return "complete", "", ranks
     if fmt == "hf-sharded":
-        return (*_hf_index_state(path, names), [])
+        return (*_hf_index_state(path, names), []) if probe else ("complete", "", [])
     if fmt == "hf-trainer":
-        ranks = _nested_ranks(path, dirs)
+        ranks = _nested_ranks(path, dirs) if probe else []
         if os.path.basename(path).startswith("tmp-"):
             return "incomplete", "a tmp-checkpoint folder: the Trainer did not finish this save", ranks
         if "trainer_state.json" not in names:
@@ -404,6 +410,8 @@ def folder_state(path: str, fmt: str, names: set[str], dirs: list[str]) -> tuple
     meta_ranks = {int(m.group(1)) for n in names if (m := RANK_METADATA_RE.match(n))}
     if ".metadata.tmp" in names:
         return "incomplete", "a .metadata.tmp is left: the save did not finish", ranks
+    if ".metadata" in names and not probe:
+        return "complete", "", ranks
     if ".metadata" in names:
         head = _head(os.path.join(path, ".metadata"), 1)
         if head is None:

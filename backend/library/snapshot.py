@@ -15,18 +15,26 @@ from .scan import Listing, scan
 @dataclass(slots=True)
 class LibrarySnapshot:
     listing: Listing
-    metric: dict[str, float] = field(default_factory=dict)  # checkpoint path -> loss at its step
+    metric: dict[str, float] = field(default_factory=dict)  # checkpoint path -> the loss at its step
     plan: Plan | None = None  # the rules' plan (for "what the rules would free")
     missing: list[str] = field(default_factory=list)  # roots that do not exist (now)
 
 
-def take_snapshot(roots: list[str], rules: Rules | None = None, metric: str = "loss",
+LOSS_NAMES = ("loss", "train_loss", "val_loss")  # ours and HF's "loss"; Lightning's usual names
+
+
+def take_snapshot(roots: list[str], rules: Rules | None = None, metrics: tuple[str, ...] = LOSS_NAMES,
                   progress: Progress | None = None) -> LibrarySnapshot:
-    """Scan ``roots`` (missing ones are reported, not fatal), read ``metric`` per checkpoint, plan ``rules``."""
+    """Scan ``roots`` (missing ones are reported, not fatal), read the first of ``metrics`` each run logs at
+    each checkpoint's step, and plan ``rules``."""
     listing = scan(roots, progress=progress, missing_ok=True)
     values: dict[str, float] = {}
     for run in listing.runs:
-        values.update(checkpoint_metrics(run, metric))
+        for metric in metrics:
+            found = checkpoint_metrics(run, metric)
+            if found:
+                values.update(found)
+                break
     plan = None
     if rules is not None and (rules.has_keep_rule() or rules.incomplete):
         plan = make_plan(listing, rules)

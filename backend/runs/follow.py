@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ShardscopeError
 from .launcher import run_status
 from .metrics import FIELDS, Series, records_to_columns
-from .rundir import checkpoints, log_tail, rank_exits, read_metrics, scalar_logs
+from .rundir import log_tail, rank_exits, read_metrics, scan
 from .scalars import CsvLogSource, EventFileSource, open_source
 
 LOG_CHUNK = 1 << 20
@@ -62,14 +62,14 @@ class RunFollower:
         raw = read_metrics(self.run_dir, self._metric_offsets)
         snap.records = {rank: records_to_columns(recs) for rank, recs in raw.items()}
         snap.new_points = sum(len(r) for r in raw.values())
-        self._read_scalar_logs(snap)
+        snap.checkpoints, logs = scan(self.run_dir)
+        self._read_scalar_logs(snap, logs)
         for p in sorted((self.run_dir / "logs").glob("*.log")):
             text = self._read_new(p)
             if text:
                 key = -1 if p.stem == "launcher" else int(p.stem.split("_")[1]) if p.stem.startswith("rank_") else -2
                 snap.new_log[key] = text
         snap.status = run_status(self.run_dir)
-        snap.checkpoints = checkpoints(self.run_dir)
         if snap.status.get("state") == "failed":
             snap.failures = self.failures(snap.status)
         return snap
@@ -84,8 +84,8 @@ class RunFollower:
             out[int(r)] = tb.strip()
         return out or {-1: log_tail(self.run_dir, -1, 40).strip()}
 
-    def _read_scalar_logs(self, snap: RunSnapshot) -> None:
-        for path in scalar_logs(self.run_dir):
+    def _read_scalar_logs(self, snap: RunSnapshot, logs: list[Path]) -> None:
+        for path in logs:
             if path in self._broken:
                 continue
             if path not in self._sources:

@@ -206,8 +206,8 @@ class RunLauncher:
         self._check_directory()
         for sub in ("metrics", "logs", "checkpoints", "exit"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        for old in (self.run_dir / "exit").glob("*.json"):
-            old.unlink()
+        for old in [*(self.run_dir / "exit").glob("*.json"), *self.run_dir.glob(".*.tmp")]:
+            old.unlink()  # the last launch's exit records, and temporaries of a writer that was killed
         self._write_config()
         history = read_config(self.run_dir).get("history", [])
         write_json(self.run_dir / "status.json", {"state": "starting", "start_time": time.time(),

@@ -142,16 +142,17 @@ def _is_checkpoint_dir(p: Path) -> bool:
     return (p / ".metadata").is_file() or (p / "meta.pt").is_file()
 
 
-def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Checkpoints in a run folder: DCP folders (ours under checkpoints/step_*, or anywhere a few levels
-    down in a folder launched by hand), Lightning/Fabric folders (meta.pt) and Lightning ``.ckpt`` files."""
-    root = Path(run_dir)
+def scan(run_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """One walk of a run folder (a few levels down, no symlinks, not into checkpoints): its checkpoints
+    (DCP folders, Lightning/Fabric folders with meta.pt, Lightning ``.ckpt`` files) and its scalar logs
+    (TensorBoard event files, Lightning CSVLogger metrics.csv)."""
     found: list[Path] = []
-    stack = [(root, 0)]
+    logs: list[Path] = []
+    stack = [(Path(run_dir), 0)]
     while stack:
         folder, depth = stack.pop()
         try:
-            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+            entries = list(os.scandir(folder))
         except OSError:
             continue
         for e in entries:
@@ -163,28 +164,20 @@ def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
                     stack.append((p, depth + 1))
             elif e.name.endswith(".ckpt"):
                 found.append(p)
-    return sorted(found, key=lambda p: (str(p.parent), p.name))
+            elif EVENT_FILE_MARK in e.name or e.name in SCALAR_LOG_NAMES:
+                logs.append(p)
+    return sorted(found, key=lambda p: (str(p.parent), p.name)), sorted(logs)
+
+
+def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints in a run folder: ours under checkpoints/step_*, or anywhere a few levels down in a
+    folder launched by hand (see :func:`scan`)."""
+    return scan(run_dir)[0]
 
 
 def scalar_logs(run_dir: str | os.PathLike) -> list[Path]:
     """TensorBoard event files and Lightning CSVLogger metrics.csv files in a run folder."""
-    root = Path(run_dir)
-    out: list[Path] = []
-    stack = [(root, 0)]
-    while stack:
-        folder, depth = stack.pop()
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        for e in entries:
-            if e.is_dir(follow_symlinks=False):
-                if depth < SEARCH_DEPTH and e.name not in SKIP_DIRS and not e.name.startswith(".") and \
-                        not _is_checkpoint_dir(Path(e.path)):
-                    stack.append((Path(e.path), depth + 1))
-            elif EVENT_FILE_MARK in e.name or e.name in SCALAR_LOG_NAMES:
-                out.append(Path(e.path))
-    return sorted(out)
+    return scan(run_dir)[1]
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:

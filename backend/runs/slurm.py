@@ -100,7 +100,8 @@ def _tool(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
         raise ShardscopeError(f"{args[0]}: no answer from the SLURM controller in {TOOL_TIMEOUT:.0f} s") from None
     if check and proc.returncode != 0:
         msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        raise ShardscopeError(f"{args[0]}: {msg[-1] if msg else f'exit code {proc.returncode}'}")
+        last = msg[-1].removeprefix(f"{args[0]}: ") if msg else f"exit code {proc.returncode}"
+        raise ShardscopeError(f"{args[0]}: {last}")
     return proc
 
 

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .report import report
 
+_KEEP_ALIVE: list = []
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"checkpoint {ckpt_root / f'step_{step:06d}'}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # NOTE: keep the model alive until the process exits (worker_entry ends with os._exit). Freeing a DDP
+    # model here runs ~Reducer -> ~ProcessGroupGloo, which joins gloo's worker thread while holding the GIL,
+    # and that thread may need the GIL to free the barrier's tensors: a deadlock seen with torch 2.13.
+    _KEEP_ALIVE.append((model, opt))
     return 0
 
 

@@ -3,9 +3,11 @@ its exit in RUN/exit/rank_N.json (with the traceback's end on failure), then run
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 
@@ -22,6 +24,8 @@ def main() -> None:
     os.dup2(log, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    # `kill -USR1 PID` prints every thread's stack into this rank's log: how to see where a hung rank waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     argv = sys.argv[1:]
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -34,7 +38,9 @@ def main() -> None:
             code = trainer_main(argv[1:]) or 0
         else:
             sys.argv = argv
-            runpy.run_path(argv[0], run_name="__main__")
+            # NOTE: the script's globals are kept until os._exit below, so a DDP model is never freed on
+            # the way out (see the note at the end of trainer.main: a teardown deadlock in torch's gloo)
+            kept = runpy.run_path(argv[0], run_name="__main__")  # noqa: F841
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
