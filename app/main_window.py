@@ -34,7 +34,7 @@ from shardscope.widgets.compare_view import CompareView
 from shardscope.widgets.help import help_topics, show_help
 from shardscope.widgets.library_view import LibraryView
 from shardscope.widgets.training_panel import TrainingPanel
-from shardscope.widgets.workers import run_in_background
+from shardscope.widgets.workers import Worker
 
 from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
 
@@ -388,7 +388,7 @@ class MainWindow(QMainWindow):
     def _run_dcp_job(self, func, *args, title: str) -> None:
         progress = QProgressDialog(title, "Cancel", 0, 1000, self)
         progress.setMinimumDuration(300)
-        worker = run_in_background(func, *args)
+        worker = Worker(func, *args)  # NOTE: every signal connected before it starts (a fast failure is heard)
         progress.canceled.connect(worker.quit)
         worker.signals.progress.connect(lambda d, t, _m: progress.setValue(int(1000 * d / max(t, 1))))
 
@@ -407,6 +407,7 @@ class MainWindow(QMainWindow):
         worker.signals.returned.connect(done)
         worker.signals.errored.connect(failed)
         worker.signals.cancelled.connect(progress.close)
+        worker.start()
 
     def all_views(self) -> list[CheckpointView]:
         return [p.widget(i) for p in (self.tabs, self.side_tabs) for i in range(p.count())

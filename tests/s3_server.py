@@ -82,7 +82,9 @@ class S3Server:
 
     def __init__(self) -> None:
         env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
-        self.proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE, env=env, text=True)
+        quiet = None if os.environ.get("S3_SERVER_LOG") else subprocess.DEVNULL  # moto logs retried errors
+        self.proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE, stderr=quiet, env=env,
+                                     text=True)
         deadline = time.monotonic() + 120
         line = ""
         while time.monotonic() < deadline:

@@ -32,7 +32,7 @@ import torch
 REFCOUNT_SLACK = 2000
 WARMUP_ACTIONS = 300
 SAMPLE_EVERY = 25
-PAINT_EVERY = 0.25  # seconds between letting Qt paint and run its timers
+PAINT_EVERY = 0.5  # seconds between letting Qt paint and run its timers
 # relative weights of the user actions (Soak.act_<name>)
 ACTIONS = {"select": 30, "hover": 30, "zoom": 6, "right_tab": 6, "main_tab": 5, "rank": 4, "filter": 4,
            "compare": 8, "plots": 5, "reload": 0.3, "layout": 0.7}
@@ -294,7 +294,10 @@ class Soak:
         actions = 0
         painted = t0
         problem = None
-        while time.monotonic() < deadline and actions < self.args.max_actions and not self.errors:
+        hard_deadline = t0 + self.args.max_seconds
+        # time-bound on a quiet machine; a busy one keeps going (up to max_seconds) until min_actions are done
+        while (not self.errors and actions < self.args.max_actions and time.monotonic() < hard_deadline
+               and (time.monotonic() < deadline or actions < self.args.min_actions)):
             name = self.rng.choices(names, weights)[0]
             t_act = time.monotonic()
             getattr(self, f"act_{name}")()
@@ -312,6 +315,7 @@ class Soak:
                 if problem:
                     break
         elapsed = time.monotonic() - t0
+        plotted = self.panel.plots.curve_points(("raw", 0)) if self.panel is not None else 0
         self.close()
         gc.collect()
         self.sample(actions)
@@ -319,7 +323,7 @@ class Soak:
         summary = {"actions": actions, "seconds": round(elapsed, 1), "setup_seconds": round(setup, 1),
                    "by_kind": dict(self.counts), "tooltips_checked": self.tooltips,
                    "ms_per_action": {k: round(1000 * v / max(1, self.counts[k]), 1) for k, v in self.spent.items()},
-                   "metrics_lines": getattr(getattr(self, "writer", None), "lines", 0),
+                   "metrics_lines": getattr(getattr(self, "writer", None), "lines", 0), "plotted_points": plotted,
                    "refcounts_first_last": [self.samples[0], self.samples[-1]] if self.samples else [],
                    "errors": self.errors[:5], "problem": problem}
         print("SOAK " + json.dumps(summary), flush=True)
@@ -344,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two checkpoints for a compare view")
     parser.add_argument("--run-dir", help="a run directory to follow; a thread keeps its metrics growing")
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to keep acting (after setup)")
+    parser.add_argument("--min-actions", type=int, default=0, help="keep going past --seconds until this many")
     parser.add_argument("--max-actions", type=int, default=10**9)
+    parser.add_argument("--max-seconds", type=float, default=float("inf"), help="a hard stop, whatever was done")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")

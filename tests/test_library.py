@@ -396,3 +396,63 @@ def test_step_folders_of_parts_are_one_checkpoint(tmp_path, fixtures):
     assert (got["plain/step_200"].format, got["plain/step_200"].files) == ("torch", 2)
     plan = make_plan(scan([root]), Rules(keep_last=1))
     assert [os.path.relpath(d.checkpoint.path, root) for d in plan.remove] == ["exp-step-5/checkpoints/step_1"]
+
+
+def test_ls_on_s3_lists_and_prune_only_plans(tmp_path, fixtures):
+    """A real S3 API server (moto): `ls s3://...` from one listing; prune shows the plan but never acts there."""
+    import s3fs
+    from s3_server import S3Server
+
+    server = S3Server()
+    try:
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": server.endpoint})
+        fs.mkdir("lib")
+        run = "lib/runs/run-x"
+        fs.pipe(f"{run}/config.json", b'{"strategy": "fsdp"}')
+        fs.pipe(f"{run}/status.json", b'{"state": "finished"}')
+        fs.put(f"{fixtures['fsdp2_r2']}/", f"{run}/checkpoints/step_000010/", recursive=True)
+        fs.put(f"{fixtures['steps_r2'] / 'step3'}/", f"{run}/checkpoints/step_000020/", recursive=True)
+        for name in ("__0_0.distcp", "__1_0.distcp"):  # a save that never wrote its .metadata
+            fs.put(str(fixtures["fsdp2_r2"] / name), f"{run}/checkpoints/step_000030/{name}")
+        fs.put(str(fixtures["hf_r2"] / "shard-00001-model-00001-of-00001.safetensors"),
+               "lib/runs/exports/model_step_300.safetensors")
+        base = "s3://lib/runs/run-x/checkpoints/"
+        deadline = time.monotonic() + 120
+        while True:  # objects uploaded seconds ago read as being written; wait until they settle
+            proc = _cli_env("ls", "s3://lib/runs", "--json", env=server.env())
+            assert proc.returncode == 0, proc.stderr
+            got = {c["path"]: c for c in json.loads(proc.stdout)["checkpoints"]}
+            if all(c["state"] != "writing" for c in got.values()) or time.monotonic() > deadline:
+                break
+        assert sorted(got) == ["s3://lib/runs/exports/model_step_300.safetensors", *(f"{base}step_0000{s}0"
+                                                                                    for s in (1, 2, 3))]
+        assert [(got[f"{base}step_0000{s}0"]["state"], got[f"{base}step_0000{s}0"]["run"]) for s in (1, 2, 3)] == \
+            [("complete", "s3://lib/runs/run-x")] * 2 + [("incomplete", "s3://lib/runs/run-x")]
+        assert got[f"{base}step_000010"]["ranks"] == [0, 1]
+        assert got[f"{base}step_000010"]["bytes"] == sum(p.stat().st_size for p in fixtures["fsdp2_r2"].iterdir())
+        assert got["s3://lib/runs/exports/model_step_300.safetensors"]["step"] == 300
+        plan = _cli_env("prune", "s3://lib/runs", "--keep-last", "1", "--incomplete", "--json", env=server.env())
+        assert plan.returncode == 0, plan.stderr
+        assert {c["path"] for c in json.loads(plan.stdout)["checkpoints"] if c["action"] == "remove"} == \
+            {f"{base}step_000010", f"{base}step_000030"}
+        acted = _cli_env("prune", "s3://lib/runs", "--keep-last", "1", "--yes", env=server.env())
+        assert acted.returncode == 2 and "nothing was removed" in acted.stderr
+        assert fs.exists(f"{run}/checkpoints/step_000010/.metadata")
+        missing = _cli_env("ls", "s3://lib/nope", env=server.env())
+        assert missing.returncode == 2 and "s3://lib/nope" in missing.stderr
+    finally:
+        server.stop()
+
+
+def test_unreadable_is_listed_and_never_pruned(tmp_path, fixtures):
+    root = tmp_path.resolve() / "r"
+    for s in (1, 2, 3):
+        shutil.copytree(fixtures["fsdp2_r2"], root / f"step_{s}")
+    (root / "step_2" / ".metadata").write_bytes(b"")  # emptied by a full disk
+    _age(root)
+    states = {c.name: (c.state, c.reason) for c in scan([root]).checkpoints}
+    assert states["step_2"] == ("unreadable", ".metadata is empty or not DCP metadata")
+    assert states["step_1"][0] == states["step_3"][0] == "complete"
+    plan = _plan(root, keep_last=1, incomplete=True)
+    assert plan["step_1"][0] == "remove" and plan["step_2"][0] == "keep"
+    assert "check it with `shardscope verify`" in plan["step_2"][1][0]

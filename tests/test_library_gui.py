@@ -74,7 +74,7 @@ def _state(view: LibraryView, path: Path) -> str | None:
     return rec.state if rec else None
 
 
-def test_library_follows_the_disk_and_opens_only_complete(qtbot, root, fixtures):
+def test_library_follows_the_disk_and_opens_only_complete(qtbot, qtmodeltester, root, fixtures):
     view = LibraryView([str(root)], None)
     qtbot.addWidget(view)
     view.resize(1280, 700)
@@ -110,19 +110,21 @@ def test_library_follows_the_disk_and_opens_only_complete(qtbot, root, fixtures)
     assert compared.args == [str(b), str(a)]
     # the disk-usage view: the run, its size, what the rules (keep the last 3) would free
     assert view.usage.rowCount() == 1
+    qtmodeltester.check(view.usage, force_py=True)
     freed = view.usage.data(view.usage.index(0, 3))
     assert freed != "—" and "would free" in view.rules_label.text()
     view.shutdown()
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
 
 
-def test_prune_dialog_preview_and_removal(qtbot, root):
+def test_prune_dialog_preview_and_removal(qtbot, qtmodeltester, root):
     dlg = PruneDialog(scan([root]), Rules(keep_last=2))
     qtbot.addWidget(dlg)
     qtbot.waitUntil(lambda: dlg.plan is not None, timeout=TIMEOUT)
     assert [d.checkpoint.name for d in dlg.plan.remove] == ["step_000001"]
     assert "Removes 1 of 3 checkpoints" in dlg.summary.text()
     assert dlg.model.rowCount() == 3 and dlg.act_button.isEnabled()
+    qtmodeltester.check(dlg.model, force_py=True)
     dlg.last_n.setValue(1)  # the preview follows the rules
     qtbot.waitUntil(lambda: dlg.plan is not None and len(dlg.plan.remove) == 2, timeout=TIMEOUT)
     assert "Removes 2 of 3" in dlg.summary.text()

@@ -290,12 +290,14 @@ class CheckpointView(QWidget):
         self.cancel_values()
         self.inspector.set_busy(True)
         fqn = node.entry.fqn
-        w = run_in_background(value_stats, self.data.ckpt, fqn, on_progress=self.inspector.set_progress)
+        # NOTE: every signal is connected before the worker starts, so a fast one cannot finish unheard
+        w = Worker(value_stats, self.data.ckpt, fqn)
+        w.signals.progress.connect(self.inspector.set_progress)
         w.signals.returned.connect(lambda st, f=fqn: self._on_stats(f, st))
         w.signals.errored.connect(lambda msg: self.inspector.show_message(f"<span style='color:#d62728'>{msg}</span>"))
         w.signals.cancelled.connect(lambda: self.inspector.show_message("Cancelled."))
         w.signals.finished.connect(lambda wk=w: self._stats_done(wk))
-        self._stats_worker = w
+        self._stats_worker = w.start()
 
     def values_pending(self) -> bool:
         """A values load is running (``valuesDone`` follows)."""
@@ -365,11 +367,12 @@ class CheckpointView(QWidget):
         self.health.set_problems_pending("Reading every stored item and checking its CRC32 …")
         self.tabs.setCurrentWidget(self.health)
         self.progress.start("verifying contents", cancellable=True)
-        w = run_in_background(verify_contents, self.data.ckpt, on_progress=self.progress.set_progress)
+        w = Worker(verify_contents, self.data.ckpt)
+        w.signals.progress.connect(self.progress.set_progress)
         w.signals.returned.connect(self._on_verified)
         w.signals.errored.connect(lambda msg: self._verify_ended(f"Verify contents stopped: {msg}"))
         w.signals.cancelled.connect(lambda: self._verify_ended("Verify contents cancelled: nothing was concluded."))
-        self._verify_worker = w
+        self._verify_worker = w.start()
 
     def _on_verified(self, problems: list) -> None:
         self._verify_worker = None

@@ -36,7 +36,7 @@ from shardscope.backend.compare.diff import Change, DiffResult, difference_histo
 
 from .plot_style import themed_plot
 from .shard_map import ShardMapView
-from .workers import Worker, run_in_background
+from .workers import Worker
 
 COLUMNS = ("entry", "kind", "max |a−b|", "rel. L2", "changed")
 WIDTHS_KEY = "compare/column_widths"
@@ -197,9 +197,12 @@ class CompareView(QWidget):
             a, b = open_source(self.path_a), open_source(self.path_b)
             return a, b, diff(a, b, progress)
 
-        self._worker = run_in_background(work, on_result=self._done, on_error=self._failed,
-                                         on_progress=self._on_progress)
-        self._worker.signals.cancelled.connect(lambda: self._failed("Cancelled."))
+        w = Worker(work)  # NOTE: every signal connected before it starts
+        w.signals.returned.connect(self._done)
+        w.signals.errored.connect(self._failed)
+        w.signals.progress.connect(self._on_progress)
+        w.signals.cancelled.connect(lambda: self._failed("Cancelled."))
+        self._worker = w.start()
 
     def _on_progress(self, done: int, total: int, msg: str) -> None:
         self.progress.setRange(0, max(total, 1))
@@ -252,10 +255,12 @@ class CompareView(QWidget):
         if c.kind != "values" or c.rel_l2 is None:
             self.detailDone.emit()
             return
-        w = run_in_background(difference_histogram, a, b, c.fqn, on_result=self._show_hist,
-                              on_error=lambda msg: self.detail.setText(msg))
+        # NOTE: connected before the worker starts, so a fast one cannot finish unheard
+        w = Worker(difference_histogram, a, b, c.fqn)
+        w.signals.returned.connect(self._show_hist)
+        w.signals.errored.connect(self.detail.setText)
         w.signals.finished.connect(lambda wk=w: self._detail_finished(wk))
-        self._detail_worker = w
+        self._detail_worker = w.start()
 
     def detail_pending(self) -> bool:
         """A difference histogram is being computed (``detailDone`` follows)."""
@@ -281,8 +286,9 @@ class CompareView(QWidget):
         if not (isinstance(widths, list) and len(widths) == len(COLUMNS)
                 and all(str(w).isdigit() and int(w) > 0 for w in widths)):
             extra = 2 * fm.averageCharWidth() + 8
-            widths = [fm.averageCharWidth() * 34] + [fm.horizontalAdvance(t) + extra for t in
-                                                     ("only in A", "0.0001234", "0.0001234", "100.00 %")]
+            numbers = [fm.horizontalAdvance(t) + extra for t in ("only in A", "0.0001234", "0.0001234", "100.00 %")]
+            room = self.table.viewport().width() - sum(numbers) - self.table.verticalScrollBar().sizeHint().width() - 2
+            widths = [max(fm.averageCharWidth() * 30, room), *numbers]  # the names get what is left
         self._restoring = True
         for col, w in enumerate(widths[:-1]):  # the last one stretches
             self.table.setColumnWidth(col, int(w))

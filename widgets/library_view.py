@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
     QHeaderView,
+    QInputDialog,
     QLabel,
     QLineEdit,
     QMenu,
@@ -48,7 +49,7 @@ from PySide6.QtWidgets import (
 )
 from shardscope.backend.format import human_bytes
 from shardscope.backend.library.prune import Plan, Rules
-from shardscope.backend.library.scan import CheckpointRecord, RunRecord, ranks_text
+from shardscope.backend.library.scan import CheckpointRecord, RunRecord, is_url, ranks_text
 from shardscope.backend.library.snapshot import LibrarySnapshot, take_snapshot
 
 from .workers import Worker, run_in_background
@@ -267,7 +268,27 @@ class SizeBarDelegate(QStyledItemDelegate):
         super().paint(painter, option, index)
 
 
-class DiskUsageModel(QAbstractTableModel):
+class RowsTableModel(QAbstractTableModel):
+    """A flat table over a Python list (``rows_list()``), with ``HEADERS`` as its column titles."""
+
+    HEADERS: tuple[str, ...] = ()
+
+    def rows_list(self) -> list:
+        raise NotImplementedError
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows_list())
+
+    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.HEADERS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
+            return self.HEADERS[section]
+        return None
+
+
+class DiskUsageModel(RowsTableModel):
     """Runs of one root, largest first, with what the prune rules would free in each."""
 
     HEADERS = ("run", "checkpoints", "size", "rules free")
@@ -277,6 +298,9 @@ class DiskUsageModel(QAbstractTableModel):
         self.rows: list[tuple[RunRecord, int]] = []
         self._max = 1
 
+    def rows_list(self) -> list:
+        return self.rows
+
     def set_rows(self, runs: list[RunRecord], plan: Plan | None) -> None:
         freed: dict[str, int] = {}
         for d in plan.remove if plan is not None else []:
@@ -285,17 +309,6 @@ class DiskUsageModel(QAbstractTableModel):
         self.rows = sorted(((r, freed.get(r.path, 0)) for r in runs), key=lambda x: -x[0].bytes)
         self._max = max((r.bytes for r, _ in self.rows), default=1) or 1
         self.endResetModel()
-
-    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.rows)
-
-    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.HEADERS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return self.HEADERS[section]
-        return None
 
     def fraction(self, index: QModelIndex | QPersistentModelIndex) -> float:
         return self.rows[index.row()][0].bytes / self._max if index.isValid() else 0.0
@@ -331,7 +344,7 @@ class LibraryView(QWidget):
                  recent: Callable[[], list[str]] | None = None, parent=None) -> None:
         super().__init__(parent)
         self.recent = recent or list  # the window's recently opened checkpoints (read when the menu opens)
-        self.user_roots = [os.path.abspath(os.path.expanduser(r)) for r in roots]
+        self.user_roots = [r if is_url(r) else os.path.abspath(os.path.expanduser(r)) for r in roots]
         self.default_root = default_root
         self.rules = rules or Rules(keep_last=3)
         self.snapshot: LibrarySnapshot | None = None
@@ -383,7 +396,12 @@ class LibraryView(QWidget):
         self.recent_menu.aboutToShow.connect(self._fill_recent)
         recent.setMenu(self.recent_menu)
         row.addWidget(recent)
-        row.addWidget(self._button("Add root…", self.add_root_dialog, "Watch another folder of runs"))
+        add = self._button("Add root", lambda: None, "Watch another folder of runs, or a storage URL")
+        add_menu = QMenu(add)
+        add_menu.addAction("Folder…", self.add_root_dialog)
+        add_menu.addAction("URL (s3://, gs://, …)…", self.add_url_dialog)
+        add.setMenu(add_menu)
+        row.addWidget(add)
         self.remove_root_button = self._button("Remove root", self.remove_selected_root,
                                                "Stop watching the root chosen in Disk usage")
         row.addWidget(self.remove_root_button)
@@ -470,7 +488,8 @@ class LibraryView(QWidget):
         return out + [r for r in self.user_roots if r not in out]
 
     def add_root(self, path: str) -> None:
-        path = os.path.abspath(os.path.expanduser(path))
+        if not is_url(path):
+            path = os.path.abspath(os.path.expanduser(path))
         if path not in self.roots():
             self.user_roots.append(path)
             self.rootsChanged.emit(list(self.user_roots))
@@ -480,6 +499,14 @@ class LibraryView(QWidget):
         path = QFileDialog.getExistingDirectory(self, "Add a folder of runs or checkpoints to the Library")
         if path:
             self.add_root(path)
+
+    def add_url_dialog(self) -> None:
+        url, ok = QInputDialog.getText(self, "Add a storage URL to the Library",
+                                       "URL of a folder of runs or checkpoints (listed in one request per poll; "
+                                       "credentials and endpoint from the environment, e.g. AWS_ENDPOINT_URL):",
+                                       text="s3://")
+        if ok and "://" in url and url.strip() not in ("s3://", ""):
+            self.add_root(url.strip())
 
     def remove_selected_root(self) -> None:
         root = self.root_box.currentData()
@@ -554,8 +581,9 @@ class LibraryView(QWidget):
         if snap is None or root is None:
             self.usage.set_rows([], None)
             return
-        real = os.path.realpath(root)
-        runs = [r for r in snap.listing.runs if any(c.path.startswith(real.rstrip(os.sep) + os.sep) or c.path == real
+        real = root.rstrip("/") if is_url(root) else os.path.realpath(root)
+        sep = "/" if is_url(root) else os.sep
+        runs = [r for r in snap.listing.runs if any(c.path.startswith(real.rstrip(sep) + sep) or c.path == real
                                                     for c in r.checkpoints)]
         self.usage.set_rows(runs, snap.plan)
         freed = sum(f for _r, f in self.usage.rows)
@@ -597,7 +625,7 @@ class LibraryView(QWidget):
         ready = one is not None and one.state in OPENABLE
         self.open_button.setEnabled(ready and not one.is_file)
         self.export_button.setEnabled(ready and not one.is_file)
-        self.folder_button.setEnabled(one is not None)
+        self.folder_button.setEnabled(one is not None and not is_url(one.path))
         self.compare_button.setEnabled(len(sel) == 2 and all(c.state in OPENABLE for c in sel))
         if one is not None and not ready:
             self.open_button.setToolTip(f"{one.name} is {one.state}: it opens once it is complete")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt, QTimer, Signal
+from PySide6.QtCore import QModelIndex, QPersistentModelIndex, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -28,6 +28,7 @@ from shardscope.backend.format import human_bytes
 from shardscope.backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
 from shardscope.backend.library.scan import Listing
 
+from .library_view import RowsTableModel
 from .workers import Worker, run_in_background
 
 
@@ -36,7 +37,7 @@ def plan_rules(listing: Listing, rules: Rules, progress: Any = None) -> Plan:
     return make_plan(listing, rules)
 
 
-class PlanModel(QAbstractTableModel):
+class PlanModel(RowsTableModel):
     """One row per checkpoint: keep or remove, and why (an adapter over the plan's decisions)."""
 
     HEADERS = ("action", "run", "checkpoint", "step", "size", "state", "why")
@@ -50,16 +51,8 @@ class PlanModel(QAbstractTableModel):
         self.plan = plan
         self.endResetModel()
 
-    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        return 0 if parent.isValid() or self.plan is None else len(self.plan.decisions)
-
-    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.HEADERS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return self.HEADERS[section]
-        return None
+    def rows_list(self) -> list:
+        return self.plan.decisions if self.plan is not None else []
 
     def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if not index.isValid() or self.plan is None:

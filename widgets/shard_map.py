@@ -23,6 +23,7 @@ MAP_WIDTH = 800.0
 MAX_ASPECT = 6.0  # a 50000 × 8 tensor would be a hairline: draw rows/cols at most this lopsided
 BAR_HEIGHT = 36.0
 MAX_STACKED = 200
+MIN_OUTLINED = 3.0  # scene units (about pixels when fitted): thinner chunks are drawn without an outline
 
 
 def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -206,13 +207,17 @@ class ShardMapView(QGraphicsView):
         self.hover.add(frame_rect, FRAME, e)
         chunks = e.chunks
         labelled = len(chunks) <= 64 and not with_label  # rank labels only on a single tensor
-        # NOTE: hundreds of thin outlined rects make the paint engine blend every pixel several
-        # times (100+ ms for 512 chunks); past 128 chunks the rank colours alone separate them.
-        outline = QPen(QColor(40, 40, 40), 0) if len(chunks) <= 128 else QPen(Qt.PenStyle.NoPen)
+        rects = []
         for c in chunks:
-            box = chunk_box(c.offsets, c.sizes, e.shape)
-            r0, c0, nr, nc = box  # type: ignore[misc]
-            rect = QRectF(c0 * sx, y0 + r0 * sy, nc * sx, nr * sy)
+            r0, c0, nr, nc = chunk_box(c.offsets, c.sizes, e.shape)  # type: ignore[misc]
+            rects.append(QRectF(c0 * sx, y0 + r0 * sy, nc * sx, nr * sy))
+        # NOTE: hundreds of thin outlined rects make the paint engine blend every pixel several
+        # times (100+ ms for 512 chunks); past 128 chunks, or when a chunk is only a few units
+        # thin (outlines would paint it dark), the rank colours alone separate them.
+        thinnest = min((min(r.width(), r.height()) for r in rects), default=0.0)
+        outlined = len(chunks) <= 128 and thinnest >= MIN_OUTLINED
+        outline = QPen(QColor(40, 40, 40), 0) if outlined else QPen(Qt.PenStyle.NoPen)
+        for c, rect in zip(chunks, rects, strict=True):
             color = rank_color(c.rank)
             if self.highlight_rank is not None and c.rank != self.highlight_rank:
                 color = QColor(color)

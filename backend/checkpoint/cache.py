@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -17,7 +18,8 @@ import numpy as np
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .storage import Folder
 
-FORMAT = 1
+log = logging.getLogger(__name__)
+FORMAT = 2  # 2: written only after the metadata passed validate.py
 ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
 
 
@@ -46,6 +48,7 @@ def load(key: str, path: str) -> Checkpoint | None:
             return None
         arrays = {a: np.load(d / f"{a}.npy", allow_pickle=False) for a in ARRAYS}
     except (OSError, ValueError, KeyError):
+        log.debug("metadata cache miss for %s", path, exc_info=True)
         return None
     files = [FileInfo(n, r, b, k) for n, r, b, k in head["files"]]
     ckpt = Checkpoint(path, head["format"], head["version"], files, [], [], ChunkTable(**arrays),
@@ -84,5 +87,5 @@ def store(key: str, ckpt: Checkpoint) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             return
         os.replace(tmp, final)
-    except (OSError, TypeError, ValueError):
-        pass  # a cache that cannot be written is only a slower next open
+    except (OSError, TypeError, ValueError, RecursionError):
+        log.warning("cannot write the metadata cache for %s", ckpt.path, exc_info=True)  # only a slower next open

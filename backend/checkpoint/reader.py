@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-from array import array
 from typing import Any
 
 import numpy as np
@@ -135,30 +134,47 @@ def _read_streaming(folder: Folder, listing: dict[str, int], meta_names: list[st
 
 
 def build_streamed(folder: str, md: Any, ev: Events, listing: dict[str, int], meta_names: list[str]) -> Checkpoint:
-    sdm = md.state_dict_metadata
+    """The checkpoint model from a streamed ``.metadata`` (see :mod:`.streaming`)."""
     where = os.path.join(folder, meta_names[0])
-    ckpt = Checkpoint(folder, "dcp", validate.optional_str(md.get("version"), where, "version"), [], [], [],
-                      ChunkTable.empty(), metadata_files=list(meta_names))
+    return _build(folder, md.state_dict_metadata, ev, validate.optional_str(md.get("version"), where, "version"),
+                  md.get("storage_meta"), md.get("planner_data"), listing, meta_names)
+
+
+def _build(folder: str, sdm: dict, ev: Events, version: str | None, storage_meta: Any, planner_data: Any,
+           listing: dict[str, int], meta_names: list[str]) -> Checkpoint:
+    """The one builder: tensor records (with ``first``/``count`` into the event arrays) and the storage
+    entries of ``ev``, joined with a numpy sort; both readers end here."""
+    where = os.path.join(folder, meta_names[0])
+    ckpt = Checkpoint(folder, "dcp", version, [], [], [], ChunkTable.empty(), metadata_files=list(meta_names))
     problems: list[Problem] = []
     counts = []
-    ckpt_chunks = 0
+    claimed = 0
     for fqn, rec in sdm.items():
         validate.as_fqn(fqn, where)
         if isinstance(rec, TensorStorageRecord):
             dtype = validate.dtype_of(rec.get("properties"), where, fqn)
             first, count = rec.get("first"), rec.get("count")
-            if first != ckpt_chunks:
+            if first != claimed:
                 raise NotStreamable("tensor chunks out of order")
-            ckpt_chunks += count
+            claimed += count
             shape = validate.as_dims(rec.get("size"), where, "shape", fqn)
             ckpt.tensors.append(TensorEntry(fqn, dtype, shape, first, count, ckpt))
             counts.append(count)
-    tensor_index = {t.fqn: i for i, t in enumerate(ckpt.tensors)}
     tensor_of_chunk = np.repeat(np.arange(len(counts), dtype=np.int32), np.asarray(counts, np.int64))
-    pos, object_positions = join_storage(tensor_of_chunk, ev, tensor_index)
+    pos, object_positions = join_storage(tensor_of_chunk, ev, {t.fqn: i for i, t in enumerate(ckpt.tensors)})
     paths = sorted({validate.as_path(p, where) for p in ev.info_path})
-    file_ids = {p: i for i, p in enumerate(paths)}
     ckpt.files = [FileInfo(p, rank_of_file(p), listing.get(p)) for p in paths]
+    ckpt.chunk_table = _chunk_table(tensor_of_chunk, pos, ev, {p: i for i, p in enumerate(paths)})
+    problems += _unstored(ckpt, pos, ev)
+    problems += _objects(ckpt, sdm, ev, object_positions, where)
+    if ev.transformed:
+        problems.append(Problem("unreadable", "items are stored with stream transforms (compression or "
+                                "encryption extensions), which Shardscope cannot decode yet."))
+    _finish(ckpt, listing, meta_names, storage_meta, planner_data, problems)
+    return ckpt
+
+
+def _chunk_table(tensor_of_chunk: np.ndarray, pos: np.ndarray, ev: Events, file_ids: dict[str, int]) -> ChunkTable:
     info_file = np.fromiter((file_ids[p] for p in ev.info_path), np.int32, len(ev.info_path))
     info_off = np.frombuffer(ev.info_offset, np.int64)
     info_len = np.frombuffer(ev.info_length, np.int64)
@@ -168,17 +184,29 @@ def build_streamed(folder: str, md: Any, ev: Events, listing: dict[str, int], me
     dim_start = np.zeros(len(ndim), np.int64)
     if len(ndim):
         np.cumsum(2 * ndim[:-1], out=dim_start[1:])
-    ckpt.chunk_table = ChunkTable(
+    return ChunkTable(
         tensor_of_chunk, np.where(found, info_file[safe] if len(info_file) else -1, -1).astype(np.int32),
         np.where(found, info_off[safe] if len(info_off) else 0, 0),
         np.where(found, info_len[safe] if len(info_len) else 0, 0),
         dim_start, np.frombuffer(ev.chunk_dims, np.int64))
-    for j in np.nonzero(~found)[0][:1000]:
-        t = ckpt.tensors[int(tensor_of_chunk[j])]
-        s0 = int(dim_start[j])
-        offs = ev.chunk_dims[s0:s0 + t.ndim].tolist()
-        problems.append(Problem("no_storage", f"{t.fqn}: chunk at offsets {offs} has no storage entry in the "
-                                "metadata.", fqn=t.fqn))
+
+
+def _unstored(ckpt: Checkpoint, pos: np.ndarray, ev: Events) -> list[Problem]:
+    """A problem for each chunk (the first thousand) that has no storage entry."""
+    out = []
+    t = ckpt.chunk_table
+    for j in np.nonzero(pos < 0)[0][:1000]:
+        e = ckpt.tensors[int(t.tensor[j])]
+        s0 = int(t.dim_start[j])
+        offs = ev.chunk_dims[s0:s0 + e.ndim].tolist()
+        out.append(Problem("no_storage", f"{e.fqn}: chunk at offsets {offs} has no storage entry in the "
+                           "metadata.", fqn=e.fqn))
+    return out
+
+
+def _objects(ckpt: Checkpoint, sdm: dict, ev: Events, object_positions: list[int], where: str) -> list[Problem]:
+    """The non-tensor entries, and a problem for each one without storage or of an unknown kind."""
+    problems = []
     by_fqn = {ev.index_fqn[i]: i for i in object_positions}
     for fqn, rec in sdm.items():
         if isinstance(rec, TensorStorageRecord):
@@ -195,11 +223,7 @@ def build_streamed(folder: str, md: Any, ev: Events, listing: dict[str, int], me
                                                 rank_of_file(rel)))
         else:
             problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(rec).__name__}.", fqn=fqn))
-    if ev.transformed:
-        problems.append(Problem("unreadable", "items are stored with stream transforms (compression or "
-                                "encryption extensions), which Shardscope cannot decode yet."))
-    _finish(ckpt, listing, meta_names, md.get("storage_meta"), md.get("planner_data"), problems)
-    return ckpt
+    return problems
 
 
 def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], storage_meta: Any,
@@ -246,100 +270,65 @@ def _chunks(md: Any, fqn: str, where: str) -> list[tuple[tuple[int, ...], tuple[
     return out
 
 
-def _merge(parsed: list[Any], where: str) -> tuple[dict, dict, dict, Any, str | None]:
-    """One metadata view of several per-rank files (``use_collectives=False``); tensor records become
-    (record, validated chunks) pairs."""
+def _graph_events(parsed: list[Any], where: str) -> tuple[dict, Events]:
+    """Unpickled object graphs (one or several per-rank files, ``use_collectives=False``) as the
+    streaming reader's events, so one builder serves both readers. A chunk several files name is kept once."""
     sdm: dict[str, Any] = {}
-    storage: dict = {}
-    planner: dict = {}
+    chunks: dict[str, list] = {}
     seen: dict[str, set] = {}
+    ev = Events()
     for m in parsed:
         for fqn, md in m.state_dict_metadata.items():
             validate.as_fqn(fqn, where)
             if isinstance(md, TensorStorageRecord):
-                chunks = _chunks(md, fqn, where)
-                have = sdm.get(fqn)
-                if have is None:
-                    sdm[fqn] = (md, chunks)
-                    seen[fqn] = {c[0] for c in chunks}
-                elif isinstance(have, tuple):
-                    have[1].extend(c for c in chunks if c[0] not in seen[fqn])
-                    seen[fqn].update(c[0] for c in chunks)
+                mine = _chunks(md, fqn, where)
+                if fqn not in chunks:
+                    sdm[fqn], chunks[fqn], seen[fqn] = md, [], set()
+                chunks[fqn] += [c for c in mine if c[0] not in seen[fqn]]
+                seen[fqn].update(c[0] for c in mine)
             else:
                 sdm.setdefault(fqn, md)
-        storage.update(validate.mapping(m.get("storage_data"), where, "storage_data"))
-        planner.update(validate.mapping(m.get("planner_data"), where, "planner_data"))
-    version = validate.optional_str(parsed[0].get("version"), where, "version")
-    return sdm, storage, planner, parsed[0].get("storage_meta"), version
+        for key, info in validate.mapping(m.get("storage_data"), where, "storage_data").items():
+            _storage_event(ev, key, info, where)
+    for fqn, rec in sdm.items():
+        if isinstance(rec, TensorStorageRecord):
+            copy = TensorStorageRecord()
+            copy.__dict__.update(properties=rec.get("properties"), size=rec.get("size"), first=len(ev.chunk_ndim),
+                                 count=len(chunks[fqn]))
+            for offsets, sizes in chunks[fqn]:
+                ev.chunk_ndim.append(len(offsets))
+                ev.chunk_dims.extend(offsets)
+                ev.chunk_dims.extend(sizes)
+            sdm[fqn] = copy
+    return sdm, ev
 
 
-def _storage(storage_data: dict, fqn: str, offsets: tuple | None, where: str) -> tuple[str, int, int] | None:
-    """The validated (relative_path, offset, length) of an entry's storage, or None when it has none."""
-    info = storage_data.get(MetadataIndexRecord.probe(fqn, offsets))
-    if info is None:
-        return None
-    if not isinstance(info, StorageInfoRecord):
-        raise validate.bad(where, f"the storage entry is {type(info).__name__}, not a _StorageInfo", fqn)
-    return (validate.as_path(info.get("relative_path"), where, fqn),
-            validate.as_index(info.get("offset"), where, "offset", fqn),
-            validate.as_index(info.get("length"), where, "length", fqn))
+def _storage_event(ev: Events, key: Any, info: Any, where: str) -> None:
+    """One validated ``storage_data`` entry appended to the events."""
+    if not isinstance(key, MetadataIndexRecord) or not isinstance(info, StorageInfoRecord):
+        raise validate.bad(where, f"a storage entry is {type(key).__name__} -> {type(info).__name__}")
+    fqn = validate.as_fqn(key.get("fqn"), where)
+    offset = key.get("offset")
+    ev.index_fqn.append(fqn)
+    if offset is None:
+        ev.index_ndim.append(-1)
+    else:
+        dims = validate.as_dims(offset, where, "storage offsets", fqn)
+        ev.index_ndim.append(len(dims))
+        ev.index_dims.extend(dims)
+    ev.info_path.append(validate.as_path(info.get("relative_path"), where, fqn))
+    ev.info_offset.append(validate.as_index(info.get("offset"), where, "offset", fqn))
+    ev.info_length.append(validate.as_index(info.get("length"), where, "length", fqn))
+    ev.transformed = ev.transformed or bool(info.get("transform_descriptors"))
 
 
 def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
                      meta_names: list[str]) -> Checkpoint:
     """The checkpoint model from unpickled metadata object graphs (one or several per-rank files)."""
     where = os.path.join(folder, meta_names[0])
-    sdm, storage_data, planner_data, storage_meta, version = _merge(parsed, where)
-    problems: list[Problem] = []
-    file_ids: dict[str, int] = {}
-    files: list[FileInfo] = []
-
-    def file_id(rel: str) -> int:
-        fid = file_ids.get(rel)
-        if fid is None:
-            fid = file_ids[rel] = len(files)
-            files.append(FileInfo(rel, rank_of_file(rel), listing.get(rel)))
-        return fid
-
-    tensors: list[TensorEntry] = []
-    objects: list[ObjectEntry] = []
-    # array.array, not lists: 8 bytes an entry instead of a pointer plus an int object
-    t_idx, f_idx = array("i"), array("i")
-    b_off, b_len, dim_start, dims = array("q"), array("q"), array("q"), array("q")
-    ckpt = Checkpoint(folder, "dcp", version, files, tensors, objects, ChunkTable.empty(),
-                      metadata_files=list(meta_names))
-    for fqn, md in sdm.items():
-        if isinstance(md, tuple):
-            rec, chunks = md
-            dtype = validate.dtype_of(rec.get("properties"), where, fqn)
-            shape = validate.as_dims(rec.get("size"), where, "shape", fqn)
-            first = len(t_idx)
-            for offsets, sizes in chunks:
-                info = _storage(storage_data, fqn, offsets, where)
-                t_idx.append(len(tensors))
-                f_idx.append(-1 if info is None else file_id(info[0]))
-                b_off.append(0 if info is None else info[1])
-                b_len.append(0 if info is None else info[2])
-                if info is None:
-                    problems.append(Problem("no_storage", f"{fqn}: chunk at offsets {list(offsets)} has no "
-                                            "storage entry in the metadata.", fqn=fqn))
-                dim_start.append(len(dims))
-                dims.extend(offsets)
-                dims.extend(sizes)
-            tensors.append(TensorEntry(fqn, dtype, shape, first, len(t_idx) - first, ckpt))
-        elif isinstance(md, BytesStorageRecord):
-            info = _storage(storage_data, fqn, None, where)
-            if info is None:
-                objects.append(ObjectEntry(fqn, None, 0, 0, None))
-                problems.append(Problem("no_storage", f"{fqn}: non-tensor entry has no storage entry.", fqn=fqn))
-            else:
-                file_id(info[0])
-                objects.append(ObjectEntry(fqn, info[0], info[1], info[2], rank_of_file(info[0])))
-        else:
-            problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(md).__name__}.", fqn=fqn))
-
-    ckpt.chunk_table = ChunkTable(
-        np.frombuffer(t_idx, np.int32), np.frombuffer(f_idx, np.int32), np.frombuffer(b_off, np.int64),
-        np.frombuffer(b_len, np.int64), np.frombuffer(dim_start, np.int64), np.frombuffer(dims, np.int64))
-    _finish(ckpt, listing, meta_names, storage_meta, planner_data, problems)
-    return ckpt
+    sdm, ev = _graph_events(parsed, where)
+    planner: dict = {}
+    for m in parsed:
+        planner.update(validate.mapping(m.get("planner_data"), where, "planner_data"))
+    version = validate.optional_str(parsed[0].get("version"), where, "version")
+    return _build(folder, sdm, ev, version, parsed[0].get("storage_meta"), planner, listing, meta_names)

@@ -43,7 +43,7 @@ COALESCE = 8 << 20  # small items are merged into one request up to this size
 MAX_GAP = 1 << 20  # neighbouring ranges closer than this are fetched as one
 MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
 CACHE_BUDGET = 64 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
-RETAIN = 16 << 20  # what the cache keeps once its readers are closed
+SERVE_SLACK = 4096  # unread gaps this small do not keep a fetch in the cache
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -131,6 +131,20 @@ def call(where: str, fn: Any, *args: Any, doing: str = "cannot read it", **kwarg
 
 
 # ------------------------------------------------------------------ the read planner
+def merge_ranges(ranges: Iterable[tuple[str, int, int]], max_gap: int = MAX_GAP,
+                 max_request: int = MAX_REQUEST) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` ranges with neighbours of one file merged when the gap between them is
+    below ``max_gap`` and the merged range stays within ``max_request``."""
+    out: list[tuple[str, int, int]] = []
+    for name, start, end in sorted(r for r in ranges if r[2] > r[1]):
+        if out and out[-1][0] == name and start - out[-1][2] <= max_gap and max(end, out[-1][2]) - out[-1][1] \
+                <= max_request:
+            out[-1] = (name, out[-1][1], max(end, out[-1][2]))
+        else:
+            out.append((name, start, end))
+    return out
+
+
 class _Fetch:
     """Bytes ``[start, end)`` of one file: being fetched (``done`` not set) or fetched."""
 
@@ -144,18 +158,20 @@ class _Fetch:
         self.served: list[list[int]] = []  # merged [a, b) ranges handed out so far
 
     def serve(self, a: int, b: int) -> bool:
-        """Record that ``[a, b)`` was handed out; True once every byte of the fetch has been."""
+        """Record that ``[a, b)`` was handed out; True once every byte of the fetch has been, but for
+        gaps below ``SERVE_SLACK`` (zip records nobody reads: byte order, version, ...)."""
         a, b = max(a, self.start), min(b, self.end)
         if b > a:
             merged = []
             for r in self.served:
-                if r[1] < a or r[0] > b:
+                if r[1] + SERVE_SLACK < a or r[0] > b + SERVE_SLACK:
                     merged.append(r)
                 else:
                     a, b = min(a, r[0]), max(b, r[1])
             merged.append([a, b])
             self.served = sorted(merged)
-        return len(self.served) == 1 and self.served[0][0] <= self.start and self.served[0][1] >= self.end
+        return (len(self.served) == 1 and self.served[0][0] <= self.start + SERVE_SLACK
+                and self.served[0][1] >= self.end - SERVE_SLACK)
 
 
 @dataclass
@@ -253,12 +269,15 @@ class RemoteHandles:
             self._copy_into(name, offset, view, self._acquire([(name, offset, offset + len(view))])[0])
 
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """The bytes of every ``(name, start, end)``, fetched as one coalesced, concurrent batch."""
+        """The bytes of every ``(name, start, end)``, fetched as one batch: ranges of a file closer
+        than ``MAX_GAP`` merged (up to ``MAX_REQUEST``), all requests in flight at once."""
+        cap = min(MAX_REQUEST, self.budget // 4)  # what stays cached until the copies below
+        self._acquire([r for r in merge_ranges(ranges, max_request=cap) if r[2] - r[1] <= cap])
         out = []
-        for (name, start, end), pieces in zip(ranges, self._acquire(list(ranges)), strict=True):
+        for name, start, end in ranges:
             buf = bytearray(max(0, end - start))
             if buf:
-                self._copy_into(name, start, memoryview(buf), pieces)
+                self.readinto(name, start, memoryview(buf))
             out.append(bytes(buf))
         return out
 
@@ -285,14 +304,13 @@ class RemoteHandles:
         raise OSError("remote files have no descriptor")
 
     def close(self) -> None:
-        """Stop prefetching and shrink the cache to what later readers of the folder likely need
-        (headers, small files): the handles are shared by every reader of one folder."""
+        """Stop prefetching and drop the cache (the handles stay usable: the next read fetches again)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
         with self._lock:
-            self._evict(RETAIN)
+            self._evict(0)
 
     def __enter__(self) -> RemoteHandles:
         return self

@@ -97,9 +97,6 @@ class LocalHandles:
         self.close()
 
 
-FileHandles = LocalHandles  # the historical name
-
-
 class Folder:
     """A checkpoint folder: its files and sizes, and readers for them. ``storage_options`` are the
     fsspec options it was opened with (the one channel for endpoints and credentials)."""
@@ -157,7 +154,7 @@ class Folder:
 
     def handles(self) -> LocalHandles | RemoteHandles:
         """Byte-range readers for this folder's files; make one per reader and share it between threads.
-        Remote: one planner and cache per folder, shared by every reader of it (closing it drops the cache)."""
+        Remote: one planner and cache per folder, shared by its readers (closing drops the cache)."""
         if self.local:
             return LocalHandles(self.path)
         if self._remote is None:
@@ -228,4 +225,4 @@ def handles_for(path: str | Folder, storage_options: dict[str, Any] | None = Non
     return open_folder(path, storage_options).handles() if is_url(path) else LocalHandles(str(path))
 
 
-__all__ = ["FileHandles", "Folder", "LocalHandles", "RemoteHandles", "handles_for", "is_url", "open_folder"]
+__all__ = ["Folder", "LocalHandles", "RemoteHandles", "handles_for", "is_url", "open_folder"]

@@ -143,18 +143,28 @@ class AtomicOutput:
         if isinstance(exc, OSError) and not isinstance(exc, ShardscopeError):
             raise write_error(self.dst, exc) from None
 
-    def commit(self) -> None:
-        """Make the temporary durable and give it the destination's name (replacing it with --force)."""
-        if self.remote:  # the local staging copy needs no fsync: the upload is the commit
-            self.remote.commit(self.path, self.kind)
-            self._discard()
-            self.committed = True
+    def sync(self) -> None:
+        """fsync the temporary (for a folder, every file in it too); may run on another thread while
+        the output is verified. The local staging copy of a URL destination needs none."""
+        if self.remote:
             return
         try:
             if self.kind == "dir":
                 for name in os.listdir(self.path):
                     fsync_path(os.path.join(self.path, name))
             fsync_path(self.path)
+        except OSError as exc:
+            raise write_error(self.dst, exc) from None
+
+    def commit(self) -> None:
+        """Make the temporary durable and give it the destination's name (replacing it with --force)."""
+        if self.remote:  # the upload is the commit
+            self.remote.commit(self.path, self.kind)
+            self._discard()
+            self.committed = True
+            return
+        self.sync()  # cheap when sync() already ran: nothing is dirty
+        try:
             if os.path.lexists(self.dst):
                 if os.path.isdir(self.dst) and not os.path.islink(self.dst):
                     # a folder cannot be replaced in one step: move it aside under a temporary name first

@@ -186,7 +186,7 @@ def archive_name(dst: str) -> str:
 
 def write(plan: ExportPlan, out_path: str, dst: str, reader: ChunkReader, progress: Progress | None,
           left_out: list[str]) -> tuple[list[str], list[Expectation]]:
-    """Write the plan as one torch archive at ``out_path``, fsynced; returns ([""], expectations)."""
+    """Write the plan as one torch archive at ``out_path``; returns ([""], expectations)."""
     import torch
 
     pkl, storages = pickle_state(nested_state(plan, reader), plan.items)
@@ -220,9 +220,8 @@ def write(plan: ExportPlan, out_path: str, dst: str, reader: ChunkReader, progre
         for r in records:
             pwrite_all(fd, r.local_header(), r.header_at)
         pwrite_all(fd, _directory(records, cd_at), cd_at)
-        os.fsync(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # fsynced by the atomic output while the verifier reads
     check_archive(out_path, plan, storages, torch)
     return [""], [Expectation(out_path, r.data_at, r.size, r.crc, what.key if isinstance(what, ExportItem)
                               else f"tensor in a non-tensor entry (data/{rec.key})")

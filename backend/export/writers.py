@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint.chunks import ChunkReader
 from ..errors import CheckpointError
@@ -45,7 +46,11 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
                 names, expect = safetensors_writer.write(plan, out.path, reader, progress, left_out)
             else:
                 names, expect = torch_writer.write(plan, out.path, dst, reader, progress, left_out)
-        mismatches = check_written(expect, progress) if verify else []
+        # The data goes to disk (fsync) while it is re-read from the page cache and checked.
+        with ThreadPoolExecutor(1, thread_name_prefix="export-fsync") as syncer:
+            synced = syncer.submit(out.sync)
+            mismatches = check_written(expect, progress) if verify else []
+            synced.result()
         if mismatches:
             return ExportResult(out.dst, [], len(plan.items), total, time.monotonic() - t0, plan.format,
                                 left_out=left_out, notes=list(plan.notes), verified=False, mismatches=mismatches)

@@ -31,6 +31,7 @@ from .scan import (
     Listing,
     RunRecord,
     is_shardscope_run,
+    is_url,
     leftover_of,
     order_key,
     resolve_root,
@@ -340,6 +341,10 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str]) -> Outcome:
 
 def execute(plan: Plan, delete: bool = False, progress: Progress | None = None) -> PruneResult:
     """Carry out a plan: finish interrupted prunes, then remove what the plan removes, one at a time."""
+    remote = [r for r in plan.roots if is_url(r)]
+    if remote:
+        raise ShardscopeError(f"{remote[0]}: pruning acts on local (or mounted network) folders only; object stores "
+                              "have no atomic rename. The plan lists what to remove; nothing was removed.")
     result = PruneResult("delete" if delete else "trash")
     result.leftovers = finish_leftovers(plan.leftovers)
     todo = plan.remove

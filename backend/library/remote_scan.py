@@ -10,19 +10,17 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ShardscopeError
+from ..errors import CheckpointError, ShardscopeError
 from .scan import (
+    CHECKPOINT_HOLDERS,
     RUN_SKIP_DIRS,
     SKIP_DIRS,
     CheckpointRecord,
     classify_folder,
     folder_state,
     is_checkpoint_file,
-    leftover_of,
     step_from_name,
 )
-
-CHECKPOINT_HOLDERS = {"checkpoints", "checkpoint", "ckpt", "ckpts"}
 
 
 def _mtime(info: dict[str, Any]) -> float:
@@ -83,9 +81,11 @@ def list_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
 
 
 def _run_state(fs: Any, path: str) -> str | None:
+    from ..checkpoint.remote import call
+
     try:
-        status = json.loads(fs.cat_file(f"{path}/status.json"))
-    except Exception:  # a missing or half-written status.json reads as "state unknown"
+        status = json.loads(call(path, fs.cat_file, f"{path}/status.json"))
+    except (CheckpointError, ValueError):  # missing or half-written: the state is unknown
         return None
     state = status.get("state") if isinstance(status, dict) else None
     return state if isinstance(state, str) else None
@@ -98,7 +98,6 @@ class RemoteScanner:
         self.fs, self.tree = fs, tree
         self.found: list[CheckpointRecord] = []
         self.run_states: dict[str, str | None] = {}  # URL of a Shardscope run -> its state
-        self.leftovers: list[str] = []
 
     def url(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
@@ -113,7 +112,7 @@ class RemoteScanner:
         files = self.tree.files.get(path, {})
         subs = sorted(self.tree.dirs.get(path, ()))
         fmt = classify_folder(posixpath.basename(path), files, subs)
-        if fmt is not None and path != self.tree.root or (fmt is not None and not subs):
+        if fmt is not None:
             self.found.append(self.folder(path, fmt, set(files), subs, run))
             return
         if "config.json" in files and "status.json" in files:
@@ -128,9 +127,7 @@ class RemoteScanner:
                     "safetensors" if name.endswith(".safetensors") else "torch", [], size, mtime, state,
                     "" if size else "an empty object", True, 1))
         for sub in subs:
-            if leftover_of(sub) is not None:
-                self.leftovers.append(f"{path}/{sub}")
-            elif not sub.startswith(".") and sub not in SKIP_DIRS and depth < 24 and \
+            if not sub.startswith(".") and sub not in SKIP_DIRS and depth < 24 and \
                     not (run == self.url(path) and sub in RUN_SKIP_DIRS):
                 self.walk(f"{path}/{sub}", run, depth + 1)
 

@@ -35,6 +35,7 @@ DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 HF_SHARD_RE = re.compile(r"^shard-(\d+)-.*\.safetensors$")
 HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's per-model-parallel-rank folders
 HF_TRAINER_RE = re.compile(r"^(tmp-)?checkpoint-\d+$")
 STEP_RES = (
@@ -129,6 +130,7 @@ class Listing:
     roots: list[str]
     runs: list[RunRecord]
     leftovers: list[Leftover] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)  # with missing_ok: why a root could not be listed
 
     @property
     def checkpoints(self) -> list[CheckpointRecord]:
@@ -186,6 +188,8 @@ class _Scanner:
         self.progress = progress
         self.found: list[CheckpointRecord] = []
         self.run_dirs: dict[str, str] = {}  # path -> kind
+        self.run_states: dict[str, str | None] = {}  # runs under a URL root: their state, read while listing
+        self.unreachable: list[str] = []
         self.leftovers: list[Leftover] = []
         self.root = ""
 
@@ -266,6 +270,19 @@ class _Scanner:
         self.mark_writing(rec)
         return rec
 
+    def scan_url(self, url: str) -> None:
+        """Checkpoints under an fsspec URL (one listing; see :mod:`.remote_scan`)."""
+        from .remote_scan import RemoteScanner, list_url
+
+        fs, tree = list_url(url)
+        remote = RemoteScanner(fs, tree)
+        remote.walk(tree.root)
+        for rec in remote.found:
+            self.mark_writing(rec)
+            self.found.append(rec)
+        self.run_states.update(remote.run_states)
+        self.run_dirs.update(dict.fromkeys(remote.run_states, "shardscope"))
+
     def default_run(self, ckpt_path: str) -> str:
         """The folder holding a checkpoint, or the one above a ``checkpoints/`` folder."""
         parent = os.path.dirname(ckpt_path)
@@ -326,6 +343,12 @@ def run_state(path: str) -> str | None:
             not pid_alive(status.get("pid")):
         return "ended"
     return state if isinstance(state, str) else None
+
+
+def is_url(path: str) -> bool:
+    """``scheme://...`` other than ``file://`` (as checkpoint.remote decides; here without importing numpy)."""
+    m = URL_RE.match(path)
+    return bool(m) and m.group(1) != "file"
 
 
 def within(path: str, root: str) -> bool:
@@ -544,6 +567,15 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
     scanner = _Scanner(now, writing_seconds, progress)
     resolved = []
     for root in roots:
+        if is_url(str(root)):
+            try:
+                scanner.scan_url(str(root))
+            except ShardscopeError as exc:
+                if not missing_ok:
+                    raise
+                scanner.unreachable.append(str(exc))
+            resolved.append(str(root).rstrip("/"))
+            continue
         path = resolve_root(root)
         if not os.path.exists(path):
             if missing_ok:
@@ -561,7 +593,8 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
         run = runs.get(rec.run)
         if run is None:
             kind = scanner.run_dirs.get(rec.run, "folder")
-            state = run_state(rec.run) if kind == "shardscope" else None
+            state = scanner.run_states[rec.run] if rec.run in scanner.run_states else \
+                run_state(rec.run) if kind == "shardscope" else None
             run = runs[rec.run] = RunRecord(rec.run, kind, state)
         run.checkpoints.append(rec)
     for path, kind in scanner.run_dirs.items():  # a run that has no checkpoint yet is listed too
@@ -573,4 +606,4 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
             last = run.checkpoints[-1]
             last.state, last.reason = "writing", "the run is running and this save has not finished"
     ordered = sorted(runs.values(), key=lambda r: r.path)
-    return Listing(resolved, ordered, sorted(set(scanner.leftovers), key=lambda x: x.path))
+    return Listing(resolved, ordered, sorted(set(scanner.leftovers), key=lambda x: x.path), scanner.unreachable)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..progress import Progress
 from .metrics import checkpoint_metrics
 from .prune import Plan, Rules, make_plan
-from .scan import Listing, scan
+from .scan import Listing, is_url, scan
 
 
 @dataclass(slots=True)
@@ -17,7 +17,7 @@ class LibrarySnapshot:
     listing: Listing
     metric: dict[str, float] = field(default_factory=dict)  # checkpoint path -> the loss at its step
     plan: Plan | None = None  # the rules' plan (for "what the rules would free")
-    missing: list[str] = field(default_factory=list)  # roots that do not exist (now)
+    missing: list[str] = field(default_factory=list)  # roots that do not exist (now), or cannot be listed: why
 
 
 LOSS_NAMES = ("loss", "train_loss", "val_loss")  # ours and HF's "loss"; Lightning's usual names
@@ -38,5 +38,6 @@ def take_snapshot(roots: list[str], rules: Rules | None = None, metrics: tuple[s
     plan = None
     if rules is not None and (rules.has_keep_rule() or rules.incomplete):
         plan = make_plan(listing, rules)
-    missing = [r for r in roots if not os.path.exists(os.path.expanduser(r))]
+    missing = [r for r in roots if not is_url(r) and not os.path.exists(os.path.expanduser(r))]
+    missing += listing.unreachable
     return LibrarySnapshot(listing, values, plan, missing)
