@@ -10,7 +10,7 @@ local S3 API server (moto's server mode, in its own process, counting every requ
 
 each in a fresh process: wall time, requests at the server, peak RSS (VmHWM).
 
-    python benchmarks/remote_export.py [--size-mib 512] [--dir DIR] [--repeat 1]
+    python benchmarks/remote_export.py [--size-mib 512] [--dir DIR] [--repeat 1] [--steps torch,shardscope]
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--dir", help="work folder (default: a temporary one)")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--steps", default="torch,shardscope,shardscope-no-verify,verify-deep",
+                    help="comma-separated steps to run")
     args = ap.parse_args()
 
     import s3fs
@@ -146,7 +148,7 @@ def main() -> None:
               f"(moto server {server.endpoint})\n")
         rows = []
         for _ in range(args.repeat):
-            for what in ("torch", "shardscope", "shardscope-no-verify", "verify-deep"):
+            for what in args.steps.split(","):
                 rows.append(measure(server, what, url, str(work / "out.safetensors")))
                 r = rows[-1]
                 print(f"  {what:22s} {r['wall']:7.1f} s  {r['requests']:6d} requests  "

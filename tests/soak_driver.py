@@ -25,6 +25,7 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import torch
 
 # How far a reference count may dip below its warmed-up value from ordinary caching. PySide6 6.12.0
@@ -105,6 +106,7 @@ class Soak:
         self.counts: Counter[str] = Counter()
         self.spent: Counter[str] = Counter()  # seconds per kind of action
         self.samples: list[tuple[int, int, int, int]] = []  # (actions, None, True, False)
+        self.rss_mib: list[int] = []  # resident memory at each sample (a long soak shows leaks here)
         self.errors: list[str] = []
         self.tooltips = 0
         sys.excepthook = self._excepthook  # an exception in a slot is a failure, not a line on stderr
@@ -267,6 +269,7 @@ class Soak:
     # ------------------------------------------------------------------ the run
     def sample(self, actions: int) -> None:
         self.samples.append((actions, sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)))
+        self.rss_mib.append(round(psutil.Process().memory_info().rss / 2**20))
 
     def fallen(self) -> str | None:
         """A message if a reference count fell below its warmed-up value by more than the slack."""
@@ -325,6 +328,8 @@ class Soak:
                    "ms_per_action": {k: round(1000 * v / max(1, self.counts[k]), 1) for k, v in self.spent.items()},
                    "metrics_lines": getattr(getattr(self, "writer", None), "lines", 0), "plotted_points": plotted,
                    "refcounts_first_last": [self.samples[0], self.samples[-1]] if self.samples else [],
+                   "rss_mib_first_max_last": [self.rss_mib[0], max(self.rss_mib), self.rss_mib[-1]]
+                   if self.rss_mib else [],
                    "errors": self.errors[:5], "problem": problem}
         print("SOAK " + json.dumps(summary), flush=True)
         if problem or self.errors:

@@ -65,3 +65,33 @@ def test_cli_on_mutated_input_exits_cleanly(seeds, tmp_path, n):
     proc = run_cli(*args, timeout=120)
     assert proc.returncode in (0, 1, 2), (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(st.data())
+def test_coverage_counts_match_a_brute_force_count(data):
+    """Gap and overlap element counts of the difference-array coverage equal counting every element."""
+    import numpy as np
+    from shardscope.backend.checkpoint.layout import coverage
+    from shardscope.backend.checkpoint.model import Checkpoint, ChunkTable, TensorEntry
+
+    nd = data.draw(st.integers(1, 3))
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=nd, max_size=nd)))
+    chunks = []
+    for _ in range(data.draw(st.integers(0, 6))):
+        lo = [data.draw(st.integers(0, s - 1)) for s in shape]
+        chunks.append((lo, [data.draw(st.integers(1, s - a)) for a, s in zip(lo, shape, strict=True)]))
+    dims = [v for lo, sz in chunks for v in (*lo, *sz)]
+    n = len(chunks)
+    table = ChunkTable(np.zeros(n, np.int32), np.full(n, -1, np.int32), np.zeros(n, np.int64),
+                       np.zeros(n, np.int64), np.arange(n, dtype=np.int64) * 2 * nd, np.asarray(dims, np.int64))
+    ckpt = Checkpoint("x", "dcp", None, [], [], [], table)
+    ckpt.tensors = [TensorEntry("t", "float32", shape, 0, n, ckpt)]
+    ckpt.reindex()
+    count = np.zeros(shape, np.int64)
+    for lo, sz in chunks:
+        count[tuple(slice(a, a + s) for a, s in zip(lo, sz, strict=True))] += 1
+    cov = coverage(ckpt, ckpt.tensors[0])
+    assert cov.gap_elements == int((count == 0).sum())
+    assert cov.overlap_elements == int(np.maximum(count - 1, 0).sum())
+    assert cov.exact == bool((count == 1).all())

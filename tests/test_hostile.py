@@ -274,8 +274,9 @@ def test_hf_shard_claiming_more_than_exists(copy_of):
     raw += b" " * (n - len(raw)) if len(raw) <= n else b""
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
     proc, mb = run_measured("verify", "--deep", ckpt)
-    clean(proc)
-    assert name in proc.stderr and mb < 1500
+    clean(proc, (1,))
+    assert "short_file" in proc.stdout and name in proc.stdout and key in proc.stdout and mb < 1500
+    clean(run_cli("show", ckpt, key))
 
 
 # ---------------------------------------------------------------- paths

@@ -456,3 +456,23 @@ def test_unreadable_is_listed_and_never_pruned(tmp_path, fixtures):
     plan = _plan(root, keep_last=1, incomplete=True)
     assert plan["step_1"][0] == "remove" and plan["step_2"][0] == "keep"
     assert "check it with `shardscope verify`" in plan["step_2"][1][0]
+
+
+def test_keep_best_reads_tensorboard_event_files(tmp_path):
+    """Lightning's default logger: lightning_logs/version_N/events.out.tfevents.* next to checkpoints/."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path.resolve() / "lightning_logs" / "version_3"
+    (run / "checkpoints").mkdir(parents=True)
+    writer = SummaryWriter(str(run))
+    for step, val in ((10, 1.5), (20, 1.8), (30, 1.6)):
+        writer.add_scalar("val_loss", val, step)
+        torch.save({"global_step": step}, run / "checkpoints" / f"epoch={step // 10}-step={step}.ckpt")
+    writer.close()
+    _age(tmp_path / "lightning_logs")
+    plan = _plan(tmp_path, keep_best="val_loss", mode="min", top=1)
+    names = {os.path.basename(p): v for p, v in plan.items()}
+    assert names["epoch=1-step=10.ckpt"][0] == "keep" and "keep-best val_loss (min, top 1): 1.5" in \
+        names["epoch=1-step=10.ckpt"][1]
+    assert names["epoch=2-step=20.ckpt"][0] == "remove"
+    assert names["epoch=3-step=30.ckpt"][0] == "keep"  # the newest

@@ -231,3 +231,16 @@ def test_window_runs_on_slurm_with_partitions_from_sinfo(cluster, qtbot, tmp_pat
     finally:
         panel.shutdown()
         assert QThreadPool.globalInstance().waitForDone(60000)
+
+
+def test_time_limit_ending_is_explained(cluster, tmp_path):
+    """A job that outlives --time=1 (one minute) ends as SLURM's TIMEOUT, explained, not a bare failure."""
+    script = tmp_path / "forever.py"
+    script.write_text("import time\nfrom shardscope import report\nfor s in range(1, 10**9):\n"
+                      "    report(step=s, loss=1.0)\n    time.sleep(1)\n")
+    run_dir = tmp_path / "timeout"
+    opts = slurm.SlurmOptions(time="1")
+    status = RunLauncher(run_dir, slurm_config(script=str(script), nproc=1, slurm=opts)).start().wait(DEADLINE)
+    assert status["slurm_state"] == "TIMEOUT" and status["state"] == "failed", status
+    assert "time limit" in status["explanation"] and "resume" in status["explanation"]
+    wait_for(lambda: not run_processes(run_dir), "every process of the run to end", 60)

@@ -195,6 +195,19 @@ def test_runs_list_follows_a_run_to_its_end(qtbot, panel, tmp_path):
     assert read_config(run_dir)["kind"] == "builtin" and read_config(run_dir)["steps"] == 3
 
 
+def test_config_record_round_trips_for_resume():
+    from shardscope.backend.runs.slurm import SlurmOptions
+
+    builtin = RunConfig(strategy="ddp", nproc=3, steps=7, checkpoint_every=2, model=SMALL)
+    assert RunConfig.from_record(json.loads(json.dumps(builtin.record()))) == builtin
+    script = RunConfig(nproc=2, script="/abs/train.py", script_args=["--x", "1"], on="slurm",
+                       slurm=SlurmOptions(nodes=2, gpus_per_node=8, partition="gpu", sbatch_args=["--mem=0"]))
+    rec = json.loads(json.dumps({**script.record(), "command": ["sbatch"], "history": []}))
+    assert "steps" not in rec and "strategy" not in rec
+    back = RunConfig.from_record(rec)
+    assert back.script == "/abs/train.py" and back.slurm == script.slurm and back.on == "slurm"
+
+
 def test_gui_restart_reads_final_state_from_exit_records(tmp_path):
     """A run whose launcher is gone (the GUI that started it was closed) is not shown as running."""
     run = tmp_path / "run"

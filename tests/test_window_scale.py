@@ -3,6 +3,7 @@ sizes that fit a 1280x720 screen, help inside the app, Verify contents in the He
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -345,3 +346,19 @@ def test_screenshot_mode_waits_for_the_comparison_and_its_detail(tmp_path, fixtu
     assert out.stat().st_size > 10000
     proc = run_cli("gui", "--compare", a, b, "--select", "no.such.entry", "--screenshot", out)
     assert proc.returncode == 2 and "no changed entry" in proc.stderr
+
+
+def test_window_scales_on_a_high_dpi_screen(tmp_path, fixtures):
+    """Qt's scale factor (as on a 200 % screen): the same layout in twice the pixels."""
+    import struct
+    import subprocess
+    import sys
+
+    out = tmp_path / "hidpi.png"
+    env = {**os.environ, "QT_SCALE_FACTOR": "2", "QT_QPA_PLATFORM": "offscreen"}
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "gui", str(fixtures["fsdp2_r2"]),
+                           "--screenshot", str(out), "--size", "1100x600"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    width, height = struct.unpack(">II", out.read_bytes()[16:24])
+    assert (width, height) == (2200, 1200)

@@ -207,13 +207,13 @@ class CheckpointView(QWidget):
         self._fit_name_column()
 
     def _fit_name_column(self) -> None:
-        """The name column takes what the numbers leave (never under ~14 characters: then the tree
+        """The name column takes what the numbers leave (never under ~10 characters: then the tree
         scrolls sideways), so sizes and counts are never cut."""
         if self.tree.header().count() < 2:
             return
         others = sum(self.tree.columnWidth(c) for c in range(1, self.tree.header().count()))
         room = self.tree.viewport().width() - others
-        self.tree.setColumnWidth(0, max(room, self.tree.fontMetrics().averageCharWidth() * 14 + 40))
+        self.tree.setColumnWidth(0, max(room, self.tree.fontMetrics().averageCharWidth() * 10 + 40))
 
     def _on_loaded(self, data: BrowseData) -> None:
         self.progress.finish()

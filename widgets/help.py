@@ -7,7 +7,7 @@ import html
 from dataclasses import dataclass
 
 from PySide6.QtCore import QUrl
-from PySide6.QtGui import QKeySequence
+from PySide6.QtGui import QImageReader, QKeySequence, QTextCursor
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QMainWindow, QTextBrowser, QVBoxLayout, QWidget
 from shardscope.resources import base_dir, readme_text
 
@@ -131,6 +131,7 @@ class HelpDialog(QDialog):
         self.browser.document().setBaseUrl(QUrl.fromLocalFile(str(base_dir()) + "/"))
         if markdown:
             self.browser.setMarkdown(text)
+            self._fit_images(680)
         else:
             self.browser.setHtml(text)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
@@ -139,6 +140,28 @@ class HelpDialog(QDialog):
         layout.addWidget(self.browser)
         layout.addWidget(buttons)
         self.resize(760, 560)
+
+    def _fit_images(self, width: int) -> None:
+        """Screenshots in the README are drawn at most ``width`` pixels wide (aspect kept)."""
+        doc = self.browser.document()
+        block = doc.begin()
+        while block.isValid():
+            it = block.begin()
+            while not it.atEnd():
+                frag = it.fragment()
+                fmt = frag.charFormat()
+                if fmt.isImageFormat():
+                    image = fmt.toImageFormat()
+                    size = QImageReader(str(base_dir() / image.name())).size()
+                    if size.isValid() and size.width() > width:
+                        image.setWidth(width)
+                        image.setHeight(size.height() * width / size.width())
+                        cursor = QTextCursor(doc)
+                        cursor.setPosition(frag.position())
+                        cursor.setPosition(frag.position() + frag.length(), QTextCursor.MoveMode.KeepAnchor)
+                        cursor.setCharFormat(image)
+                it += 1
+            block = block.next()
 
 
 def help_text(key: str, window: QMainWindow | None = None) -> tuple[str, str, bool]:

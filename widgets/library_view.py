@@ -373,6 +373,7 @@ class LibraryView(QWidget):
         split.setSizes([900, 340])
         lay.addWidget(split, 1)
         self.status = QLabel("Scanning …")
+        self.status.setWordWrap(True)  # NOTE: a long roots line must not set the window's minimum width
         lay.addWidget(self.status)
         self.timer = QTimer(self)
         self.timer.setInterval(POLL_MS)

@@ -59,10 +59,11 @@ class CategoryAxis(pg.AxisItem):
     def tickValues(self, minVal: float, maxVal: float, size: float):
         """Pyqtgraph's ticks, without those whose label would stick out past either end of the axis."""
         levels = super().tickValues(minVal, maxVal, size)
-        if size <= 0 or maxVal <= minVal:
+        lo, hi = sorted((minVal, maxVal))  # NOTE: an inverted axis (heat map rows) passes them reversed
+        if size <= 0 or hi <= lo:
             return levels
-        margin = (maxVal - minVal) * (self.min_pixels / 2) / size
-        return [(sp, [v for v in vals if minVal + margin <= v <= maxVal - margin]) for sp, vals in levels]
+        margin = (hi - lo) * (self.min_pixels / 2) / size
+        return [(sp, [v for v in vals if lo + margin <= v <= hi - margin]) for sp, vals in levels]
 
     def tickStrings(self, values, scale, spacing):
         out = []

@@ -92,6 +92,8 @@ class RunPlots(QWidget):
         self._restart_lines: list[pg.InfiniteLine] = []
         self._blocks: dict[tuple, PeakBlocks] = {}
         self._legend_keys: tuple = ()
+        self._speed_seen = False
+        self.speed.hide()
         self._dirty = False
         for plot in (self.loss, self.memory, self.speed):
             plot.getViewBox().sigXRangeChanged.connect(lambda *_a: self.mark_dirty())
@@ -112,6 +114,8 @@ class RunPlots(QWidget):
         self._restart_lines.clear()
         self._legend_keys = ()
         self.legend.clear()
+        self._speed_seen = False
+        self.speed.hide()  # shown once a series reports tokens/s (a script may never)
         self._dirty = True
 
     def _set(self, key: tuple, plot: pg.PlotWidget, x: np.ndarray, y: np.ndarray, restarts: list[int],
@@ -232,12 +236,16 @@ class RunPlots(QWidget):
         self._set(("smooth", key), self.loss, step, self._smoothed_loss(key, s), s.restarts)
         for name, (style, _label) in MEMORY.items():
             values = s.column(name)
-            if not np.isfinite(values).any():
-                continue
             if (name, key) not in self._curves:
+                if not np.isfinite(values[-256:]).any():  # only the tail: a full scan per frame is too slow
+                    continue
                 self._curves[(name, key)] = _curve(self.memory, color, 1, style)
             self._set((name, key), self.memory, step, values, s.restarts, y_scale=MIB)
-        self._set(("tok", key), self.speed, step, s.column("tokens_per_s"), s.restarts)
+        tokens = s.column("tokens_per_s")
+        if not self._speed_seen and np.isfinite(tokens[-64:]).any():
+            self._speed_seen = True
+            self.speed.show()
+        self._set(("tok", key), self.speed, step, tokens, s.restarts)
 
     def _update_legend(self, keys: list[int]) -> None:
         memory = tuple(n for n in MEMORY if any((n, k) in self._curves for k in keys))

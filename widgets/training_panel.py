@@ -393,7 +393,7 @@ class TrainingPanel(QWidget):
         parts = [f"<b>{_escape(follower.run_dir.name)}</b>: {head}{where}"]
         line = follower.progress()
         if line:
-            parts.append(line)
+            parts.append(line.replace("  ", " · "))
         if state == "queued":
             parts.append(f"waiting: {_escape(st.get('explanation', ''))}")
         if snap.stalled:
@@ -414,6 +414,9 @@ class TrainingPanel(QWidget):
         text = "\n\n".join(f"--- {'launcher' if r == -1 else f'rank {r}'}\n{tb}" for r, tb in sorted(failures.items()))
         if text != self.details.toPlainText():
             self.details.setPlainText(text)
+            first = min(failures, default=None)
+            if first is not None and first in self.log_views:  # the failed rank's log in front
+                self.logs.setCurrentWidget(self.log_views[first])
         self.details_button.setVisible(bool(text))
         self.details.setVisible(bool(text) and self.details_button.isChecked())
 

@@ -8,6 +8,7 @@ from typing import Any
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 
 from .output import TerminalProgress, add_command
+from .storage_options import add_storage_options, folder, storage_options
 
 
 def register(sub: Any) -> None:
@@ -19,6 +20,7 @@ def register(sub: Any) -> None:
     sp.add_argument("--prefix", help="nest every key under this, e.g. 'model' for dcp.load({'model': ...})")
     sp.add_argument("--no-verify", action="store_true")
     sp.add_argument("--force", action="store_true")
+    add_storage_options(sp)
 
     sp = add_command(sub, "reshard", run_reshard, "Rewrite a DCP checkpoint as if saved by M ranks (even row-wise "
                      "chunks, as FSDP2 shards), streaming; values unchanged (verified).")
@@ -27,6 +29,7 @@ def register(sub: Any) -> None:
     sp.add_argument("--ranks", type=int, required=True)
     sp.add_argument("--no-verify", action="store_true")
     sp.add_argument("--force", action="store_true")
+    add_storage_options(sp)
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -34,7 +37,7 @@ def run_import(args: argparse.Namespace) -> int:
 
     with TerminalProgress(unit="bytes") as progress:
         result = import_file(args.file, args.dst_dir, args.ranks, args.prefix, args.force, not args.no_verify,
-                             progress)
+                             progress, storage_options=storage_options(args))
     print(result.summary())
     return EXIT_PROBLEMS if result.verified is False else EXIT_OK
 
@@ -43,6 +46,7 @@ def run_reshard(args: argparse.Namespace) -> int:
     from shardscope.backend.export.dcp_writer import reshard
 
     with TerminalProgress(unit="bytes") as progress:
-        result = reshard(args.src, args.dst, args.ranks, args.force, not args.no_verify, progress)
+        result = reshard(folder(args, args.src), args.dst, args.ranks, args.force, not args.no_verify, progress,
+                         storage_options=storage_options(args))
     print(result.summary())
     return EXIT_PROBLEMS if result.verified is False else EXIT_OK

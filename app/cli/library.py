@@ -27,7 +27,8 @@ def register(sub: Any) -> None:
     sp.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest complete checkpoints of each run")
     sp.add_argument("--keep-every", type=int, metavar="K", help="keep checkpoints whose step is divisible by K")
     sp.add_argument("--keep-best", metavar="METRIC", help="keep the best --top N by METRIC at the checkpoint's "
-                    "step (the run's metrics/rank_N.jsonl, Lightning's metrics.csv or trainer_state.json)")
+                    "step (the run's metrics/rank_N.jsonl, Lightning's metrics.csv, TensorBoard event files or "
+                    "HF's trainer_state.json); checkpoints without a value are kept")
     sp.add_argument("--mode", choices=("min", "max"), default="min", help="for --keep-best (default: min)")
     sp.add_argument("--top", type=int, default=1, metavar="N", help="for --keep-best (default: 1)")
     sp.add_argument("--keep", action="append", default=[], metavar="GLOB", help="keep names or paths matching GLOB")

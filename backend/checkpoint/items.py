@@ -270,9 +270,12 @@ class SafetensorsHeader:
     end: int  # absolute offset where the data section ends (the largest data offset)
 
 
-def parse_safetensors_header(src: ByteSource, name: str, start: int, limit: int) -> SafetensorsHeader:
-    """The one safetensors header parser: the blob at ``start`` of ``name``, which must end by ``limit``
-    (the file size, or the end of the item holding it). Every entry is checked to lie inside it."""
+def parse_safetensors_header(src: ByteSource, name: str, start: int, limit: int,
+                             data_limit: int | None = None) -> SafetensorsHeader:
+    """The one safetensors header parser: the blob at ``start`` of ``name``, whose header must end by
+    ``limit`` (the file size, or the end of the item holding it). Every entry is checked to lie before
+    ``data_limit`` (default ``limit``; a folder reader passes a larger one so that a truncated file is
+    reported as short rather than unreadable, and reads are range-checked later)."""
     if start + 8 > limit:
         raise ItemFormatError("shorter than a safetensors header")
     (n,) = struct.unpack("<Q", src.read(name, start, 8))
@@ -291,7 +294,7 @@ def parse_safetensors_header(src: ByteSource, name: str, start: int, limit: int)
     tensors: dict[str, StoredTensor] = {}
     end = base
     for key, info in header.items():
-        tensors[key] = st = _safetensors_entry(key, info, base, limit)
+        tensors[key] = st = _safetensors_entry(key, info, base, limit if data_limit is None else data_limit)
         end = max(end, st.data_offset + st.nbytes)
     return SafetensorsHeader(tensors, meta, end)
 
@@ -312,9 +315,10 @@ def _safetensors_entry(key: str, info: Any, base: int, limit: int) -> StoredTens
 
 
 def parse_safetensors_file(src: ByteSource, name: str, size: int) -> SafetensorsHeader:
-    """A whole safetensors file's header, as a CheckpointError naming the file when it does not parse."""
+    """A whole safetensors file's header, as a CheckpointError naming the file when it does not parse.
+    Entries past the end of the file are kept (verify reports the file as short)."""
     try:
-        return parse_safetensors_header(src, name, 0, size)
+        return parse_safetensors_header(src, name, 0, size, MAX_INDEX)
     except ItemFormatError as exc:
         where = src.where(name)
         raise CheckpointError(f"{where}: not a readable safetensors file ({exc}).", path=where) from None

@@ -39,10 +39,10 @@ REMOTE_ERROR_MODULES = {"botocore", "aiobotocore", "aiohttp", "urllib3", "reques
 
 WHOLE_FILE = 8 << 20  # files up to this size are read whole on the first miss
 READ_AHEAD = 2 << 20  # least bytes fetched on a miss without item boundaries
-COALESCE = 8 << 20  # small items are merged into one request up to this size
+COALESCE = 16 << 20  # small items are merged into one request up to this size
 MAX_GAP = 1 << 20  # neighbouring ranges closer than this are fetched as one
 MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
-CACHE_BUDGET = 64 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
+CACHE_BUDGET = 96 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
 SERVE_SLACK = 4096  # unread gaps this small do not keep a fetch in the cache
 
 

@@ -207,6 +207,7 @@ def open_folder(path: str | os.PathLike | Folder, storage_options: dict[str, Any
 def _open_remote(url: str, storage_options: dict[str, Any] | None) -> Folder:
     fs, root = fs_for(url, storage_options)
     root = root.rstrip("/")
+    fs.invalidate_cache(root)  # a folder opened again (the window's reload) is listed afresh
     entries = call(url, fs.ls, root, detail=True)  # one request: a folder's listing, or the file itself
     if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == root:
         parent, _, base = root.rpartition("/")

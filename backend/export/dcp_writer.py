@@ -106,7 +106,8 @@ def _write_metadata(folder: str, sdm: dict, storage: dict, planner_data: dict, d
 
 def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ranks: int,
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
-              progress: Progress | None = None, total_bytes: int = 0) -> ExportResult:
+              progress: Progress | None = None, total_bytes: int = 0,
+              storage_options: dict | None = None) -> ExportResult:
     """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -122,7 +123,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     t0 = time.monotonic()
     names = [f"__{r}_0.distcp" for r in range(ranks)]
     need = total_bytes + sum(len(o.data) for o in objects) + 4096 * ranks + (1 << 20)
-    with AtomicOutput(dst, kind="dir", force=force, need_bytes=need) as out:
+    with AtomicOutput(dst, kind="dir", force=force, need_bytes=need, storage_options=storage_options) as out:
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         written: list[_Written] = []
@@ -182,7 +183,8 @@ def _expectations(folder: str, written: list[_Written]) -> list[Expectation]:
 
 # ------------------------------------------------------------------ sources
 def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, force: bool = False,
-                verify: bool = True, progress: Progress | None = None) -> ExportResult:
+                verify: bool = True, progress: Progress | None = None,
+                storage_options: dict | None = None) -> ExportResult:
     """A ``.pt`` (loaded with ``weights_only=True``, memory-mapped) or ``.safetensors`` (single, or a
     folder with an index) becomes a DCP checkpoint. ``prefix`` nests every key (``model``), so
     ``dcp.load({"model": model.state_dict()})`` finds them."""
@@ -207,7 +209,7 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
         path = source.nested_path(k) or (k,)
         planner[key(k)] = ((pre, *map(_key_part, path)) if pre else tuple(map(_key_part, path)))
     total = sum(math.prod(t.shape) * torch.empty((), dtype=getattr(torch, t.dtype)).element_size() for t in tensors)
-    return write_dcp(tensors, objects, dst, ranks, planner, force, verify, progress, total)
+    return write_dcp(tensors, objects, dst, ranks, planner, force, verify, progress, total, storage_options)
 
 
 def _key_part(p: Any) -> Any:
@@ -223,7 +225,7 @@ def _saved(value: Any) -> bytes:
 
 
 def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = True,
-            progress: Progress | None = None) -> ExportResult:
+            progress: Progress | None = None, storage_options: dict | None = None) -> ExportResult:
     """Rewrite a DCP checkpoint as if saved by ``ranks`` ranks; non-tensor entries are copied byte for
     byte (never decoded), tensors one at a time."""
     from ..checkpoint import open_checkpoint
@@ -237,6 +239,6 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
         tensors = [TensorIn(t.fqn, t.dtype, t.shape, lambda t=t: reader.read_tensor(t)) for t in ckpt.tensors]
         objects = [ObjectIn(o.fqn, reader.read_object_bytes(o)) for o in ckpt.objects if o.file]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,
-                         ckpt.total_bytes)
+                         ckpt.total_bytes, storage_options)
     finally:
         reader.close()

@@ -1,6 +1,7 @@
 """A metric at a checkpoint's step, from whatever the run logged: Shardscope's ``metrics/rank_N.jsonl``
-(mean over ranks), Lightning's CSVLogger ``metrics.csv``, or an HF Trainer checkpoint's
-``trainer_state.json``. Files are read incrementally and cached, so polling a live run stays cheap."""
+(mean over ranks), Lightning's CSVLogger ``metrics.csv``, TensorBoard event files (Lightning's default
+logger), or an HF Trainer checkpoint's ``trainer_state.json``. Files are read incrementally or cached by
+size and time, so polling a live run stays cheap."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import csv
 import glob
 import io
 import json
+import logging
 import math
 import os
 import threading
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from .scan import RunRecord
 
 MAX_STATE_BYTES = 64 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,6 +121,35 @@ def _csv_values(path: str) -> dict[str, dict[int, float]]:
 
 
 @_whole_file_cached
+def _event_values(path: str) -> dict[str, dict[int, float]]:
+    """Scalars of a TensorBoard event file by tag (Lightning's default logger), with TensorBoard's own reader."""
+    try:
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+        from tensorboard.util import tensor_util
+    except ImportError:
+        log.warning("%s: reading TensorBoard event files needs `pip install shardscope[tensorboard]`", path)
+        return {}
+    out: dict[str, dict[int, float]] = {}
+    try:
+        for event in EventFileLoader(path).Load():
+            if not event.HasField("summary"):
+                continue
+            for value in event.summary.value:
+                kind = value.WhichOneof("value")
+                num: float | None = None
+                if kind == "simple_value":
+                    num = _number(float(value.simple_value))
+                elif kind == "tensor":
+                    arr = tensor_util.make_ndarray(value.tensor)
+                    num = _number(float(arr.reshape(()))) if arr.size == 1 and arr.dtype.kind in "fiu" else None
+                if num is not None:
+                    out.setdefault(value.tag, {})[int(event.step)] = num
+    except Exception:  # a damaged event file: what was read so far counts; the rest is logged
+        log.warning("%s: stopped reading the event file", path, exc_info=True)
+    return out
+
+
+@_whole_file_cached
 def _trainer_state_values(path: str) -> dict[str, dict[int, float]]:
     try:
         if os.path.getsize(path) > MAX_STATE_BYTES:
@@ -150,6 +182,13 @@ def run_metric(run: RunRecord, metric: str) -> dict[int, float]:
         values = _csv_values(csv_path).get(metric)
         if values:
             return values
+    events = sorted(glob.glob(os.path.join(run.path, "*tfevents*")) +
+                    glob.glob(os.path.join(run.path, "*", "*tfevents*")))
+    merged: dict[int, float] = {}
+    for path in events:  # oldest first: a resumed run's later file wins
+        merged.update(_event_values(path).get(metric, {}))
+    if merged:
+        return merged
     out: dict[int, float] = {}
     for c in run.checkpoints:  # HF Trainer: each checkpoint carries the history up to it
         if c.format == "hf-trainer":

@@ -214,7 +214,11 @@ class RunLauncher:
                                                   "restarts": len(history), "updated": time.time(),
                                                   "scheduler": self.config.on})
         if self.config.on == "slurm":
-            job_id = slurm.submit(self.run_dir / "job.sbatch")
+            try:
+                job_id = slurm.submit(self.run_dir / "job.sbatch")
+            except ShardscopeError as exc:  # the run did not start: say so in its status, keep job.sbatch
+                update_status(self.run_dir, "failed", explanation=f"not submitted: {exc}", end_time=time.time())
+                raise
             update_status(self.run_dir, "queued", job_id=job_id, submit_time=time.time())
             return self
         env = {**os.environ, **self._env()}
