@@ -34,7 +34,8 @@ def core(path: str) -> None:
 
 def gui(path: str) -> None:
     from PySide6.QtWidgets import QApplication
-    from shardscope.app.main_window import MainWindow, make_app
+    from shardscope.app.bootstrap import make_app
+    from shardscope.app.main_window import MainWindow
 
     app = make_app()
     win = MainWindow()
@@ -68,7 +69,7 @@ def gui(path: str) -> None:
     view.loaded.connect(loaded)
     app.exec()
     print(json.dumps(out), flush=True)
-    os._exit(0)  # see app/main_window.run: skip interpreter teardown
+    os._exit(0)  # see app/bootstrap.run: skip interpreter teardown
 
 
 def run(what: str, path: Path, cache: Path, no_cache: bool) -> dict:

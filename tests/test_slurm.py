@@ -162,7 +162,9 @@ def test_failing_rank_reads_failed_with_its_traceback(cluster, tmp_path):
     assert read_config(run_dir)["kind"] == "script" and "steps" not in read_config(run_dir)
 
 
-def test_job_asking_for_more_cpus_than_exist_is_queued_with_its_reason(cluster, tmp_path):
+def test_job_asking_for_more_cpus_than_exist_is_queued_with_its_reason(cluster, tmp_path, qtbot):
+    from shardscope.widgets.training_panel import TrainingPanel
+
     run_dir = tmp_path / "big"
     opts = slurm.SlurmOptions(cpus_per_task=cluster.cpus * 32)
     launcher = RunLauncher(run_dir, slurm_config(slurm=opts)).start()
@@ -170,6 +172,18 @@ def test_job_asking_for_more_cpus_than_exist_is_queued_with_its_reason(cluster, 
                       (None, "", "None") and s, "a pending reason")
     assert status["reason"] in ("PartitionConfig", "Resources", "ReqNodeNotAvail"), status
     assert status["explanation"].startswith(status["reason"] + ":")
+    panel = TrainingPanel(runs_root=tmp_path)  # the window says why it waits
+    qtbot.addWidget(panel)
+    try:
+        panel.follow(str(run_dir))
+        qtbot.waitUntil(lambda: f"waiting: {status['reason']}:" in panel.status.text(), timeout=30000)
+        qtbot.waitUntil(lambda: panel.run_state(str(run_dir)) == "queued", timeout=30000)
+        assert panel.stop_button.isEnabled()
+    finally:
+        panel.shutdown()
+        from PySide6.QtCore import QThreadPool
+
+        assert QThreadPool.globalInstance().waitForDone(60000)
     assert launcher.stop()["state"] == "stopped"
 
 

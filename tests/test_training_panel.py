@@ -93,6 +93,12 @@ def test_resumed_run_is_split_and_memory_is_plotted_per_step(qtbot, panel, tmp_p
     assert len(panel.plots._restart_lines) == 1 and panel.plots._restart_lines[0].value() == 11
     x = panel.plots._curves[("raw", 0)].xData
     assert sum(v != v for v in x) == 1  # one NaN break between the two segments
+    y = panel.plots._curves[("raw", 0)].yData
+    old = panel.plots._curves[("old", 0)]  # steps 11-20 of the first segment, replaced by the resume
+    assert sorted(old.xData[old.yData == old.yData]) == list(range(11, 21))
+    assert list(x[:20]) == list(range(1, 21)) and all(v != v for v in y[10:20])  # hidden in the live curve
+    assert all(v == v for v in y[21:])
+    assert "replaced" in panel.plots.legend.text()
     mem_x = panel.plots._curves[("rss", 0)].xData
     finite = mem_x[mem_x == mem_x]
     assert finite.min() == 1 and finite.max() == 30  # the day between the segments takes no room

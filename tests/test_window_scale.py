@@ -225,6 +225,7 @@ def test_window_fits_1280x720_and_1366x768_also_split(qtbot, fixtures, scale512)
     qtbot.waitUntil(lambda: b.data is not None and b.data.problems is not None, timeout=120000)
     win.move_to_other_side()  # two checkpoints side by side
     win.training_panel()
+    QApplication.processEvents()  # the layouts take in what was just added
     for w, h in ((1280, 720), (1366, 768)):
         hint = win.minimumSizeHint()
         assert hint.width() <= w and hint.height() <= h - 40, f"minimum {hint} does not fit {w}x{h}"
@@ -362,3 +363,29 @@ def test_window_scales_on_a_high_dpi_screen(tmp_path, fixtures):
     assert proc.returncode == 0, proc.stderr
     width, height = struct.unpack(">II", out.read_bytes()[16:24])
     assert (width, height) == (2200, 1200)
+
+
+def test_chunk_count_labels_never_overlap_at_8_ranks(qtbot, tmp_path):
+    path = write_scale_checkpoint(tmp_path / "r8", ranks=8, layers=4, dim=32)
+    view = open_view(qtbot, path)
+    ranks = view.ranks
+    view.tabs.setCurrentWidget(ranks)
+    qtbot.waitUntil(lambda: ranks.bars.isVisible() and ranks.bars.width() > 100, timeout=10000)
+    vb = ranks.bars.getPlotItem().vb
+    bar_px = vb.width() / 8
+    shown = [t for t in ranks.bar_labels if t.isVisible()]
+    assert len(ranks.bar_labels) == 8 and shown, "8 bars have room for their chunk counts"
+    for t in shown:
+        assert t.boundingRect().width() <= bar_px, "a chunk-count label is wider than its bar: they run together"
+    assert not ranks.log_box.isChecked(), "an even split is drawn on a linear scale"
+
+
+def test_verify_contents_can_be_cancelled(qtbot, scale512):
+    view = open_view(qtbot, scale512)
+    view.verify_contents()
+    assert view.progress.isVisible() and view.progress.cancel_button.isVisible()
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000) as sig:
+        view.progress.cancel_button.click()
+    assert sig.args[0] is None
+    assert "cancelled" in view.health.item(0).text()
+    assert not view.progress.isVisible() and view.verify_button.isEnabled()

@@ -62,6 +62,32 @@ class CheckpointView(QWidget):
         layout.addWidget(self.header)
 
         self.main_split = QSplitter(Qt.Orientation.Horizontal)
+        self.main_split.addWidget(self._build_tree_side())
+        self.main_split.addWidget(self._build_detail_side())
+        self.main_split.setStretchFactor(0, 2)
+        self.main_split.setStretchFactor(1, 3)
+        self.layout_restored = False  # the window restored the user's splitter positions
+        layout.addWidget(self.main_split, 1)
+
+        self._filter_timer = QTimer(self)
+        self._filter_timer.setSingleShot(True)
+        self._filter_timer.setInterval(150)
+        self._filter_timer.timeout.connect(self._apply_filter)
+        self.filter_edit.textChanged.connect(lambda _t: self._filter_timer.start())
+        self.filter_mode.currentIndexChanged.connect(lambda _i: self._apply_filter())
+        self.ranks.rankClicked.connect(self.set_rank_filter)
+        self.health.problemActivated.connect(self.select_path)
+        self.inspector.loadRequested.connect(self.load_values)
+        self.inspector.cancelRequested.connect(self.cancel_values)
+        self.inspector.set_tensor(None)
+        self.map.clear_map("Opening …")
+        # Progress floats over the bottom of the tree (never in the layout, so nothing moves).
+        self.progress = ProgressOverlay(self)
+        self.progress.cancelRequested.connect(self._cancel_background)
+        self.tree.installEventFilter(self)
+
+    def _build_tree_side(self) -> QWidget:
+        """The filter row and the tensor tree."""
         left = QWidget()
         ll = QVBoxLayout(left)
         ll.setContentsMargins(0, 0, 0, 0)
@@ -97,8 +123,10 @@ class CheckpointView(QWidget):
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
         ll.addWidget(self.tree, 1)
-        self.main_split.addWidget(left)
+        return left
 
+    def _build_detail_side(self) -> QWidget:
+        """The shard map above the Inspector, Ranks and Health tabs."""
         self.right_split = QSplitter(Qt.Orientation.Vertical)
         map_box = QWidget()
         ml = QVBoxLayout(map_box)
@@ -123,28 +151,7 @@ class CheckpointView(QWidget):
         self.verify_button.clicked.connect(self.verify_contents)
         self.tabs.setCornerWidget(self.verify_button)
         self.right_split.addWidget(self.tabs)
-        self.main_split.addWidget(self.right_split)
-        self.main_split.setStretchFactor(0, 2)
-        self.main_split.setStretchFactor(1, 3)
-        self.layout_restored = False  # the window restored the user's splitter positions
-        layout.addWidget(self.main_split, 1)
-
-        self._filter_timer = QTimer(self)
-        self._filter_timer.setSingleShot(True)
-        self._filter_timer.setInterval(150)
-        self._filter_timer.timeout.connect(self._apply_filter)
-        self.filter_edit.textChanged.connect(lambda _t: self._filter_timer.start())
-        self.filter_mode.currentIndexChanged.connect(lambda _i: self._apply_filter())
-        self.ranks.rankClicked.connect(self.set_rank_filter)
-        self.health.problemActivated.connect(self.select_path)
-        self.inspector.loadRequested.connect(self.load_values)
-        self.inspector.cancelRequested.connect(self.cancel_values)
-        self.inspector.set_tensor(None)
-        self.map.clear_map("Opening …")
-        # Progress floats over the bottom of the tree (never in the layout, so nothing moves).
-        self.progress = ProgressOverlay(self)
-        self.progress.cancelRequested.connect(self._cancel_background)
-        self.tree.installEventFilter(self)
+        return self.right_split
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
         if watched is self.tree and event.type() in (QEvent.Type.Resize, QEvent.Type.Move, QEvent.Type.Show):
@@ -242,7 +249,7 @@ class CheckpointView(QWidget):
         if node is None or self.data is None:
             return
         ck = self.data.ckpt
-        legend = legend_html(ck.ranks)
+        legend = legend_html(sorted(node.ranks) or ck.ranks)  # the ranks this entry's chunks come from
         if isinstance(node.entry, TensorEntry):
             e = node.entry
             rows, cols = grid_shape(e.shape)
@@ -385,7 +392,7 @@ class CheckpointView(QWidget):
         self._verify_worker = None
         self.progress.finish()
         self.verify_button.setEnabled(True)
-        self.health.set_problems(self.data.problems or [] if self.data else [], note=message)
+        self.health.set_problems((self.data.problems if self.data else None) or [], note=message)
         self.contentsVerified.emit(None)
 
     def _cancel_background(self) -> None:

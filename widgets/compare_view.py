@@ -144,6 +144,14 @@ class CompareView(QWidget):
         self.summary = QLabel("Comparing …")
         layout.addWidget(self.summary)
         split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(self._build_table())
+        split.addWidget(self._build_detail())
+        split.setStretchFactor(0, 1)
+        split.setStretchFactor(1, 1)
+        layout.addWidget(split, 1)
+
+    def _build_table(self) -> QTableView:
+        """The changes, one row per entry: names elided in the middle, widths the user set remembered."""
         self.model = DiffModel(self)
         self.proxy = QSortFilterProxyModel(self)
         self.proxy.setSourceModel(self.model)
@@ -165,7 +173,10 @@ class CompareView(QWidget):
         header.sectionResized.connect(lambda *_a: self._save_widths())
         self.table.setItemDelegateForColumn(3, BarDelegate(self.model, self))
         self.table.selectionModel().currentRowChanged.connect(self._row_changed)
-        split.addWidget(self.table)
+        return self.table
+
+    def _build_detail(self) -> QSplitter:
+        """The selected entry: both shard maps, the histogram of a − b, a line of numbers."""
         right = QSplitter(Qt.Orientation.Vertical)
         maps = QWidget()
         ml = QHBoxLayout(maps)
@@ -187,10 +198,7 @@ class CompareView(QWidget):
         self.detail.setWordWrap(True)
         right.addWidget(self.detail)
         right.setSizes([400, 300, 40])
-        split.addWidget(right)
-        split.setStretchFactor(0, 1)
-        split.setStretchFactor(1, 1)
-        layout.addWidget(split, 1)
+        return right
 
     def start(self) -> None:
         def work(progress=None):

@@ -130,6 +130,7 @@ class RanksView(QWidget):
         layout.addWidget(split, 1)
         self.bars.getPlotItem().vb.sigResized.connect(lambda _vb: self._fit_bars())
         self.data = RankData()
+        self.bar_labels: list[pg.TextItem] = []
         self._bar_span = (0.0, 1.0)
         self.selected_rank: int | None = None
         self._unit = (1.0, "B")
@@ -188,23 +189,34 @@ class RanksView(QWidget):
             left.setLabel(f"{self._unit[1]} written")
             left.tickStrings = lambda values, s, sp: pg.AxisItem.tickStrings(left, values, s, sp)
         left.picture = None
+        self.bar_labels = []
         if n <= LABELLED_BARS:
             color = QGuiApplication.palette().text().color()
             for i in range(n):
                 t = pg.TextItem(f"{int(d.chunks[i]):,} ch", anchor=(0.5, 1), color=color)
                 t.setPos(i, float(heights[i] + floor))
                 self.bars.addItem(t)
+                self.bar_labels.append(t)
         self._bar_span = (floor, span)
         self._fit_bars()
         self.bars.setXRange(-0.6, n - 0.4, padding=0)
 
     def _fit_bars(self) -> None:
-        """Y range with room above the tallest bar for its chunk-count label, in pixels (never cut off)."""
+        """Y range with room above the tallest bar for its chunk-count label, in pixels (never cut off);
+        the labels say "241 ch", or "241", or nothing (then hover) as the bars' width allows."""
         floor, span = self._bar_span
-        plot_px = max(1.0, self.bars.getPlotItem().vb.height())
-        label_px = self.fontMetrics().height() + 12 if len(self.data.ranks) <= LABELLED_BARS else 4
+        vb = self.bars.getPlotItem().vb
+        plot_px = max(1.0, vb.height())
+        label_px = self.fontMetrics().height() + 12 if self.bar_labels else 4
         frac = min(0.5, label_px / plot_px)
         self.bars.setYRange(floor, floor + span / (1 - frac), padding=0)
+        bar_px = vb.width() / max(1, len(self.data.ranks) + 0.2)
+        fm = self.fontMetrics()
+        for count, label in zip(self.data.chunks, self.bar_labels):
+            fits = [t for t in (f"{int(count):,} ch", f"{int(count):,}") if fm.horizontalAdvance(t) + 6 <= bar_px]
+            label.setVisible(bool(fits))
+            if fits:
+                label.setText(fits[0])
 
     def _draw_heat(self) -> None:
         d = self.data

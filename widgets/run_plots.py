@@ -12,7 +12,14 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QGuiApplication
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSlider, QSplitter, QVBoxLayout, QWidget
 from shardscope.backend.runs.follow import RunFollower, is_rank
-from shardscope.backend.runs.metrics import PeakBlocks, Series, debiased_ema, peak_view, smooth_segments
+from shardscope.backend.runs.metrics import (
+    PeakBlocks,
+    Series,
+    debiased_ema,
+    peak_view,
+    smooth_segments,
+    superseded,
+)
 
 from .palette import rank_color
 from .plot_style import themed_plot
@@ -40,6 +47,14 @@ def _curve(plot: pg.PlotWidget, color: QColor, width: float = 1.5,
     # thousand points whatever the run's length, so every min and max stays visible and frames stay cheap
     item.setSkipFiniteCheck(True)
     return item
+
+
+def _masker(old: np.ndarray | None):
+    """A function hiding (NaN) the points a later segment replaced; the identity for a run never resumed
+    from an older checkpoint."""
+    if old is None or not old.any():
+        return lambda y: y
+    return lambda y: np.where(old[: len(y)], np.nan, y)
 
 
 def _swatch(color: QColor, text: str) -> str:
@@ -76,7 +91,7 @@ class RunPlots(QWidget):
         split = QSplitter(Qt.Orientation.Vertical)
         self.loss = _plot("loss", "loss")
         split.addWidget(self.loss)
-        lower = QSplitter(Qt.Orientation.Horizontal)
+        lower = self._lower = QSplitter(Qt.Orientation.Horizontal)
         self.memory = _plot("memory", "MiB")
         self.speed = _plot("throughput", "tokens/s")
         lower.addWidget(self.memory)
@@ -232,25 +247,37 @@ class RunPlots(QWidget):
             self._curves[("raw", key)] = _curve(self.loss, raw, 1)
             self._curves[("smooth", key)] = _curve(self.loss, color, 1)
             self._curves[("tok", key)] = _curve(self.speed, color, 1)
-        self._set(("raw", key), self.loss, step, s.column("loss"), s.restarts)
-        self._set(("smooth", key), self.loss, step, self._smoothed_loss(key, s), s.restarts)
+        old = superseded(step, s.restarts) if s.restarts else None
+        live = _masker(old)
+        loss = s.column("loss")
+        self._set(("raw", key), self.loss, step, live(loss), s.restarts)
+        self._set(("smooth", key), self.loss, step, live(self._smoothed_loss(key, s)), s.restarts)
+        if old is not None and old.any():  # a resume from an older checkpoint: the replaced steps stay, dotted
+            if ("old", key) not in self._curves:
+                faint = QColor(color)
+                faint.setAlpha(90)
+                self._curves[("old", key)] = _curve(self.loss, faint, 1, Qt.PenStyle.DotLine)
+            self._set(("old", key), self.loss, step, np.where(old, loss, np.nan), s.restarts)
         for name, (style, _label) in MEMORY.items():
             values = s.column(name)
             if (name, key) not in self._curves:
                 if not np.isfinite(values[-256:]).any():  # only the tail: a full scan per frame is too slow
                     continue
                 self._curves[(name, key)] = _curve(self.memory, color, 1, style)
-            self._set((name, key), self.memory, step, values, s.restarts, y_scale=MIB)
+            self._set((name, key), self.memory, step, live(values), s.restarts, y_scale=MIB)
         tokens = s.column("tokens_per_s")
         if not self._speed_seen and np.isfinite(tokens[-64:]).any():
             self._speed_seen = True
             self.speed.show()
-        self._set(("tok", key), self.speed, step, tokens, s.restarts)
+            half = max(1, self._lower.width() // 2)
+            self._lower.setSizes([half, half])  # NOTE: a splitter gives a widget shown late no room otherwise
+        self._set(("tok", key), self.speed, step, live(tokens), s.restarts)
 
     def _update_legend(self, keys: list[int]) -> None:
         memory = tuple(n for n in MEMORY if any((n, k) in self._curves for k in keys))
         overlay = self.overlay.run_dir.name if ("overlay",) in self._curves and self.overlay else None
-        legend_keys = (tuple(keys), memory, overlay)
+        replaced = any(("old", k) in self._curves for k in keys)
+        legend_keys = (tuple(keys), memory, overlay, replaced)
         if legend_keys == self._legend_keys or self.follower is None:
             return
         self._legend_keys = legend_keys
@@ -259,6 +286,8 @@ class RunPlots(QWidget):
             parts.append(_swatch(QGuiApplication.palette().text().color(), "mean of ranks"))
         if overlay:
             parts.append(_swatch(QColor("#7f7f7f"), f"compare: {overlay} (dashed)"))
+        if replaced:
+            parts.append("dotted: steps a resume from an older checkpoint replaced")
         text = " &nbsp; ".join(parts)
         if len(memory) > 1:
             styles = {"rss": "solid", "cuda_allocated": "dashed", "cuda_reserved": "dotted", "cuda_peak": "dash-dot"}
@@ -289,7 +318,9 @@ class RunPlots(QWidget):
             more, state = smooth_segments(mean_new, self.weight, have[1], done, restarts)
             smooth = np.concatenate([have[0], more])
         self._smooth[-1] = (smooth, state, n)
-        self._set(("mean",), self.loss, steps, smooth, [r for r in series[0].restarts if r < n])
+        restarts = [r for r in series[0].restarts if r < n]
+        live = _masker(superseded(steps, restarts) if restarts else None)
+        self._set(("mean",), self.loss, steps, live(smooth), restarts)
 
     def _draw_restarts(self, series: list[Series]) -> None:
         if not series:

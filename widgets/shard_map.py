@@ -74,7 +74,7 @@ class ChunkItem:
         return self.item.rect()
 
 
-# What a hover can land on, in the order it wins when several overlap (highest first).
+# What a hover can land on, from the lowest to the highest priority where several overlap.
 FRAME, CHUNK, GAP, OVERLAP = range(4)
 
 
@@ -92,7 +92,7 @@ class HoverIndex:
     boxes: list[tuple[float, float, float, float]] = field(default_factory=list)  # x0, y0, x1, y1
     what: list[tuple[int, TensorEntry, object]] = field(default_factory=list)  # (kind, tensor, chunk or region)
     bands: list[tuple[float, float, int]] = field(default_factory=list)  # (y0, y1, first box) per tensor
-    _arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    _arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def add(self, rect: QRectF, kind: int, entry: TensorEntry, detail: object = None) -> None:
         self.boxes.append((rect.left(), rect.top(), rect.right(), rect.bottom()))

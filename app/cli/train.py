@@ -4,6 +4,7 @@ terminal."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from typing import Any
@@ -100,7 +101,7 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
     try:
         while True:
             snap = follower.poll()
-            status = launcher.status()
+            status = launcher.status() if launcher.proc is not None else snap.status  # reaps a local torchrun
             if status.get("state") in FINAL_STATES:
                 follower.poll()
                 break
@@ -119,7 +120,12 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nstopping the run (Ctrl-C) ...", flush=True)
-        launcher.stop()
+        # NOTE: a second Ctrl-C while stopping must not abandon torchrun and its workers half-stopped.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            launcher.stop()
+        finally:
+            signal.signal(signal.SIGINT, previous)
     if tty:
         print()
     return report_end(launcher.run_dir), str(launcher.run_dir)

@@ -29,7 +29,7 @@ from .safe_pickle import (
     load_metadata_pickle,
 )
 from .storage import RANK_METADATA_RE, Folder, open_folder
-from .streaming import Events, NotStreamable, join_storage, stream_metadata
+from .streaming import Events, NotStreamable, join_storage, max_dims, stream_metadata
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 LIGHTNING_META = "meta.pt"
@@ -162,7 +162,7 @@ def _build(folder: str, sdm: dict, ev: Events, version: str | None, storage_meta
             counts.append(count)
     tensor_of_chunk = np.repeat(np.arange(len(counts), dtype=np.int32), np.asarray(counts, np.int64))
     pos, object_positions = join_storage(tensor_of_chunk, ev, {t.fqn: i for i, t in enumerate(ckpt.tensors)})
-    paths = sorted({validate.as_path(p, where) for p in ev.info_path})
+    paths = sorted(validate.as_path(p, where) for p in set(ev.info_path))  # the hooks let only str through
     ckpt.files = [FileInfo(p, rank_of_file(p), listing.get(p)) for p in paths]
     ckpt.chunk_table = _chunk_table(tensor_of_chunk, pos, ev, {p: i for i, p in enumerate(paths)})
     problems += _unstored(ckpt, pos, ev)
@@ -270,7 +270,7 @@ def _chunks(md: Any, fqn: str, where: str) -> list[tuple[tuple[int, ...], tuple[
     return out
 
 
-def _graph_events(parsed: list[Any], where: str) -> tuple[dict, Events]:
+def _graph_events(parsed: list[Any], where: str, limit: int) -> tuple[dict, Events]:
     """Unpickled object graphs (one or several per-rank files, ``use_collectives=False``) as the
     streaming reader's events, so one builder serves both readers. A chunk several files name is kept once."""
     sdm: dict[str, Any] = {}
@@ -290,6 +290,8 @@ def _graph_events(parsed: list[Any], where: str) -> tuple[dict, Events]:
                 sdm.setdefault(fqn, md)
         for key, info in validate.mapping(m.get("storage_data"), where, "storage_data").items():
             _storage_event(ev, key, info, where)
+    if 2 * sum(len(c[0]) for cs in chunks.values() for c in cs) > limit:
+        raise validate.bad(where, "the chunks repeat far more often than the file's size allows (memo references)")
     for fqn, rec in sdm.items():
         if isinstance(rec, TensorStorageRecord):
             copy = TensorStorageRecord()
@@ -326,7 +328,7 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
                      meta_names: list[str]) -> Checkpoint:
     """The checkpoint model from unpickled metadata object graphs (one or several per-rank files)."""
     where = os.path.join(folder, meta_names[0])
-    sdm, ev = _graph_events(parsed, where)
+    sdm, ev = _graph_events(parsed, where, max_dims(sum(listing.get(n) or 0 for n in meta_names)))
     planner: dict = {}
     for m in parsed:
         planner.update(validate.mapping(m.get("planner_data"), where, "planner_data"))

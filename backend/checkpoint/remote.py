@@ -148,10 +148,11 @@ def merge_ranges(ranges: Iterable[tuple[str, int, int]], max_gap: int = MAX_GAP,
 class _Fetch:
     """Bytes ``[start, end)`` of one file: being fetched (``done`` not set) or fetched."""
 
-    __slots__ = ("cached", "data", "done", "end", "error", "served", "start")
+    __slots__ = ("cached", "data", "done", "end", "error", "served", "start", "sticky")
 
-    def __init__(self, start: int, end: int, cached: bool) -> None:
+    def __init__(self, start: int, end: int, cached: bool, sticky: bool = False) -> None:
         self.start, self.end, self.cached = start, end, cached
+        self.sticky = sticky  # part of a small file read whole: its headers are read again, keep it
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -397,7 +398,8 @@ class RemoteHandles:
             a, b = self._extent(f, g0, g1, lo, hi, readahead)
             step = MAX_REQUEST if b - a > MAX_REQUEST else b - a
             for s in range(a, b, step):
-                fetch = _Fetch(s, min(b, s + step), cached=(b - a) <= self.budget // 2)
+                fetch = _Fetch(s, min(b, s + step), cached=(b - a) <= self.budget // 2,
+                               sticky=f.size is not None and f.size <= WHOLE_FILE)
                 k = bisect.bisect_left(f.starts, s)
                 f.starts.insert(k, s)
                 f.fetches.insert(k, fetch)
@@ -505,7 +507,7 @@ class RemoteHandles:
         keeping them would only hold memory (headers and small files stay until evicted)."""
         with self._lock:
             for f in pieces:
-                if f.serve(start, end) and f.cached and self._lru.pop(id(f), None) is not None:
+                if not f.sticky and f.serve(start, end) and f.cached and self._lru.pop(id(f), None) is not None:
                     self._used -= f.end - f.start
                     self._forget(name, f)
 

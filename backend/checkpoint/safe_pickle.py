@@ -160,10 +160,6 @@ def _windows_path(*parts: Any) -> str:
     return str(PureWindowsPath(*parts))
 
 
-def _size(values: Any = ()) -> tuple:
-    return tuple(values)
-
-
 def _codecs_encode(text: Any, encoding: str = "latin1") -> bytes:
     # protocol <= 2 writes bytes as _codecs.encode(str, "latin1")
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
@@ -203,7 +199,7 @@ for _name, _cls in (
 ):
     ALLOWED[("torch.distributed._shard.sharded_tensor.metadata", _name)] = _cls
 ALLOWED[("torch.distributed._shard.metadata", "ShardMetadata")] = ShardMetadataRecord
-ALLOWED[("torch", "Size")] = _size
+ALLOWED[("torch", "Size")] = tuple  # NOTE: the builtin itself: a million calls, no Python frame each
 ALLOWED[("torch.serialization", "_get_layout")] = _get_layout
 for _name in DTYPE_NAMES:
     ALLOWED[("torch", _name)] = DType(_name)
@@ -244,9 +240,11 @@ def gc_paused():
 
 
 # Constructors a pickle may call whose result can be far larger than the bytes that asked for it
-# (``bytearray(5_000_000_000)`` is 12 bytes of pickle); every call is charged against a budget set
-# by the file's size.
-_SIZED = (bytearray, list, tuple, set, frozenset, dict, _size, _codecs_encode)
+# (``bytearray(5_000_000_000)`` is 12 bytes of pickle): every call is charged against a budget set by
+# the file's size.
+# ``tuple`` is left unwrapped: it is torch.Size's stand-in, called for every chunk, and tuple(t) is t; what a
+# tuple of a big list can cost is bounded by the address-space limit below.
+_SIZED = (bytearray, list, set, frozenset, dict, _codecs_encode)
 ELEMENT_ALLOWANCE = 1 << 20  # elements any file may build on top of its own size
 
 
@@ -265,13 +263,19 @@ class _Unpickler(pickle.Unpickler):
                 "refused.", path=self._source)
 
     def _bounded(self, ctor: Any) -> Any:
+        """``ctor`` charged for the size of what it builds (a ``bytearray(n)`` before it allocates; the others
+        copy objects that already exist, so they are charged after)."""
+        if ctor is bytearray:
+            def build_bytes(*args: Any) -> Any:
+                if args and isinstance(args[0], int):
+                    self._charge(max(0, args[0]))
+                return bytearray(*args)
+
+            return build_bytes
+
         def build(*args: Any) -> Any:
-            if ctor is bytearray and args and isinstance(args[0], int):
-                self._charge(max(0, args[0]))
-            elif args and hasattr(args[0], "__len__"):
-                self._charge(len(args[0]))
             out = ctor(*args)
-            self._charge(len(out) if hasattr(out, "__len__") else 1)
+            self._charge(len(out))
             return out
 
         return build
@@ -293,7 +297,7 @@ class _Unpickler(pickle.Unpickler):
         raise RefusedPickleError(f"{self._source}: unexpected persistent id in metadata pickle", path=self._source)
 
 
-def _stream_size(stream: Any) -> int:
+def stream_size(stream: Any) -> int:
     """Bytes in the stream (a local file, an fsspec file or a BytesIO), for the allocation budget."""
     try:
         return os.fstat(stream.fileno()).st_size
@@ -384,7 +388,7 @@ def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides
         for key in allowed:
             if key[1] in overrides and key[0].startswith("torch.distributed"):
                 allowed[key] = overrides[key[1]]
-    size = _stream_size(stream)
+    size = stream_size(stream)
 
     def load() -> Any:
         with gc_paused(), address_space_limit(MEMO_ALLOWANCE + 16 * size):

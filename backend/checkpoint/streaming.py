@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .safe_pickle import TensorStorageRecord, load_metadata_pickle
+from .safe_pickle import TensorStorageRecord, load_metadata_pickle, stream_size
 
 
 class NotStreamable(Exception):
@@ -36,6 +36,7 @@ class Events:
         self.info_length = array("q")
         self.transformed = False
         self.broken: str | None = None
+        self.max_dims = 1 << 62  # chunk offsets+sizes a file of this size can plausibly hold
 
 
 def _hooks(ev: Events) -> dict[str, Any]:
@@ -55,6 +56,8 @@ def _hooks(ev: Events) -> dict[str, Any]:
                 off, size = state["offsets"], state["sizes"]
                 if len(off) != len(size):
                     raise TypeError("ragged chunk")
+                if len(ev.chunk_dims) > ev.max_dims:
+                    raise TypeError("more chunk dimensions than the file can hold (pickle memo references)")
                 ev.chunk_ndim.append(len(off))
                 ev.chunk_dims.extend(off)
                 ev.chunk_dims.extend(size)
@@ -131,12 +134,19 @@ def _hooks(ev: Events) -> dict[str, Any]:
 def stream_metadata(fh: Any, source: str) -> tuple[Any, Events]:
     """Load with the streaming hooks; raise :class:`NotStreamable` when the file's layout differs."""
     ev = Events()
+    ev.max_dims = max_dims(stream_size(fh))
     md = load_metadata_pickle(fh, source, overrides=_hooks(ev))
     if ev.broken:
         raise NotStreamable(ev.broken)
     if len(ev.index_fqn) != len(ev.info_path) or ev.claimed != len(ev.chunk_ndim):
         raise NotStreamable("storage keys and values do not pair up")
     return md, ev
+
+
+def max_dims(file_bytes: int) -> int:
+    """Chunk offsets and sizes a metadata file of this size can hold: each chunk record takes tens of
+    bytes of its own, so more means memo references repeat chunks to amplify memory."""
+    return 4 * file_bytes + (1 << 20)
 
 
 def _padded(ndim: np.ndarray, dims: np.ndarray, stride_mult: int) -> np.ndarray:

@@ -33,14 +33,14 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     """Write the plan to ``dst`` atomically (a folder when the plan is sharded). With ``verify`` every
     tensor's bytes are re-read from the output and compared with the source's before the rename."""
     t0 = time.monotonic()
+    progress = progress or Progress()  # its cancel flag stops the writer threads when one of them fails
     check_sources(plan)
     total = plan.total_bytes
     left_out = list(plan.left_out)
     kind = "dir" if plan.max_shard_size else "file"
     with AtomicOutput(dst, kind=kind, force=force, need_bytes=plan.need_bytes(),
                       storage_options=storage_options) as out:
-        if progress:
-            progress.start(total * (2 if verify else 1), "exporting")
+        progress.start(total * (2 if verify else 1), "exporting")
         with ChunkReader(plan.ckpt) as reader:
             if plan.format == "safetensors":
                 names, expect = safetensors_writer.write(plan, out.path, reader, progress, left_out)

@@ -95,6 +95,23 @@ def debiased_ema(values: np.ndarray, weight: float, state: tuple[float, int] = (
     return out, (last, count)
 
 
+def superseded(step: np.ndarray, restarts: list[int]) -> np.ndarray:
+    """True for the points a later segment replaced: an earlier segment's steps at or after the step where
+    a later segment (a resume from an older checkpoint) began."""
+    out = np.zeros(len(step), bool)
+    bounds = [0, *restarts, len(step)]
+    later = math.inf
+    for a, b in reversed(list(itertools.pairwise(bounds))):
+        if b <= a:
+            continue
+        if later < math.inf:
+            out[a:b] = step[a:b] >= later
+        first = step[a]
+        if math.isfinite(first):
+            later = min(later, float(first))
+    return out
+
+
 def smooth_segments(values: np.ndarray, weight: float, state: tuple[float, int], start: int,
                     restarts: list[int]) -> tuple[np.ndarray, tuple[float, int]]:
     """:func:`debiased_ema` of ``values`` (which begin at index ``start`` of the series), starting
