@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 CHECKPOINTS = ["fsdp2_r2", "fsdp_safetensors_r2", "fsdp_nocoll_r2", "lightning_r2"]
-METADATA_CASES = 800
-DISTCP_CASES = 300
+METADATA_CASES = 600
+DISTCP_CASES = 250
 CASE_TIMEOUT = 30.0
 
 

@@ -53,7 +53,6 @@ def shardscope(server: S3Server | None, *args: str, timeout: float = 600) -> tup
     """Run the CLI in a fresh process (endpoint from AWS_* variables when ``server``); also return the
     number of requests the server answered meanwhile."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env["SHARDSCOPE_CACHE_DIR"] = env.get("SHARDSCOPE_CACHE_DIR", "") + "-remote-nocache"
     if server is not None:
         env.update(server.env())
         server.reset()
@@ -220,3 +219,37 @@ def test_planned_reads_return_exact_bytes_under_threads_and_small_budgets():
             handles.read("small", 299_000, 2000)
         handles.close()
         assert handles.stats.requests < len(reads)  # planned: fewer requests than reads
+
+
+def test_window_opens_s3_with_storage_options(s3, tmp_path):
+    server, _, _ = s3
+    shot = tmp_path / "window.png"
+    server.reset()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "gui", f"s3://{BUCKET}/fsdp2_r4",
+                           "--screenshot", str(shot), "--size", "1280x720", "--select", "model.blocks.0.fc1.weight",
+                           "--storage-option", f"client_kwargs.endpoint_url={server.endpoint}",
+                           "--storage-option", "key=testing", "--storage-option", "secret=testing"],
+                          capture_output=True, text=True, timeout=600, env={**env, "QT_QPA_PLATFORM": "offscreen"})
+    assert proc.returncode == 0, proc.stderr
+    assert shot.stat().st_size > 10_000 and 0 < server.total() <= 12
+
+
+def test_leftover_uploads_of_a_killed_export_are_cleaned_next_time(s3):
+    """A kill -9 during an upload leaves a temporary key; the next export into that folder removes it
+    when it was this machine's and its process is gone (never another machine's or a live one's)."""
+    from shardscope.backend.checkpoint.remote import _host
+
+    server, fs, _ = s3
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    names = {"dead": f".shardscope-tmp-{dead}-abcdef-{_host()}-model.safetensors",
+             "live": f".shardscope-tmp-{os.getpid()}-abcdef-{_host()}-model.safetensors",
+             "other_host": f".shardscope-tmp-{dead}-abcdef-elsewhere.example-model.safetensors"}
+    for name in names.values():
+        fs.pipe(f"{BUCKET}/killed/{name}", b"partial upload")
+    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/fsdp2_r4", f"s3://{BUCKET}/killed/model.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert not fs.exists(f"{BUCKET}/killed/{names['dead']}")
+    assert fs.exists(f"{BUCKET}/killed/{names['live']}") and fs.exists(f"{BUCKET}/killed/{names['other_host']}")
+    fs.rm(f"{BUCKET}/killed", recursive=True)

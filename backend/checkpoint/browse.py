@@ -57,6 +57,7 @@ def analyse(data: BrowseData, progress: Progress | None = None) -> BrowseData:
 
 
 def small_values(ckpt: Checkpoint) -> dict[str, str]:
+    """Small non-tensor values as short text (the tree's value column); undecodable ones say so."""
     out: dict[str, str] = {}
     missing = {f.name for f in ckpt.files if f.bytes is None}
     with ChunkReader(ckpt) as reader:

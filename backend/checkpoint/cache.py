@@ -24,6 +24,7 @@ ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
 
 
 def cache_dir() -> Path:
+    """Where parsed metadata is cached (``SHARDSCOPE_CACHE_DIR`` or the XDG cache folder)."""
     base = os.environ.get("SHARDSCOPE_CACHE_DIR")
     if base:
         return Path(base)
@@ -32,6 +33,7 @@ def cache_dir() -> Path:
 
 
 def key_for(folder: Folder, meta_names: list[str]) -> str | None:
+    """The cache key of these metadata files, or None when caching is off or their identity is unknown."""
     if os.environ.get("SHARDSCOPE_NO_CACHE"):
         return None
     ident = folder.identity(meta_names)
@@ -41,6 +43,7 @@ def key_for(folder: Folder, meta_names: list[str]) -> str | None:
 
 
 def load(key: str, path: str) -> Checkpoint | None:
+    """The cached checkpoint model for ``key``, or None on any miss or damage."""
     d = cache_dir() / key
     try:
         head = json.loads((d / "head.json").read_text())
@@ -63,6 +66,7 @@ def load(key: str, path: str) -> Checkpoint | None:
 
 
 def store(key: str, ckpt: Checkpoint) -> None:
+    """Write the checkpoint model under ``key`` (atomically; a failure only costs a slower next open)."""
     root = cache_dir()
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,7 @@ class ChunkReader:
         self._sizes: dict[str, int] = {}
 
     def close(self) -> None:
+        """Close the files this reader opened."""
         self.handles.close()
 
     def __enter__(self) -> ChunkReader:
@@ -235,17 +236,48 @@ class ChunkReader:
         self._stream(fqn, chunk, st, None, 0, 0, 0, None)
         return st
 
-    def copy_range(self, fqn: str, chunk: Chunk, fd: int, dst_offset: int, progress: Progress | None = None) -> int:
+    def copy_range(self, fqn: str, chunk: Chunk, fd: int, dst_offset: int, progress: Progress | None = None,
+                   check_crc: bool = True) -> int:
         """Copy a directly copyable chunk's value bytes into ``fd`` at ``dst_offset``; returns the bytes copied.
         The whole storage record's CRC32 is computed in the same pass; CorruptChunkError is raised after
-        copying when it does not match, so the caller discards its (temporary) output."""
+        copying when it does not match, so the caller discards its (temporary) output.
+        ``check_crc=False`` (local files): the kernel copies the bytes (copy_file_range) without them passing
+        through this process; the caller then proves the copy against ``locate().crc32`` itself (the
+        exporter's verifier re-reads its output) and calls :meth:`check_chunk` to name a corrupt source."""
         st = self.locate(fqn, chunk)
         if not st.contiguous:
             raise self._error(fqn, chunk, "item is not stored contiguously; read it with read_chunk.")
         elem = ITEMSIZE.get(st.dtype, 1)
         start, count = st.storage_offset * elem, st.numel * elem
+        if not check_crc and self.handles.local and self._kernel_copy(chunk, st.data_offset + start, count, fd,
+                                                                      dst_offset, progress):
+            return count
         self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
         return count
+
+    def _kernel_copy(self, chunk: Chunk, src_offset: int, count: int, fd: int, dst_offset: int,
+                     progress: Progress | None) -> bool:
+        """os.copy_file_range in blocks; False when the file systems cannot (the caller streams instead)."""
+        import errno
+        import os
+
+        src = self.handles.fd(chunk.file)
+        done = 0
+        while done < count:
+            try:
+                n = os.copy_file_range(src, fd, min(COPY_BLOCK * 4, count - done), src_offset + done,
+                                       dst_offset + done)
+            except OSError as exc:
+                if done == 0 and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    return False
+                raise
+            if n <= 0:
+                raise CheckpointError(f"{self.handles.where(chunk.file)}: file ends early (truncated shard).",
+                                      path=chunk.file)
+            done += n
+            if progress:
+                progress.advance(n)
+        return True
 
     def _stream(self, fqn: str, chunk: Chunk, st: StoredTensor, fd: int | None, dst_offset: int, start: int,
                 count: int, progress: Progress | None) -> None:

@@ -23,6 +23,7 @@ SHARD_RE = re.compile(r"^shard-(\d+)-")
 
 
 def is_hf_folder(listing: dict[str, int], folder: Folder) -> bool:
+    """True for a folder of safetensors files (with no pickled ``.metadata``)."""
     if not any(n.endswith(".safetensors") for n in listing):
         return False
     if ".metadata" not in listing:
@@ -32,6 +33,7 @@ def is_hf_folder(listing: dict[str, int], folder: Folder) -> bool:
 
 
 def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
+    """The checkpoint model of a HuggingFaceStorageWriter (or plain safetensors) folder, from its headers."""
     names = sorted(n for n in listing if n.endswith(".safetensors"))
     files: list[FileInfo] = []
     pieces: dict[str, list[tuple]] = {}

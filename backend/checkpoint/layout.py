@@ -52,6 +52,7 @@ def _chunk_boxes(ckpt: Checkpoint, entry: TensorEntry) -> tuple[np.ndarray, np.n
 
 
 def coverage(ckpt: Checkpoint, entry: TensorEntry) -> Coverage:
+    """How the chunks of one tensor cover it: exact, or its gaps, overlaps and out-of-bounds chunks."""
     shape = np.asarray(entry.shape, np.int64)
     nd = entry.ndim
     lo, hi = _chunk_boxes(ckpt, entry)
@@ -151,6 +152,7 @@ def _regions(cells: np.ndarray, bounds: list[np.ndarray], keep: list[int], shape
 
 
 def coverage_problems(ckpt: Checkpoint) -> list[Problem]:
+    """A gap, overlap or out-of-bounds problem for every tensor whose chunks do not tile it."""
     problems = []
     for e in ckpt.tensors:
         cov = coverage(ckpt, e)
@@ -172,6 +174,7 @@ def coverage_problems(ckpt: Checkpoint) -> list[Problem]:
 
 @dataclass(frozen=True, slots=True)
 class RankBalance:
+    """Chunks and value bytes one writer rank holds."""
     rank: int  # -1: files whose name carries no rank
     chunks: int
     bytes: int  # tensor bytes written by this rank
@@ -193,6 +196,7 @@ def chunk_nbytes(ckpt: Checkpoint) -> np.ndarray:
 
 
 def rank_balance(ckpt: Checkpoint) -> list[RankBalance]:
+    """Chunks and value bytes per writer rank (-1: files without a rank in their name)."""
     t = ckpt.chunk_table
     ranks = ckpt.file_ranks[t.file]  # file -1 maps to the trailing -1
     nbytes = chunk_nbytes(ckpt)

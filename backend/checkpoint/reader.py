@@ -57,22 +57,7 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
         ckpt.problems[:0] = problems
         ckpt.folder = folder
         return ckpt
-    if ".metadata" in listing:
-        meta_names = [".metadata"]
-    else:
-        meta_names = sorted((n for n in listing if RANK_METADATA_RE.match(n)),
-                            key=lambda n: int(RANK_METADATA_RE.match(n).group(1)))  # type: ignore[union-attr]
-    if not meta_names:
-        data = sorted(n for n in listing if n.endswith(".distcp"))
-        if data:
-            raise CheckpointError(
-                f"{folder.path}: {len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
-                "coordinator writes .metadata last), so this checkpoint cannot be read or loaded.",
-                path=folder.path)
-        raise CheckpointError(
-            f"{folder.path}: not a distributed checkpoint (no .metadata file and no .distcp files).",
-            path=folder.path, hint="Open the folder that dcp.save or Lightning's sharded save wrote.")
-
+    meta_names = _metadata_names(folder, listing)
     key = cache.key_for(folder, meta_names) if use_cache else None
     if key is not None:
         cached = cache.load(key, folder.path)
@@ -86,26 +71,48 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
         progress.start(len(meta_names), "reading metadata")
     ckpt = _read_streaming(folder, listing, meta_names) if len(meta_names) == 1 and STREAMING else None
     if ckpt is None:
-        parsed = []
-        for name in meta_names:
-            fp = folder.join(name)
-            try:
-                with folder.open(name) as fh:
-                    parsed.append(load_metadata_pickle(fh, fp))
-            except OSError as exc:
-                raise CheckpointError(f"{fp}: cannot read ({exc}).", path=fp) from None
-            if progress:
-                progress.advance(1)
-            _check_metadata(parsed[-1], fp)
-        with gc_paused():
-            ckpt = build_checkpoint(folder.path, parsed, listing, meta_names)
-            del parsed
+        ckpt = _read_graphs(folder, listing, meta_names, progress)
     validate.check_table(ckpt, folder.join(meta_names[0]))
     ckpt.problems[:0] = problems
     ckpt.folder = folder
     if key is not None:
         cache.store(key, ckpt)
     return ckpt
+
+
+def _metadata_names(folder: Folder, listing: dict[str, int]) -> list[str]:
+    """``.metadata``, else the per-rank ``__R.metadata`` files in rank order; bad input when there are none."""
+    if ".metadata" in listing:
+        return [".metadata"]
+    ranked = sorted((int(m.group(1)), n) for n in listing if (m := RANK_METADATA_RE.match(n)))
+    if ranked:
+        return [n for _, n in ranked]
+    data = sorted(n for n in listing if n.endswith(".distcp"))
+    if data:
+        raise CheckpointError(
+            f"{folder.path}: {len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
+            "coordinator writes .metadata last), so this checkpoint cannot be read or loaded.", path=folder.path)
+    raise CheckpointError(
+        f"{folder.path}: not a distributed checkpoint (no .metadata file and no .distcp files).",
+        path=folder.path, hint="Open the folder that dcp.save or Lightning's sharded save wrote.")
+
+
+def _read_graphs(folder: Folder, listing: dict[str, int], meta_names: list[str],
+                 progress: Progress | None) -> Checkpoint:
+    """Every metadata file unpickled as an object graph, then merged and built."""
+    parsed = []
+    for name in meta_names:
+        fp = folder.join(name)
+        try:
+            with folder.open(name) as fh:
+                parsed.append(load_metadata_pickle(fh, fp))
+        except OSError as exc:
+            raise CheckpointError(f"{fp}: cannot read ({exc}).", path=fp) from None
+        if progress:
+            progress.advance(1)
+        _check_metadata(parsed[-1], fp)
+    with gc_paused():
+        return build_checkpoint(folder.path, parsed, listing, meta_names)
 
 
 STREAMING = True  # tests turn it off to exercise the object-graph path on the same files

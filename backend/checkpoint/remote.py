@@ -13,6 +13,7 @@ import bisect
 import logging
 import os
 import re
+import socket
 import threading
 import uuid
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
+from ..procs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -513,6 +515,14 @@ class RemoteHandles:
 
 
 # ------------------------------------------------------------------ writing to a URL
+TMP_PREFIX = ".shardscope-tmp-"
+LEFTOVER_RE = re.compile(r"^\.shardscope-tmp-(\d+)-([0-9a-f]{6})-(.+)$")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
 class RemoteTarget:
     """An export destination on an fsspec URL, committed only when the whole upload succeeded."""
 
@@ -527,8 +537,14 @@ class RemoteTarget:
 
     def check(self, force: bool) -> None:
         """Refuse an existing destination unless ``force``; fails fast on an unreachable endpoint."""
+        self.clean_leftovers()
         if self.exists() and not force:
             raise CheckpointError(f"{self.url}: already exists (use --force to replace it).", path=self.url)
+        bucket = self.root.split("/", 1)[0]
+        if self.protocol in ATOMIC_PUT - {"memory"} and not call(self.url, self.fs.exists, bucket,
+                                                                  doing="cannot check the destination"):
+            raise CheckpointError(f"{self.url}: the bucket {bucket} does not exist (or is not visible with these "
+                                  "credentials).", path=self.url)
 
     def commit(self, local_path: str, kind: str) -> None:
         """Upload ``local_path`` (a file, or a folder when ``kind == "dir"``) to the URL."""
@@ -557,7 +573,25 @@ class RemoteTarget:
 
     def _temp_name(self) -> str:
         parent, _, base = self.root.rpartition("/")
-        return f"{parent}/.shardscope-tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}-{base}"
+        return f"{parent}/{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}-{_host()}-{base}"
+
+    def clean_leftovers(self) -> list[str]:
+        """Remove temporary uploads next to the destination left by a killed Shardscope process of this
+        machine (host name and a dead pid in the name); another machine's are never touched."""
+        parent = self.root.rpartition("/")[0]
+        try:
+            names = [p.rstrip("/") for p in self.fs.ls(parent, detail=False)]
+        except Exception as exc:
+            if not is_remote_error(exc):
+                raise
+            return []
+        removed = []
+        for path in names:
+            m = LEFTOVER_RE.match(path.rpartition("/")[2])
+            if m and m.group(3).startswith(f"{_host()}-") and not pid_alive(int(m.group(1))):
+                self._quiet_rm(path, recursive=True)
+                removed.append(path)
+        return removed
 
     def _put(self, local: str, remote: str) -> None:
         call(self.url, self.fs.put_file, local, remote, doing="upload failed")

@@ -40,6 +40,9 @@ class Events:
 
 
 def _hooks(ev: Events) -> dict[str, Any]:
+    """The stand-in classes, sharing ``ev`` through this closure.
+
+    NOTE: longer than 60 lines on purpose: four small classes that only make sense together."""
     def fail(why: str) -> None:
         if ev.broken is None:
             ev.broken = why

@@ -38,6 +38,7 @@ class TreeNode:
 
 
 def build_tree(ckpt: Checkpoint) -> TreeNode:
+    """The entries grouped by dotted path, with sizes, chunk counts and ranks aggregated per subtree."""
     root = TreeNode("", "", None)
     index: dict[str, TreeNode] = {"": root}
 

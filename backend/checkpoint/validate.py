@@ -30,6 +30,7 @@ def _short(value: Any) -> str:
 
 
 def as_fqn(value: Any, where: str) -> str:
+    """An entry name: a string."""
     if not isinstance(value, str):
         raise bad(where, f"an entry name is {_short(value)}, not a string")
     return value
@@ -65,18 +66,21 @@ def as_path(value: Any, where: str, fqn: str | None = None) -> str:
 
 
 def optional_str(value: Any, where: str, what: str) -> str | None:
+    """A string field that may be missing (version, save id)."""
     if value is not None and not isinstance(value, str):
         raise bad(where, f"{what} is {_short(value)}, not a string")
     return value
 
 
 def record(value: Any, where: str, what: str, fqn: str | None = None) -> Record:
+    """A field that must be one of the allow-listed record stand-ins."""
     if not isinstance(value, Record):
         raise bad(where, f"{what} is {_short(value)}, not a record", fqn)
     return value
 
 
 def mapping(value: Any, where: str, what: str) -> dict:
+    """A dict field (``storage_data``, ``planner_data``); None is empty."""
     if value is None:
         return {}
     if not isinstance(value, dict):

@@ -33,12 +33,14 @@ def read_lightning_meta(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def small_value_repr(value: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass
 class TensorStats:
+    """Value statistics of one tensor (finite values only; NaN/Inf counted apart)."""
     numel: int
     min: float | None
     max: float | None

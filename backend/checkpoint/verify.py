@@ -5,12 +5,13 @@ rot that ``torch.load`` would never notice)."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import numpy as np
 
 from ..errors import CheckpointError
 from ..progress import Progress
-from .chunks import ChunkReader, CorruptChunkError
+from .chunks import ChunkReader, CorruptChunkError, StoredTensor
 from .layout import coverage_problems
 from .model import Checkpoint, Problem
 from .values import read_lightning_meta
@@ -113,29 +114,22 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
         progress.start(len(ckpt.chunk_table) + len(ckpt.objects), "reading every item")
     located: list[tuple[str, int, int, str]] = []
     with ChunkReader(ckpt) as reader:
-        for e in ckpt.tensors:
-            for c in e.chunks:
-                if progress:
-                    progress.advance(1, e.fqn)
-                if not c.file or c.file in missing:
-                    continue
-                try:
-                    st = reader.check_chunk(e.fqn, c)
-                    if st.nbytes:
-                        located.append((c.file, st.data_offset, st.data_offset + st.nbytes, e.fqn))
-                except CorruptChunkError as exc:
-                    problems.append(Problem("corrupt", str(exc), fqn=e.fqn, file=c.file))
-                except CheckpointError as exc:
-                    problems.append(Problem("unreadable", str(exc), fqn=e.fqn, file=c.file))
-        for o in ckpt.objects:
+        items = [(e.fqn, c.file, partial(reader.check_chunk, e.fqn, c)) for e in ckpt.tensors for c in e.chunks]
+        items += [(o.fqn, o.file, partial(reader.read_object, o)) for o in ckpt.objects]
+        for fqn, file, check in items:
             if progress:
-                progress.advance(1, o.fqn)
-            if not o.file or o.file in missing:
+                progress.advance(1, fqn)
+            if not file or file in missing:
                 continue
             try:
-                reader.read_object(o)
+                st = check()
+            except CorruptChunkError as exc:
+                problems.append(Problem("corrupt", str(exc), fqn=fqn, file=file))
             except CheckpointError as exc:
-                problems.append(Problem("unreadable", str(exc), fqn=o.fqn, file=o.file))
+                problems.append(Problem("unreadable", str(exc), fqn=fqn, file=file))
+            else:
+                if isinstance(st, StoredTensor) and st.nbytes:
+                    located.append((file, st.data_offset, st.data_offset + st.nbytes, fqn))
     problems += overlap_problems(located, same_start=True)
     if ckpt.extra_files.get("meta.pt"):
         try:

@@ -16,6 +16,7 @@ BLOCK = 1 << 22
 
 @dataclass
 class Change:
+    """One entry that differs between A and B, and how."""
     fqn: str
     kind: str  # values, dtype, shape, layout
     max_abs_diff: float | None = None
@@ -30,6 +31,7 @@ class Change:
 
 @dataclass
 class DiffResult:
+    """Everything ``diff`` found: entries on one side only, changed entries, and the unchanged count."""
     a: str
     b: str
     only_a: list[str] = field(default_factory=list)
@@ -95,6 +97,7 @@ def _same_object(x: Any, y: Any) -> bool:
 
 
 def diff(a: Source, b: Source, progress: Progress | None = None) -> DiffResult:
+    """Compare two sources entry by entry, one tensor pair in memory at a time."""
     ea, eb = a.entries(), b.entries()
     res = DiffResult(a.name, b.name, sorted(set(ea) - set(eb)), sorted(set(eb) - set(ea)))
     common = sorted(set(ea) & set(eb))
@@ -145,6 +148,7 @@ class DifferenceDetail:
 
 def difference_histogram(a: Source, b: Source, fqn: str, bins: int = 64,
                          progress: Progress | None = None) -> DifferenceDetail:
+    """The histogram of a - b of one entry in float64 blocks (the Compare view's detail)."""
     import numpy as np
     import torch
 

@@ -21,6 +21,7 @@ TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 
 @dataclass(frozen=True)
 class EntryInfo:
+    """What a source says about one entry without reading its values."""
     kind: str  # "tensor" or "object"
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
@@ -28,6 +29,7 @@ class EntryInfo:
 
 
 class Source:
+    """Something diff and import read entries from, one tensor at a time."""
     name: str
     kind: str
 
@@ -54,6 +56,7 @@ class Source:
 
 
 class DcpSource(Source):
+    """A DCP folder (local or URL, also HF storage-writer folders) through the chunk reader."""
     kind = "dcp"
 
     def __init__(self, path: str | Folder) -> None:
@@ -81,6 +84,7 @@ class DcpSource(Source):
 
 
 class TorchFileSource(Source):
+    """A torch ``.pt`` file, loaded with ``weights_only=True`` and memory-mapped."""
     kind = "torch"
 
     def __init__(self, path: str) -> None:
@@ -120,6 +124,7 @@ class TorchFileSource(Source):
 
 
 class SafetensorsSource(Source):
+    """A ``.safetensors`` file, or a folder with ``model.safetensors.index.json``."""
     kind = "safetensors"
 
     def __init__(self, path: str) -> None:
@@ -172,6 +177,7 @@ class SafetensorsSource(Source):
 
 
 def open_source(path: str | os.PathLike | Folder) -> Source:
+    """The Source for a path or URL: a DCP folder, a ``.pt`` or a safetensors file or folder."""
     if isinstance(path, Folder):  # a URL already opened with storage options
         return DcpSource(path)
     text = str(path)

@@ -106,12 +106,11 @@ def check_header(path: str, head: bytes) -> None:
         pass
 
 
-def write(plan: ExportPlan, out_path: str, reader: ChunkReader, progress: Progress | None,
+def write(plan: ExportPlan, out_path: str, source: TensorSource, progress: Progress | None,
           left_out: list[str]) -> tuple[list[str], list[Expectation]]:
     """Write the plan into ``out_path`` (a file, or a folder when sharded); returns the file names
     (relative to the output) and the verifier's expectations."""
-    source = TensorSource(reader, list(plan.items))
-    meta = header_metadata(plan, reader, left_out)
+    meta = header_metadata(plan, source.reader, left_out)
     items = list(plan.items)
     if not plan.max_shard_size:
         return [""], write_file(out_path, items, meta, source, progress)

@@ -105,9 +105,12 @@ class ByteBudget:
 class TensorSource:
     """Writes output tensors of one checkpoint; the reader checks stored CRC32s on the way in."""
 
-    def __init__(self, reader: ChunkReader, items: list[ExportItem]) -> None:
+    def __init__(self, reader: ChunkReader, items: list[ExportItem], kernel_copy: bool = False) -> None:
         self.reader = reader
         self.budget = ByteBudget(max(BUDGET_FLOOR, max((i.nbytes for i in items), default=0)))
+        # kernel_copy: whole records are copied by the kernel and proven afterwards, when the verifier
+        # re-reads the output and compares with the CRC32 stored in the checkpoint (one pass instead of two).
+        self.kernel_copy = kernel_copy
 
     def _copyable(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
         """The chunk's stored tensor when it can be copied byte for byte with a known CRC32 of exactly
@@ -149,8 +152,9 @@ class TensorSource:
                 for c, dst, part in ranges:
                     if progress:
                         progress.check()
-                    n = self.reader.copy_range(item.entry.fqn, c, fd, base + dst, progress)
-                    crc = crc32_combine(crc, part, n)  # part: the record's CRC, checked by the reader
+                    n = self.reader.copy_range(item.entry.fqn, c, fd, base + dst, progress,
+                                               check_crc=not self.kernel_copy)
+                    crc = crc32_combine(crc, part, n)  # part: the CRC32 stored with the record
                 return crc
             self.budget.acquire(item.nbytes)
             try:
@@ -162,6 +166,12 @@ class TensorSource:
                 raise
             raise CheckpointError(f"{exc} (while exporting tensor {item.entry.fqn})", path=exc.path,
                                   fqn=item.entry.fqn) from None
+
+    def check_source(self, item: ExportItem) -> None:
+        """Re-read the item's chunks with their CRC32 checked: raises CorruptChunkError (naming file and
+        tensor) when the source, not the output, holds bad bytes."""
+        for c in item.entry.chunks:
+            self.reader.check_chunk(item.entry.fqn, c)
 
     def tensor(self, item: ExportItem) -> Any:
         """The whole output tensor in memory (cast when the plan says so), contiguous."""

@@ -184,12 +184,12 @@ def archive_name(dst: str) -> str:
     return stem or "archive"
 
 
-def write(plan: ExportPlan, out_path: str, dst: str, reader: ChunkReader, progress: Progress | None,
+def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progress: Progress | None,
           left_out: list[str]) -> tuple[list[str], list[Expectation]]:
     """Write the plan as one torch archive at ``out_path``; returns ([""], expectations)."""
     import torch
 
-    pkl, storages = pickle_state(nested_state(plan, reader), plan.items)
+    pkl, storages = pickle_state(nested_state(plan, source.reader), plan.items)
     prefix = archive_name(dst).encode() + b"/"
     small = [(b"data.pkl", pkl), (b".format_version", b"1"), (b".storage_alignment", str(ALIGN).encode()),
              (b"byteorder", sys.byteorder.encode())]
@@ -200,7 +200,6 @@ def write(plan: ExportPlan, out_path: str, dst: str, reader: ChunkReader, progre
                     for rec, what in storages]
     records += data_records + [_Record(prefix + n, len(d)) for n, d in tail]
     cd_at = _layout(records)
-    source = TensorSource(reader, list(plan.items))
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, cd_at)

@@ -1,6 +1,7 @@
 """The one verifier of written outputs: every tensor's byte range is re-read from the output in a
 streaming pass (fixed-size blocks, no whole-file maps) and its CRC32 compared with the CRC32 of the
-source bytes taken while they were copied. Format writers add a cheap structural check (the header
+source bytes: the one stored in the checkpoint for records the kernel copied, else the one taken as the
+bytes were read. Format writers add a cheap structural check (the header
 or archive read back by its ordinary reader, without touching tensor data)."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from .source import run_parallel
 BLOCK = 8 << 20
 _local = threading.local()
 
-WHAT = "every tensor's bytes re-read from the written files match the source bytes (CRC32)"
+WHAT = ("every tensor's bytes, re-read from the written files, match the CRC32 of the source bytes (stored in "
+        "the checkpoint, or taken as they were read)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from . import safetensors_writer, torch_writer
 from .atomic import AtomicOutput
 from .plan import ExportPlan
 from .result import ExportResult
+from .source import TensorSource
 from .verify import WHAT, check_written
 
 
@@ -42,15 +43,20 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
                       storage_options=storage_options) as out:
         progress.start(total * (2 if verify else 1), "exporting")
         with ChunkReader(plan.ckpt) as reader:
+            source = TensorSource(reader, list(plan.items), kernel_copy=verify)
             if plan.format == "safetensors":
-                names, expect = safetensors_writer.write(plan, out.path, reader, progress, left_out)
+                names, expect = safetensors_writer.write(plan, out.path, source, progress, left_out)
             else:
-                names, expect = torch_writer.write(plan, out.path, dst, reader, progress, left_out)
-        # The data goes to disk (fsync) while it is re-read from the page cache and checked.
-        with ThreadPoolExecutor(1, thread_name_prefix="export-fsync") as syncer:
-            synced = syncer.submit(out.sync)
-            mismatches = check_written(expect, progress) if verify else []
-            synced.result()
+                names, expect = torch_writer.write(plan, out.path, dst, source, progress, left_out)
+            # The data goes to disk (fsync) while it is re-read from the page cache and checked.
+            with ThreadPoolExecutor(1, thread_name_prefix="export-fsync") as syncer:
+                synced = syncer.submit(out.sync)
+                mismatches = check_written(expect, progress) if verify else []
+                synced.result()
+            by_key = {it.key: it for it in plan.items}
+            for key in mismatches:  # a kernel-copied record that fails its stored CRC: name the bad source
+                if key in by_key:
+                    source.check_source(by_key[key])
         if mismatches:
             return ExportResult(out.dst, [], len(plan.items), total, time.monotonic() - t0, plan.format,
                                 left_out=left_out, notes=list(plan.notes), verified=False, mismatches=mismatches)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickletools
 import random
 import struct
+import warnings
 from collections.abc import Callable
 
 INTERESTING = [0, 1, 2, 7, 0x7F, 0x80, 0xFF, 0x100, 0x7FFF, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**32 - 1,
@@ -55,16 +56,18 @@ def overwrite_int(data: bytes, rng: random.Random) -> bytes:
 def _ops(data: bytes) -> list[tuple[str, object, int, int]]:
     """(opcode name, argument, start, end) of every opcode pickletools can decode before it fails."""
     out = []
-    try:
-        prev = None
-        for op, arg, pos in pickletools.genops(data):
-            if prev is not None:
-                out.append((prev[0], prev[1], prev[2], pos))
-            prev = (op.name, arg, pos)
-        if prev is not None:
-            out.append((prev[0], prev[1], prev[2], prev[2] + 1))
-    except (ValueError, struct.error, IndexError, UnicodeDecodeError):
-        pass
+    prev = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # genops decoding a damaged STRING argument warns
+        try:
+            for op, arg, pos in pickletools.genops(data):
+                if prev is not None:
+                    out.append((prev[0], prev[1], prev[2], pos))
+                prev = (op.name, arg, pos)
+        except (ValueError, struct.error, IndexError, UnicodeDecodeError):
+            return out
+    if prev is not None:
+        out.append((prev[0], prev[1], prev[2], prev[2] + 1))
     return out
 
 
