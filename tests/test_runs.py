@@ -112,6 +112,23 @@ def test_stop_leaves_no_process(tmp_path):
     assert read_status(tmp_path / "stop")["state"] == "stopped"
 
 
+def test_stop_after_every_rank_finished_reads_finished(tmp_path):
+    """Stop clicked while torchrun tears down after the last step: the run finished, it was not stopped."""
+    from shardscope.backend.runs.launcher import STOP_NOTE, stop_run
+
+    cfg = RunConfig(strategy="ddp", nproc=2, steps=2, checkpoint_every=0, model=SMALL)
+    launcher = RunLauncher(tmp_path / "late", cfg).start()
+    deadline = time.monotonic() + 180
+    while len(list((tmp_path / "late" / "exit").glob("rank_*.json"))) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    final = stop_run(tmp_path / "late", grace=5)
+    launcher.proc.wait(60)
+    assert final["state"] == "finished", final
+    assert read_status(tmp_path / "late")["state"] == "finished"
+    assert STOP_NOTE.strip() not in (tmp_path / "late" / "logs" / "launcher.log").read_text()
+
+
 def test_failing_rank_marks_run_failed_with_traceback(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""

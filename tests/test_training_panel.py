@@ -145,6 +145,8 @@ def test_form_says_what_is_wrong_next_to_the_field(qtbot, panel, tmp_path):
     assert "nope.py: no such file" in panel.form.errors["script"].text()
     assert panel.form.errors["script"].isVisibleTo(panel)
     assert not panel.launchers and [p.name for p in tmp_path.iterdir()] == []
+    panel.form.script.setText("")  # editing the field answers its message: no stale error stays under it
+    assert not panel.form.errors["script"].isVisibleTo(panel)
 
 
 def test_failure_traceback_is_collapsed_and_does_not_squash_the_plots(qtbot, panel, tmp_path):

@@ -389,8 +389,12 @@ class LibraryView(QWidget):
         b.setToolTip(tip)
         return b
 
-    def _build_buttons(self) -> QHBoxLayout:
+    def _build_buttons(self) -> QVBoxLayout:
+        # NOTE: two rows (where checkpoints come from / what to do with the selection): one row of ten
+        # buttons set the window's minimum width to 1374 px in split view (issue 14: must fit 1280x720)
+        rows = QVBoxLayout()
         row = QHBoxLayout()
+        rows.addLayout(row)
         row.addWidget(self._button("Open folder…", self.openFolderRequested.emit, "Open a checkpoint folder (Ctrl+O)"))
         recent = self._button("Recent", lambda: None, "Checkpoints opened recently")
         self.recent_menu = QMenu(recent)
@@ -408,7 +412,11 @@ class LibraryView(QWidget):
         row.addWidget(self.remove_root_button)
         row.addWidget(self._button("Run the demo", self.demoRequested.emit,
                                    "Train a tiny FSDP model on 2 CPU ranks; its checkpoints appear here"))
-        row.addSpacing(16)
+        row.addStretch(1)
+        self.prune_button = self._button("Prune…", self.prune_dialog, "Remove checkpoints by rules, with a preview")
+        row.addWidget(self.prune_button)
+        row = QHBoxLayout()
+        rows.addLayout(row)
         self.open_button = self._button("Open", self.open_selected, "Browse the selected checkpoint")
         self.export_button = self._button("Export…", self.export_selected, "Consolidate the selected checkpoint")
         self.folder_button = self._button("Show in folder", self.show_selected_in_folder)
@@ -421,10 +429,8 @@ class LibraryView(QWidget):
         self.filter.setClearButtonEnabled(True)
         self.filter.textChanged.connect(self.proxy.setFilterFixedString)
         self.filter.setMaximumWidth(240)
-        row.addWidget(self.filter)
-        self.prune_button = self._button("Prune…", self.prune_dialog, "Remove checkpoints by rules, with a preview")
-        row.addWidget(self.prune_button)
-        return row
+        row.addWidget(self.filter, 1)
+        return rows
 
     def _build_tree(self) -> QTreeView:
         self.tree = QTreeView()

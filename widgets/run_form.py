@@ -111,6 +111,10 @@ class RunForm(QGroupBox):
             err.hide()
             v.addWidget(err)
             self.errors[field] = err
+            if w is not None:  # an edit answers the message: it goes until the next Start checks again
+                changed = w.textChanged if isinstance(w, QLineEdit) else \
+                    w.currentTextChanged if isinstance(w, QComboBox) else w.valueChanged
+                changed.connect(lambda *_a, err=err: err.hide())
         self.form.addRow(label, box)
         if w is None:
             self.form.setRowVisible(box, False)

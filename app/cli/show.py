@@ -25,8 +25,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint import open_checkpoint
-    from shardscope.backend.checkpoint.layout import coverage
     from shardscope.backend.checkpoint.chunks import ChunkReader
+    from shardscope.backend.checkpoint.layout import coverage
     from shardscope.backend.checkpoint.values import small_value_repr, tensor_stats
 
     ckpt = open_checkpoint(folder(args, args.path), use_cache=not args.no_cache)

@@ -445,14 +445,24 @@ class RemoteHandles:
     def _run(self, todo: list[tuple[str, _Fetch]]) -> None:
         """Fetch all of ``todo`` concurrently, then publish (cache or drop) each result."""
         paths = [f"{self.root}/{name}" for name, _ in todo]
+        results: list[Any] | None = None
         try:
             results = self.fs.cat_ranges(paths, [f.start for _, f in todo], [f.end for _, f in todo],
                                          on_error="return")
         except Exception as exc:  # the whole batch failed (e.g. the event loop could not run it)
             results = [exc] * len(todo)
+        finally:
+            if results is None:  # interrupted (Ctrl-C, SIGTERM): waiting threads must not wait forever
+                results = [CheckpointError(f"{self.url}: reading was interrupted.", path=self.url)] * len(todo)
+                self._publish(todo, results)
+        self._publish(todo, results)
+
+    def _publish(self, todo: list[tuple[str, _Fetch]], results: list[Any]) -> None:
         with self._lock:
             self._requests += len(todo)
             for (name, fetch), data in zip(todo, results, strict=True):
+                if fetch.done.is_set():
+                    continue
                 if isinstance(data, BaseException):
                     fetch.error = self._error(name, data)
                     self._forget(name, fetch)

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import open_checkpoint
-from ..checkpoint.chunks import ChunkReader
+from ..checkpoint.chunks import ChunkReader, safe_name
 from ..checkpoint.flatten import dotted, flatten
-from ..checkpoint.model import SAFETENSORS_DTYPES
-from ..checkpoint.storage import Folder, is_url
+from ..checkpoint.hf_reader import open_hf_folder
+from ..checkpoint.items import parse_safetensors_file
+from ..checkpoint.storage import Folder, is_url, open_folder
 from ..errors import CheckpointError
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
@@ -22,6 +23,7 @@ TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 @dataclass(frozen=True)
 class EntryInfo:
     """What a source says about one entry without reading its values."""
+
     kind: str  # "tensor" or "object"
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
@@ -124,56 +126,65 @@ class TorchFileSource(Source):
 
 
 class SafetensorsSource(Source):
-    """A ``.safetensors`` file, or a folder with ``model.safetensors.index.json``."""
+    """A ``.safetensors`` file, or a folder with ``model.safetensors.index.json``: read through the same
+    header parser and chunk reader as every checkpoint (bounds and dtype checks included)."""
+
     kind = "safetensors"
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
         self.name = path
         if os.path.isdir(path):
-            index = os.path.join(path, "model.safetensors.index.json")
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a readable safetensors index ({exc}).", path=index) from None
-            files = sorted(set(weight_map.values()))
-            paths = [os.path.join(path, f) for f in files]
+            folder, names = path, _index_files(path)
         else:
-            paths = [path]
-        self._handles = {}
-        self._where: dict[str, Any] = {}
+            folder, names = os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
+        where = open_folder(folder)
+        listing = where.listing()
+        missing = [n for n in names if n not in listing]
+        if missing:
+            raise CheckpointError(f"{os.path.join(folder, missing[0])}: no such file.", path=folder)
+        listing = {n: listing[n] for n in names}
+        self.ckpt = open_hf_folder(where, listing)
+        self.ckpt.folder = where
+        self.reader = ChunkReader(self.ckpt)
         self._objects: dict[str, Any] = {}
-        for p in paths:
+        for n in names:
+            meta = parse_safetensors_file(self.reader.handles, n, listing[n]).metadata
             try:
-                h = safe_open(p, framework="pt")
-            except Exception as exc:
-                raise CheckpointError(f"{p}: not a readable safetensors file ({exc}).", path=p) from None
-            self._handles[p] = h
-            for k in h.keys():
-                self._where[k] = h
-            meta = h.metadata() or {}
-            if meta.get("shardscope_objects"):
-                try:
-                    self._objects.update(json.loads(meta["shardscope_objects"]))
-                except ValueError:
-                    pass
+                objects = json.loads(meta.get("shardscope_objects") or "{}")
+            except (ValueError, RecursionError):
+                objects = None
+            if isinstance(objects, dict):
+                self._objects.update(objects)
 
     def entries(self) -> dict[str, EntryInfo]:
-        out = {}
-        for k, h in self._where.items():
-            sl = h.get_slice(k)
-            dt = sl.get_dtype()
-            out[k] = EntryInfo("tensor", SAFETENSORS_DTYPES.get(dt, dt.lower()), tuple(sl.get_shape()))
+        out = {t.fqn: EntryInfo("tensor", t.dtype, t.shape) for t in self.ckpt.tensors}
         out.update({k: EntryInfo("object") for k in self._objects})
         return out
 
     def tensor(self, fqn: str) -> Any:
-        return self._where[fqn].get_tensor(fqn)
+        return self.reader.read_tensor(self.ckpt.tensor(fqn))
 
     def object(self, fqn: str) -> Any:
         return self._objects[fqn]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _index_files(path: str) -> list[str]:
+    """The shard files an HF ``model.safetensors.index.json`` names (plain names inside the folder)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"{index}: not a readable safetensors index ({type(exc).__name__}).",
+                              path=index) from None
+    bad = [f for f in files if not safe_name(f)]
+    if bad:
+        raise CheckpointError(f"{index}: names {bad[0]!r}, not a file inside the folder.", path=index)
+    return files
 
 
 def open_source(path: str | os.PathLike | Folder) -> Source:

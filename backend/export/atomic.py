@@ -11,11 +11,13 @@ whole upload succeeded).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from types import FrameType
@@ -72,6 +74,27 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _sync_file_range() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a just-written range to disk now (Linux ``sync_file_range``), so
+    the final fsync has little left to wait for; a no-op elsewhere. Durability still comes from fsync."""
+    if _SYNC_FILE_RANGE is not None and length > 0:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def write_error(dst: str, exc: OSError) -> OutputError:
@@ -213,5 +236,5 @@ class AtomicOutput:
         raise Cancelled(f"interrupted by {signal.Signals(signum).name}; nothing was written to {self.dst}")
 
 
-__all__ = ["TMP_PREFIX", "AtomicOutput", "clean_leftovers", "fsync_path", "remove_path",
+__all__ = ["TMP_PREFIX", "AtomicOutput", "clean_leftovers", "fsync_path", "remove_path", "start_writeback",
            "write_error"]

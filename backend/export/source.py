@@ -16,6 +16,7 @@ from ..checkpoint.chunks import ChunkReader, StoredTensor, torch_dtype
 from ..checkpoint.model import Chunk, itemsize
 from ..errors import CheckpointError
 from ..progress import Progress
+from .atomic import start_writeback
 from .plan import ExportItem
 
 BUDGET_FLOOR = 128 << 20  # bytes of assembled tensors in flight, or the largest tensor if bigger
@@ -144,7 +145,12 @@ class TensorSource:
         return out if pos == item.nbytes else None
 
     def write(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> int:
-        """Write the item's bytes at ``base``; returns their CRC32."""
+        """Write the item's bytes at ``base``; returns their CRC32. Their writeback to disk starts at once."""
+        crc = self._write(item, fd, base, progress)
+        start_writeback(fd, base, item.nbytes)
+        return crc
+
+    def _write(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> int:
         try:
             ranges = self._direct_ranges(item)
             if ranges is not None:

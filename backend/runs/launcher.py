@@ -159,8 +159,14 @@ def run_status(run_dir: str | os.PathLike, exit_code: int | None = None) -> dict
         return status
     exits = rank_exits(run_dir)
     failed = sorted(r for r, e in exits.items() if e.get("code"))
-    if status.get("stop_requested"):
+    nproc = read_config(run_dir).get("nproc")
+    # a rank killed by the stop's SIGTERM writes no exit record: a clean record from every rank means the
+    # run had finished its work before the stop arrived (Stop clicked during the last checkpoint or teardown)
+    all_clean = bool(exits) and not failed and isinstance(nproc, int) and len(exits) >= nproc
+    if status.get("stop_requested") and not all_clean:
         state, why = "stopped", "stopped by the user (SIGTERM to every process of the run)"
+    elif status.get("stop_requested"):
+        state, why = "finished", "every rank had finished when the stop arrived"
     elif not failed and (exit_code == 0 or (exit_code is None and exits)):
         state, why = "finished", "success" if exit_code == 0 else "every rank recorded a clean exit"
     else:
@@ -182,11 +188,14 @@ def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> dict[str, Any]:
         return slurm.cancel(Path(run_dir))
     update_status(run_dir, stop_requested=time.time())
     pid = status.get("pid")
-    if pid_alive(pid):
+    signalled = pid_alive(pid)
+    if signalled:
         terminate_tree(pid, grace)
+    final = run_status(run_dir, exit_code=-signal.SIGTERM)
+    if signalled and final.get("state") == "stopped":
         with open(Path(run_dir) / "logs" / "launcher.log", "a") as log:
             log.write(STOP_NOTE)
-    return run_status(run_dir, exit_code=-signal.SIGTERM)
+    return final
 
 
 class RunLauncher:
