@@ -335,7 +335,7 @@ def test_flipped_bit_is_an_error_on_every_read(copy_of, tmp_path):
     assert kinds == ["corrupt"]
 
 
-def test_two_chunks_reading_the_same_bytes_are_reported(copy_of):
+def test_two_chunks_reading_the_same_bytes_are_reported(copy_of, tmp_path):
     ckpt = copy_of("fsdp2_r2")
     md = torch_metadata(ckpt)
     other = "optimizer.state.blocks.0.fc1.weight.exp_avg"  # same chunk shapes, same file
@@ -349,6 +349,9 @@ def test_two_chunks_reading_the_same_bytes_are_reported(copy_of):
     proc = run_cli("verify", "--deep", ckpt)
     clean(proc, (1,))
     assert "overlap" in proc.stdout
+    proc = run_cli("export", ckpt, tmp_path / "out.pt")  # reads both: refused, never "verified"
+    clean(proc)
+    assert "verified" not in proc.stdout and "one item" in proc.stderr and not (tmp_path / "out.pt").exists()
 
 
 def test_partly_overlapping_ranges_are_found_without_reading(copy_of):

@@ -117,9 +117,36 @@ def test_library_follows_the_disk_and_opens_only_complete(qtbot, qtmodeltester, 
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
 
 
-def test_prune_dialog_preview_and_removal(qtbot, qtmodeltester, root):
+def test_adding_a_root_shows_its_disk_usage(qtbot, root, tmp_path):
+    """Disk usage turns to the root just added (it used to stay on the first, often empty, root)."""
+    default = tmp_path / "default_runs"
+    default.mkdir()
+    view = LibraryView([], str(default))
+    qtbot.addWidget(view)
+    view.show()
+    qtbot.waitUntil(lambda: view.snapshot is not None, timeout=TIMEOUT)
+    assert view.root_box.currentData() == str(default) and view.usage.rowCount() == 0
+    view.add_root(str(root))
+    qtbot.waitUntil(lambda: view.root_box.currentData() == str(root) and view.usage.rowCount() == 1,
+                    timeout=TIMEOUT)
+    assert view.remove_root_button.isEnabled()
+    view.shutdown()
+    assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
+
+
+@pytest.fixture
+def keep_alive():
+    """Widgets that must outlive the fixtures requested after this one (qtmodeltester disconnects from its
+    model when it is torn down; qtbot.addWidget would delete the model's dialog before that)."""
+    held: list = []
+    yield held
+    for w in held:
+        w.close()
+
+
+def test_prune_dialog_preview_and_removal(qtbot, keep_alive, qtmodeltester, root):
     dlg = PruneDialog(scan([root]), Rules(keep_last=2))
-    qtbot.addWidget(dlg)
+    keep_alive.append(dlg)
     qtbot.waitUntil(lambda: dlg.plan is not None, timeout=TIMEOUT)
     assert [d.checkpoint.name for d in dlg.plan.remove] == ["step_000001"]
     assert "Removes 1 of 3 checkpoints" in dlg.summary.text()

@@ -85,6 +85,7 @@ class CheckpointView(QWidget):
         self.progress = ProgressOverlay(self)
         self.progress.cancelRequested.connect(self._cancel_background)
         self.tree.installEventFilter(self)
+        self.tree.viewport().installEventFilter(self)
 
     def _build_tree_side(self) -> QWidget:
         """The filter row and the tensor tree."""
@@ -156,8 +157,8 @@ class CheckpointView(QWidget):
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
         if watched is self.tree and event.type() in (QEvent.Type.Resize, QEvent.Type.Move, QEvent.Type.Show):
             self._place_progress()
-            if event.type() == QEvent.Type.Resize:
-                self._fit_name_column()
+        elif watched is self.tree.viewport() and event.type() == QEvent.Type.Resize:
+            self._fit_name_column()  # NOTE: the viewport's size is final only here (after scroll bars)
         return super().eventFilter(watched, event)
 
     def resizeEvent(self, event) -> None:

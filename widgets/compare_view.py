@@ -9,7 +9,9 @@ from typing import Any
 import pyqtgraph as pg
 from PySide6.QtCore import (
     QAbstractTableModel,
+    QEvent,
     QModelIndex,
+    QObject,
     QPersistentModelIndex,
     QRectF,
     QSettings,
@@ -170,7 +172,9 @@ class CompareView(QWidget):
         header.setStretchLastSection(True)
         self._restoring = False
         self._restore_widths()
-        header.sectionResized.connect(lambda *_a: self._save_widths())
+        self.table.installEventFilter(self)
+        # NOTE: only a column the user drags counts; the stretching last one follows the window
+        header.sectionResized.connect(lambda col, *_a: col != len(COLUMNS) - 1 and self._save_widths())
         self.table.setItemDelegateForColumn(3, BarDelegate(self.model, self))
         self.table.selectionModel().currentRowChanged.connect(self._row_changed)
         return self.table
@@ -287,15 +291,28 @@ class CompareView(QWidget):
         self.detail.setText(f"{d.fqn}: {d.nonzero:,} of {d.numel:,} elements differ")
 
     # ------------------------------------------------------------------ column widths (remembered)
+    def _saved_widths(self) -> list | None:
+        widths = QSettings("Shardscope", "Shardscope").value(WIDTHS_KEY)
+        ok = isinstance(widths, list) and len(widths) == len(COLUMNS) and all(str(w).isdigit() for w in widths)
+        return widths if ok else None
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.table and event.type() == QEvent.Type.Resize and self._saved_widths() is None:
+            self._restore_widths()  # until the user sets widths, the names take what the numbers leave
+        return super().eventFilter(watched, event)
+
     def _restore_widths(self) -> None:
         """The widths the user last set (QSettings), else widths from the font."""
-        widths = QSettings("Shardscope", "Shardscope").value(WIDTHS_KEY)
+        widths = self._saved_widths()
         fm = self.table.fontMetrics()
-        if not (isinstance(widths, list) and len(widths) == len(COLUMNS)
-                and all(str(w).isdigit() and int(w) > 0 for w in widths)):
+        if widths is None:
             extra = 2 * fm.averageCharWidth() + 8
             numbers = [fm.horizontalAdvance(t) + extra for t in ("only in A", "0.0001234", "0.0001234", "100.00 %")]
-            room = self.table.viewport().width() - sum(numbers) - self.table.verticalScrollBar().sizeHint().width() - 2
+            # NOTE: from the table's own width: its viewport is resized only after the table's resize event
+            chrome = 2 * self.table.frameWidth() + self.table.verticalScrollBar().sizeHint().width() + 2
+            # the stretching last section never goes below the header's default section size
+            numbers[-1] = max(numbers[-1], self.table.horizontalHeader().defaultSectionSize())
+            room = self.table.width() - chrome - sum(numbers)
             widths = [max(fm.averageCharWidth() * 30, room), *numbers]  # the names get what is left
         self._restoring = True
         for col, w in enumerate(widths[:-1]):  # the last one stretches
@@ -313,6 +330,7 @@ class CompareView(QWidget):
             idx = self.proxy.index(row, 0)
             if idx.data() == fqn:
                 self.table.setCurrentIndex(idx)
+                self.table.scrollTo(idx)
                 return True
         return False
 

@@ -59,7 +59,8 @@ SIZE_COLUMN = COLUMNS.index("size")
 ObjectRole = Qt.ItemDataRole.UserRole
 SortRole = Qt.ItemDataRole.UserRole + 1
 STATE_COLORS = {"complete": "#2ca02c", "incomplete": "#d62728", "writing": "#ff7f0e", "unreadable": "#9467bd",
-                "running": "#ff7f0e", "failed": "#d62728"}
+                "running": "#ff7f0e", "failed": "#d62728", "finished": "#2ca02c", "queued": "#1f77b4",
+                "starting": "#ff7f0e"}
 POLL_MS = 2000
 OPENABLE = ("complete",)
 
@@ -351,6 +352,7 @@ class LibraryView(QWidget):
         self._worker: Worker | None = None
         self._stale = False
         self._started = 0.0
+        self._show_root: str | None = None
         self.model = LibraryModel(self)
         self.proxy = QSortFilterProxyModel(self)
         self.proxy.setSourceModel(self.model)
@@ -500,6 +502,7 @@ class LibraryView(QWidget):
         if path not in self.roots():
             self.user_roots.append(path)
             self.rootsChanged.emit(list(self.user_roots))
+        self._show_root = path  # Disk usage turns to the root just added (on the next fill)
         self.poll(force=True)
 
     def add_root_dialog(self) -> None:
@@ -571,7 +574,8 @@ class LibraryView(QWidget):
                 self.tree.expand(self.proxy.index(row, 0))
 
     def _fill_roots(self) -> None:
-        current = self.root_box.currentData()
+        current = self._show_root or self.root_box.currentData()
+        self._show_root = None
         self.root_box.blockSignals(True)
         self.root_box.clear()
         for r in self.roots():

@@ -32,7 +32,8 @@ def register(sub: Any) -> None:
     sp.add_argument("--record-source", action="store_true", help="write the source path into the output's metadata")
     sp.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16 or fp32")
     sp.add_argument("--max-shard-size", metavar="SIZE", help="sharded safetensors, e.g. 5GB or 500MB")
-    sp.add_argument("--no-verify", action="store_true", help="skip re-reading the output to compare")
+    sp.add_argument("--no-verify", action="store_true", help="skip the full re-read of the output (bytes copied by the "
+                    "kernel are still re-read: that is where their stored CRC32 is checked)")
     sp.add_argument("--force", action="store_true", help="overwrite the destination")
     add_storage_options(sp)
 

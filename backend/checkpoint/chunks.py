@@ -40,6 +40,10 @@ class CorruptChunkError(CheckpointError):
     """The bytes read do not match the CRC32 stored with them: the file changed on disk."""
 
 
+class SharedStorageError(CheckpointError):
+    """Two chunks' metadata point at the same stored bytes: one of them would read the other's values."""
+
+
 def torch_dtype(name: str) -> Any:
     """The ``torch.dtype`` for a short dtype name, or a CheckpointError when this torch lacks it."""
     import torch
@@ -88,6 +92,7 @@ class ChunkReader:
         self._located: dict[tuple[str, int, str], StoredTensor] = {}
         self._blobs: dict[tuple[str, int], SafetensorsHeader] = {}
         self._sizes: dict[str, int] = {}
+        self._owners: dict[tuple[str, int], tuple[str, tuple[int, ...]]] = {}
 
     def close(self) -> None:
         """Close the files this reader opened."""
@@ -136,8 +141,20 @@ class ChunkReader:
                     raise
                 raise CheckpointError(f"{exc} (tensor {fqn}, chunk at offsets {list(chunk.offsets)})",
                                       path=exc.path, fqn=fqn) from None
+            self._claim(fqn, chunk, st)
             self._located[key] = st
         return st
+
+    def _claim(self, fqn: str, chunk: Chunk, st: StoredTensor) -> None:
+        """Refuse a chunk whose stored bytes another chunk already read as its own (a metadata pointing
+        two entries at one item would otherwise give one tensor's values to both)."""
+        if not st.nbytes:
+            return
+        owner = self._owners.setdefault((chunk.file, st.data_offset), (fqn, chunk.offsets))
+        if owner != (fqn, chunk.offsets):
+            raise self._error(fqn, chunk, f"its stored bytes are those of {owner[0]} (chunk at offsets "
+                                          f"{list(owner[1])}): the metadata points two entries at one item.",
+                              SharedStorageError)
 
     def _locate(self, fqn: str, chunk: Chunk) -> StoredTensor:
         if not chunk.file:
@@ -349,5 +366,5 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
                               fqn=fqn, path=path) from None
 
 
-__all__ = ["COPY_BLOCK", "ChunkReader", "CorruptChunkError", "StoredTensor", "load_weights_only", "safe_name",
-           "torch_dtype"]
+__all__ = ["COPY_BLOCK", "ChunkReader", "CorruptChunkError", "SharedStorageError", "StoredTensor",
+           "load_weights_only", "safe_name", "torch_dtype"]

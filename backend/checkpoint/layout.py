@@ -79,6 +79,7 @@ def coverage(ckpt: Checkpoint, entry: TensorEntry) -> Coverage:
 
 
 MAX_CORNER_DIMS = 10  # a difference array needs 2**ndim corner updates per chunk
+MAX_CORNER_UPDATES = 1 << 26  # beyond this, only element totals are compared (no regions)
 
 
 def _grid_coverage(entry: TensorEntry, lo: np.ndarray, hi: np.ndarray, shape: np.ndarray,
@@ -91,7 +92,7 @@ def _grid_coverage(entry: TensorEntry, lo: np.ndarray, hi: np.ndarray, shape: np
     full = math.prod(int(shape[d]) for d in range(entry.ndim) if d not in keep)
     bounds = [np.unique(np.concatenate(([0, sub[d]], lo[:, d], hi[:, d]))) for d in range(len(keep))]
     cells = math.prod(len(b) - 1 for b in bounds)
-    if cells > MAX_GRID_CELLS or len(keep) > MAX_CORNER_DIMS:
+    if cells > MAX_GRID_CELLS or len(keep) > MAX_CORNER_DIMS or len(lo) << len(keep) > MAX_CORNER_UPDATES:
         vol = sum(math.prod(int(x) for x in row) for row in (hi - lo)) * full
         numel = math.prod(entry.shape)
         return Coverage(vol == numel and not oob, gap_elements=max(0, numel - vol),

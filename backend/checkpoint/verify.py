@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..progress import Progress
-from .chunks import ChunkReader, CorruptChunkError, StoredTensor
+from .chunks import ChunkReader, CorruptChunkError, SharedStorageError, StoredTensor
 from .layout import coverage_problems
 from .model import Checkpoint, Problem
 from .values import read_lightning_meta
@@ -125,6 +125,8 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
                 st = check()
             except CorruptChunkError as exc:
                 problems.append(Problem("corrupt", str(exc), fqn=fqn, file=file))
+            except SharedStorageError as exc:
+                problems.append(Problem("storage_overlap", str(exc), fqn=fqn, file=file))
             except CheckpointError as exc:
                 problems.append(Problem("unreadable", str(exc), fqn=fqn, file=file))
             else:

@@ -112,6 +112,7 @@ class TensorSource:
         # kernel_copy: whole records are copied by the kernel and proven afterwards, when the verifier
         # re-reads the output and compares with the CRC32 stored in the checkpoint (one pass instead of two).
         self.kernel_copy = kernel_copy
+        self.kernel_copied: set[str] = set()  # keys whose bytes only the verifier's re-read has checked
 
     def _copyable(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
         """The chunk's stored tensor when it can be copied byte for byte with a known CRC32 of exactly
@@ -161,6 +162,8 @@ class TensorSource:
                     n = self.reader.copy_range(item.entry.fqn, c, fd, base + dst, progress,
                                                check_crc=not self.kernel_copy)
                     crc = crc32_combine(crc, part, n)  # part: the CRC32 stored with the record
+                if self.kernel_copy:
+                    self.kernel_copied.add(item.key)  # set.add is atomic under the GIL
                 return crc
             self.budget.acquire(item.nbytes)
             try:

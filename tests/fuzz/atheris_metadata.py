@@ -20,9 +20,10 @@ sys.path.insert(0, str(HERE.parent))
 import atheris  # noqa: E402
 
 with atheris.instrument_imports():
-    from fuzz.harness import _exercise, make_case  # noqa: E402
-    from fuzz.mutators import METADATA_MUTATORS, mutate  # noqa: E402
-    from shardscope.backend.errors import ShardscopeError  # noqa: E402
+    from shardscope.backend.errors import ShardscopeError
+
+    from fuzz.harness import exercise, make_case
+    from fuzz.mutators import METADATA_MUTATORS, mutate
 
 SOURCE: Path | None = None
 WORK = Path(tempfile.mkdtemp(prefix="atheris-metadata-"))
@@ -33,7 +34,7 @@ def test_one_input(data: bytes) -> None:
     assert SOURCE is not None
     folder = make_case(SOURCE, ".metadata", data, WORK / "case")
     try:
-        _exercise(folder)
+        exercise(folder)
     except ShardscopeError:
         pass
 

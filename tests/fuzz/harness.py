@@ -53,7 +53,8 @@ def _reset_peak() -> None:
         pass
 
 
-def _exercise(folder: Path) -> str:
+def exercise(folder: Path) -> str:
+    """Open, verify deep and read values of one folder: "ok" or "problems"; raises what escapes."""
     ckpt = open_checkpoint(folder, use_cache=False)
     problems = verify(ckpt, deep=True)
     with ChunkReader(ckpt) as reader:
@@ -82,7 +83,7 @@ def run_case(folder: Path, timeout: float = 30.0) -> Outcome:
     old = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        kind, detail = _exercise(folder), ""
+        kind, detail = exercise(folder), ""
     except ShardscopeError as exc:
         kind, detail = "error", str(exc)[:300]
     except Hang:
