@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -57,7 +58,9 @@ def test_panel_plots_points_as_lines_arrive(qtbot, panel, tmp_path):
     run = tmp_path / "run"
     write_metrics(run, 0, range(1, 11))
     write_metrics(run, 1, range(1, 11))
+    assert not panel.plots.csv_button.isEnabled() and not panel.plots.png_button.isEnabled()  # nothing to save
     panel.follow(str(run))
+    assert panel.plots.csv_button.isEnabled() and panel.plots.png_button.isEnabled()
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 0)) == 10, timeout=10000)
     assert panel.plots.curve_points(("raw", 1)) == 10
     assert panel.plots.curve_points(("mean",)) == 10
@@ -275,3 +278,23 @@ def test_cuda_memory_stats_are_sampled_when_a_device_is_in_use(monkeypatch, tmp_
     rec = json.loads((tmp_path / "metrics" / "rank_0.jsonl").read_text())
     assert rec["cuda_allocated"] == 3 * 2**30 and rec["cuda_reserved"] == 4 * 2**30
     assert rec["cuda_peak"] == 5 * 2**30 and rec["rss"] > 0
+
+
+def test_compare_choice_survives_a_new_run_appearing(qtbot, panel, tmp_path):
+    """The Runs list is refilled when a run appears: the compared run stays chosen, and its dashed curve
+    is never left in the plot while the picker says "(none)"."""
+    write_metrics(tmp_path / "run-a", 0, range(1, 11))
+    write_metrics(tmp_path / "run-b", 0, range(1, 11))
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: panel.compare.findData(str(tmp_path / "run-b")) > 0, timeout=30000)
+    panel.follow(str(tmp_path / "run-a"))
+    panel.compare.setCurrentIndex(panel.compare.findData(str(tmp_path / "run-b")))
+    qtbot.waitUntil(lambda: panel.plots.overlay is not None, timeout=30000)
+    write_metrics(tmp_path / "run-c", 0, range(1, 4))
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: panel.compare.findData(str(tmp_path / "run-c")) > 0, timeout=30000)
+    assert panel.compare.currentData() == str(tmp_path / "run-b") and panel.plots.overlay is not None
+    shutil.rmtree(tmp_path / "run-b")  # the compared run goes: so does its curve
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: panel.compare.findData(str(tmp_path / "run-b")) < 0, timeout=30000)
+    assert panel.compare.currentData() == "" and panel.plots.overlay is None

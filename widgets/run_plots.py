@@ -79,10 +79,14 @@ class RunPlots(QWidget):
         bar.addWidget(self.slider)
         bar.addWidget(self.slider_label)
         bar.addStretch(1)
-        self.png_button = QPushButton("Save plots as PNG…")
-        self.csv_button = QPushButton("Save data as CSV…")
+        self.png_button = QPushButton("Save PNG…")
+        self.png_button.setToolTip("Save the plots as a PNG image")
+        self.csv_button = QPushButton("Save CSV…")
+        self.csv_button.setToolTip("Save every rank's metrics as CSV")
         bar.addWidget(self.png_button)
         bar.addWidget(self.csv_button)
+        for b in (self.png_button, self.csv_button):
+            b.setEnabled(False)
         layout.addLayout(bar)
         self.legend = QLabel()
         self.legend.setWordWrap(True)
@@ -121,6 +125,8 @@ class RunPlots(QWidget):
 
     def set_follower(self, follower: RunFollower | None) -> None:
         self.follower = follower
+        for b in (self.png_button, self.csv_button):  # nothing to save before a run is shown
+            b.setEnabled(follower is not None)
         for plot in (self.loss, self.memory, self.speed):
             plot.clear()
         self._curves.clear()

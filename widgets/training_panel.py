@@ -43,6 +43,7 @@ REDRAW_MS = 100  # 10 Hz: redraw on a timer, never per line read
 POLL_MS = 500
 LIST_EVERY = 4  # the Runs list is refreshed every 4th poll (2 s)
 LOG_LINES = 20000
+LEFT_MIN_WIDTH = 250  # the New run form: below this its fields are cut (it scrolls vertically, not sideways)
 STATE_COLORS = {"failed": "#d62728", "stopped": "#7f7f7f", "finished": "#2ca02c", "queued": "#e6a000"}
 
 
@@ -85,6 +86,12 @@ class TrainingPanel(QWidget):
         split.addWidget(left)
         split.addWidget(self._build_right())
         split.setSizes([330, 1000])
+        # NOTE: the form keeps its width and the plots give way (down to their minimum): in a narrow pane
+        # (split view at 1280x720) the splitter used to share the room 1:3, leaving the form 100 px
+        left.setMinimumWidth(LEFT_MIN_WIDTH)
+        split.setStretchFactor(0, 0)
+        split.setStretchFactor(1, 1)
+        split.setChildrenCollapsible(False)
         QVBoxLayout(self).addWidget(split)
         self.redraw_timer = QTimer(self)
         self.redraw_timer.setInterval(REDRAW_MS)
@@ -171,9 +178,11 @@ class TrainingPanel(QWidget):
         cl.addWidget(self.ckpt_list, 1)
         self.ckpt_list.setSelectionMode(QListWidget.SelectionMode.ExtendedSelection)
         row = QHBoxLayout()
-        self.resume_button = QPushButton("Resume this run from the selected checkpoint")
+        self.resume_button = QPushButton("Resume from selected")
+        self.resume_button.setToolTip("Resume this run from the selected checkpoint")
         self.resume_button.clicked.connect(self.resume_run)
-        self.compare_button = QPushButton("Compare the two selected")
+        self.compare_button = QPushButton("Compare two selected")
+        self.compare_button.setToolTip("Compare the two selected checkpoints")
         self.compare_button.clicked.connect(self._compare_selected)
         row.addWidget(self.resume_button)
         row.addWidget(self.compare_button)
@@ -217,12 +226,18 @@ class TrainingPanel(QWidget):
                 self.run_list.blockSignals(False)
 
     def _fill_compare(self, runs: list[RunInfo]) -> None:
+        """Offer every run; the run being compared stays chosen (the list is refilled when a run appears,
+        and used to fall back to "(none)" while its dashed curve stayed in the plot)."""
+        chosen = self.compare.currentData() or ""
         self.compare.blockSignals(True)
         self.compare.clear()
         self.compare.addItem("(none)", "")
         for r in runs:
             self.compare.addItem(r.path.name, str(r.path))
+        self.compare.setCurrentIndex(max(self.compare.findData(chosen), 0))
         self.compare.blockSignals(False)
+        if chosen and self.compare.currentData() != chosen:  # the compared run is gone
+            self.plots.set_overlay(None)
 
     def run_state(self, run_dir: str) -> str:
         """The state the Runs list shows for a run."""
