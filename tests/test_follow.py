@@ -78,6 +78,16 @@ def test_lightning_csv_logger_read_live_and_after_a_header_rewrite(tmp_path):
     assert s.restarts == []
 
 
+def test_a_csv_log_in_the_run_folder_itself_is_named_by_its_file(tmp_path):
+    run = tmp_path / "bare"
+    run.mkdir()
+    (run / "metrics.csv").write_text("epoch,step,train_loss\n0,0,2.0\n0,1,1.5\n")
+    follower = RunFollower(run)
+    follower.poll()
+    assert len(follower.series[EXTERNAL_BASE]) == 2
+    assert follower.label(EXTERNAL_BASE) == "CSV: metrics.csv"
+
+
 def test_a_folder_launched_by_hand_shows_its_logs_and_checkpoints(tmp_path):
     """A cluster run's folder: no config.json or status.json, a TensorBoard log and DCP checkpoints."""
     run = tmp_path / "by_hand"
@@ -109,7 +119,7 @@ def test_tensorboard_run_in_the_window(tmp_path, qtbot):
     qtbot.addWidget(panel)
     panel.follow(str(run))
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", EXTERNAL_BASE)) == 20, timeout=30000)
-    qtbot.waitUntil(lambda: "TensorBoard: ." in panel.plots.legend.text(), timeout=10000)
+    qtbot.waitUntil(lambda: "TensorBoard: event files" in panel.plots.legend.text(), timeout=10000)
     panel.shutdown()
 
 

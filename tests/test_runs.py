@@ -129,6 +129,26 @@ def test_stop_after_every_rank_finished_reads_finished(tmp_path):
     assert STOP_NOTE.strip() not in (tmp_path / "late" / "logs" / "launcher.log").read_text()
 
 
+def test_a_run_whose_launcher_was_dropped_reads_finished(tmp_path):
+    """The Training tab closed while a run trained: nobody waits for its torchrun, which ends as a zombie
+    child of the window. The run must read finished (it read "running" for as long as the window lived)."""
+    from shardscope.backend.runs.launcher import run_status
+
+    cfg = RunConfig(strategy="ddp", nproc=2, steps=2, checkpoint_every=0, model=SMALL)
+    launcher = RunLauncher(tmp_path / "orphan", cfg).start()
+    proc = psutil.Process(launcher.proc.pid)
+    deadline = time.monotonic() + 180
+    while proc.status() != psutil.STATUS_ZOMBIE:  # ended; nobody called wait() or poll()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    from shardscope.backend.library.scan import run_state
+
+    assert run_state(str(tmp_path / "orphan")) == "ended"  # the Library (read-only) sees it ended too
+    status = run_status(tmp_path / "orphan")
+    assert status["state"] == "finished" and status["exit_code"] == 0, status
+    assert not psutil.pid_exists(proc.pid)  # reaped
+
+
 def test_failing_rank_marks_run_failed_with_traceback(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""

@@ -298,3 +298,18 @@ def test_compare_choice_survives_a_new_run_appearing(qtbot, panel, tmp_path):
     panel.refresh_runs()
     qtbot.waitUntil(lambda: panel.compare.findData(str(tmp_path / "run-b")) < 0, timeout=30000)
     assert panel.compare.currentData() == "" and panel.plots.overlay is None
+
+
+def test_a_run_without_memory_does_not_keep_the_last_runs_axes(qtbot, panel, tmp_path):
+    panel.resize(1200, 800)
+    panel.show()  # the plots' ranges follow their data only when shown
+    write_metrics(tmp_path / "run-a", 0, range(1, 41))
+    panel.follow(str(tmp_path / "run-a"))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 0)) == 40, timeout=30000)
+    qtbot.waitUntil(lambda: panel.plots.memory.viewRange()[0][1] >= 40, timeout=30000)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.csv").write_text("epoch,step,train_loss\n0,0,2.0\n0,1,1.5\n")
+    panel.follow(str(bare))
+    qtbot.waitUntil(lambda: "CSV: metrics.csv" in panel.plots.legend.text(), timeout=30000)
+    assert panel.plots.memory.viewRange()[0][1] < 40  # not the previous run's steps 1..40

@@ -129,6 +129,9 @@ class RunPlots(QWidget):
             b.setEnabled(follower is not None)
         for plot in (self.loss, self.memory, self.speed):
             plot.clear()
+            # NOTE: the axes go back too: a run that logs no memory used to show the last run's ranges
+            plot.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
+            plot.enableAutoRange()
         self._curves.clear()
         self._smooth.clear()
         self._blocks.clear()

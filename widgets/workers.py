@@ -7,7 +7,6 @@ signals, so nothing here touches a widget from the worker thread.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -36,7 +35,7 @@ class Worker(QRunnable):
 
     def __init__(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        self.setAutoDelete(False)
+        self.setAutoDelete(True)
         self.signals = WorkerSignals()
         self.func, self.args, self.kwargs = func, args, kwargs
         self.progress = Progress(self.signals.progress.emit)
@@ -47,19 +46,7 @@ class Worker(QRunnable):
 
     def start(self) -> Worker:
         Worker._alive.add(self)
-        # NOTE: a slot that holds the worker (this one, or a caller's `lambda wk=w: ...`) is a cycle through
-        # C++ (signals -> connection -> slot -> worker) that Python's GC cannot see: every worker leaked
-        # (found by tests/test_soak.py). Deleting the signals object once finished drops its connections;
-        # the slots already queued for this emission run first.
-        ref = weakref.ref(self)
-
-        def forget() -> None:
-            worker = ref()
-            if worker is not None:
-                Worker._alive.discard(worker)
-                worker.signals.deleteLater()
-
-        self.signals.finished.connect(forget)
+        self.signals.finished.connect(lambda: Worker._alive.discard(self))
         QThreadPool.globalInstance().start(self)
         return self
 

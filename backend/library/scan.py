@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import ShardscopeError
 from ..procs import pid_alive
 from ..progress import Progress
-from ..runs.rundir import ACTIVE_STATES, read_status
+from ..runs.rundir import ACTIVE_STATES, is_zombie, read_status
 
 STATES = ("complete", "incomplete", "writing", "unreadable")
 WRITING_SECONDS = 5.0  # files changed this recently are still being written
@@ -340,7 +340,7 @@ def run_state(path: str) -> str | None:
     status = read_status(path)
     state = status.get("state")
     if state in ACTIVE_STATES and status.get("scheduler") != "slurm" and "pid" in status and \
-            not pid_alive(status.get("pid")):
+            (not pid_alive(status.get("pid")) or is_zombie(status.get("pid"))):
         return "ended"
     return state if isinstance(state, str) else None
 

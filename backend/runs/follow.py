@@ -98,7 +98,9 @@ class RunFollower:
                 key = EXTERNAL_BASE + len(self._sources)
                 self._sources[path] = (key, source)
                 kind = "TensorBoard" if isinstance(source, EventFileSource) else "CSV"
-                where = path.parent.relative_to(self.run_dir) if path.parent != self.run_dir else "."
+                # a log in the run folder itself is named by its file ("CSV: ." said nothing)
+                where = path.parent.relative_to(self.run_dir) if path.parent != self.run_dir else \
+                    path.name if kind == "CSV" else "event files"
                 snap.labels[key] = f"{kind}: {where}"
             key, source = self._sources[path]
             batch = source.read()

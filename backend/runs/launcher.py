@@ -22,6 +22,7 @@ from . import slurm
 from .report import ENV_RUN_DIR
 from .rundir import (
     FINAL_STATES,
+    is_zombie,
     rank_exits,
     read_config,
     read_status,
@@ -155,7 +156,9 @@ def run_status(run_dir: str | os.PathLike, exit_code: int | None = None) -> dict
     if status.get("scheduler") == "slurm":
         return slurm.refresh(Path(run_dir), status)
     pid = status.get("pid")
-    if exit_code is None and (not isinstance(pid, int) or pid_alive(pid)):
+    if exit_code is None and isinstance(pid, int):
+        exit_code = _reap_ended_child(pid)
+    if exit_code is None and (not isinstance(pid, int) or (pid_alive(pid) and not is_zombie(pid))):
         return status
     exits = rank_exits(run_dir)
     failed = sorted(r for r, e in exits.items() if e.get("code"))
@@ -176,6 +179,19 @@ def run_status(run_dir: str | os.PathLike, exit_code: int | None = None) -> dict
             "the launcher is gone; state taken from the ranks' exit records"
     return update_status(run_dir, state, end_time=time.time(), exit_code=exit_code, failed_ranks=failed,
                          exit_codes={str(r): e.get("code") for r, e in exits.items()}, explanation=why)
+
+
+def _reap_ended_child(pid: int) -> int | None:
+    """The exit code of our own child torchrun that has ended, reaping it; None when it runs, or is not
+    ours. NOTE: a launcher dropped with its Training tab leaves such a zombie: without this, the run
+    read "running" for as long as the window lived."""
+    if not is_zombie(pid):
+        return None
+    try:
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None  # another process's child: it is not running, and its ranks' records tell the end
+    return os.waitstatus_to_exitcode(wait_status) if done == pid else None
 
 
 def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> dict[str, Any]:

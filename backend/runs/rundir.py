@@ -46,6 +46,19 @@ def new_run_dir(root: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def is_zombie(pid: Any) -> bool:
+    """True for a process that has ended but was not waited for yet: it still answers ``kill(pid, 0)``,
+    yet it runs nothing (a torchrun whose launcher went with a closed Training tab)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a file; {} when it is missing or not (yet) a complete object."""
     try:
