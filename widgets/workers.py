@@ -7,6 +7,7 @@ signals, so nothing here touches a widget from the worker thread.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -35,6 +36,8 @@ class Worker(QRunnable):
 
     def __init__(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         super().__init__()
+        # NOTE: the pool deletes the C++ runnable after run(); with autoDelete off, PySide's pool kept a
+        # reference to every Python worker for ever. `_alive` keeps the Python side until finished.
         self.setAutoDelete(True)
         self.signals = WorkerSignals()
         self.func, self.args, self.kwargs = func, args, kwargs
@@ -46,7 +49,19 @@ class Worker(QRunnable):
 
     def start(self) -> Worker:
         Worker._alive.add(self)
-        self.signals.finished.connect(lambda: Worker._alive.discard(self))
+        # NOTE: every worker used to leak (found by tests/test_soak.py): a slot holding the worker (this
+        # one, or a caller's `lambda wk=w: ...`) is a cycle through C++ (signals -> connection -> slot ->
+        # worker) that Python's GC cannot see. Deleting the signals object once finished drops its
+        # connections; the slots already queued for this emission run first.
+        ref = weakref.ref(self)
+
+        def forget() -> None:
+            worker = ref()
+            if worker is not None:
+                Worker._alive.discard(worker)
+                worker.signals.deleteLater()
+
+        self.signals.finished.connect(forget)
         QThreadPool.globalInstance().start(self)
         return self
 
