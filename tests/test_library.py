@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -303,7 +304,11 @@ def test_yes_removes_exactly_the_plan(tree, tmp_path, delete):
     if delete:
         assert trashed == []
     else:
-        assert len(trashed) == len(planned)
+        # the trash entries keep the checkpoints' own names, so Restore brings back `step_000200`
+        assert trashed == sorted(os.path.basename(k) for k in planned)
+        restore_paths = {line.split("=", 1)[1] for info in (trash / "info").iterdir()
+                         for line in info.read_text().splitlines() if line.startswith("Path=")}
+        assert {os.path.basename(urllib.parse.unquote(p)) for p in restore_paths} == set(trashed)
         assert len(list((trash / "info").iterdir())) == len(planned)
         assert sum(p.stat().st_size for p in (trash / "files").rglob("*") if p.is_file()) == \
             sum(size for k in planned for _n, size in before[k])

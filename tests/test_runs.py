@@ -54,7 +54,10 @@ def test_run_writes_metrics_and_learns(strategy, fsdp_run, tmp_path):
     md = FileSystemReader(str(cks[-1])).read_metadata()
     keys = set(md.state_dict_metadata)
     assert "model.tok.weight" in keys and "optimizer.state.tok.weight.exp_avg" in keys and "step" in keys
-    assert json.loads((run_dir / "config.json").read_text())["strategy"] == strategy
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert recorded["strategy"] == strategy
+    # what was launched: the user's settings merged over the trainer's own defaults, every field named
+    assert recorded["model"]["width"] == SMALL["width"] and set(recorded["model"]) >= {"vocab", "lr", "seed"}
 
 
 @pytest.mark.parametrize("world", [1, 3])

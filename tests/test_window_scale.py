@@ -304,6 +304,10 @@ def test_help_topics_are_inside_the_app(qtbot):
     assert "metrics/rank_N.jsonl" in help_text("runs")[1] and "shardscope.log" in help_text("runs")[1]
     _title, readme, markdown = help_text("readme")
     assert markdown and "## Quick start" in readme
+    from shardscope import __version__
+
+    about = help_text("about")[1]
+    assert f"Version {__version__}" in about and "torch " in about and "shardscope.log" in about
     help_menu = next(a for a in win.menuBar().actions() if a.text() == "&Help").menu()
     assert len([a for a in help_menu.actions() if not a.isSeparator()]) == 6
 

@@ -118,6 +118,25 @@ a <tt>shardscope</tt> subcommand (<tt>shardscope --help</tt>), for checkpoints o
 """
 
 
+def about_text() -> str:
+    """About, with the versions a bug report needs (Shardscope, torch, Qt, PySide6, Python)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import PySide6
+    from PySide6.QtCore import qVersion
+    from shardscope import __version__
+    from shardscope.backend.log import log_file
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:  # a torch built from source without a distribution record
+        torch_version = "unknown"
+    return ABOUT + (f"<p>Version {__version__} &middot; torch {torch_version} &middot; Qt {qVersion()} "
+                    f"(PySide6 {PySide6.__version__}) &middot; Python {platform.python_version()}</p>"
+                    f"<p>Log file: <tt>{log_file()}</tt></p>")
+
+
 class HelpDialog(QDialog):
     """One help page in a browser that never goes to the network."""
 
@@ -179,7 +198,7 @@ def help_text(key: str, window: QMainWindow | None = None) -> tuple[str, str, bo
         return "Runs and logs", runs_html(str(default_runs_root()), str(log_file())), False
     if key == "readme":
         return "README", readme_text() or "The README is not available in this installation.", True
-    return "About Shardscope", ABOUT, False
+    return "About Shardscope", about_text(), False
 
 
 def show_help(window: QMainWindow, key: str) -> HelpDialog:

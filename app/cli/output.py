@@ -6,13 +6,13 @@ import sys
 import time
 from typing import Any
 
-from shardscope.backend.format import human_bytes, human_duration
+from shardscope.backend.format import escape_name, human_bytes, human_duration
 from shardscope.backend.progress import Progress
 
 
 def err(msg: str) -> None:
     """The one line a failed command prints on stderr."""
-    print(f"shardscope: {' '.join(str(msg).splitlines())}", file=sys.stderr)
+    print(f"shardscope: {escape_name(' '.join(str(msg).splitlines()))}", file=sys.stderr)
 
 
 def print_problems(problems: list) -> None:
@@ -22,7 +22,7 @@ def print_problems(problems: list) -> None:
         return
     print(f"  health     {len(problems)} problem(s)")
     for p in problems[:200]:
-        print(f"    [{p.kind}] {p.message}")
+        print(f"    [{p.kind}] {escape_name(p.message)}")
     if len(problems) > 200:
         print(f"    ... and {len(problems) - 200} more (use --json for all)")
 

@@ -146,12 +146,6 @@ class Folder:
             return os.fdopen(open_regular(os.path.join(self.path, name)), "rb")
         return call(self.join(name), self.fs.open, self._key(name), "rb", block_size=8 << 20)
 
-    def read_all(self, name: str) -> bytes:
-        if self.local:
-            with self.open(name) as f:
-                return f.read()
-        return call(self.join(name), self.fs.cat_file, self._key(name))
-
     def handles(self) -> LocalHandles | RemoteHandles:
         """Byte-range readers for this folder's files; make one per reader and share it between threads.
         Remote: one planner and cache per folder, shared by its readers (closing drops the cache)."""

@@ -255,6 +255,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _trash_is_a_rename(path: str) -> bool:
+    """True when the user's home trash is on the same device as ``path``, so send2trash moves it by one rename
+    (elsewhere it may copy across devices, which is not atomic: then we rename it out of the way first)."""
+    data_home = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    probe = os.path.realpath(data_home)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        return os.lstat(path).st_dev == os.stat(probe).st_dev
+    except OSError:
+        return False
+
+
 def _dispose(path: str, mode: str) -> None:
     """Delete ``path`` for good, or move it to the desktop trash."""
     if mode == "trash":
@@ -312,6 +325,16 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str]) -> Outcome:
     if why:
         return Outcome(c.path, "skipped", 0, why)
     parent = os.path.dirname(c.path)
+    if mode == "trash" and _trash_is_a_rename(c.path):
+        # NOTE: the trash on this device takes it in one rename (atomic), so it is whole or gone without our own
+        # rename first, and the trash entry keeps the checkpoint's name (Restore brings back `step_100`, not a
+        # hidden folder).
+        try:
+            _dispose(c.path, mode)
+        except OSError as exc:
+            return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
+                           "(--delete removes it for good)")
+        return Outcome(c.path, "trashed", c.bytes)
     hidden = os.path.join(parent, f"{PRUNE_PREFIX}{mode}-{c.name}")
     if os.path.lexists(hidden):
         earlier = leftover_of(hidden)

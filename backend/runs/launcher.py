@@ -22,6 +22,7 @@ from . import slurm
 from .report import ENV_RUN_DIR
 from .rundir import (
     FINAL_STATES,
+    MODEL_DEFAULTS,
     is_zombie,
     rank_exits,
     read_config,
@@ -113,7 +114,7 @@ class RunConfig:
             rec.update(script=self.script, script_args=list(self.script_args))
         else:
             rec.update(strategy=self.strategy, steps=self.steps, checkpoint_every=self.checkpoint_every,
-                       model=dict(self.model))
+                       model={**MODEL_DEFAULTS, **self.model})
         if self.on == "slurm":
             rec["slurm"] = asdict(self.slurm or slurm.SlurmOptions())
         return rec

@@ -26,6 +26,10 @@ SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files 
 EVENT_FILE_MARK = "tfevents"
 SKIP_DIRS = {"exit", "__pycache__", "node_modules"}
 SEARCH_DEPTH = 4
+# The built-in trainer's model and optimiser settings when the user names none (config.json records the
+# settings a run actually used, these merged with the user's).
+MODEL_DEFAULTS: dict[str, int | float] = {"width": 64, "depth": 2, "heads": 4, "seq_len": 64, "vocab": 96,
+                                          "batch_size": 8, "lr": 3e-3, "seed": 0, "grad_clip": 1.0}
 
 
 def default_runs_root() -> Path:

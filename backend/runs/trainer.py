@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .report import report
+from .rundir import MODEL_DEFAULTS
 
 _KEEP_ALIVE: list = []
 
@@ -28,15 +29,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
     p.add_argument("--steps", type=int, default=50, help="total steps (a resumed run ends at the same step)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=96)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=MODEL_DEFAULTS["batch_size"], help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=MODEL_DEFAULTS["seq_len"])
+    p.add_argument("--vocab", type=int, default=MODEL_DEFAULTS["vocab"])
+    p.add_argument("--width", type=int, default=MODEL_DEFAULTS["width"])
+    p.add_argument("--depth", type=int, default=MODEL_DEFAULTS["depth"])
+    p.add_argument("--heads", type=int, default=MODEL_DEFAULTS["heads"])
+    p.add_argument("--lr", type=float, default=MODEL_DEFAULTS["lr"])
+    p.add_argument("--seed", type=int, default=MODEL_DEFAULTS["seed"])
+    p.add_argument("--grad-clip", type=float, default=MODEL_DEFAULTS["grad_clip"])
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
