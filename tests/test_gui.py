@@ -279,16 +279,19 @@ def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
     assert not dlg.show_button.isHidden()
     with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as h:
         assert set(h.keys()) == {k.split()[0] for k in keys}
+    assert "verified" in dlg.message.text()
+    dlg.dst.setText(str(tmp_path / "m.pt"))  # another destination: the last result line is stale
+    assert dlg.message.text() == "" and dlg.show_button.isHidden() and dlg.result is None
     # cancel: the worker stops at its next progress check and nothing is left behind
     dlg2 = ExportDialog(ckpt, "")
     qtbot.addWidget(dlg2)
     dlg2.dst.setText(str(tmp_path / "all.pt"))
-    dlg2.start()
-    dlg2._worker.quit()
-    with qtbot.waitSignal(dlg2.finished_export, timeout=120000) as blocker:
-        pass
+    with qtbot.waitSignal(dlg2.finished_export, timeout=120000) as blocker:  # NOTE: listening before it starts
+        dlg2.start()
+        dlg2._worker.quit()
     assert blocker.args[0] is None
-    assert not (tmp_path / "all.pt").exists() and not list(tmp_path.glob(".all.pt*"))
+    assert not (tmp_path / "all.pt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temporary of any name left
 
 
 def test_export_dialog_reshards(qtbot, fixtures, tmp_path):

@@ -235,6 +235,9 @@ class CompareView(QWidget):
         self.summary.setText(f"{verdict}: {len(result.only_a)} only in A, {len(result.only_b)} only in B, "
                              f"{len(result.changed) - layout_only} changed, {layout_only} with another layout only, "
                              f"{result.unchanged} unchanged")
+        if not (result.changed or result.only_a or result.only_b):
+            self.detail.setText(f"Nothing to list: both hold the same {result.unchanged} entries, each with the same "
+                                "dtype, shape and values (every element compared).")
         self.finished.emit(result)
 
     def _failed(self, message: str) -> None:

@@ -77,10 +77,19 @@ class ExportDialog(QDialog):
         layout.addWidget(self.buttons)
 
         for w in (self.dst, self.shard, self.only, self.exclude, self.strip, self.rename):
-            w.textChanged.connect(self.update_preview)
+            w.textChanged.connect(self._options_changed)
         for c in (self.format, self.dtype):
-            c.currentIndexChanged.connect(self.update_preview)
-        self.ranks.valueChanged.connect(self.update_preview)
+            c.currentIndexChanged.connect(self._options_changed)
+        self.ranks.valueChanged.connect(self._options_changed)
+        self.update_preview()
+
+    def _options_changed(self) -> None:
+        """An edited option makes the last export's result line stale: clear it, then preview the new plan."""
+        if self.result is not None or self.message.text():
+            self.result = None
+            self.message.clear()
+            self.message.setStyleSheet("")
+            self.show_button.hide()
         self.update_preview()
 
     def _build_form(self, ckpt: Checkpoint, prefix: str) -> QFormLayout:

@@ -124,6 +124,8 @@ class PruneDialog(QDialog):
 
     # ------------------------------------------------------------------ rules
     def _build_rules(self, rules: Rules) -> QGridLayout:
+        """The rule rows, as the CLI's options (NOTE: one grid row per rule; kept in one piece so the form reads
+        top to bottom like ``shardscope prune --help``)."""
         g = QGridLayout()
 
         def check(text: str, on: bool) -> QCheckBox:
