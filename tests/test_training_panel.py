@@ -207,10 +207,15 @@ def test_runs_list_follows_a_run_to_its_end(qtbot, panel, tmp_path):
 
 
 def test_config_record_round_trips_for_resume():
+    from shardscope.backend.runs.rundir import MODEL_DEFAULTS
     from shardscope.backend.runs.slurm import SlurmOptions
 
     builtin = RunConfig(strategy="ddp", nproc=3, steps=7, checkpoint_every=2, model=SMALL)
-    assert RunConfig.from_record(json.loads(json.dumps(builtin.record()))) == builtin
+    back = RunConfig.from_record(json.loads(json.dumps(builtin.record())))
+    # the record names every model setting the run used (the user's over the trainer's defaults), so the
+    # resumed config launches the same run and records the same thing again
+    assert back.record() == builtin.record() and back.model == {**MODEL_DEFAULTS, **SMALL}
+    assert (back.strategy, back.nproc, back.steps, back.checkpoint_every) == ("ddp", 3, 7, 2)
     script = RunConfig(nproc=2, script="/abs/train.py", script_args=["--x", "1"], on="slurm",
                        slurm=SlurmOptions(nodes=2, gpus_per_node=8, partition="gpu", sbatch_args=["--mem=0"]))
     rec = json.loads(json.dumps({**script.record(), "command": ["sbatch"], "history": []}))
