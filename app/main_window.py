@@ -243,6 +243,13 @@ class MainWindow(QMainWindow):
             self._active = self.tabs
         self._show_welcome_if_empty()
 
+    def _library_takes_folder(self, path: str) -> None:
+        """A run folder opened by hand joins the Library, unless a Library root already holds it."""
+        inside = any(os.path.commonpath([os.path.abspath(path), r]) == r
+                     for r in self.library.roots() if not is_url(r))
+        if not inside:
+            self.library.add_root(path)
+
     def training_panel(self, run_dir: str | None = None) -> TrainingPanel:
         """The one Training tab (made on first use); optionally following ``run_dir``."""
         panel = getattr(self, "_training", None)
@@ -250,6 +257,7 @@ class MainWindow(QMainWindow):
             panel = self._training = TrainingPanel()
             panel.openCheckpoint.connect(self.open_path)
             panel.compareRequested.connect(self.compare)
+            panel.runFolderOpened.connect(self._library_takes_folder)
             pane = self.tabs
             pane.addTab(panel, "Training")
         for pane in (self.tabs, self.side_tabs):

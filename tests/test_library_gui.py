@@ -248,3 +248,23 @@ def test_run_the_demo_from_the_library_and_watch_its_checkpoints_arrive(qtbot):
     win.library.shutdown()
     panel.shutdown()
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
+
+
+def test_a_run_folder_opened_by_hand_joins_the_library(qtbot, tmp_path):
+    """Training › Open run folder: the folder's checkpoints join the Library (issue 13 §2)."""
+    from shardscope.app.main_window import MainWindow
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    panel = win.training_panel()
+    elsewhere = tmp_path / "cluster-run"
+    (elsewhere / "checkpoints").mkdir(parents=True)
+    panel.runFolderOpened.emit(str(elsewhere))
+    assert str(elsewhere) in win.library.roots()
+    inside = win.library.roots()[0]
+    before = win.library.roots()
+    panel.runFolderOpened.emit(os.path.join(inside, "run-1"))  # already under a root: no second root
+    assert win.library.roots() == before
+    win.library.shutdown()
+    panel.shutdown()
+    assert QThreadPool.globalInstance().waitForDone(TIMEOUT)

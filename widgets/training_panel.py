@@ -67,6 +67,7 @@ class TrainingPanel(QWidget):
     openCheckpoint = Signal(str)
     compareRequested = Signal(str, str)
     runStateChanged = Signal(str, str)  # (run dir, state) of the followed run, when its state changes
+    runFolderOpened = Signal(str)  # a folder the user opened by hand: its checkpoints join the Library
 
     def __init__(self, runs_root: str | os.PathLike | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -252,6 +253,7 @@ class TrainingPanel(QWidget):
         if path:
             self.follow(path)
             self.refresh_runs(select=path)
+            self.runFolderOpened.emit(path)
 
     def follow(self, run_dir: str) -> None:
         """Show a run (ours, one written by `report()` elsewhere, or any folder with TensorBoard or CSV
