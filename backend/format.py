@@ -9,6 +9,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 
 
 def human_bytes(n: int | float | None) -> str:
+    """Bytes as a short human string: 1.5 GiB, 12 KiB (binary units); "—" for None."""
     if n is None:
         return "—"
     n = float(n)
@@ -28,6 +29,7 @@ def parse_size(text: str) -> int:
 
 
 def human_duration(seconds: float) -> str:
+    """Seconds as a clock string: M:SS, or H:MM:SS from an hour on (negatives count as 0)."""
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)

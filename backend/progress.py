@@ -24,21 +24,26 @@ class Progress:
         self.message = ""
 
     def cancel(self) -> None:
+        """Ask the operation to stop; it raises Cancelled at its next check."""
         self._cancel.set()
 
     @property
     def cancelled(self) -> bool:
+        """True once ``cancel`` was called."""
         return self._cancel.is_set()
 
     def check(self) -> None:
+        """Raise Cancelled if the operation was asked to stop."""
         if self._cancel.is_set():
             raise Cancelled()
 
     def start(self, total: int, message: str = "") -> None:
+        """Begin a phase of ``total`` steps with a message, and report it."""
         self.total, self.done, self.message = total, 0, message
         self._emit()
 
     def advance(self, amount: int = 1, message: str | None = None) -> None:
+        """Count ``amount`` more steps done (optionally a new message), report, and stop here if cancelled."""
         with self._lock:
             self.done += amount
             if message is not None:

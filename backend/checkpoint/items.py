@@ -38,9 +38,13 @@ STORAGE_DTYPES = {
 class ByteSource(Protocol):
     """What the parsers read from: storage handles (``read`` raises CheckpointError past the end)."""
 
-    def read(self, name: str, offset: int, length: int) -> bytes: ...
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes of file ``name`` from ``offset``; raises CheckpointError past the end."""
+        ...
 
-    def where(self, name: str) -> str: ...
+    def where(self, name: str) -> str:
+        """The file's path or URL, for error messages."""
+        ...
 
 
 class ItemFormatError(ValueError):
@@ -62,6 +66,7 @@ class StoredTensor:
 
     @property
     def contiguous(self) -> bool:
+        """True when the stored strides are row-major for the shape, so the bytes can be read as one run."""
         expect = 1
         for size, st in zip(reversed(self.shape), reversed(self.stride), strict=True):
             if size != 1 and st != expect:
@@ -71,6 +76,7 @@ class StoredTensor:
 
     @property
     def numel(self) -> int:
+        """Number of elements (product of the shape; 1 for a scalar)."""
         n = 1
         for s in self.shape:
             n *= s

@@ -181,6 +181,7 @@ class RankBalance:
     bytes: int  # tensor bytes written by this rank
 
     def to_json(self) -> dict:
+        """This rank's chunk count and bytes as a JSON-ready dict."""
         return {"rank": self.rank, "chunks": self.chunks, "bytes": self.bytes}
 
 

@@ -65,6 +65,7 @@ class Problem:
     file: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The problem as a JSON-ready dict (kind, fqn, file, message)."""
         return {"kind": self.kind, "fqn": self.fqn, "file": self.file, "message": self.message}
 
 
@@ -91,9 +92,11 @@ class Chunk:
 
     @property
     def numel(self) -> int:
+        """Number of elements in this chunk (product of its sizes)."""
         return math.prod(self.sizes)
 
     def to_json(self) -> dict[str, Any]:
+        """The chunk's place in the tensor and in its file, as a JSON-ready dict."""
         return {"offsets": list(self.offsets), "sizes": list(self.sizes), "rank": self.rank,
                 "file": self.file, "offset": self.offset, "length": self.length}
 
@@ -112,6 +115,7 @@ class ChunkTable:
 
     @classmethod
     def empty(cls) -> ChunkTable:
+        """A table with no chunks (all columns zero-length), for checkpoints without tensors."""
         z32, z64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
         return cls(z32, z32, z64, z64, z64, z64)
 
@@ -132,28 +136,34 @@ class TensorEntry:
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions of the full tensor."""
         return len(self.shape)
 
     @property
     def numel(self) -> int:
+        """Number of elements of the full (unsharded) tensor."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Size of the full tensor in bytes at its stored dtype."""
         return self.numel * itemsize(self.dtype)
 
     @property
     def chunks(self) -> list[Chunk]:
+        """The chunks (shards) this tensor is stored in, built from the checkpoint's chunk table."""
         return self.checkpoint.chunks_of(self)
 
     @property
     def ranks(self) -> list[int]:
+        """Sorted ranks whose files hold a chunk of this tensor (unknown ranks left out)."""
         t = self.checkpoint.chunk_table
         sl = slice(self.first_chunk, self.first_chunk + self.chunk_count)
         ranks = self.checkpoint.file_ranks[t.file[sl]]
         return sorted({int(r) for r in ranks if r >= 0})
 
     def to_json(self) -> dict[str, Any]:
+        """The tensor's name, dtype, shape, size and chunks as a JSON-ready dict."""
         return {"fqn": self.fqn, "dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
                 "chunks": [c.to_json() for c in self.chunks]}
 
@@ -169,6 +179,7 @@ class ObjectEntry:
     rank: int | None
 
     def to_json(self) -> dict[str, Any]:
+        """Where the entry's pickled bytes are (file, rank, offset, length) as a JSON-ready dict."""
         return {"fqn": self.fqn, "file": self.file, "rank": self.rank, "offset": self.offset,
                 "length": self.length}
 
@@ -197,25 +208,30 @@ class Checkpoint:
         self.reindex()
 
     def reindex(self) -> None:
+        """Rebuild the name lookup and file-to-rank array; call after changing ``tensors`` or ``files``."""
         self._by_fqn = {t.fqn: t for t in self.tensors}
         self.file_ranks = np.array([-1 if f.rank is None else f.rank for f in self.files] + [-1], np.int32)
 
     def tensor(self, fqn: str) -> TensorEntry:
+        """The tensor named ``fqn``; KeyError naming the checkpoint when there is none."""
         try:
             return self._by_fqn[fqn]
         except KeyError:
             raise KeyError(f"no tensor named {fqn!r} in {self.path}") from None
 
     def has_tensor(self, fqn: str) -> bool:
+        """True when the checkpoint holds a tensor named ``fqn``."""
         return fqn in self._by_fqn
 
     def object(self, fqn: str) -> ObjectEntry:
+        """The non-tensor entry named ``fqn``; KeyError naming the checkpoint when there is none."""
         for o in self.objects:
             if o.fqn == fqn:
                 return o
         raise KeyError(f"no entry named {fqn!r} in {self.path}")
 
     def chunks_of(self, entry: TensorEntry) -> list[Chunk]:
+        """The chunks of ``entry`` with their offsets, sizes, file, byte range and writer rank."""
         t = self.chunk_table
         nd = entry.ndim
         out = []
@@ -230,12 +246,15 @@ class Checkpoint:
 
     @property
     def ranks(self) -> list[int]:
+        """Sorted ranks that wrote files into this checkpoint."""
         return sorted({f.rank for f in self.files if f.rank is not None})
 
     @property
     def total_bytes(self) -> int:
+        """Total bytes of all tensors (full shapes at stored dtypes), not counting objects or files."""
         return sum(t.nbytes for t in self.tensors)
 
     @property
     def data_files(self) -> list[FileInfo]:
+        """The files that hold tensor and object bytes (not metadata or extra files)."""
         return [f for f in self.files if f.kind == "data"]

@@ -218,13 +218,16 @@ class RemoteHandles:
 
     # -- public
     def where(self, name: str) -> str:
+        """The file's full URL, for error messages."""
         return f"{self.url}/{name}"
 
     @property
     def stats(self) -> RequestStats:
+        """Requests and bytes asked of the backend so far."""
         return RequestStats(self._requests, self._bytes)
 
     def size(self, name: str) -> int:
+        """Size of file ``name`` in bytes, asked of the backend once and then cached."""
         size = self._file(name).size
         if size is None:
             size = int(call(self.where(name), self.fs.size, f"{self.root}/{name}"))
@@ -253,6 +256,7 @@ class RemoteHandles:
                 self.plan_items(names[idx], pairs[file == idx])
 
     def read(self, name: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes of file ``name`` from ``offset``, through the planned range cache."""
         if length <= 0:
             return b""
         pieces = self._acquire([(name, offset, offset + length)])[0]
@@ -267,6 +271,7 @@ class RemoteHandles:
         return bytes(buf)
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the bytes of file ``name`` from ``offset``, through the planned range cache."""
         view = buf.cast("B") if buf.format != "B" else buf
         if len(view):
             self._copy_into(name, offset, view, self._acquire([(name, offset, offset + len(view))])[0])
@@ -304,6 +309,7 @@ class RemoteHandles:
         pool.submit(self._run, todo)
 
     def fd(self, name: str) -> int:
+        """Always raises OSError: remote files have no descriptor (kernel copies need a local file)."""
         raise OSError("remote files have no descriptor")
 
     def close(self) -> None:
@@ -543,6 +549,7 @@ class RemoteTarget:
         self.protocol = URL_RE.match(self.url).group(1)  # type: ignore[union-attr]
 
     def exists(self) -> bool:
+        """True when something already exists at the destination URL."""
         return bool(call(self.url, self.fs.exists, self.root, doing="cannot check the destination"))
 
     def check(self, force: bool) -> None:

@@ -28,14 +28,19 @@ class Record:
     __slots__ = ("__dict__",)
 
     def get(self, name: str, default: Any = None) -> Any:
+        """The attribute ``name`` as pickled, or ``default`` when the file did not set it."""
         return self.__dict__.get(name, default)
 
 
 class MetadataRecord(Record):
+    """Stand-in for DCP's ``Metadata``: the top-level object of a ``.metadata`` file."""
+
     kind = "Metadata"
 
 
 class TensorStorageRecord(Record):
+    """Stand-in for ``TensorStorageMetadata``: a tensor's properties, size and chunks."""
+
     kind = "TensorStorageMetadata"
 
 
@@ -63,12 +68,16 @@ class _CompactRecord(Record):
 
 
 class ChunkRecord(_CompactRecord):
+    """Stand-in for ``ChunkStorageMetadata``: one chunk's offsets and sizes in the full tensor."""
+
     __slots__ = ("offsets", "sizes")
     _fields = ("offsets", "sizes")
     kind = "ChunkStorageMetadata"
 
 
 class BytesStorageRecord(Record):
+    """Stand-in for ``BytesStorageMetadata``: a non-tensor (pickled object) entry."""
+
     kind = "BytesStorageMetadata"
 
 
@@ -82,6 +91,7 @@ class MetadataIndexRecord(_CompactRecord):
 
     @classmethod
     def probe(cls, fqn: str, offset: Any) -> MetadataIndexRecord:
+        """A lookup key for ``storage_data`` made without unpickling (``index`` left None)."""
         key = cls.__new__(cls)
         key.fqn, key.offset, key.index = fqn, offset, None
         return key
@@ -95,16 +105,22 @@ class MetadataIndexRecord(_CompactRecord):
 
 
 class StorageInfoRecord(_CompactRecord):
+    """Stand-in for ``_StorageInfo``: which file holds an item, and at which offset and length."""
+
     __slots__ = ("length", "offset", "relative_path", "transform_descriptors")
     _fields = ("relative_path", "offset", "length", "transform_descriptors")
     kind = "_StorageInfo"
 
 
 class StorageMetaRecord(Record):
+    """Stand-in for ``StorageMeta``: the storage layer's per-save metadata."""
+
     kind = "StorageMeta"
 
 
 class StoragePrefixRecord(Record):
+    """Stand-in for ``_StoragePrefix``: the file-name prefix a rank writes under."""
+
     kind = "_StoragePrefix"
 
 
@@ -121,6 +137,8 @@ class TensorPropertiesRecord(Record):
 
 
 class ShardMetadataRecord(Record):
+    """Stand-in for ``ShardMetadata``: one shard of an old-style ShardedTensor."""
+
     kind = "ShardMetadata"
 
 

@@ -39,9 +39,11 @@ class LocalHandles:
         self._lock = threading.Lock()
 
     def where(self, name: str) -> str:
+        """The file's local path, used to open it and in error messages."""
         return os.path.join(self.folder, name)
 
     def fd(self, name: str) -> int:
+        """An open read-only descriptor for file ``name``, opened once and shared by threads."""
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
@@ -51,6 +53,7 @@ class LocalHandles:
             return fd
 
     def read(self, name: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes of file ``name`` from ``offset``; CheckpointError when the file is truncated."""
         data = os.pread(self.fd(name), length, offset)
         if len(data) != length:
             raise CheckpointError(f"{self.where(name)}: file ends before byte {offset + length} "
@@ -58,6 +61,7 @@ class LocalHandles:
         return data
 
     def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the bytes of file ``name`` from ``offset``; CheckpointError when it is truncated."""
         fd = self.fd(name)
         view = buf.cast("B") if buf.format != "B" else buf
         got = 0
@@ -69,6 +73,7 @@ class LocalHandles:
             got += n
 
     def size(self, name: str) -> int:
+        """Size of file ``name`` in bytes, from its open descriptor."""
         return os.fstat(self.fd(name)).st_size
 
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
@@ -85,6 +90,7 @@ class LocalHandles:
         """Item boundaries of a chunk table (used by remote handles only)."""
 
     def close(self) -> None:
+        """Close every open descriptor; later reads open the files again."""
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
@@ -111,9 +117,11 @@ class Folder:
 
     @property
     def local(self) -> bool:
+        """True for a folder on the local disk, False for one on an fsspec URL."""
         return self.fs is None
 
     def join(self, name: str) -> str:
+        """The path or URL of file ``name`` in this folder."""
         return os.path.join(self.path, name) if self.local else f"{self.path.rstrip('/')}/{name}"
 
     def _key(self, name: str) -> str:

@@ -24,6 +24,8 @@ class NotStreamable(Exception):
 
 
 class Events:
+    """Flat arrays the streaming load fills in file order: chunk dims, storage keys and where each item is."""
+
     def __init__(self) -> None:
         self.chunk_ndim = array("i")
         self.chunk_dims = array("q")  # offsets then sizes, per chunk

@@ -25,12 +25,14 @@ class TreeNode:
     tensors: int = 0
 
     def child(self, name: str) -> TreeNode | None:
+        """The direct child called ``name``, or None."""
         for c in self.children:
             if c.name == name:
                 return c
         return None
 
     def iter_tensors(self):
+        """Every tensor entry in this subtree, depth first."""
         if isinstance(self.entry, TensorEntry):
             yield self.entry
         for c in self.children:

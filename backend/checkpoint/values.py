@@ -53,6 +53,7 @@ class TensorStats:
     hist_edges: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        """The statistics and histogram as a JSON-ready dict."""
         return {k: getattr(self, k) for k in ("numel", "min", "max", "mean", "std", "nan", "inf", "zeros",
                                               "hist_counts", "hist_edges")}
 

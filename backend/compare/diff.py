@@ -25,6 +25,7 @@ class Change:
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
+        """The change as a JSON-ready dict: name, kind and how much the values differ."""
         return {"fqn": self.fqn, "kind": self.kind, "max_abs_diff": self.max_abs_diff, "rel_l2": self.rel_l2,
                 "frac_changed": self.frac_changed}
 
@@ -45,6 +46,7 @@ class DiffResult:
         return bool(self.only_a or self.only_b or any(c.kind != "layout" for c in self.changed))
 
     def to_json(self) -> dict[str, Any]:
+        """The whole comparison as a JSON-ready dict: entries only in A, only in B, changed, unchanged."""
         return {"only_a": self.only_a, "only_b": self.only_b, "changed": [c.to_json() for c in self.changed],
                 "unchanged": self.unchanged}
 

@@ -36,18 +36,23 @@ class Source:
     kind: str
 
     def entries(self) -> dict[str, EntryInfo]:
+        """Every entry by name, with its kind, dtype, shape (and chunk layout for DCP), without reading values."""
         raise NotImplementedError
 
     def tensor(self, fqn: str) -> Any:
+        """The values of tensor ``fqn``, read in full."""
         raise NotImplementedError
 
     def object(self, fqn: str) -> Any:
+        """The value of non-tensor entry ``fqn``."""
         raise NotImplementedError
 
     def nested_path(self, fqn: str) -> tuple | None:
+        """The nested key path entry ``fqn`` was flattened from, or None when not known."""
         return None
 
     def close(self) -> None:
+        """Release open files and readers; the source is not used afterwards."""
         pass
 
     def __enter__(self) -> Source:
@@ -67,21 +72,26 @@ class DcpSource(Source):
         self.reader = ChunkReader(self.ckpt)
 
     def entries(self) -> dict[str, EntryInfo]:
+        """Every tensor (with its chunk layout) and object entry of the DCP folder."""
         out = {t.fqn: EntryInfo("tensor", t.dtype, t.shape,
                                 tuple((c.offsets, c.sizes, c.rank) for c in t.chunks)) for t in self.ckpt.tensors}
         out.update({o.fqn: EntryInfo("object") for o in self.ckpt.objects})
         return out
 
     def tensor(self, fqn: str) -> Any:
+        """Tensor ``fqn`` assembled from its chunks by the DCP reader."""
         return self.reader.read_tensor(self.ckpt.tensor(fqn))
 
     def object(self, fqn: str) -> Any:
+        """Object entry ``fqn`` unpickled by the DCP reader."""
         return self.reader.read_object(self.ckpt.object(fqn))
 
     def nested_path(self, fqn: str) -> tuple | None:
+        """The nested key path from the checkpoint's planner data, or None."""
         return self.ckpt.planner_data.get(fqn)
 
     def close(self) -> None:
+        """Close the DCP reader's files."""
         self.reader.close()
 
 
@@ -105,6 +115,7 @@ class TorchFileSource(Source):
         self._paths = {dotted(k): k for k in flat}
 
     def entries(self) -> dict[str, EntryInfo]:
+        """Every leaf of the loaded file: tensors with dtype and shape, anything else as an object."""
         import torch
 
         out = {}
@@ -116,12 +127,15 @@ class TorchFileSource(Source):
         return out
 
     def tensor(self, fqn: str) -> Any:
+        """The loaded tensor leaf ``fqn``."""
         return self._leaves[fqn]
 
     def object(self, fqn: str) -> Any:
+        """The loaded non-tensor leaf ``fqn``."""
         return self._leaves[fqn]
 
     def nested_path(self, fqn: str) -> tuple | None:
+        """The nested key path leaf ``fqn`` was flattened from, or None."""
         return self._paths.get(fqn)
 
 
@@ -157,17 +171,21 @@ class SafetensorsSource(Source):
                 self._objects.update(objects)
 
     def entries(self) -> dict[str, EntryInfo]:
+        """Every tensor of the file(s), plus the non-tensor entries shardscope kept in their header metadata."""
         out = {t.fqn: EntryInfo("tensor", t.dtype, t.shape) for t in self.ckpt.tensors}
         out.update({k: EntryInfo("object") for k in self._objects})
         return out
 
     def tensor(self, fqn: str) -> Any:
+        """Tensor ``fqn`` read through the checked chunk reader."""
         return self.reader.read_tensor(self.ckpt.tensor(fqn))
 
     def object(self, fqn: str) -> Any:
+        """Non-tensor entry ``fqn``, from the JSON shardscope keeps in the files' header metadata."""
         return self._objects[fqn]
 
     def close(self) -> None:
+        """Close the chunk reader's files."""
         self.reader.close()
 
 

@@ -37,6 +37,7 @@ class Layout:
     container: str = ""
 
     def is_model(self, fqn: str) -> bool:
+        """True when entry ``fqn`` belongs to the model's weights, judged by its first key part."""
         root = fqn.split(".", 1)[0]
         if self.model_roots is not None:
             return root in self.model_roots

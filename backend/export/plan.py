@@ -32,10 +32,12 @@ class ExportItem:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """Shape of the output tensor (the full shape of its source entry)."""
         return self.entry.shape
 
     @property
     def nbytes(self) -> int:
+        """Size of the output tensor in bytes at the output dtype."""
         return math.prod(self.entry.shape) * itemsize(self.dtype)
 
 
@@ -59,6 +61,7 @@ class ExportPlan:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all output tensors together, at their output dtypes."""
         return sum(i.nbytes for i in self.items)
 
     def need_bytes(self) -> int:

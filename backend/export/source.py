@@ -86,12 +86,14 @@ class ByteBudget:
         self._cond = threading.Condition()
 
     def acquire(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit under the limit (or nothing is in flight), then take them."""
         with self._cond:
             while self.used and self.used + n > self.limit:
                 self._cond.wait()
             self.used += n
 
     def release(self, n: int) -> None:
+        """Give back ``n`` bytes and wake the threads waiting in ``acquire``."""
         with self._cond:
             self.used -= n
             self._cond.notify_all()
@@ -190,6 +192,7 @@ class TensorSource:
         return t.contiguous()
 
     def tensor_bytes(self, item: ExportItem) -> memoryview:
+        """The raw bytes of output tensor ``item``, ready to write."""
         return tensor_bytes(self.tensor(item))
 
     def write_all(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None) -> list[int]:

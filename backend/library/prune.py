@@ -73,10 +73,12 @@ class Rules:
     incomplete: bool = False  # also remove leftovers of failed saves (older than min_age)
 
     def has_keep_rule(self) -> bool:
+        """True when any keep rule (last, every, best, glob, min age) is set."""
         return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best, self.min_age)) or \
             bool(self.keep)
 
     def check(self) -> None:
+        """Raise ShardscopeError when no rule is given or a value is out of range, before anything is removed."""
         if not self.has_keep_rule() and not self.incomplete:
             raise ShardscopeError("prune: give at least one rule (--keep-last N, --keep-every K, --keep-best "
                                   "METRIC, --keep GLOB, --min-age AGE) or --incomplete; nothing was removed.")
@@ -89,6 +91,8 @@ class Rules:
 
 @dataclass(slots=True)
 class Decision:
+    """What prune does with one checkpoint (remove or keep), and why."""
+
     checkpoint: CheckpointRecord
     remove: bool
     reasons: list[str]  # what keeps it (rules, protections), or why it goes
@@ -96,9 +100,11 @@ class Decision:
 
     @property
     def action(self) -> str:
+        """The action as shown to the user: "remove" or "keep"."""
         return "remove" if self.remove else "keep"
 
     def to_json(self) -> dict[str, Any]:
+        """The checkpoint, the action and its reasons as a JSON-ready dict."""
         c = self.checkpoint
         return {"path": c.path, "run": c.run, "step": c.step, "bytes": c.bytes, "state": c.state,
                 "action": self.action, "reasons": list(self.reasons), "metric": self.metric}
@@ -106,6 +112,8 @@ class Decision:
 
 @dataclass(slots=True)
 class Plan:
+    """A prune plan: a decision per checkpoint under ``roots``, plus interrupted prunes to finish."""
+
     roots: list[str]
     rules: Rules
     decisions: list[Decision]
@@ -113,13 +121,16 @@ class Plan:
 
     @property
     def remove(self) -> list[Decision]:
+        """The decisions that remove their checkpoint."""
         return [d for d in self.decisions if d.remove]
 
     @property
     def bytes_freed(self) -> int:
+        """Bytes the plan frees: the sizes of the checkpoints it removes."""
         return sum(d.checkpoint.bytes for d in self.remove)
 
     def to_json(self) -> dict[str, Any]:
+        """The plan as a JSON-ready dict: every decision, counts, bytes freed and leftovers."""
         return {"roots": list(self.roots), "checkpoints": [d.to_json() for d in self.decisions],
                 "remove": len(self.remove), "keep": len(self.decisions) - len(self.remove),
                 "bytes_freed": self.bytes_freed, "leftovers": [x.original for x in self.leftovers]}
@@ -202,30 +213,38 @@ def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str]) -> lis
 # ---------------------------------------------------------------------------------------------- acting
 @dataclass(slots=True)
 class Outcome:
+    """What happened to one checkpoint when the plan ran: trashed, deleted, skipped or failed."""
+
     path: str
     result: str  # trashed, deleted, skipped, failed
     bytes: int = 0
     message: str = ""
 
     def to_json(self) -> dict[str, Any]:
+        """The outcome as a JSON-ready dict (path, result, bytes, message)."""
         return {"path": self.path, "result": self.result, "bytes": self.bytes, "message": self.message}
 
 
 @dataclass(slots=True)
 class PruneResult:
+    """What running a prune plan did, checkpoint by checkpoint, in trash or delete mode."""
+
     mode: str  # trash or delete
     outcomes: list[Outcome] = field(default_factory=list)
     leftovers: list[Outcome] = field(default_factory=list)  # interrupted prunes finished first
 
     @property
     def removed(self) -> list[Outcome]:
+        """The outcomes whose checkpoint was trashed or deleted."""
         return [o for o in self.outcomes if o.result in ("trashed", "deleted")]
 
     @property
     def failed(self) -> list[Outcome]:
+        """The outcomes (leftovers included) that failed."""
         return [o for o in self.outcomes + self.leftovers if o.result == "failed"]
 
     def summary(self) -> str:
+        """A few lines for the user: how much was removed and freed, what was skipped, what failed."""
         where = "moved to the trash" if self.mode == "trash" else "deleted"
         lines = [f"{len(self.removed)} checkpoint(s) {where}, {human_bytes(sum(o.bytes for o in self.removed))} "
                  "freed" + (" (once the trash is emptied)" if self.mode == "trash" and self.removed else "")]
@@ -236,6 +255,7 @@ class PruneResult:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict: outcomes, leftovers, counts and bytes freed."""
         return {"mode": self.mode, "outcomes": [o.to_json() for o in self.outcomes],
                 "leftovers": [o.to_json() for o in self.leftovers],
                 "removed": len(self.removed), "bytes_freed": sum(o.bytes for o in self.removed),

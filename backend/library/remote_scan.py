@@ -47,6 +47,7 @@ class RemoteTree:
     dirs: dict[str, set[str]] = field(default_factory=dict)
 
     def add(self, key: str, size: int, mtime: float) -> None:
+        """Record object ``key`` (size, mtime) and register each folder above it up to the root."""
         parent, name = posixpath.split(key.rstrip("/"))
         self.files.setdefault(parent, {})[name] = (size, mtime)
         while len(parent) > len(self.root):
@@ -100,15 +101,18 @@ class RemoteScanner:
         self.run_states: dict[str, str | None] = {}  # URL of a Shardscope run -> its state
 
     def url(self, path: str) -> str:
+        """The full URL (with protocol) of bucket path ``path``."""
         return self.fs.unstrip_protocol(path)
 
     def default_run(self, path: str) -> str:
+        """URL of the run a checkpoint at ``path`` belongs to: its parent, skipping a "checkpoints"-like folder."""
         parent = posixpath.dirname(path)
         if posixpath.basename(parent).lower() in CHECKPOINT_HOLDERS and len(parent) > len(self.tree.root):
             parent = posixpath.dirname(parent)
         return self.url(parent)
 
     def walk(self, path: str, run: str | None = None, depth: int = 0) -> None:
+        """Collect checkpoints under ``path`` into ``found``, tracking the run folder; stops inside a checkpoint."""
         files = self.tree.files.get(path, {})
         subs = sorted(self.tree.dirs.get(path, ()))
         fmt = classify_folder(posixpath.basename(path), files, subs)
@@ -132,6 +136,7 @@ class RemoteScanner:
                 self.walk(f"{path}/{sub}", run, depth + 1)
 
     def folder(self, path: str, fmt: str, names: set[str], subs: list[str], run: str | None) -> CheckpointRecord:
+        """A record for checkpoint folder ``path``: size, newest mtime and state from its listing (no reads)."""
         total, newest, count = self.tree.usage(path)
         state, reason, ranks = folder_state(path, fmt, names, subs, probe=False)
         return CheckpointRecord(self.url(path), run or self.default_run(path),

@@ -79,9 +79,11 @@ class CheckpointRecord:
 
     @property
     def name(self) -> str:
+        """The checkpoint's folder or file name (last part of its path)."""
         return os.path.basename(self.path)
 
     def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state)."""
         return {"path": self.path, "run": self.run, "step": self.step, "format": self.format,
                 "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state}
 
@@ -105,13 +107,16 @@ class RunRecord:
 
     @property
     def running(self) -> bool:
+        """True while the run is still active (its state is one of the active states)."""
         return self.state in ACTIVE_STATES
 
     @property
     def bytes(self) -> int:
+        """Total bytes of the run's checkpoints."""
         return sum(c.bytes for c in self.checkpoints)
 
     def to_json(self) -> dict[str, Any]:
+        """The run as a JSON-ready dict: path, name, bytes and its checkpoints' paths."""
         return {"path": self.path, "name": self.name, "bytes": self.bytes,
                 "checkpoints": [c.path for c in self.checkpoints]}
 
@@ -127,6 +132,8 @@ class Leftover:
 
 @dataclass(slots=True)
 class Listing:
+    """What a scan found under ``roots``: runs with their checkpoints, leftovers of interrupted prunes."""
+
     roots: list[str]
     runs: list[RunRecord]
     leftovers: list[Leftover] = field(default_factory=list)
@@ -134,16 +141,20 @@ class Listing:
 
     @property
     def checkpoints(self) -> list[CheckpointRecord]:
+        """Every checkpoint of every run, in run order."""
         return [c for r in self.runs for c in r.checkpoints]
 
     @property
     def bytes(self) -> int:
+        """Total bytes of all runs' checkpoints."""
         return sum(r.bytes for r in self.runs)
 
     def find(self, path: str) -> CheckpointRecord | None:
+        """The checkpoint at exactly ``path``, or None."""
         return next((c for c in self.checkpoints if c.path == path), None)
 
     def to_json(self) -> dict[str, Any]:
+        """The listing as a JSON-ready dict: roots, runs and checkpoints."""
         return {"roots": list(self.roots), "runs": [r.to_json() for r in self.runs],
                 "checkpoints": [c.to_json() for c in self.checkpoints]}
 
@@ -352,6 +363,7 @@ def is_url(path: str) -> bool:
 
 
 def within(path: str, root: str) -> bool:
+    """True when ``path`` is ``root`` itself or lies inside it (whole path parts, not a string prefix)."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 

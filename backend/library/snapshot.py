@@ -14,6 +14,8 @@ from .scan import Listing, is_url, scan
 
 @dataclass(slots=True)
 class LibrarySnapshot:
+    """One scan of the library for the view: the listing, each checkpoint's loss, the rules' plan, missing roots."""
+
     listing: Listing
     metric: dict[str, float] = field(default_factory=dict)  # checkpoint path -> the loss at its step
     plan: Plan | None = None  # the rules' plan (for "what the rules would free")

@@ -45,6 +45,8 @@ def is_rank(key: int) -> bool:
 
 
 class RunFollower:
+    """Follows one run directory: reads new metrics and logs as they are written and notices stalled ranks."""
+
     def __init__(self, run_dir: str | os.PathLike, stall_seconds: float = 60.0) -> None:
         self.run_dir = Path(run_dir)
         self.stall_seconds = stall_seconds
@@ -126,9 +128,11 @@ class RunFollower:
         return snap
 
     def poll(self, now: float | None = None) -> RunSnapshot:
+        """Read what is new and apply it in one go (for callers on a single thread)."""
         return self.apply(self.read(), now)
 
     def label(self, key: int) -> str:
+        """The display name of series ``key``: its log's label, or "rank N"."""
         return self.labels.get(key, f"rank {key}")
 
     def stalled(self, status: dict, now: float | None = None) -> list[int]:

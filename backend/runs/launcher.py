@@ -89,11 +89,13 @@ class RunConfig:
 
     @property
     def nproc_per_node(self) -> int:
+        """Processes per node: the SLURM GPUs per node when set, else ``nproc``."""
         if self.on == "slurm" and self.slurm and self.slurm.gpus_per_node:
             return self.slurm.gpus_per_node
         return self.nproc
 
     def trainer_args(self, run_dir: str) -> list[str]:
+        """Arguments for each rank: the user's script and its arguments, or the built-in trainer's flags."""
         if self.script:
             return [self.script, *self.script_args]
         args = ["--builtin", "--strategy", self.strategy, "--steps", str(self.steps),

@@ -23,6 +23,7 @@ class Series:
         return self.n
 
     def append(self, records: list[dict]) -> None:
+        """Append metric records (dicts of step, time and values) as new rows."""
         self.append_columns(records_to_columns(records))
 
     def append_columns(self, cols: dict[str, np.ndarray]) -> None:
@@ -47,6 +48,7 @@ class Series:
         self.n = need
 
     def column(self, name: str) -> np.ndarray:
+        """The filled part of column ``name`` (a view, not a copy)."""
         return self.cols[name][: self.n]
 
 
@@ -142,6 +144,7 @@ class PeakBlocks:
         self.n = 0  # points covered by complete blocks
 
     def update(self, y: np.ndarray) -> None:
+        """Add the min and max of each newly completed 256-point block of ``y``; start over if ``y`` shrank."""
         full = (len(y) // BLOCK) * BLOCK
         if full < self.n:  # the data was replaced (smoothing weight changed): start over
             self.mins, self.maxs, self.n = np.zeros(0), np.zeros(0), 0

@@ -72,6 +72,7 @@ class EventFileSource:
         self.tags: dict[str, str] = {}
 
     def read(self) -> ScalarBatch:
+        """New scalar records from the event file, one per step, in time order."""
         by_step: dict[int, dict[str, Any]] = {}
         for event in self._loader.Load():
             if not event.HasField("summary"):
@@ -109,6 +110,7 @@ class CsvLogSource:
         self.tags: dict[str, str] = {}
 
     def read(self) -> ScalarBatch:
+        """New complete rows of the CSV as records; everything again (``replace``) when the file was rewritten."""
         try:
             size = os.path.getsize(self.path)
             with open(self.path, "rb") as f:

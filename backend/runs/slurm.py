@@ -107,6 +107,8 @@ def _tool(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 @dataclass(frozen=True)
 class Partition:
+    """One SLURM partition as ``sinfo`` reports it: up or not, node count, CPUs and GPUs (gres)."""
+
     name: str
     default: bool
     available: bool

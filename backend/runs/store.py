@@ -13,6 +13,8 @@ from .rundir import is_run_dir
 
 @dataclass(frozen=True)
 class RunInfo:
+    """A run directory found on disk: its state, last change and the explanation from its status."""
+
     path: Path
     state: str
     mtime: float

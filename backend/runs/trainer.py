@@ -26,6 +26,7 @@ _KEEP_ALIVE: list = []
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The built-in trainer's command line: strategy, steps, model size, checkpointing, resume, run dir."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
     p.add_argument("--steps", type=int, default=50, help="total steps (a resumed run ends at the same step)")
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Block(nn.Module):
+    """One pre-norm transformer block: causal self-attention then an MLP, each with a residual."""
+
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(width)
@@ -54,12 +57,15 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` (batch, seq, width) with attention mask ``mask``."""
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(self.ln2(x))
 
 
 class TinyLM(nn.Module):
+    """The built-in trainer's tiny causal language model (token and position embeddings, blocks, head)."""
+
     def __init__(self, vocab: int, width: int, depth: int, heads: int, seq_len: int) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
@@ -69,6 +75,7 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (batch, seq, vocab) for token ids ``idx`` (batch, seq)."""
         t = idx.shape[1]
         mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))

@@ -13,6 +13,7 @@ import traceback
 
 
 def main() -> None:
+    """Run this rank's target with output in RUN/logs/rank_N.log, record its exit in RUN/exit/rank_N.json."""
     run_dir = os.environ["SHARDSCOPE_RUN_DIR"]
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
