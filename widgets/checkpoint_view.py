@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import shiboken6
 from PySide6.QtCore import QEvent, QItemSelectionModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
@@ -31,7 +28,7 @@ from .overlay import ProgressOverlay
 from .panels import HealthPanel, InspectorView, RanksView
 from .shard_map import ShardMapView, grid_shape, legend_html
 from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
-from .workers import Worker, run_in_background
+from .workers import Worker, if_alive, run_in_background
 
 AUTO_LOAD_BYTES = 64 << 20
 
@@ -294,17 +291,6 @@ class CheckpointView(QWidget):
         return self._selected
 
     # ------------------------------------------------------------------ values
-    def _if_alive(self, slot: Callable[..., None]) -> Callable[..., None]:
-        """``slot``, skipped once this view is gone. NOTE: a worker may report after its tab was closed or
-        reloaded; Qt disconnects bound methods of a deleted QObject but not lambdas, which would then touch
-        deleted widgets (found by the soak test)."""
-
-        def call(*args: object) -> None:
-            if shiboken6.isValid(self):
-                slot(*args)
-
-        return call
-
     def load_values(self) -> None:
         node = self._selected
         if self.data is None or node is None or not isinstance(node.entry, TensorEntry):
@@ -315,11 +301,11 @@ class CheckpointView(QWidget):
         # NOTE: every signal is connected before the worker starts, so a fast one cannot finish unheard
         w = Worker(value_stats, self.data.ckpt, fqn)
         w.signals.progress.connect(self.inspector.set_progress)
-        w.signals.returned.connect(self._if_alive(lambda st, f=fqn: self._on_stats(f, st)))
-        w.signals.errored.connect(self._if_alive(
+        w.signals.returned.connect(if_alive(self, lambda st, f=fqn: self._on_stats(f, st)))
+        w.signals.errored.connect(if_alive(self,
             lambda msg: self.inspector.show_message(f"<span style='color:#d62728'>{msg}</span>")))
-        w.signals.cancelled.connect(self._if_alive(lambda: self.inspector.show_message("Cancelled.")))
-        w.signals.finished.connect(self._if_alive(lambda wk=w: self._stats_done(wk)))
+        w.signals.cancelled.connect(if_alive(self, lambda: self.inspector.show_message("Cancelled.")))
+        w.signals.finished.connect(if_alive(self, lambda wk=w: self._stats_done(wk)))
         self._stats_worker = w.start()
 
     def values_pending(self) -> bool:
@@ -393,8 +379,8 @@ class CheckpointView(QWidget):
         w = Worker(verify_contents, self.data.ckpt)
         w.signals.progress.connect(self.progress.set_progress)
         w.signals.returned.connect(self._on_verified)
-        w.signals.errored.connect(self._if_alive(lambda msg: self._verify_ended(f"Verify contents stopped: {msg}")))
-        w.signals.cancelled.connect(self._if_alive(
+        w.signals.errored.connect(if_alive(self, lambda msg: self._verify_ended(f"Verify contents stopped: {msg}")))
+        w.signals.cancelled.connect(if_alive(self,
             lambda: self._verify_ended("Verify contents cancelled: nothing was concluded.")))
         self._verify_worker = w.start()
 

@@ -38,7 +38,7 @@ from shardscope.backend.compare.diff import Change, DiffResult, difference_histo
 
 from .plot_style import themed_plot
 from .shard_map import ShardMapView
-from .workers import Worker
+from .workers import Worker, if_alive
 
 COLUMNS = ("entry", "kind", "max |a−b|", "rel. L2", "changed")
 WIDTHS_KEY = "compare/column_widths"
@@ -213,7 +213,7 @@ class CompareView(QWidget):
         w.signals.returned.connect(self._done)
         w.signals.errored.connect(self._failed)
         w.signals.progress.connect(self._on_progress)
-        w.signals.cancelled.connect(lambda: self._failed("Cancelled."))
+        w.signals.cancelled.connect(if_alive(self, lambda: self._failed("Cancelled.")))
         self._worker = w.start()
 
     def _on_progress(self, done: int, total: int, msg: str) -> None:
@@ -274,7 +274,7 @@ class CompareView(QWidget):
         w = Worker(difference_histogram, a, b, c.fqn)
         w.signals.returned.connect(self._show_hist)
         w.signals.errored.connect(self.detail.setText)
-        w.signals.finished.connect(lambda wk=w: self._detail_finished(wk))
+        w.signals.finished.connect(if_alive(self, lambda wk=w: self._detail_finished(wk)))
         self._detail_worker = w.start()
 
     def detail_pending(self) -> bool:

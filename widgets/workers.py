@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import shiboken6
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
 from shardscope.backend.errors import Cancelled, ShardscopeError
 from shardscope.backend.log import log_file
@@ -83,6 +84,17 @@ class Worker(QRunnable):
             self.signals.returned.emit(result)
         finally:
             self.signals.finished.emit()
+
+
+def if_alive(owner: QObject, slot: Callable[..., Any]) -> Callable[..., None]:
+    """``slot``, skipped once ``owner`` is deleted. NOTE: a worker may report after its tab was closed; Qt
+    disconnects bound methods of a deleted QObject but not lambdas, which would touch deleted widgets."""
+
+    def call(*args: Any) -> None:
+        if shiboken6.isValid(owner):
+            slot(*args)
+
+    return call
 
 
 def run_in_background(func: Callable[..., Any], *args: Any, on_result: Callable | None = None,
