@@ -46,7 +46,7 @@ class DemoGuide(QObject):
             return
         self.state = state
         if state == "finished":
-            run_in_background(lambda progress=None: [str(p) for p in checkpoints(self.run_dir)],
+            run_in_background(lambda progress=None: [str(p) for p in checkpoints(self.run_dir)], owner=self,
                               on_result=self._open_last)
         elif state in ENDED:
             self.window.statusBar().showMessage(f"The demo run {state}: its logs are in the Training tab.")

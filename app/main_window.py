@@ -34,7 +34,7 @@ from shardscope.widgets.compare_view import CompareView
 from shardscope.widgets.help import help_topics, show_help
 from shardscope.widgets.library_view import LibraryView
 from shardscope.widgets.training_panel import TrainingPanel
-from shardscope.widgets.workers import Worker
+from shardscope.widgets.workers import run_in_background
 
 from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
 
@@ -368,9 +368,6 @@ class MainWindow(QMainWindow):
     def _run_dcp_job(self, func, *args, title: str) -> None:
         progress = QProgressDialog(title, "Cancel", 0, 1000, self)
         progress.setMinimumDuration(300)
-        worker = Worker(func, *args)  # NOTE: every signal connected before it starts (a fast failure is heard)
-        progress.canceled.connect(worker.quit)
-        worker.signals.progress.connect(lambda d, t, _m: progress.setValue(int(1000 * d / max(t, 1))))
 
         def done(result) -> None:
             progress.close()
@@ -384,10 +381,11 @@ class MainWindow(QMainWindow):
             progress.close()
             QMessageBox.warning(self, title, f"{message}\n\nNothing was written.")
 
-        worker.signals.returned.connect(done)
-        worker.signals.errored.connect(failed)
-        worker.signals.cancelled.connect(progress.close)
-        worker.start()
+        # the dialog owns the job: its slots are skipped once it is gone; it is deleted when the job ends
+        worker = run_in_background(func, *args, owner=progress, on_result=done, on_error=failed,
+                                   on_progress=lambda d, t, _m: progress.setValue(int(1000 * d / max(t, 1))),
+                                   on_cancelled=progress.close, on_finished=progress.deleteLater)
+        progress.canceled.connect(worker.quit)
 
     def all_views(self) -> list[CheckpointView]:
         return [p.widget(i) for p in (self.tabs, self.side_tabs) for i in range(p.count())

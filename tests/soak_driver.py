@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -100,7 +101,7 @@ class Soak:
         self.app = make_app()
         self.pool = QThreadPool.globalInstance()
         self.win = MainWindow()
-        self.win._quiet = True  # no modal message boxes
+        self.win.quiet = True  # no modal message boxes
         self.win.resize(1280, 720)
         self.win.show()
         self.counts: Counter[str] = Counter()
@@ -337,6 +338,56 @@ class Soak:
             return 1
         return 0
 
+    # ------------------------------------------------------------------ what grows (--probe)
+    def snapshot(self) -> dict:
+        """Live objects and reference counts after a full collection, with every queued slot delivered."""
+        from PySide6.QtTest import QTest
+
+        self.wait_until(lambda: self.pool.activeThreadCount() == 0, "background workers to finish")
+        QTest.qWait(1)
+        self.app.processEvents()
+        gc.collect()
+        objects = gc.get_objects()
+        types = Counter(type(o).__qualname__ for o in objects)
+        snap = {"objects": len(objects), "types": types, "None": sys.getrefcount(None),
+                "True": sys.getrefcount(True), "False": sys.getrefcount(False),
+                "rss": psutil.Process().memory_info().rss}
+        if tracemalloc.is_tracing():
+            snap["trace"] = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, tracemalloc.__file__)])
+        del objects
+        return snap
+
+    def probe(self, per_kind: int) -> int:
+        """Do ``per_kind`` actions of one kind at a time and print what each kind leaves behind per action."""
+        from PySide6.QtTest import QTest
+
+        self.open_all()
+        for name in ACTIONS:  # warm every path once (caches, fonts, first-use allocations)
+            for _ in range(20):
+                getattr(self, f"act_{name}")()
+                QTest.qWait(1)
+        for name in ACTIONS:
+            before = self.snapshot()
+            for i in range(per_kind):
+                getattr(self, f"act_{name}")()
+                if i % 10 == 0:
+                    QTest.qWait(1)
+            after = self.snapshot()
+            grown = (after["types"] - before["types"]).most_common(6)
+            row = {"kind": name, "actions": per_kind,
+                   "objects_per_action": round((after["objects"] - before["objects"]) / per_kind, 2),
+                   "refs_None_per_action": round((after["None"] - before["None"]) / per_kind, 2),
+                   "refs_True_per_action": round((after["True"] - before["True"]) / per_kind, 2),
+                   "refs_False_per_action": round((after["False"] - before["False"]) / per_kind, 2),
+                   "rss_kib_per_action": round((after["rss"] - before["rss"]) / 1024 / per_kind, 1),
+                   "types_grown": grown}
+            if "trace" in after:
+                row["top_allocations"] = [str(st) for st in after["trace"].compare_to(before["trace"], "lineno")[:8]]
+            print("PROBE " + json.dumps(row), flush=True)
+        self.close()
+        return 0 if not self.errors else 1
+
     def close(self) -> None:
         self.win.close()
         if getattr(self, "writer", None) is not None:
@@ -357,9 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-actions", type=int, default=10**9)
     parser.add_argument("--max-seconds", type=float, default=float("inf"), help="a hard stop, whatever was done")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe", type=int, metavar="N", help="instead of a soak: N actions of each kind in "
+                        "turn, printing the objects, references and memory each kind leaves behind")
+    parser.add_argument("--tracemalloc", action="store_true", help="with --probe: the top growing allocations")
     args = parser.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    return Soak(args).run()
+    if args.tracemalloc:
+        tracemalloc.start(8)
+    soak = Soak(args)
+    return soak.probe(args.probe) if args.probe else soak.run()
 
 
 if __name__ == "__main__":

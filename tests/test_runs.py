@@ -172,6 +172,46 @@ def test_failing_rank_marks_run_failed_with_traceback(tmp_path):
     assert (tmp_path / "run" / "metrics" / "rank_0.jsonl").exists()
 
 
+def test_sigterm_to_train_stops_the_run_like_ctrl_c(tmp_path):
+    """A scheduler or `kill` stopping `shardscope train` stops torchrun and every rank; nothing is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import torch.distributed as dist
+        from shardscope import report
+        dist.init_process_group("gloo")
+        for step in range(1, 100000):
+            report(step=step, loss=1.0)
+            time.sleep(0.2)
+    """))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "train", "--script", str(script),
+                             "--nproc", "2", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ})
+    deadline = time.monotonic() + 180
+    while not all((run_dir / "metrics" / f"rank_{r}.jsonl").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    torchrun = read_status(run_dir)["pid"]
+    ranks = [c.pid for c in psutil.Process(torchrun).children(recursive=True)]
+    assert ranks
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 1, (out, err)
+    assert "stopping the run (SIGTERM)" in out and "Traceback" not in err
+    assert read_status(run_dir)["state"] == "stopped"
+    deadline = time.monotonic() + 60
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+              for p in [torchrun, *ranks]):
+        assert time.monotonic() < deadline, "torchrun or a rank outlived the stop"
+        time.sleep(0.2)
+
+
 def test_report_is_a_noop_outside_a_run(monkeypatch, tmp_path):
     from shardscope import report
 

@@ -28,7 +28,7 @@ from .overlay import ProgressOverlay
 from .panels import HealthPanel, InspectorView, RanksView
 from .shard_map import ShardMapView, grid_shape, legend_html
 from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
-from .workers import Worker, if_alive, run_in_background
+from .workers import Worker, run_in_background
 
 AUTO_LOAD_BYTES = 64 << 20
 
@@ -182,7 +182,7 @@ class CheckpointView(QWidget):
     def load(self) -> None:
         self.progress.start("reading metadata", cancellable=False)
         self._load_worker = run_in_background(
-            load_tree, self.path, on_result=self._on_tree, on_error=self._on_failed,
+            load_tree, self.path, owner=self, on_result=self._on_tree, on_error=self._on_failed,
             on_progress=self.progress.set_progress)
 
     def _on_tree(self, data: BrowseData) -> None:
@@ -198,8 +198,8 @@ class CheckpointView(QWidget):
         self.map.clear_map("Select a tensor or a module to see how it is sharded.")
         self.health.set_problems_pending()
         self.treeReady.emit(data)
-        self._load_worker = run_in_background(analyse, data, on_result=self._on_loaded, on_error=self._on_failed,
-                                              on_progress=self.progress.set_progress)
+        self._load_worker = run_in_background(analyse, data, owner=self, on_result=self._on_loaded,
+                                              on_error=self._on_failed, on_progress=self.progress.set_progress)
 
     def _size_columns(self) -> None:
         """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
@@ -298,15 +298,13 @@ class CheckpointView(QWidget):
         self.cancel_values()
         self.inspector.set_busy(True)
         fqn = node.entry.fqn
-        # NOTE: every signal is connected before the worker starts, so a fast one cannot finish unheard
-        w = Worker(value_stats, self.data.ckpt, fqn)
-        w.signals.progress.connect(self.inspector.set_progress)
-        w.signals.returned.connect(if_alive(self, lambda st, f=fqn: self._on_stats(f, st)))
-        w.signals.errored.connect(if_alive(self,
-            lambda msg: self.inspector.show_message(f"<span style='color:#d62728'>{msg}</span>")))
-        w.signals.cancelled.connect(if_alive(self, lambda: self.inspector.show_message("Cancelled.")))
-        w.signals.finished.connect(if_alive(self, lambda wk=w: self._stats_done(wk)))
-        self._stats_worker = w.start()
+        # NOTE: `w` in the last slot is read when it runs (queued, on this thread), after it was assigned
+        w = run_in_background(
+            value_stats, self.data.ckpt, fqn, owner=self, on_progress=self.inspector.set_progress,
+            on_result=lambda st: self._on_stats(fqn, st),
+            on_error=lambda msg: self.inspector.show_message(f"<span style='color:#d62728'>{msg}</span>"),
+            on_cancelled=lambda: self.inspector.show_message("Cancelled."), on_finished=lambda: self._stats_done(w))
+        self._stats_worker = w
 
     def values_pending(self) -> bool:
         """A values load is running (``valuesDone`` follows)."""
@@ -376,13 +374,10 @@ class CheckpointView(QWidget):
         self.health.set_problems_pending("Reading every stored item and checking its CRC32 …")
         self.tabs.setCurrentWidget(self.health)
         self.progress.start("verifying contents", cancellable=True)
-        w = Worker(verify_contents, self.data.ckpt)
-        w.signals.progress.connect(self.progress.set_progress)
-        w.signals.returned.connect(self._on_verified)
-        w.signals.errored.connect(if_alive(self, lambda msg: self._verify_ended(f"Verify contents stopped: {msg}")))
-        w.signals.cancelled.connect(if_alive(self,
-            lambda: self._verify_ended("Verify contents cancelled: nothing was concluded.")))
-        self._verify_worker = w.start()
+        self._verify_worker = run_in_background(
+            verify_contents, self.data.ckpt, owner=self, on_progress=self.progress.set_progress,
+            on_result=self._on_verified, on_error=lambda msg: self._verify_ended(f"Verify contents stopped: {msg}"),
+            on_cancelled=lambda: self._verify_ended("Verify contents cancelled: nothing was concluded."))
 
     def _on_verified(self, problems: list) -> None:
         self._verify_worker = None

@@ -38,7 +38,7 @@ from shardscope.backend.compare.diff import Change, DiffResult, difference_histo
 
 from .plot_style import themed_plot
 from .shard_map import ShardMapView
-from .workers import Worker, if_alive
+from .workers import Worker, run_in_background
 
 COLUMNS = ("entry", "kind", "max |a−b|", "rel. L2", "changed")
 WIDTHS_KEY = "compare/column_widths"
@@ -209,12 +209,8 @@ class CompareView(QWidget):
             a, b = open_source(self.path_a), open_source(self.path_b)
             return a, b, diff(a, b, progress)
 
-        w = Worker(work)  # NOTE: every signal connected before it starts
-        w.signals.returned.connect(self._done)
-        w.signals.errored.connect(self._failed)
-        w.signals.progress.connect(self._on_progress)
-        w.signals.cancelled.connect(if_alive(self, lambda: self._failed("Cancelled.")))
-        self._worker = w.start()
+        self._worker = run_in_background(work, owner=self, on_result=self._done, on_error=self._failed,
+                                         on_progress=self._on_progress, on_cancelled=lambda: self._failed("Cancelled."))
 
     def _on_progress(self, done: int, total: int, msg: str) -> None:
         self.progress.setRange(0, max(total, 1))
@@ -270,12 +266,10 @@ class CompareView(QWidget):
         if c.kind != "values" or c.rel_l2 is None:
             self.detailDone.emit()
             return
-        # NOTE: connected before the worker starts, so a fast one cannot finish unheard
-        w = Worker(difference_histogram, a, b, c.fqn)
-        w.signals.returned.connect(self._show_hist)
-        w.signals.errored.connect(self.detail.setText)
-        w.signals.finished.connect(if_alive(self, lambda wk=w: self._detail_finished(wk)))
-        self._detail_worker = w.start()
+        # NOTE: `w` in the last slot is read when it runs (queued, on this thread), after it was assigned
+        w = run_in_background(difference_histogram, a, b, c.fqn, owner=self, on_result=self._show_hist,
+                              on_error=self.detail.setText, on_finished=lambda: self._detail_finished(w))
+        self._detail_worker = w
 
     def detail_pending(self) -> bool:
         """A difference histogram is being computed (``detailDone`` follows)."""

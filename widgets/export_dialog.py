@@ -222,13 +222,14 @@ class ExportDialog(QDialog):
         self.message.setText("Exporting …")
         if self.resharding:
             self._worker = run_in_background(reshard, self.ckpt.path, dst, self.ranks.value(),
-                                             self.force.isChecked(), self.verify.isChecked(), on_result=self._done,
-                                             on_error=self._failed, on_progress=self._on_progress)
+                                             self.force.isChecked(), self.verify.isChecked(), owner=self,
+                                             on_result=self._done, on_error=self._failed,
+                                             on_progress=self._on_progress, on_cancelled=self._cancelled)
         else:
             self._worker = run_in_background(export, self.plan, dst, force=self.force.isChecked(),
-                                             verify=self.verify.isChecked(), on_result=self._done,
-                                             on_error=self._failed, on_progress=self._on_progress)
-        self._worker.signals.cancelled.connect(self._cancelled)
+                                             verify=self.verify.isChecked(), owner=self, on_result=self._done,
+                                             on_error=self._failed, on_progress=self._on_progress,
+                                             on_cancelled=self._cancelled)
 
     def _on_progress(self, done: int, total: int, msg: str) -> None:
         # NOTE: sizes arrive as Python ints (Signal(object, ...)); QProgressBar holds a 32-bit int, so scale.

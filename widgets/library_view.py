@@ -534,7 +534,7 @@ class LibraryView(QWidget):
         if not force and not self.isVisible() and self.snapshot is not None:
             return
         self._started = time.monotonic()
-        self._worker = run_in_background(take_snapshot, self.roots(), self.rules, on_result=self._apply,
+        self._worker = run_in_background(take_snapshot, self.roots(), self.rules, owner=self, on_result=self._apply,
                                          on_error=self._failed, on_finished=self._done)
 
     def _done(self) -> None:

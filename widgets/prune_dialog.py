@@ -217,7 +217,7 @@ class PruneDialog(QDialog):
         if self._plan_worker is not None:
             self._again = True
             return
-        self._plan_worker = run_in_background(plan_rules, self.listing, rules, on_result=self._show_plan,
+        self._plan_worker = run_in_background(plan_rules, self.listing, rules, owner=self, on_result=self._show_plan,
                                               on_error=lambda m: self._show_plan(None, m),
                                               on_finished=self._plan_done)
 
@@ -257,11 +257,11 @@ class PruneDialog(QDialog):
         self.act_button.setEnabled(False)
         self.progress.setVisible(True)
         self.progress.setRange(0, max(1, len(self.plan.remove)))
-        self._act_worker = run_in_background(execute, self.plan, delete, on_result=self._acted,
-                                             on_error=self._act_failed,
-                                             on_progress=lambda d, _t, _m: self.progress.setValue(d))
-        self._act_worker.signals.cancelled.connect(
-            lambda: self._act_failed("Stopped. What was removed before is gone; everything else is untouched."))
+        self._act_worker = run_in_background(
+            execute, self.plan, delete, owner=self, on_result=self._acted, on_error=self._act_failed,
+            on_progress=lambda d, _t, _m: self.progress.setValue(d),
+            on_cancelled=lambda: self._act_failed("Stopped. What was removed before is gone; everything else is "
+                                                  "untouched."))
         self.close_button.setText("Stop")
         return self._act_worker
 

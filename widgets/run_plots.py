@@ -200,7 +200,7 @@ class RunPlots(QWidget):
                 table[-1] = (*smooth_segments(mean, w, (0.0, 0), 0, restarts.get(min(ranks), [])), n)
             return w, table
 
-        self._smooth_worker = run_in_background(smooth_all, on_result=self._smoothed)
+        self._smooth_worker = run_in_background(smooth_all, owner=self, on_result=self._smoothed)
 
     def _smoothed(self, result) -> None:
         self._smooth_worker = None

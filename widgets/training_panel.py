@@ -102,7 +102,7 @@ class TrainingPanel(QWidget):
         self.poll_timer.setInterval(POLL_MS)
         self.poll_timer.timeout.connect(self.poll)
         self.poll_timer.start()
-        run_in_background(_slurm_partitions, on_result=self._slurm_found)
+        run_in_background(_slurm_partitions, owner=self, on_result=self._slurm_found)
         self.refresh_runs()
 
     # ------------------------------------------------------------------ layout
@@ -197,7 +197,7 @@ class TrainingPanel(QWidget):
     def refresh_runs(self, select: str | None = None) -> None:
         """List the runs under the runs folder again (in the background) and select ``select``."""
         root = self.runs_root
-        run_in_background(lambda progress=None: list_runs(root),
+        run_in_background(lambda progress=None: list_runs(root), owner=self,
                           on_result=lambda runs: self._show_runs(runs, select))
 
     def _show_runs(self, runs: list[RunInfo], select: str | None = None) -> None:
@@ -290,7 +290,7 @@ class TrainingPanel(QWidget):
 
         self.start_button.setEnabled(False)
         self.status.setText("Starting …")
-        run_in_background(launch, on_result=self._started, on_error=self._start_failed,
+        run_in_background(launch, owner=self, on_result=self._started, on_error=self._start_failed,
                           on_finished=lambda: self.start_button.setEnabled(True))
         return True
 
@@ -316,7 +316,7 @@ class TrainingPanel(QWidget):
             return RunLauncher(run_dir, config).start()
 
         self.status.setText("Resuming …")
-        run_in_background(launch, on_result=self._started, on_error=self._start_failed)
+        run_in_background(launch, owner=self, on_result=self._started, on_error=self._start_failed)
 
     def stop_run(self) -> None:
         if self.follower is None:
@@ -331,7 +331,7 @@ class TrainingPanel(QWidget):
         def stop(progress=None):
             return launcher.stop() if launcher is not None else stop_run(run_dir)
 
-        run_in_background(stop, on_result=lambda _s: self.poll(),
+        run_in_background(stop, owner=self, on_result=lambda _s: self.poll(),
                           on_error=lambda m: self.status.setText(_escape(m)))
 
     # ------------------------------------------------------------------ live updates
@@ -351,7 +351,7 @@ class TrainingPanel(QWidget):
                 launcher.status()
             return (follower.read() if follower is not None else None), (list_runs(root) if root else None)
 
-        run_in_background(work, on_result=lambda r: self._apply(follower, *r),
+        run_in_background(work, owner=self, on_result=lambda r: self._apply(follower, *r),
                           on_error=lambda m: self.status.setText(_escape(m)),
                           on_finished=lambda: setattr(self, "_reading", False))
 
@@ -456,7 +456,7 @@ class TrainingPanel(QWidget):
             self.plots.set_overlay(None)
             return
         other = RunFollower(path)
-        run_in_background(lambda progress=None: other.read(),
+        run_in_background(lambda progress=None: other.read(), owner=self,
                           on_result=lambda snap: (other.apply(snap), self.plots.set_overlay(other)))
 
     def _save_png(self) -> None:
@@ -470,7 +470,7 @@ class TrainingPanel(QWidget):
         path, _ = QFileDialog.getSaveFileName(self, "Save metrics", "metrics.csv", "CSV (*.csv)")
         if path:
             text = self.follower.csv()
-            run_in_background(lambda progress=None: write_text(path, text),
+            run_in_background(lambda progress=None: write_text(path, text), owner=self,
                               on_error=lambda m: self.status.setText(_escape(m)))
 
     def shutdown(self) -> None:

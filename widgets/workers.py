@@ -1,7 +1,9 @@
 """One way to run background work: a QRunnable with a QObject of signals (as superqt does).
 
 The work is a plain backend function taking ``progress=``; results come back through queued
-signals, so nothing here touches a widget from the worker thread.
+signals, so nothing here touches a widget from the worker thread. Start work with
+``run_in_background(func, ..., owner=widget, on_result=...)``: it is the only place that connects
+to a worker's signals, and it guards every slot by the widget that owns it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class WorkerSignals(QObject):
 
 
 class Worker(QRunnable):
-    """Runs ``func(*args, progress=Progress, **kwargs)`` on the global thread pool."""
+    """Runs ``func(*args, progress=Progress, **kwargs)`` on the global thread pool (started by
+    :func:`run_in_background`, which connects its signals)."""
 
     _alive: ClassVar[set[Worker]] = set()  # NOTE: keeps the Python wrapper (and its signals) alive until finished
 
@@ -86,10 +89,30 @@ class Worker(QRunnable):
             self.signals.finished.emit()
 
 
-def if_alive(owner: QObject, slot: Callable[..., Any]) -> Callable[..., None]:
-    """``slot``, skipped once ``owner`` is deleted. NOTE: a worker may report after its tab was closed; Qt
-    disconnects bound methods of a deleted QObject but not lambdas, which would touch deleted widgets."""
+def run_in_background(func: Callable[..., Any], *args: Any, owner: QObject, on_result: Callable | None = None,
+                      on_error: Callable | None = None, on_progress: Callable | None = None,
+                      on_cancelled: Callable | None = None, on_finished: Callable | None = None,
+                      **kwargs: Any) -> Worker:
+    """Run ``func(*args, progress=..., **kwargs)`` on the pool and call the ``on_*`` slots on the GUI thread.
 
+    Every slot is connected before the work starts (a fast failure is never unheard) and is skipped once
+    ``owner`` (the widget the slots touch) is deleted; the work is asked to stop when ``owner`` goes.
+    NOTE: a worker may report after its tab or dialog was closed. Qt drops connections to bound methods of
+    a deleted QObject, but not to lambdas or closures, which then touched deleted widgets ("Internal C++
+    object already deleted"; found by tests/test_soak.py). So no code connects to a worker's signals
+    itself: every connection goes through here, guarded by its owner.
+    """
+    w = Worker(func, *args, **kwargs)
+    s = w.signals
+    for signal, slot in ((s.progress, on_progress), (s.returned, on_result), (s.errored, on_error),
+                         (s.cancelled, on_cancelled), (s.finished, on_finished)):
+        if slot is not None:
+            signal.connect(_while_alive(owner, slot))
+    _stop_with(owner, w)
+    return w.start()
+
+
+def _while_alive(owner: QObject, slot: Callable[..., Any]) -> Callable[..., None]:
     def call(*args: Any) -> None:
         if shiboken6.isValid(owner):
             slot(*args)
@@ -97,16 +120,13 @@ def if_alive(owner: QObject, slot: Callable[..., Any]) -> Callable[..., None]:
     return call
 
 
-def run_in_background(func: Callable[..., Any], *args: Any, on_result: Callable | None = None,
-                      on_error: Callable | None = None, on_progress: Callable | None = None,
-                      on_finished: Callable | None = None, **kwargs: Any) -> Worker:
-    w = Worker(func, *args, **kwargs)
-    if on_result:
-        w.signals.returned.connect(on_result)
-    if on_error:
-        w.signals.errored.connect(on_error)
-    if on_progress:
-        w.signals.progress.connect(on_progress)
-    if on_finished:
-        w.signals.finished.connect(on_finished)
-    return w.start()
+def _stop_with(owner: QObject, worker: Worker) -> None:
+    """Cancel ``worker`` if ``owner`` is destroyed first. One ``destroyed`` connection per owner (not one
+    per worker: a panel polling twice a second would pile them up), holding the running workers weakly."""
+    running: weakref.WeakSet[Worker] | None = getattr(owner, "_background_workers", None)
+    if running is None:
+        running = weakref.WeakSet()
+        owner._background_workers = running  # type: ignore[attr-defined]
+        # NOTE: the slot holds the set only, never the owner (which is being destroyed when it runs)
+        owner.destroyed.connect(lambda *_a: [wk.quit() for wk in list(running)])
+    running.add(worker)

@@ -98,6 +98,7 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
     said = ""
     warned: set[int] = set()
     tty = sys.stdout.isatty()
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's or `kill`'s stop = Ctrl-C
     try:
         while True:
             snap = follower.poll()
@@ -118,17 +119,24 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
                 shown = line
                 print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("\nstopping the run (Ctrl-C) ...", flush=True)
-        # NOTE: a second Ctrl-C while stopping must not abandon torchrun and its workers half-stopped.
+    except KeyboardInterrupt as exc:
+        print(f"\nstopping the run ({exc or 'Ctrl-C'}) ...", flush=True)
+        # NOTE: a second Ctrl-C or SIGTERM while stopping must not abandon torchrun and its workers half-stopped.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             launcher.stop()
         finally:
             signal.signal(signal.SIGINT, previous)
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
     if tty:
         print()
     return report_end(launcher.run_dir), str(launcher.run_dir)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def report_end(run_dir: Any) -> int:

@@ -221,6 +221,22 @@ def _open_remote(url: str, storage_options: dict[str, Any] | None) -> Folder:
     return folder
 
 
+def open_remote_file(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Folder, str]:
+    """The folder holding the single object at ``url`` (a ``.safetensors`` file), listing only that object
+    (one request: its size is what every read is checked against, and the rest of the prefix is never
+    listed), and the object's name in it."""
+    fs, root = fs_for(url, storage_options)
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)
+    info = call(url, fs.info, root)
+    if info.get("type") != "file":
+        raise CheckpointError(f"{url}: is a folder, not a file.", path=url)
+    parent, _, name = root.rpartition("/")
+    folder = Folder(url.rstrip("/").rsplit("/", 1)[0], fs, parent, storage_options)
+    folder._set_listing([{**info, "name": name}])
+    return folder, name
+
+
 def handles_for(path: str | Folder, storage_options: dict[str, Any] | None = None) -> LocalHandles | RemoteHandles:
     """Handles for a folder path or URL (prefer ``Checkpoint.folder.handles()``: no second resolve)."""
     if isinstance(path, Folder):
@@ -228,4 +244,4 @@ def handles_for(path: str | Folder, storage_options: dict[str, Any] | None = Non
     return open_folder(path, storage_options).handles() if is_url(path) else LocalHandles(str(path))
 
 
-__all__ = ["Folder", "LocalHandles", "RemoteHandles", "handles_for", "is_url", "open_folder"]
+__all__ = ["Folder", "LocalHandles", "RemoteHandles", "handles_for", "is_url", "open_folder", "open_remote_file"]

@@ -1,6 +1,10 @@
-"""One reading interface over everything diff and import accept: a DCP folder (local or URL, also
-HF safetensors folders), a torch ``.pt`` file (``weights_only=True``, memory-mapped) or a
-``.safetensors`` file (or a folder with ``model.safetensors.index.json``). Tensors are read one at a time."""
+"""One reading interface over everything diff and import accept, local or on an fsspec URL: a DCP folder
+(also HF safetensors folders), a torch ``.pt`` file (``weights_only=True``, memory-mapped) or a
+``.safetensors`` file (or a folder with ``model.safetensors.index.json``). Tensors are read one at a time.
+
+On a URL a safetensors file is read by ranges through the planned reader (header, then each tensor's
+bytes, checked against the object's size), a ``.pt`` is copied to the temp folder first (see
+:meth:`TorchFileSource.from_url`)."""
 
 from __future__ import annotations
 
@@ -14,10 +18,14 @@ from ..checkpoint.chunks import ChunkReader, safe_name
 from ..checkpoint.flatten import dotted, flatten
 from ..checkpoint.hf_reader import open_hf_folder
 from ..checkpoint.items import parse_safetensors_file
-from ..checkpoint.storage import Folder, is_url, open_folder
+from ..checkpoint.remote import Download
+from ..checkpoint.storage import Folder, is_url, open_folder, open_remote_file
 from ..errors import CheckpointError
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
+INDEX = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # an index names files and keys; far larger is not one
+NOT_A_CHECKPOINT = "not a checkpoint file (.pt, .pth, .bin, .safetensors) or folder."
 
 
 @dataclass(frozen=True)
@@ -99,20 +107,28 @@ class TorchFileSource(Source):
     """A torch ``.pt`` file, loaded with ``weights_only=True`` and memory-mapped."""
     kind = "torch"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, name: str | None = None) -> None:
         import torch
 
-        self.name = path
+        self.name = name or path  # a URL's name: the copy it was loaded from is temporary
         try:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
-            raise CheckpointError(f"{path}: cannot be loaded safely with weights_only=True "
-                                  f"({str(exc).splitlines()[0][:200]}).", path=path) from None
+            raise CheckpointError(f"{self.name}: cannot be loaded safely with weights_only=True "
+                                  f"({str(exc).splitlines()[0][:200]}).", path=self.name) from None
         if not isinstance(data, dict):
-            raise CheckpointError(f"{path}: does not hold a dict of tensors.", path=path)
+            raise CheckpointError(f"{self.name}: does not hold a dict of tensors.", path=self.name)
         flat = flatten(data)
         self._leaves = {dotted(k): v for k, v in flat.items()}
         self._paths = {dotted(k): k for k in flat}
+
+    @classmethod
+    def from_url(cls, url: str, storage_options: dict[str, Any] | None = None) -> TorchFileSource:
+        """A ``.pt`` on an fsspec URL: copied whole to the system temp folder (torch's zip reader needs a
+        local file to memory-map, and without a map ``weights_only`` loading holds every tensor in
+        memory), loaded, and the copy removed at once (the mapped pages stay readable)."""
+        with Download(url, storage_options) as copy:
+            return cls(copy.path or "", name=url)
 
     def entries(self) -> dict[str, EntryInfo]:
         """Every leaf of the loaded file: tensors with dtype and shape, anything else as an object."""
@@ -145,30 +161,39 @@ class SafetensorsSource(Source):
 
     kind = "safetensors"
 
-    def __init__(self, path: str) -> None:
-        self.name = path
-        if os.path.isdir(path):
-            folder, names = path, _index_files(path)
-        else:
-            folder, names = os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
-        where = open_folder(folder)
+    def __init__(self, where: Folder, names: list[str], name: str) -> None:
+        self.name = name
         listing = where.listing()
         missing = [n for n in names if n not in listing]
         if missing:
-            raise CheckpointError(f"{os.path.join(folder, missing[0])}: no such file.", path=folder)
+            raise CheckpointError(f"{where.join(missing[0])}: no such file.", path=where.join(missing[0]))
         listing = {n: listing[n] for n in names}
+        handles = where.handles()
+        # Header metadata first: for a URL the header is then fetched once, for this and open_hf_folder.
+        metas = [parse_safetensors_file(handles, n, listing[n]).metadata for n in names]
         self.ckpt = open_hf_folder(where, listing)
         self.ckpt.folder = where
         self.reader = ChunkReader(self.ckpt)
         self._objects: dict[str, Any] = {}
-        for n in names:
-            meta = parse_safetensors_file(self.reader.handles, n, listing[n]).metadata
+        for meta in metas:
             try:
                 objects = json.loads(meta.get("shardscope_objects") or "{}")
             except (ValueError, RecursionError):
                 objects = None
             if isinstance(objects, dict):
                 self._objects.update(objects)
+
+    @classmethod
+    def open(cls, path: str, storage_options: dict[str, Any] | None = None) -> SafetensorsSource:
+        """A ``.safetensors`` file or an index folder, local or on a URL."""
+        if is_url(path) and path.rstrip("/").endswith(".safetensors"):
+            where, name = open_remote_file(path, storage_options)
+            return cls(where, [name], path)
+        if not is_url(path) and not os.path.isdir(path):
+            folder = os.path.dirname(os.path.abspath(path))
+            return cls(open_folder(folder), [os.path.basename(path)], path)
+        where = open_folder(path, storage_options)
+        return cls(where, _index_files(where), path)
 
     def entries(self) -> dict[str, EntryInfo]:
         """Every tensor of the file(s), plus the non-tensor entries shardscope kept in their header metadata."""
@@ -189,40 +214,60 @@ class SafetensorsSource(Source):
         self.reader.close()
 
 
-def _index_files(path: str) -> list[str]:
+def _index_files(where: Folder) -> list[str]:
     """The shard files an HF ``model.safetensors.index.json`` names (plain names inside the folder)."""
-    index = os.path.join(path, "model.safetensors.index.json")
+    index = where.join(INDEX)
+    size = where.listing().get(INDEX)
+    if size is None:
+        raise CheckpointError(f"{index}: no such file.", path=index)
+    if size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index}: {size} bytes is implausible for a safetensors index.", path=index)
     try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = json.loads(where.handles().read(INDEX, 0, size))["weight_map"]
         files = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{index}: not a readable safetensors index ({type(exc).__name__}).",
                               path=index) from None
-    bad = [f for f in files if not safe_name(f)]
+    bad = [f for f in files if not isinstance(f, str) or not safe_name(f)]
     if bad:
         raise CheckpointError(f"{index}: names {bad[0]!r}, not a file inside the folder.", path=index)
     return files
 
 
-def open_source(path: str | os.PathLike | Folder) -> Source:
-    """The Source for a path or URL: a DCP folder, a ``.pt`` or a safetensors file or folder."""
+def open_source(path: str | os.PathLike | Folder, storage_options: dict[str, Any] | None = None) -> Source:
+    """The Source for a path or URL: a DCP folder, a ``.pt`` or a safetensors file or folder. URLs take
+    the same kinds as local paths (``storage_options`` go to fsspec)."""
     if isinstance(path, Folder):  # a URL already opened with storage options
         return DcpSource(path)
     text = str(path)
     if is_url(text):
-        return DcpSource(text)
+        return _open_url(text, storage_options)
     if not os.path.exists(text):
         raise CheckpointError(f"{text}: no such file or folder.", path=text)
     if os.path.isfile(text):
         if text.endswith(".safetensors"):
-            return SafetensorsSource(text)
+            return SafetensorsSource.open(text)
         if text.endswith(TORCH_EXT):
             return TorchFileSource(text)
         if os.path.basename(text) == ".metadata":
             return DcpSource(text)
-        raise CheckpointError(f"{text}: not a checkpoint file (.pt, .pth, .bin, .safetensors) or folder.", path=text)
-    if os.path.exists(os.path.join(text, "model.safetensors.index.json")) and \
-            not os.path.exists(os.path.join(text, ".metadata")):
-        return SafetensorsSource(text)
+        raise CheckpointError(f"{text}: {NOT_A_CHECKPOINT}", path=text)
+    if os.path.exists(os.path.join(text, INDEX)) and not os.path.exists(os.path.join(text, ".metadata")):
+        return SafetensorsSource.open(text)
     return DcpSource(text)
+
+
+def _open_url(url: str, storage_options: dict[str, Any] | None) -> Source:
+    """A URL: a file by its name (one request for its size), else a folder (one listing)."""
+    base = url.rstrip("/").rsplit("/", 1)[-1]
+    if base.endswith(".safetensors"):
+        return SafetensorsSource.open(url, storage_options)
+    if base.endswith(TORCH_EXT):
+        return TorchFileSource.from_url(url, storage_options)
+    where = open_folder(url, storage_options)  # a .metadata URL gives its folder
+    listing = where.listing()
+    if not listing:
+        raise CheckpointError(f"{url}: no such file or folder, or an empty one.", path=url)
+    if INDEX in listing and ".metadata" not in listing:
+        return SafetensorsSource(where, _index_files(where), url)
+    return DcpSource(where)
