@@ -6,10 +6,21 @@ resets it. ``PUT /_requests/fail`` with a body makes every later PUT whose path 
 fail with a real S3 ``500 InternalError`` (a storage fault, injected at the server; an empty body
 clears it). Used by tests/test_remote.py and benchmarks/remote_export.py, so both count the same way:
 at the server, for every client.
+
+Checksums as S3 checks them: a PUT (object or part) that carries ``x-amz-checksum-crc32`` (as a header,
+or as the trailer of an ``aws-chunked`` body) is refused with ``400 BadDigest`` when the bytes received
+do not match it. moto stores such a value unchecked (a TODO in its ``_get_checksum``), so without this
+the server would accept what real S3 refuses. ``PUT /_requests/corrupt`` with a body flips one byte of
+every later PUT body whose path contains that text (damage in transit; an empty body clears it).
+``GET /_requests/checks`` counts PUT bodies by how they were checked (``crc32``, ``none``, ``bad_digest``).
+``PUT /_requests/delay`` with a body makes every later GET whose path contains it wait 20 s (a slow network,
+to interrupt a download; an empty body clears it).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import subprocess
@@ -17,13 +28,43 @@ import sys
 import threading
 import time
 import urllib.request
+import zlib
 from collections import Counter
 from typing import Any
 
 COUNTER_PATH = "/_requests"
 FAIL_PATH = "/_requests/fail"
+CORRUPT_PATH = "/_requests/corrupt"
+CHECKS_PATH = "/_requests/checks"
+DELAY_PATH = "/_requests/delay"
 FAULT = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
          b"<Message>injected by the test server</Message></Error>")
+DELAY_SECONDS = 20
+BAD_DIGEST = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>BadDigest</Code>'
+              b"<Message>The CRC32 you specified did not match the calculated checksum.</Message></Error>")
+
+
+def crc32_b64(data: bytes) -> str:
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def unchunk(body: bytes) -> tuple[bytes, dict[str, str], int]:
+    """An ``aws-chunked`` body: its payload, its trailer headers and where the first chunk's data starts."""
+    out, trailers, pos, first = bytearray(), {}, 0, -1
+    while True:
+        eol = body.index(b"\r\n", pos)
+        size = int(body[pos:eol].split(b";")[0], 16)
+        pos = eol + 2
+        if size == 0:
+            break
+        first = pos if first < 0 else first
+        out += body[pos:pos + size]
+        pos += size + 2
+    for line in body[pos:].split(b"\r\n"):
+        if b":" in line:
+            k, v = line.split(b":", 1)
+            trailers[k.decode().strip().lower()] = v.decode().strip()
+    return bytes(out), trailers, first
 
 
 class RequestCounter:
@@ -33,15 +74,27 @@ class RequestCounter:
         self.app = app
         self.counts: Counter[str] = Counter()
         self.fail_match = ""
+        self.corrupt_match = ""
+        self.delay_match = ""
+        self.checks: Counter[str] = Counter()
         self.lock = threading.Lock()
 
     def __call__(self, environ: dict, start_response: Any) -> Any:
         path = environ.get("PATH_INFO", "")
-        if path == FAIL_PATH:
+        if path in (FAIL_PATH, CORRUPT_PATH, DELAY_PATH):
             size = int(environ.get("CONTENT_LENGTH") or 0)
-            self.fail_match = environ["wsgi.input"].read(size).decode() if size else ""
+            text = environ["wsgi.input"].read(size).decode() if size else ""
+            setattr(self, {FAIL_PATH: "fail_match", CORRUPT_PATH: "corrupt_match", DELAY_PATH: "delay_match"}[path],
+                    text)
             start_response("200 OK", [("Content-Length", "0")])
             return [b""]
+        if self.delay_match and environ["REQUEST_METHOD"] == "GET" and self.delay_match in path:
+            time.sleep(DELAY_SECONDS)  # a slow network, for tests that interrupt a download
+        if path == CHECKS_PATH:
+            with self.lock:
+                body = json.dumps(dict(self.checks)).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
         if self.fail_match and environ["REQUEST_METHOD"] == "PUT" and self.fail_match in path:
             with self.lock:
                 self.counts["failed"] += 1
@@ -57,10 +110,36 @@ class RequestCounter:
             return [body]
         with self.lock:
             self.counts[environ["REQUEST_METHOD"]] += 1
+        if environ["REQUEST_METHOD"] == "PUT" and "HTTP_X_AMZ_COPY_SOURCE" not in environ:
+            refused = self.check_body(environ, path)
+            if refused:
+                start_response("400 Bad Request", [("Content-Type", "application/xml"),
+                                                   ("Content-Length", str(len(BAD_DIGEST)))])
+                return [BAD_DIGEST]
         if os.environ.get("S3_SERVER_LOG"):  # for a person debugging request counts
             print(environ["REQUEST_METHOD"], path, environ.get("QUERY_STRING", ""), environ.get("HTTP_RANGE", ""),
                   file=sys.stderr, flush=True)
         return self.app(environ, start_response)
+
+
+    def check_body(self, environ: dict, path: str) -> bool:
+        """Damage the body when asked, then check it against its CRC32 as S3 does; True: refuse it."""
+        if not environ.get("CONTENT_LENGTH"):
+            return False  # no length: a body we do not read here (none of our clients sends one)
+        body = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
+        chunked = "aws-chunked" in environ.get("HTTP_CONTENT_ENCODING", "")
+        payload, trailers, first = unchunk(body) if chunked else (body, {}, 0)
+        if self.corrupt_match and self.corrupt_match in path and payload:
+            at = max(first, 0) + min(1, len(payload) - 1)  # the second payload byte (the first of one)
+            body = body[:at] + bytes([body[at] ^ 0xFF]) + body[at + 1:]
+            payload = unchunk(body)[0] if chunked else body
+        claimed = environ.get("HTTP_X_AMZ_CHECKSUM_CRC32") or trailers.get("x-amz-checksum-crc32")
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        refused = claimed is not None and claimed != crc32_b64(payload)
+        with self.lock:
+            self.checks["bad_digest" if refused else "crc32" if claimed else "none"] += 1
+        return refused
 
 
 def serve() -> None:
@@ -111,6 +190,21 @@ class S3Server:
         """Make PUTs whose path contains ``match`` fail with 500 InternalError ("" clears it)."""
         req = urllib.request.Request(self.endpoint + FAIL_PATH, data=match.encode(), method="PUT")
         urllib.request.urlopen(req, timeout=30).close()
+
+    def corrupt_puts(self, match: str) -> None:
+        """Flip one byte of every PUT body whose path contains ``match`` ("" clears it)."""
+        req = urllib.request.Request(self.endpoint + CORRUPT_PATH, data=match.encode(), method="PUT")
+        urllib.request.urlopen(req, timeout=30).close()
+
+    def delay_gets(self, match: str) -> None:
+        """Answer every GET whose path contains ``match`` only after DELAY_SECONDS ("" clears it)."""
+        req = urllib.request.Request(self.endpoint + DELAY_PATH, data=match.encode(), method="PUT")
+        urllib.request.urlopen(req, timeout=30).close()
+
+    def checks(self) -> dict[str, int]:
+        """PUT bodies so far by how they were checked: ``crc32``, ``none``, ``bad_digest``."""
+        with urllib.request.urlopen(self.endpoint + CHECKS_PATH, timeout=30) as r:
+            return json.loads(r.read())
 
     def env(self) -> dict[str, str]:
         """Environment for a client process that talks to this server."""

@@ -304,6 +304,29 @@ def test_symlinked_item_to_a_device_is_refused(copy_of):
     assert mb < 1500
 
 
+def test_symlink_leading_out_of_the_folder_is_never_opened(copy_of, tmp_path):
+    """An item or .metadata that is a link to a regular file elsewhere (a secret, another checkpoint) is
+    refused by every reading command; a link to a file inside the folder is fine."""
+    ckpt = copy_of("fsdp2_r2")
+    _ck, chunk = _item(ckpt)
+    outside = tmp_path / "outside.distcp"
+    os.rename(ckpt / chunk.file, outside)
+    os.symlink(outside, ckpt / chunk.file)
+    for args in (("show", ckpt, FQN), ("verify", "--deep", ckpt), ("export", ckpt, tmp_path / "o.safetensors")):
+        proc = run_cli(*args, timeout=120)
+        assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert "outside the checkpoint folder; refused" in proc.stdout + proc.stderr, args
+    assert not (tmp_path / "o.safetensors").exists()
+    os.unlink(ckpt / chunk.file)
+    os.rename(outside, ckpt / "real.bin")
+    os.symlink("real.bin", ckpt / chunk.file)  # relative, inside
+    assert run_cli("show", ckpt, FQN, timeout=120).returncode == 0
+    meta = tmp_path / "meta"
+    os.rename(ckpt / ".metadata", meta)
+    os.symlink(meta, ckpt / ".metadata")
+    clean(run_cli("inspect", ckpt, "--no-cache", timeout=120))
+
+
 # ---------------------------------------------------------------- wrong answers that look right
 def _flip_a_value_bit(ckpt):
     ck = open_checkpoint(ckpt, use_cache=False)

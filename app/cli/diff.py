@@ -10,11 +10,12 @@ from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 from shardscope.backend.format import escape_name
 
 from .output import TerminalProgress, add_command
-from .storage_options import add_storage_options, folder
+from .storage_options import add_storage_options, storage_options
 
 
 def register(sub: Any) -> None:
-    sp = add_command(sub, "diff", run, "Compare two checkpoints (DCP folders, .pt or .safetensors files) by value. "
+    sp = add_command(sub, "diff", run, "Compare two checkpoints (DCP folders, .pt or .safetensors files, HF index "
+                     "folders; paths or URLs) by value. "
                      "Exit 0 no differences in values, 1 differences found, 2 cannot read.")
     sp.add_argument("a")
     sp.add_argument("b")
@@ -26,7 +27,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.compare import diff, open_source
 
-    with open_source(folder(args, args.a)) as a, open_source(folder(args, args.b)) as b, \
+    options = storage_options(args)
+    with open_source(args.a, options) as a, open_source(args.b, options) as b, \
             TerminalProgress(enabled=not args.json) as progress:
         result = diff(a, b, progress)
     code = EXIT_PROBLEMS if result.differs else EXIT_OK

@@ -92,9 +92,25 @@ def _metadata_names(folder: Folder, listing: dict[str, int]) -> list[str]:
         raise CheckpointError(
             f"{folder.path}: {len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
             "coordinator writes .metadata last), so this checkpoint cannot be read or loaded.", path=folder.path)
+    inside = _checkpoint_subfolders(folder)
     raise CheckpointError(
         f"{folder.path}: not a distributed checkpoint (no .metadata file and no .distcp files).",
-        path=folder.path, hint="Open the folder that dcp.save or Lightning's sharded save wrote.")
+        path=folder.path, hint=(f"It holds distributed checkpoints in {', '.join(inside)}: open one of those."
+                                if inside else "Open the folder that dcp.save or Lightning's sharded save wrote."))
+
+
+def _checkpoint_subfolders(folder: Folder, limit: int = 8) -> list[str]:
+    """Subfolders holding a ``.metadata`` (an accelerate ``save_state`` folder: ``pytorch_model_fsdp_0/``,
+    ``optimizer_0/``), named for the error message; local folders only (a remote listing costs requests)."""
+    if not folder.local:
+        return []
+    try:
+        with os.scandir(folder.path) as it:
+            names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+    found = [f"{n}/" for n in names if os.path.isfile(os.path.join(folder.path, n, ".metadata"))]
+    return found[:limit] + (["..."] if len(found) > limit else [])
 
 
 def _read_graphs(folder: Folder, listing: dict[str, int], meta_names: list[str],

@@ -9,6 +9,7 @@ request. Errors of the remote backend become one-line :class:`CheckpointError` (
 
 from __future__ import annotations
 
+import base64
 import bisect
 import logging
 import os
@@ -19,6 +20,7 @@ import socket
 import tempfile
 import threading
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -650,6 +652,92 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 
 
+PART = 16 << 20  # multipart part size for S3 uploads (5 MiB..5 GiB, at most 10,000 parts)
+MAX_PARTS = 10_000
+PARTS_IN_FLIGHT = 4  # parts read and sent at once: at most this many parts in memory
+
+
+def crc32_b64(crc: int) -> str:
+    """A CRC32 as S3 writes it (``x-amz-checksum-crc32``): the 4 big-endian bytes in base64."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's ``crc32_combine``: the CRC32 of ``A + B`` from the CRC32s of A and B and B's length."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    even = [_gf2_times(odd, v) for v in odd]  # two
+    odd = [_gf2_times(even, v) for v in even]  # four
+    while len2:  # apply len2 zero bytes to crc1, squaring the operator per bit of len2
+        even = [_gf2_times(odd, v) for v in odd]
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = [_gf2_times(even, v) for v in even]
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+    return crc1 ^ crc2
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """One uploaded object: its size and, when sent with checksums, the CRC32 of the whole staged file
+    and (multipart) S3's composite checksum (the CRC32 of the parts' CRC32s, ``-N``)."""
+
+    size: int
+    requests: int = 1
+    crc32: str | None = None
+    composite: str | None = None
+
+    def matches(self, stored: str) -> bool:
+        """True when a stored ``ChecksumCRC32`` (full-object, or composite with or without ``-N``) is ours."""
+        value = stored.split("-", 1)[0]
+        return value in (self.crc32, (self.composite or "").split("-", 1)[0])
+
+
+@dataclass
+class UploadCheck:
+    """What a commit proved about the uploaded objects (the summary's ``uploaded:`` line)."""
+
+    objects: int = 0
+    requests: int = 0  # PUTs and parts
+    by_crc32: int = 0  # final objects that report the staged file's CRC32 (sent with every PUT/part)
+    checksummed: bool = False  # every PUT and part carried a CRC32 the server checks on receipt
+
+    def add(self, sent: Sent, crc_confirmed: bool) -> None:
+        """Count one final object."""
+        self.objects += 1
+        self.requests += sent.requests
+        self.by_crc32 += crc_confirmed
+
+    def describe(self) -> str:
+        """Exactly what was checked, in one sentence."""
+        n = f"{self.objects} object{'s' if self.objects != 1 else ''}"
+        if not self.checksummed:
+            return (f"{n}; each final object's size equals the staged file's (the uploaded bytes themselves were "
+                    "not checked)")
+        text = (f"{n} in {self.requests} PUT{'s' if self.requests != 1 else ''}/parts, each sent with the CRC32 of "
+                "its bytes as read from the staged file, which the server checks on receipt (S3 refuses a mismatch)")
+        if self.by_crc32 == self.objects:
+            return text + "; every final object reports the staged file's CRC32"
+        return text + (f"; {self.by_crc32} of {self.objects} final objects report the staged file's CRC32, the "
+                       "others were checked by size only")
+
+
 class RemoteTarget:
     """An export destination on an fsspec URL, committed only when the whole upload succeeded."""
 
@@ -658,6 +746,9 @@ class RemoteTarget:
         self.fs, root = fs_for(self.url, storage_options)
         self.root = root.rstrip("/")
         self.protocol = URL_RE.match(self.url).group(1)  # type: ignore[union-attr]
+        # S3: our own PUTs and parts, each with a CRC32 that the server checks (s3fs sends none of its own)
+        self.s3 = self.protocol in ("s3", "s3a") and hasattr(self.fs, "call_s3")
+        self.report = UploadCheck(checksummed=self.s3)
 
     def exists(self) -> bool:
         """True when something already exists at the destination URL."""
@@ -678,8 +769,12 @@ class RemoteTarget:
         """Upload ``local_path`` (a file, or a folder when ``kind == "dir"``) to the URL."""
         if kind == "file":
             if self.protocol in ATOMIC_PUT:  # one PUT or a multipart upload: visible only when complete
-                self._put(local_path, self.root)
-                self._check_size(local_path, self.root)
+                sent = self._put(local_path, self.root)
+                try:
+                    self._confirm(sent, self.root)
+                except BaseException:
+                    self._quiet_rm(self.root)  # a damaged object must not stay at the destination
+                    raise
                 return
             tmp = self._temp_name()
             self._upload_then_move([(local_path, tmp, self.root)], tmp)
@@ -721,24 +816,96 @@ class RemoteTarget:
                 removed.append(path)
         return removed
 
-    def _put(self, local: str, remote: str) -> None:
+    def _put(self, local: str, remote: str) -> Sent:
+        if self.s3:
+            return self._put_s3(local, remote)
         call(self.url, self.fs.put_file, local, remote, doing="upload failed")
+        return Sent(os.path.getsize(local))
 
-    def _check_size(self, local: str, remote: str) -> None:
-        info = call(self.url, self.fs.info, remote, doing="cannot check the upload")
-        if int(info.get("size") or 0) != os.path.getsize(local):
-            raise CheckpointError(f"{self.url}: the uploaded object has {info.get('size')} bytes, the written file "
-                                  f"{os.path.getsize(local)}.", path=self.url)
+    def _s3_call(self, method: str, doing: str = "upload failed", **kwargs: Any) -> Any:
+        return call(self.url, self.fs.call_s3, method, doing=doing, **kwargs)
+
+    def _put_s3(self, local: str, remote: str) -> Sent:
+        """One PUT (up to a part's size) or a multipart upload, every request with the CRC32 of its body."""
+        bucket, _, key = remote.partition("/")
+        size = os.path.getsize(local)
+        part = max(PART, -(-size // MAX_PARTS))
+        if size > part:
+            return self._multipart(local, bucket, key, size, part)
+        with open(local, "rb") as f:
+            data = f.read(part + 1)
+        if len(data) != size:
+            raise CheckpointError(f"{self.url}: the staged file changed while it was uploaded.", path=self.url)
+        crc = crc32_b64(zlib.crc32(data))
+        self._s3_call("put_object", Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="CRC32", ChecksumCRC32=crc)
+        return Sent(size, 1, crc)
+
+    def _multipart(self, local: str, bucket: str, key: str, size: int, part: int) -> Sent:
+        upload_id = self._s3_call("create_multipart_upload", Bucket=bucket, Key=key,
+                                  ChecksumAlgorithm="CRC32")["UploadId"]
+        fd = os.open(local, os.O_RDONLY)
+
+        def one(i: int) -> tuple[dict[str, Any], int, int]:
+            data = os.pread(fd, min(part, size - i * part), i * part)
+            crc = zlib.crc32(data)
+            out = self._s3_call("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=i + 1,
+                                Body=data, ChecksumAlgorithm="CRC32", ChecksumCRC32=crc32_b64(crc))
+            return {"PartNumber": i + 1, "ETag": out["ETag"], "ChecksumCRC32": crc32_b64(crc)}, crc, len(data)
+
+        pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="shardscope-upload")
+        try:
+            done = [f.result() for f in [pool.submit(one, i) for i in range(-(-size // part))]]
+            self._s3_call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                          MultipartUpload={"Parts": [d[0] for d in done]})
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # no part goes out after this
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception as exc:  # the failure that brought us here is the one to report
+                if not is_remote_error(exc):
+                    raise
+                log.warning("could not abort the upload of %s/%s: %r", bucket, key, exc)
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            os.close(fd)
+        if sum(d[2] for d in done) != size:
+            raise CheckpointError(f"{self.url}: the staged file changed while it was uploaded.", path=self.url)
+        whole = done[0][1]
+        for _, crc, length in done[1:]:
+            whole = crc32_combine(whole, crc, length)
+        composite = crc32_b64(zlib.crc32(b"".join(d[1].to_bytes(4, "big") for d in done)))
+        return Sent(size, len(done), crc32_b64(whole), f"{composite}-{len(done)}")
+
+    def _confirm(self, sent: Sent, remote: str) -> None:
+        """The final object has the staged file's size and (S3) reports its CRC32; else CheckpointError."""
+        if not self.s3:
+            info = call(self.url, self.fs.info, remote, doing="cannot check the upload")
+            size, stored = int(info.get("size") or 0), None
+        else:
+            bucket, _, key = remote.partition("/")
+            head = self._s3_call("head_object", doing="cannot check the upload", Bucket=bucket, Key=key,
+                                 ChecksumMode="ENABLED")
+            size, stored = int(head.get("ContentLength") or 0), head.get("ChecksumCRC32")
+        where = f"{self.url}/{remote[len(self.root):].lstrip('/')}".rstrip("/")
+        if size != sent.size:
+            raise CheckpointError(f"{where}: the uploaded object has {size} bytes, the staged file {sent.size}.",
+                                  path=where)
+        if stored is not None and not sent.matches(stored):
+            raise CheckpointError(f"{where}: the uploaded object's CRC32 is {stored}, the staged file's "
+                                  f"{sent.crc32}: the upload is damaged.", path=where)
+        self.report.add(sent, stored is not None)
 
     def _upload_then_move(self, moves: list[tuple[str, str, str]], tmp: str) -> None:
         done: list[str] = []
+        # S3: the server copies the object and computes the copy's CRC32 itself, so the check below covers the move
+        move_options = {"ChecksumAlgorithm": "CRC32"} if self.s3 else {}
         try:
-            for local, staged, _ in moves:
-                self._put(local, staged)
-                self._check_size(local, staged)
-            for _, staged, final in moves:
-                call(self.url, self.fs.mv, staged, final, doing="cannot move the upload into place")
+            sent = [self._put(local, staged) for local, staged, _ in moves]
+            for one, (_, staged, final) in zip(sent, moves, strict=True):
+                call(self.url, self.fs.mv, staged, final, doing="cannot move the upload into place", **move_options)
                 done.append(final)
+                self._confirm(one, final)
         except BaseException:
             for final in done:  # a half-moved folder is worse than none
                 self._quiet_rm(final)

@@ -16,8 +16,15 @@ from ..errors import CheckpointError
 from .remote import RemoteHandles, call, fs_for, is_url
 
 
-def open_regular(path: str) -> int:
-    """A read-only descriptor of a regular file; a FIFO, device or folder is refused without blocking."""
+def open_regular(path: str, root: str | None = None) -> int:
+    """A read-only descriptor of a regular file; a FIFO, device or folder is refused without blocking,
+    and so is a symbolic link that leads outside the folder ``root`` (the checkpoint's own folder)."""
+    if root is not None and os.path.islink(path):
+        target = os.path.realpath(path)
+        inside = os.path.realpath(root)
+        if os.path.commonpath([target, inside]) != inside:
+            raise CheckpointError(f"{path}: a symbolic link to {target}, outside the checkpoint folder; refused.",
+                                  path=path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except OSError as exc:
@@ -48,7 +55,7 @@ class LocalHandles:
             fd = self._fds.get(name)
             if fd is None:
                 path = self.where(name)
-                fd = open_regular(path)
+                fd = open_regular(path, self.folder)
                 self._fds[name] = fd
             return fd
 
@@ -151,7 +158,7 @@ class Folder:
     def open(self, name: str) -> Any:
         """A binary file object (metadata pickles are read as a stream)."""
         if self.local:
-            return os.fdopen(open_regular(os.path.join(self.path, name)), "rb")
+            return os.fdopen(open_regular(os.path.join(self.path, name), self.path), "rb")
         return call(self.join(name), self.fs.open, self._key(name), "rb", block_size=8 << 20)
 
     def handles(self) -> LocalHandles | RemoteHandles:

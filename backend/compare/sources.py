@@ -168,14 +168,12 @@ class SafetensorsSource(Source):
         if missing:
             raise CheckpointError(f"{where.join(missing[0])}: no such file.", path=where.join(missing[0]))
         listing = {n: listing[n] for n in names}
-        handles = where.handles()
-        # Header metadata first: for a URL the header is then fetched once, for this and open_hf_folder.
-        metas = [parse_safetensors_file(handles, n, listing[n]).metadata for n in names]
         self.ckpt = open_hf_folder(where, listing)
         self.ckpt.folder = where
         self.reader = ChunkReader(self.ckpt)
         self._objects: dict[str, Any] = {}
-        for meta in metas:
+        for n in names:
+            meta = parse_safetensors_file(self.reader.handles, n, listing[n]).metadata
             try:
                 objects = json.loads(meta.get("shardscope_objects") or "{}")
             except (ValueError, RecursionError):
@@ -223,7 +221,8 @@ def _index_files(where: Folder) -> list[str]:
     if size > MAX_INDEX_BYTES:
         raise CheckpointError(f"{index}: {size} bytes is implausible for a safetensors index.", path=index)
     try:
-        weight_map = json.loads(where.handles().read(INDEX, 0, size))["weight_map"]
+        with where.handles() as handles:
+            weight_map = json.loads(handles.read(INDEX, 0, size))["weight_map"]
         files = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{index}: not a readable safetensors index ({type(exc).__name__}).",

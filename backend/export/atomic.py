@@ -123,6 +123,7 @@ class AtomicOutput:
         self.folder = tempfile.gettempdir() if self.remote else os.path.dirname(self.dst)  # remote: local staging
         self.path = os.path.join(self.folder, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(3)}")
         self.committed = False
+        self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
         self._old_handlers: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ checks
@@ -183,6 +184,7 @@ class AtomicOutput:
         """Make the temporary durable and give it the destination's name (replacing it with --force)."""
         if self.remote:  # the upload is the commit
             self.remote.commit(self.path, self.kind)
+            self.uploaded = self.remote.report.describe()
             self._discard()
             self.committed = True
             return

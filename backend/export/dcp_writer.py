@@ -160,7 +160,8 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         out.commit()
     return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, ".metadata"]], count, nbytes,
                         time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
-                        verified_what=WHAT + "; the folder reads back as a DCP checkpoint" if verify else "")
+                        verified_what=WHAT + "; the folder reads back as a DCP checkpoint" if verify else "",
+                        uploaded=out.uploaded)
 
 
 def _expectations(folder: str, written: list[_Written]) -> list[Expectation]:
@@ -192,7 +193,7 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
 
     from ..compare.sources import SafetensorsSource, TorchFileSource, open_source
 
-    source = open_source(src)
+    source = open_source(src, storage_options)
     if not isinstance(source, TorchFileSource | SafetensorsSource):
         raise ExportError(f"{src}: import takes a .pt/.pth/.bin or .safetensors file; use reshard for a DCP folder.")
     pre = prefix.strip(".") if prefix else ""

@@ -55,6 +55,9 @@ def recognise_layout(ckpt: Checkpoint) -> Layout:
     folder = os.path.basename(ckpt.path.rstrip("/"))
     if "state_dict" in tensor_roots:
         return Layout("Lightning Trainer (state_dict, optimizer_N, meta.pt)", ("state_dict",), "state_dict.")
+    if _OPTIMIZER_N.match(folder) and tensor_roots == {"optimizer"}:
+        return Layout("HF Trainer / accelerate FSDP optimizer state (optimizer_N: no model weights; they are in "
+                      "the sibling pytorch_model_fsdp_N/)", ())
     if "model" in tensor_roots:
         if ACCELERATE_MODEL_DIR.search(folder):
             return Layout("HF Trainer / accelerate FSDP (pytorch_model_fsdp_N)", ("model",), "model.")

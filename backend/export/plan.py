@@ -206,8 +206,11 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
         if not hit:
             raise ExportError(f"--rename {pattern.pattern}: matches no exported key.")
     if not items and not objects:
-        raise ExportError(f"{ckpt.path}: nothing to export"
-                          f"{' under ' + ', '.join(only) if only else ''}.")
+        if only:
+            raise ExportError(f"{ckpt.path}: nothing to export under {', '.join(only)}.")
+        raise ExportError(f"{ckpt.path}: nothing to export by default (layout: {layout.name}; "
+                          f"{'; '.join(sel.left_out) or 'no entries'}); choose entries with --only PREFIX, or "
+                          "export everything to a .pt file.")
     notes = [f"layout: {layout.name}" + (f"; keys without the '{strip}' prefix" if strip else "")]
     return ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
                       max_shard_size, fmt == "torch" and bool(ckpt.extra_files.get("meta.pt")) and not only,

@@ -24,6 +24,7 @@ class ExportResult:
     verified: bool | None = None
     verified_what: str = ""  # what exactly was proven, printed after "verified:"
     mismatches: list[str] = field(default_factory=list)
+    uploaded: str = ""  # URL destinations: how the upload of the verified staged copy was checked
 
     def summary(self) -> str:
         """The lines the CLI prints and the dialog shows."""
@@ -35,7 +36,10 @@ class ExportResult:
                  f"wrote {self.dst}: {self.tensors} tensors, {human_bytes(self.bytes)}{how} in {self.seconds:.1f} s"
                  + (f" ({len(self.files)} files)" if len(self.files) > 1 else "")]
         if self.verified:
-            lines.append(f"verified: {self.verified_what}")
+            staged = " (the local staged copy, before its upload)" if self.uploaded else ""
+            lines.append(f"verified{staged}: {self.verified_what}")
+        if self.uploaded:
+            lines.append(f"uploaded: {self.uploaded}")
         lines += [f"left out: {note}" for note in self.left_out]
         return "\n".join(lines)
 
