@@ -463,6 +463,27 @@ def test_unreadable_is_listed_and_never_pruned(tmp_path, fixtures):
     assert "check it with `shardscope verify`" in plan["step_2"][1][0]
 
 
+def test_safetensors_file_states(tmp_path):
+    """A consolidated safetensors file is whole, cut short, or not safetensors at all."""
+    from shardscope.backend.library.scan import file_state
+
+    whole = tmp_path / "whole.safetensors"
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, whole)
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-100])
+    head = tmp_path / "head.safetensors"
+    head.write_bytes(data[:20])
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(len(b"[1, 2]").to_bytes(8, "little") + b"[1, 2]" + bytes(64))
+    states = {p.name: file_state(str(p), p.stat().st_size)[:2] for p in (whole, cut, head, junk)}
+    assert states["whole.safetensors"] == ("complete", "")
+    assert states["cut.safetensors"] == ("incomplete", f"truncated: the header needs {len(data)} bytes, "
+                                                       f"the file has {len(data) - 100}")
+    assert states["head.safetensors"] == ("incomplete", "truncated inside its header")
+    assert states["junk.safetensors"][0] == "unreadable" and "not a JSON object" in states["junk.safetensors"][1]
+
+
 def test_keep_best_reads_tensorboard_event_files(tmp_path):
     """Lightning's default logger: lightning_logs/version_N/events.out.tfevents.* next to checkpoints/."""
     from torch.utils.tensorboard import SummaryWriter

@@ -49,10 +49,12 @@ def s3(fixtures, tmp_path_factory):
         server.stop()
 
 
-def shardscope(server: S3Server | None, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, int]:
+def shardscope(server: S3Server | None, *args: str, timeout: float = 600,
+               extra_env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, int]:
     """Run the CLI in a fresh process (endpoint from AWS_* variables when ``server``); also return the
     number of requests the server answered meanwhile."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(extra_env or {})
     if server is not None:
         env.update(server.env())
         server.reset()
@@ -253,3 +255,214 @@ def test_leftover_uploads_of_a_killed_export_are_cleaned_next_time(s3):
     assert not fs.exists(f"{BUCKET}/killed/{names['dead']}")
     assert fs.exists(f"{BUCKET}/killed/{names['live']}") and fs.exists(f"{BUCKET}/killed/{names['other_host']}")
     fs.rm(f"{BUCKET}/killed", recursive=True)
+
+
+# ------------------------------------------------------------------ single files and index folders on a URL
+def write_safetensors(path: Path, tensors: dict) -> None:
+    """A safetensors file written byte by byte from the format's definition (no safetensors package)."""
+    header, blobs, pos = {}, [], 0
+    codes = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.int64": "I64"}
+    for key, t in tensors.items():
+        data = t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+        header[key] = {"dtype": codes[str(t.dtype)], "shape": list(t.shape), "data_offsets": [pos, pos + len(data)]}
+        blobs.append(data)
+        pos += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+@pytest.fixture(scope="module")
+def files(s3, tmp_path_factory):
+    """One state dict as a .safetensors file (18 MiB: read by ranges, not whole), a .pt, an HF index folder
+    of two shards, and objects that are not checkpoints, locally and under s3://ckpts/files/."""
+    import torch
+
+    _, fs, _ = s3
+    g = torch.Generator().manual_seed(1)
+    sd = {f"layers.{i}.weight": torch.randn(1536, 1024, generator=g) for i in range(3)}
+    sd["norm.weight"] = torch.randn(1024, generator=g).to(torch.bfloat16)
+    sd["step"] = torch.tensor([7], dtype=torch.int64)
+    root = tmp_path_factory.mktemp("files")
+    write_safetensors(root / "model.safetensors", sd)
+    torch.save(sd, root / "model.pt")
+    shards = root / "sharded"
+    shards.mkdir()
+    names = {"model-00001-of-00002.safetensors": ["layers.0.weight", "layers.1.weight"],
+             "model-00002-of-00002.safetensors": ["layers.2.weight", "norm.weight", "step"]}
+    for name, keys in names.items():
+        write_safetensors(shards / name, {k: sd[k] for k in keys})
+    index = {"metadata": {}, "weight_map": {k: n for n, keys in names.items() for k in keys}}
+    (shards / "model.safetensors.index.json").write_text(json.dumps(index))
+    whole = (root / "model.safetensors").read_bytes()
+    (root / "truncated.safetensors").write_bytes(whole[:-1000])
+    (root / "garbage.safetensors").write_bytes(b"\xff" * 64)
+    (root / "garbage.pt").write_bytes(b"PK\x03\x04 not a zip")
+    (root / "notes.txt").write_text("not a checkpoint")
+    fs.put(f"{root}/", f"{BUCKET}/files/", recursive=True)
+    return root, f"s3://{BUCKET}/files"
+
+
+def test_diff_reads_remote_safetensors_pt_and_index_folder_with_few_requests(s3, files):
+    server, _, _ = s3
+    local, url = files
+    size = (local / "model.safetensors").stat().st_size
+    proc, requests = shardscope(server, "diff", f"{url}/model.safetensors", str(local / "model.pt"))
+    assert proc.returncode == 0, proc.stderr
+    assert "0 changed, 5 unchanged" in proc.stdout, proc.stdout
+    # a size (HEAD), the header (read twice: when the file is opened, and for its metadata) and one GET per
+    # 6 MiB tensor, the small ones merged: not one request per read
+    assert requests <= 7, requests
+    pt_size = (local / "model.pt").stat().st_size
+    proc, requests = shardscope(server, "diff", f"{url}/model.pt", f"{url}/sharded")
+    assert proc.returncode == 0, proc.stderr
+    assert "0 changed, 5 unchanged" in proc.stdout, proc.stdout
+    pt_gets = -(-pt_size // (16 << 20))  # the .pt is copied in 16 MiB ranged GETs
+    assert requests <= 1 + pt_gets + 1 + 1 + 2 * 2 + 3, requests  # + listing, index, headers, tensors
+    assert size < pt_size + 4096
+
+
+def test_import_reads_a_remote_pt_and_leaves_no_temporary(s3, files, tmp_path):
+    server, _, _ = s3
+    local, url = files
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env_tmp = {"TMPDIR": str(tmp)}
+    out = tmp_path / "imported"
+    proc, _ = shardscope(server, "import", f"{url}/model.pt", str(out), extra_env=env_tmp)
+    assert proc.returncode == 0, proc.stderr
+    proc, _ = shardscope(None, "diff", str(out), str(local / "model.pt"))
+    assert proc.returncode == 0 and "0 changed, 5 unchanged" in proc.stdout, proc.stdout + proc.stderr
+    proc, _ = shardscope(server, "import", f"{url}/sharded", str(tmp_path / "imported2"), extra_env=env_tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(("name", "expect"), [
+    ("missing.safetensors", "no such file"),
+    ("missing.pt", "no such file"),
+    ("missing-folder", "no such file"),
+    ("notes.txt", "is a file, not a checkpoint folder"),
+    ("garbage.safetensors", "not a readable safetensors file"),
+    ("garbage.pt", "cannot be loaded safely with weights_only=True"),
+    ("truncated.safetensors", "truncated"),
+])
+def test_remote_file_errors_are_one_line_naming_the_url(s3, files, name, expect):
+    server, _, _ = s3
+    local, url = files
+    proc, _ = shardscope(server, "diff", f"{url}/{name}", str(local / "model.pt"))
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and f"{url}/{name}" in proc.stderr and expect in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_remote_file_on_an_unreachable_endpoint_is_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in ("model.pt", "model.safetensors"):
+        proc, _ = shardscope(None, "diff", f"s3://{BUCKET}/files/{name}", f"s3://{BUCKET}/files/{name}",
+                             "--storage-option", f"client_kwargs.endpoint_url=http://127.0.0.1:{port}",
+                             "--storage-option", "key=k", "--storage-option", "secret=s", timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "cannot reach the storage endpoint" in proc.stderr and f"s3://{BUCKET}/files/{name}" in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_interrupted_download_leaves_no_temporary(s3, files, tmp_path, how):
+    """A .pt being copied (the server answers slowly) is interrupted: SIGINT and SIGTERM remove the copy at
+    once; after a kill -9 the next download removes it."""
+    import signal
+
+    server, _, _ = s3
+    local, url = files
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(server.env(), TMPDIR=str(tmp))
+    server.delay_gets("files/model.pt")
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "diff", f"{url}/model.pt",
+                                 str(local / "model.pt")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 120
+        while not list(tmp.glob(".shardscope-tmp-*-dl-*")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert list(tmp.glob(".shardscope-tmp-*-dl-*")), proc.communicate(timeout=60)
+        proc.send_signal(getattr(signal, how))
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        server.delay_gets("")
+    if how == "SIGKILL":
+        assert proc.returncode == -9 and list(tmp.iterdir())
+        again, _ = shardscope(server, "diff", f"{url}/model.pt", str(local / "model.pt"),
+                              extra_env={"TMPDIR": str(tmp)})
+        assert again.returncode == 0, again.stderr
+    else:
+        assert proc.returncode == 130 and stderr.count("\n") == 1, (proc.returncode, stderr)
+    assert list(tmp.iterdir()) == []
+
+
+def test_window_compares_a_remote_safetensors_file(s3, files, tmp_path):
+    """The window's Compare view opens URLs through the same sources as diff."""
+    server, _, _ = s3
+    local, url = files
+    shot = tmp_path / "compare.png"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "gui", "--compare", f"{url}/model.safetensors",
+                           str(local / "model.pt"), "--screenshot", str(shot), "--size", "1280x720",
+                           "--storage-option", f"client_kwargs.endpoint_url={server.endpoint}",
+                           "--storage-option", "key=testing", "--storage-option", "secret=testing"],
+                          capture_output=True, text=True, timeout=600, env={**env, "QT_QPA_PLATFORM": "offscreen"})
+    assert proc.returncode == 0, proc.stderr
+    assert shot.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------ uploads checked by the server
+def stored_crc32(fs: s3fs.S3FileSystem, key: str) -> str | None:
+    bucket, _, name = key.partition("/")
+    return fs.call_s3("head_object", Bucket=bucket, Key=name, ChecksumMode="ENABLED").get("ChecksumCRC32")
+
+
+def test_export_to_s3_sends_crc32_with_every_put_and_part(s3, tmp_path):
+    import zlib
+
+    server, fs, _ = s3
+    before = server.checks()
+    # 18 MiB: a multipart upload of two 16 MiB parts
+    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/big", f"s3://{BUCKET}/sums/big.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert "verified (the local staged copy, before its upload):" in proc.stdout, proc.stdout
+    assert "uploaded: 1 object in 2 PUTs/parts" in proc.stdout, proc.stdout
+    assert "every final object reports the staged file's CRC32" in proc.stdout, proc.stdout
+    data = fs.cat(f"{BUCKET}/sums/big.safetensors")
+    parts = [zlib.crc32(data[i:i + (16 << 20)]).to_bytes(4, "big") for i in range(0, len(data), 16 << 20)]
+    composite = __import__("base64").b64encode(zlib.crc32(b"".join(parts)).to_bytes(4, "big")).decode()
+    assert stored_crc32(fs, f"{BUCKET}/sums/big.safetensors") == f"{composite}-2"
+    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/fsdp2_r4", f"s3://{BUCKET}/sums/sharded",
+                         "--max-shard-size", "4KB")
+    assert proc.returncode == 0, proc.stderr
+    assert "every final object reports the staged file's CRC32" in proc.stdout, proc.stdout
+    after = server.checks()
+    assert after.get("none", 0) == before.get("none", 0), (before, after)  # no PUT body went unchecked
+    assert after.get("crc32", 0) >= before.get("crc32", 0) + 3
+
+
+@pytest.mark.parametrize(("src", "name"), [("fsdp2_r4", "model.safetensors"), ("big", "big.safetensors")])
+def test_upload_damaged_in_transit_is_refused_and_leaves_nothing(s3, src, name):
+    """One byte of the PUT (or of every part) flipped on the way: the server refuses the body against its
+    CRC32, the export fails with one line, and neither the object nor a multipart upload is left."""
+    server, fs, _ = s3
+    dst = f"{BUCKET}/damaged/{name}"
+    before = server.checks().get("bad_digest", 0)
+    try:
+        server.corrupt_puts(f"damaged/{name}")
+        proc, _ = shardscope(server, "export", f"s3://{BUCKET}/{src}", f"s3://{dst}")
+    finally:
+        server.corrupt_puts("")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "BadDigest" in proc.stderr and f"s3://{dst}" in proc.stderr, proc.stderr
+    assert server.checks().get("bad_digest", 0) > before
+    assert not fs.exists(dst)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")
+

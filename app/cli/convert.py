@@ -12,8 +12,8 @@ from .storage_options import add_storage_options, folder, storage_options
 
 
 def register(sub: Any) -> None:
-    sp = add_command(sub, "import", run_import, "Turn a .pt or .safetensors file (or an HF folder with an index) "
-                     "into a DCP checkpoint that dcp.load reads, streaming, verified.")
+    sp = add_command(sub, "import", run_import, "Turn a .pt or .safetensors file (or an HF folder with an index; "
+                     "a path or URL) into a DCP checkpoint that dcp.load reads, streaming, verified.")
     sp.add_argument("file")
     sp.add_argument("dst_dir")
     sp.add_argument("--ranks", type=int, default=1, help="write it as if saved by M ranks (row-wise chunks)")

@@ -17,6 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.items import MAX_SAFETENSORS_HEADER, ItemFormatError, parse_safetensors_header
+from ..checkpoint.model import MAX_INDEX
+from ..checkpoint.storage import LocalHandles
 from ..errors import ShardscopeError
 from ..procs import pid_alive
 from ..progress import Progress
@@ -532,6 +535,8 @@ def file_state(path: str, size: int) -> tuple[str, str, str | None]:
 
 
 def _safetensors_state(path: str, size: int) -> tuple[str, str]:
+    """Whether a safetensors file is whole: its header parsed by the one parser (headers over 1 MiB only
+    length-checked, to keep a scan quick), and its data ending within the file."""
     head = _head(path, 8)
     if head is None:
         return "unreadable", "the file cannot be read"
@@ -539,16 +544,19 @@ def _safetensors_state(path: str, size: int) -> tuple[str, str]:
         return "incomplete", "shorter than a safetensors header"
     (n,) = struct.unpack("<Q", head)
     if 8 + n > size:
-        return ("incomplete", "truncated inside its header") if n <= 100 << 20 else \
+        return ("incomplete", "truncated inside its header") if n <= MAX_SAFETENSORS_HEADER else \
             ("unreadable", f"header length {n} is implausible")
-    if n <= 1 << 20:
-        try:
-            header = json.loads(_head(path, n, 8) or b"")
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return "unreadable", "the safetensors header is not valid JSON"
-        if 8 + n + end > size:
-            return "incomplete", f"truncated: the header needs {8 + n + end} bytes, the file has {size}"
+    if n > 1 << 20:
+        return "complete", ""
+    try:
+        with LocalHandles(os.path.dirname(path) or ".") as handles:
+            end = parse_safetensors_header(handles, os.path.basename(path), 0, size, MAX_INDEX).end
+    except ItemFormatError as exc:
+        return "unreadable", f"the safetensors header does not parse ({exc})"
+    except ShardscopeError:
+        return "unreadable", "the file cannot be read"
+    if end > size:
+        return "incomplete", f"truncated: the header needs {end} bytes, the file has {size}"
     return "complete", ""
 
 
