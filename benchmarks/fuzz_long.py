@@ -11,6 +11,7 @@ saved under ``--out`` with the seed that reproduces them (``tests/fuzz/harness.p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,15 +30,27 @@ CHECKPOINTS = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "nopg", "fsdp_safetensors_r2", 
 BATCH = 250
 
 
+_SEEDS: dict[str, list] = {}
+
+
+def _load_corpus(fixtures: str) -> None:
+    """Worker initializer: read the seed files once per worker (it imports torch; it used to run per batch)."""
+    from fuzz.harness import corpus
+
+    _SEEDS["metadata"], _SEEDS["distcp"] = corpus([Path(fixtures) / n for n in CHECKPOINTS])
+
+
 def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
     """Worker: run a batch of cases of one kind; return counts, the worst peak and the failures."""
+    import faulthandler
     import tempfile
 
-    from fuzz.harness import corpus, make_case, mutated, run_case
+    from fuzz.harness import make_case, mutated, run_case
 
     fixtures, kind, cases, timeout, out = args
-    meta, data = corpus([Path(fixtures) / n for n in CHECKPOINTS])
-    seeds = meta if kind == "metadata" else data
+    if not _SEEDS:
+        _load_corpus(fixtures)
+    seeds = _SEEDS[kind]
     counts: Counter = Counter()
     failures = []
     worst = 0
@@ -45,7 +59,13 @@ def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
             seed = seeds[case % len(seeds)]
             blob = mutated(seed, case)
             folder = make_case(seed.checkpoint, seed.target, blob, Path(tmp) / "case")
-            result = run_case(folder, timeout)
+            # NOTE: a hang inside C code never reaches the per-case SIGALRM; this watchdog (a C thread) then
+            # prints every thread's stack and ends the worker, which the parent reports with the batch.
+            faulthandler.dump_traceback_later(2 * timeout + 60, exit=True)
+            try:
+                result = run_case(folder, timeout)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             counts[result.kind] += 1
             worst = max(worst, result.peak)
             if result.kind in ("crash", "hang", "memory"):
@@ -65,72 +85,107 @@ def _fixtures(path: Path) -> Path:
     return path
 
 
+def _jobs(args: argparse.Namespace, fixtures: Path) -> list[tuple]:
+    """The batches in the order they run: the two kinds interleaved, so a time-boxed run covers both."""
+    starts = {"metadata": args.start if args.start_metadata is None else args.start_metadata,
+              "distcp": args.start if args.start_distcp is None else args.start_distcp}
+    per_kind = {}
+    for kind, n in (("metadata", args.metadata), ("distcp", args.distcp)):
+        cases = list(range(starts[kind], starts[kind] + n))
+        per_kind[kind] = [(str(fixtures), kind, cases[i:i + BATCH], args.timeout, args.out) for i in range(0, n, BATCH)]
+    meta_jobs, data_jobs = per_kind["metadata"], per_kind["distcp"]
+    ratio = max(1, len(meta_jobs) // max(1, len(data_jobs)))
+    order = []
+    while meta_jobs or data_jobs:
+        order += meta_jobs[:ratio] + data_jobs[:1]
+        del meta_jobs[:ratio], data_jobs[:1]
+    return order
+
+
+class Run:
+    """Counts, failures and the case numbers done, per kind."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.totals = {"metadata": Counter(), "distcp": Counter()}
+        self.done: dict[str, list[int]] = {"metadata": [], "distcp": []}
+        self.worst = 0
+        self.failures: list[dict] = []
+
+    def add(self, job: tuple, res: dict) -> None:
+        kind = job[1]
+        self.totals[kind].update(res["counts"])
+        self.done[kind] += job[2]
+        self.worst = max(self.worst, res["worst_peak"])
+        self.failures += res["failures"]
+        n = sum(sum(c.values()) for c in self.totals.values())
+        secs = time.monotonic() - self.t0
+        print(f"{secs:7.0f} s  {n} cases ({n / max(secs, 1e-9):.1f}/s)  metadata {dict(self.totals['metadata'])}  "
+              f"distcp {dict(self.totals['distcp'])}  failures {len(self.failures)}", flush=True)
+
+    def report(self, timeout: float) -> None:
+        print("\n| kind | cases | ok | problems found | clean error (exit 2) | tracebacks | hangs > "
+              f"{timeout:.0f} s | memory over 2x+300 MB |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for kind, c in self.totals.items():
+            print(f"| {kind} | {sum(c.values())} | {c['ok']} | {c['problems']} | {c['error']} | {c['crash']} | "
+                  f"{c['hang']} | {c['memory']} |")
+        for kind, cases in self.done.items():
+            span = sorted(cases)
+            whole = bool(span) and span == list(range(span[0], span[-1] + 1))
+            where = f"{span[0]}-{span[-1]}{'' if whole else ' (with gaps)'}" if span else "none"
+            print(f"{kind} case numbers run: {where}")
+        print(f"\n{(time.monotonic() - self.t0) / 60:.1f} min, worst peak above the worker's baseline "
+              f"{self.worst >> 20} MB")
+        for f in self.failures[:20]:
+            print(json.dumps(f)[:2000])
+
+
+def _run(args: argparse.Namespace, order: list[tuple], fixtures: Path) -> Run:
+    """Feed the batches to the worker pool, two per worker in flight, until done or out of time."""
+    run = Run()
+    with ProcessPoolExecutor(args.workers, initializer=_load_corpus, initargs=(str(fixtures),)) as pool:
+        it = iter(order)
+        pending = {pool.submit(_batch, job): job for job in itertools.islice(it, 2 * args.workers)}
+        while pending:
+            fut = next(iter(pending))
+            job = pending.pop(fut)
+            try:
+                res = fut.result(timeout=args.timeout * BATCH + 600)
+            except (FutureTimeout, BrokenProcessPool) as exc:
+                outcome = "hang" if isinstance(exc, FutureTimeout) else "worker died"
+                run.totals[job[1]]["hang" if outcome == "hang" else "crash"] += len(job[2])
+                run.failures.append({"kind": job[1], "case": f"{job[2][0]}-{job[2][-1]}", "outcome": outcome,
+                                     "detail": "the batch did not finish (see the worker's stack above)"})
+                for f in pending:
+                    f.cancel()
+                break  # a finding to look at before going on
+            run.add(job, res)
+            if args.minutes and time.monotonic() - run.t0 > args.minutes * 60:
+                continue  # let the running batches finish, submit no more
+            nxt = next(it, None)
+            if nxt is not None:
+                pending[pool.submit(_batch, nxt)] = nxt
+    return run
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--metadata", type=int, default=100_000, help="mutated .metadata cases")
     ap.add_argument("--distcp", type=int, default=20_000, help="mutated .distcp cases")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=30.0, help="per-case limit in seconds (a hang)")
-    ap.add_argument("--start", type=int, default=0, help="first case number (to continue a run)")
+    ap.add_argument("--start", type=int, default=0, help="first case number of both kinds (to continue a run)")
+    ap.add_argument("--start-metadata", type=int, help="first .metadata case number (default: --start)")
+    ap.add_argument("--start-distcp", type=int, help="first .distcp case number (default: --start)")
     ap.add_argument("--fixtures", default=str(Path.home() / ".cache" / "shardscope-fuzz-fixtures"))
     ap.add_argument("--out", default="fuzz-failures", help="where failing cases are saved")
     ap.add_argument("--minutes", type=float, default=0, help="stop submitting new batches after this long")
     args = ap.parse_args()
     fixtures = _fixtures(Path(args.fixtures))
-    jobs = []
-    for kind, n in (("metadata", args.metadata), ("distcp", args.distcp)):
-        cases = list(range(args.start, args.start + n))
-        jobs += [(str(fixtures), kind, cases[i:i + BATCH], args.timeout, args.out) for i in range(0, n, BATCH)]
-    # interleave the two kinds so a time-boxed run covers both
-    meta_jobs = [j for j in jobs if j[1] == "metadata"]
-    data_jobs = [j for j in jobs if j[1] == "distcp"]
-    ratio = max(1, len(meta_jobs) // max(1, len(data_jobs)))
-    order = []
-    while meta_jobs or data_jobs:
-        order += meta_jobs[:ratio] + data_jobs[:1]
-        del meta_jobs[:ratio], data_jobs[:1]
-    t0 = time.monotonic()
-    totals = {"metadata": Counter(), "distcp": Counter()}
-    worst = 0
-    failures: list[dict] = []
-    with ProcessPoolExecutor(args.workers, max_tasks_per_child=4) as pool:
-        pending = {}
-        it = iter(order)
-        for job in it:
-            pending[pool.submit(_batch, job)] = job
-            if len(pending) >= 2 * args.workers:
-                break
-        while pending:
-            fut = next(iter(pending))
-            job = pending.pop(fut)
-            try:
-                res = fut.result(timeout=args.timeout * BATCH + 600)
-            except FutureTimeout:
-                totals[job[1]]["hang"] += len(job[2])
-                failures.append({"kind": job[1], "case": job[2][0], "outcome": "hang", "detail": "batch timed out"})
-                continue
-            totals[job[1]].update(res["counts"])
-            worst = max(worst, res["worst_peak"])
-            failures += res["failures"]
-            done = sum(sum(c.values()) for c in totals.values())
-            print(f"{time.monotonic() - t0:7.0f} s  {done} cases  metadata {dict(totals['metadata'])}  "
-                  f"distcp {dict(totals['distcp'])}  failures {len(failures)}", flush=True)
-            if args.minutes and time.monotonic() - t0 > args.minutes * 60:
-                continue  # let the running batches finish, submit no more
-            nxt = next(it, None)
-            if nxt is not None:
-                pending[pool.submit(_batch, nxt)] = nxt
-    elapsed = time.monotonic() - t0
-    print("\n| kind | cases | ok | problems found | clean error (exit 2) | tracebacks | hangs > "
-          f"{args.timeout:.0f} s | memory over 2x+300 MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for kind, c in totals.items():
-        print(f"| {kind} | {sum(c.values())} | {c['ok']} | {c['problems']} | {c['error']} | {c['crash']} | "
-              f"{c['hang']} | {c['memory']} |")
-    print(f"\n{elapsed / 60:.1f} min, worst peak above the worker's baseline {worst >> 20} MB")
-    for f in failures[:20]:
-        print(json.dumps(f)[:2000])
-    return 1 if failures else 0
+    run = _run(args, _jobs(args, fixtures), fixtures)
+    run.report(args.timeout)
+    return 1 if run.failures else 0
 
 
 if __name__ == "__main__":

@@ -94,8 +94,8 @@ def test_torchtitan_style_state(tmp_path):
 
 def test_accelerate_fsdp_folder_parent_or_model_subfolder(tmp_path):
     """The layout HF Trainer/accelerate write for SHARDED_STATE_DICT (``save_fsdp_model`` /
-    ``save_fsdp_optimizer``: dcp.save of {"model": ...} and {"optimizer": ...}); written here with dcp.save
-    because accelerate's FSDP plugin needs an accelerator."""
+    ``save_fsdp_optimizer``: dcp.save of {"model": ...} and {"optimizer": ...}); written here with dcp.save,
+    fast; tests/test_accelerate_writer.py runs accelerate's own writer on 2 gloo processes."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     run = tmp_path / "checkpoint-500"
     _save({"model": model.state_dict()}, run / "pytorch_model_fsdp_0")

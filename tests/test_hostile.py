@@ -384,3 +384,99 @@ def test_partly_overlapping_ranges_are_found_without_reading(copy_of):
     a.length += 100  # runs into the next item
     save_metadata(ckpt, md)
     assert "storage_overlap" in [p.kind for p in verify(open_checkpoint(ckpt, use_cache=False))]
+
+
+# ---------------------------------------------------------------- the unpickler's address-space limit and threads
+def _memo_bomb(folder) -> bytes:
+    """A 9-byte .metadata whose LONG_BINPUT index makes CPython's C unpickler zero-fill an 11 GB memo table
+    (found by fuzzing: 0.5-1.5 GB from a 30 KB file before the address-space limit)."""
+    data = b"\x80\x02]r" + (0x2A05F200).to_bytes(4, "little") + b"."
+    (folder / ".metadata").write_bytes(data)
+    (folder / "__0_0.distcp").write_bytes(b"x")
+    return data
+
+
+def test_memo_table_bomb_is_refused(tmp_path):
+    assert len(_memo_bomb(tmp_path)) < 10
+    proc, mb = run_measured("inspect", tmp_path, "--no-cache")
+    clean(proc)
+    assert "allocation bomb" in proc.stderr and mb < 1500, (proc.stderr, mb)
+
+
+def test_metadata_loads_on_threads_leave_other_threads_alone(copy_of, tmp_path):
+    """Loads on worker threads, two at a time (as the window and its Compare view do), while another thread
+    keeps reserving 1 GiB: that thread never sees a failed allocation or a changed RLIMIT_AS, the bomb is
+    still a clean error, and the good checkpoint opens."""
+    import mmap
+    import resource
+    import threading
+
+    from shardscope.backend.errors import RefusedPickleError
+
+    good, bomb = copy_of("fsdp2_r4"), tmp_path / "bomb"
+    bomb.mkdir()
+    _memo_bomb(bomb)
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    stop, loading = threading.Event(), threading.Event()
+    seen = {"during": 0, "failures": [], "limits": set()}
+
+    def allocate() -> None:
+        while not stop.is_set():
+            seen["limits"].add(resource.getrlimit(resource.RLIMIT_AS))
+            try:
+                mmap.mmap(-1, 1 << 30).close()  # reserves address space (counted by RLIMIT_AS), touches nothing
+            except (OSError, MemoryError) as exc:
+                seen["failures"].append(repr(exc))
+            if loading.is_set():
+                seen["during"] += 1
+
+    results: dict[str, list] = {"good": [], "bomb": []}
+
+    def load(path, key) -> None:
+        for _ in range(3):
+            try:
+                results[key].append(len(open_checkpoint(path, use_cache=False).tensors))
+            except RefusedPickleError as exc:
+                results[key].append(str(exc))
+
+    allocator = threading.Thread(target=allocate)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # hand the GIL over often, so the allocator runs while a load is under way
+    allocator.start()
+    try:
+        loading.set()
+        loaders = [threading.Thread(target=load, args=a) for a in ((good, "good"), (bomb, "bomb"))]
+        for t in loaders:
+            t.start()
+        for t in loaders:
+            t.join(300)
+        loading.clear()
+    finally:
+        stop.set()
+        allocator.join(60)
+        sys.setswitchinterval(switch)
+    assert not seen["failures"] and seen["limits"] == {before} and seen["during"] > 0, seen
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    assert results["good"] == [results["good"][0]] * 3 and results["good"][0] > 0, results
+    assert len(results["bomb"]) == 3 and all("allocation bomb" in r for r in results["bomb"]), results
+
+
+def test_huge_bytearray8_leaves_no_stray_line(monkeypatch):
+    """Found by fuzzing: a BYTEARRAY8 opcode with a huge length makes CPython 3.11 free a half-made bytearray
+    whose export count was never set, which may print "SystemError: deallocated bytearray object has exported
+    buffers". The load is refused and nothing else reaches stderr (in this process, as the CLI loads)."""
+    import io
+
+    from shardscope.backend.checkpoint import reader_process, safe_pickle
+    from shardscope.backend.errors import RefusedPickleError
+
+    monkeypatch.setattr(reader_process, "ISOLATE", False)
+    bomb = b"\x80\x05\x96" + (2**62).to_bytes(8, "little") + b"."
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    for _ in range(5):
+        garbage = [(object(), object()) for _ in range(50_000)]  # freed 56-byte blocks whose last word is set
+        del garbage
+        with pytest.raises(RefusedPickleError, match="allocation bomb"):
+            safe_pickle.load_metadata_pickle(bomb, "bomb")
+    assert err.getvalue() == ""

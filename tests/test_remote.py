@@ -310,15 +310,15 @@ def test_diff_reads_remote_safetensors_pt_and_index_folder_with_few_requests(s3,
     proc, requests = shardscope(server, "diff", f"{url}/model.safetensors", str(local / "model.pt"))
     assert proc.returncode == 0, proc.stderr
     assert "0 changed, 5 unchanged" in proc.stdout, proc.stdout
-    # a size (HEAD), the header (read twice: when the file is opened, and for its metadata) and one GET per
-    # 6 MiB tensor, the small ones merged: not one request per read
-    assert requests <= 7, requests
+    # its size (HEAD), the header (GET) and one GET per 6 MiB tensor, the small ones merged: not one per read
+    assert requests <= 5, requests
     pt_size = (local / "model.pt").stat().st_size
     proc, requests = shardscope(server, "diff", f"{url}/model.pt", f"{url}/sharded")
     assert proc.returncode == 0, proc.stderr
     assert "0 changed, 5 unchanged" in proc.stdout, proc.stdout
-    pt_gets = -(-pt_size // (16 << 20))  # the .pt is copied in 16 MiB ranged GETs
-    assert requests <= 1 + pt_gets + 1 + 1 + 2 * 2 + 3, requests  # + listing, index, headers, tensors
+    pt_gets = -(-pt_size // (16 << 20))  # the .pt: its size, then copied in 16 MiB ranged GETs
+    # the folder: its listing, the index, a 12 MiB shard (header, two tensors), a 6 MiB one (read whole)
+    assert requests <= 1 + pt_gets + 1 + 1 + 3 + 1, requests
     assert size < pt_size + 4096
 
 
@@ -427,10 +427,10 @@ def stored_crc32(fs: s3fs.S3FileSystem, key: str) -> str | None:
 def test_export_to_s3_sends_crc32_with_every_put_and_part(s3, tmp_path):
     import zlib
 
-    server, fs, _ = s3
+    server, fs, local = s3
     before = server.checks()
     # 18 MiB: a multipart upload of two 16 MiB parts
-    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/big", f"s3://{BUCKET}/sums/big.safetensors")
+    proc, _ = shardscope(server, "export", str(local["big"]), f"s3://{BUCKET}/sums/big.safetensors")
     assert proc.returncode == 0, proc.stderr
     assert "verified (the local staged copy, before its upload):" in proc.stdout, proc.stdout
     assert "uploaded: 1 object in 2 PUTs/parts" in proc.stdout, proc.stdout
@@ -438,8 +438,9 @@ def test_export_to_s3_sends_crc32_with_every_put_and_part(s3, tmp_path):
     data = fs.cat(f"{BUCKET}/sums/big.safetensors")
     parts = [zlib.crc32(data[i:i + (16 << 20)]).to_bytes(4, "big") for i in range(0, len(data), 16 << 20)]
     composite = __import__("base64").b64encode(zlib.crc32(b"".join(parts)).to_bytes(4, "big")).decode()
-    assert stored_crc32(fs, f"{BUCKET}/sums/big.safetensors") == f"{composite}-2"
-    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/fsdp2_r4", f"s3://{BUCKET}/sums/sharded",
+    # S3's composite checksum, computed by the server from the parts it received (moto leaves out the "-2")
+    assert stored_crc32(fs, f"{BUCKET}/sums/big.safetensors") in (composite, f"{composite}-2")
+    proc, _ = shardscope(server, "export", str(local["fsdp2_r4"]), f"s3://{BUCKET}/sums/sharded",
                          "--max-shard-size", "4KB")
     assert proc.returncode == 0, proc.stderr
     assert "every final object reports the staged file's CRC32" in proc.stdout, proc.stdout
@@ -452,16 +453,16 @@ def test_export_to_s3_sends_crc32_with_every_put_and_part(s3, tmp_path):
 def test_upload_damaged_in_transit_is_refused_and_leaves_nothing(s3, src, name):
     """One byte of the PUT (or of every part) flipped on the way: the server refuses the body against its
     CRC32, the export fails with one line, and neither the object nor a multipart upload is left."""
-    server, fs, _ = s3
+    server, fs, local = s3
     dst = f"{BUCKET}/damaged/{name}"
     before = server.checks().get("bad_digest", 0)
     try:
         server.corrupt_puts(f"damaged/{name}")
-        proc, _ = shardscope(server, "export", f"s3://{BUCKET}/{src}", f"s3://{dst}")
+        proc, _ = shardscope(server, "export", str(local[src]), f"s3://{dst}")
     finally:
         server.corrupt_puts("")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "BadDigest" in proc.stderr and f"s3://{dst}" in proc.stderr, proc.stderr
+    assert "CRC32 you specified did not match" in proc.stderr and f"s3://{dst}" in proc.stderr, proc.stderr
     assert server.checks().get("bad_digest", 0) > before
     assert not fs.exists(dst)
     assert not fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")

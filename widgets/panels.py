@@ -313,6 +313,9 @@ class InspectorView(QWidget):
         top = QHBoxLayout()
         self.title = QLabel("No tensor selected")
         self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # NOTE: a long name (an optimizer key of a transformers model) set the window's minimum width;
+        # the title is clipped instead, the full text in its tooltip.
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         top.addWidget(self.title, 1)
         self.load_button = QPushButton("Load values")
         self.load_button.clicked.connect(self.loadRequested)
@@ -333,6 +336,11 @@ class InspectorView(QWidget):
         self.stats = QLabel("")
         self.stats.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.stats.setAlignment(Qt.AlignmentFlag.AlignTop)
+        # NOTE: an error message (a long path) wraps; its one-line width used to become the window's
+        # minimum width (the window grew past the screen). The statistics table keeps its own width.
+        self.stats.setWordWrap(True)
+        self.stats.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.stats.setMinimumWidth(self.fontMetrics().horizontalAdvance("mean -0.00757524  std 1.00421") + 16)
         ll.addWidget(self.stats)
         self.hist = themed_plot()
         self.hist.setLabel("bottom", "value")
@@ -367,11 +375,13 @@ class InspectorView(QWidget):
         self.load_button.setText("Load values")
         if entry is None:
             self.title.setText("No tensor selected")
+            self.title.setToolTip("")
             self.chunks.setRowCount(0)
             self.load_button.setEnabled(False)
             return
         self.load_button.setEnabled(True)
         self.title.setText(f"<b>{entry.fqn}</b> — {entry.dtype} {list(entry.shape)}, {human_bytes(entry.nbytes)}")
+        self.title.setToolTip(f"{entry.fqn} — {entry.dtype} {list(entry.shape)}, {human_bytes(entry.nbytes)}")
         chunks = entry.chunks
         self.chunks.setRowCount(len(chunks))
         for i, c in enumerate(chunks):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import shiboken6
-from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
+from PySide6.QtCore import QCoreApplication, QObject, QThreadPool, Signal
 from shardscope.backend.errors import Cancelled, ShardscopeError
 from shardscope.backend.log import log_file
 from shardscope.backend.progress import Progress
@@ -32,18 +32,17 @@ class WorkerSignals(QObject):
     finished = Signal()
 
 
-class Worker(QRunnable):
+class Worker:
     """Runs ``func(*args, progress=Progress, **kwargs)`` on the global thread pool (started by
     :func:`run_in_background`, which connects its signals)."""
 
-    _alive: ClassVar[set[Worker]] = set()  # NOTE: keeps the Python wrapper (and its signals) alive until finished
+    _alive: ClassVar[set[Worker]] = set()  # NOTE: keeps the worker (and its signals) alive until finished
 
     def __init__(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        super().__init__()
-        # NOTE: the pool deletes the C++ runnable after run(); with autoDelete off, PySide's pool kept a
-        # reference to every Python worker for ever. `_alive` keeps the Python side until finished.
-        self.setAutoDelete(True)
-        self.signals = WorkerSignals()
+        # NOTE: the signals belong to the application (C++ deletes them on the GUI thread, see start()),
+        # not to this Python object: its last reference may go on the pool's thread, which must never
+        # delete a QObject that lives on the GUI thread.
+        self.signals = WorkerSignals(QCoreApplication.instance())
         self.func, self.args, self.kwargs = func, args, kwargs
         self.progress = Progress(self.signals.progress.emit)
 
@@ -66,7 +65,12 @@ class Worker(QRunnable):
                 worker.signals.deleteLater()
 
         self.signals.finished.connect(forget)
-        QThreadPool.globalInstance().start(self)
+        # NOTE: a plain callable, not a QRunnable subclass. PySide6 6.11.3's QThreadPool.start(runnable)
+        # keeps a reference to about half of the auto-delete runnables that start at once on an idle
+        # thread (the pool's Python wrapper holds them after Qt deleted them): each kept its worker, its
+        # arguments and its result for ever (found with tests/soak_driver.py --probe; shown by
+        # benchmarks/pyside_pool_leak.py). Started as a callable, nothing is kept.
+        QThreadPool.globalInstance().start(self.run)
         return self
 
     def run(self) -> None:  # worker thread
@@ -86,7 +90,14 @@ class Worker(QRunnable):
         else:
             self.signals.returned.emit(result)
         finally:
+            # NOTE: what the work holds (closures over widgets, checkpoints) goes here, not when the worker
+            # goes, which may be on this thread
+            self.func, self.args, self.kwargs = _done, (), {}
             self.signals.finished.emit()
+
+
+def _done(*_args: Any, **_kwargs: Any) -> None:
+    """What a finished worker's ``func`` becomes."""
 
 
 def run_in_background(func: Callable[..., Any], *args: Any, owner: QObject, on_result: Callable | None = None,

@@ -26,7 +26,8 @@ def register(sub: Any) -> None:
                     help="rename keys (repeatable, applied in order, checked for collisions), e.g. "
                     "'^tok_embeddings\\.=model.embed_tokens.'")
     sp.add_argument("--strip-prefix", metavar="PREFIX", help="remove this from every key (default for safetensors: "
-                    "the layout's container, e.g. 'model.'; give '' to keep every key as stored)")
+                    "the layout's container, e.g. 'model.'; wrapper key parts such as torch.compile's '_orig_mod.' "
+                    "are removed too; give '' to keep every key as stored)")
     sp.add_argument("--config", metavar="CONFIG_JSON", help="copy this config.json next to a sharded export, so "
                     "from_pretrained loads the folder as it is")
     sp.add_argument("--record-source", action="store_true", help="write the source path into the output's metadata")

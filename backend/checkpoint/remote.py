@@ -156,21 +156,29 @@ def merge_ranges(ranges: Iterable[tuple[str, int, int]], max_gap: int = MAX_GAP,
 class _Fetch:
     """Bytes ``[start, end)`` of one file: being fetched (``done`` not set) or fetched."""
 
-    __slots__ = ("cached", "data", "done", "end", "error", "served", "start", "sticky")
+    __slots__ = ("cached", "data", "done", "end", "error", "item_starts", "served", "start", "sticky", "unread")
 
-    def __init__(self, start: int, end: int, cached: bool, sticky: bool = False) -> None:
+    def __init__(self, start: int, end: int, cached: bool, sticky: bool = False,
+                 item_starts: np.ndarray | None = None) -> None:
         self.start, self.end, self.cached = start, end, cached
         self.sticky = sticky  # part of a small file read whole: its headers are read again, keep it
         self.data: bytes | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.served: list[list[int]] = []  # merged [a, b) ranges handed out so far
+        # where the planned items inside the fetch start, and which of those no read has touched yet: a small
+        # item nobody has read is not slack, however few its bytes
+        self.item_starts = item_starts if item_starts is not None and len(item_starts) else None
+        self.unread = None if self.item_starts is None else np.ones(len(self.item_starts), dtype=bool)
 
     def serve(self, a: int, b: int) -> bool:
         """Record that ``[a, b)`` was handed out; True once every byte of the fetch has been, but for
-        gaps below ``SERVE_SLACK`` (zip records nobody reads: byte order, version, ...)."""
+        gaps below ``SERVE_SLACK`` (zip records nobody reads: byte order, version, ...) that hold no
+        planned item's start."""
         a, b = max(a, self.start), min(b, self.end)
         if b > a:
+            if self.unread is not None:
+                self.unread[np.searchsorted(self.item_starts, a):np.searchsorted(self.item_starts, b)] = False
             merged = []
             for r in self.served:
                 if r[1] + SERVE_SLACK < a or r[0] > b + SERVE_SLACK:
@@ -180,7 +188,7 @@ class _Fetch:
             merged.append([a, b])
             self.served = sorted(merged)
         return (len(self.served) == 1 and self.served[0][0] <= self.start + SERVE_SLACK
-                and self.served[0][1] >= self.end - SERVE_SLACK)
+                and self.served[0][1] >= self.end - SERVE_SLACK and (self.unread is None or not self.unread.any()))
 
 
 @dataclass
@@ -412,8 +420,12 @@ class RemoteHandles:
             a, b = self._extent(f, g0, g1, lo, hi, readahead)
             step = MAX_REQUEST if b - a > MAX_REQUEST else b - a
             for s in range(a, b, step):
-                fetch = _Fetch(s, min(b, s + step), cached=(b - a) <= self.budget // 2,
-                               sticky=f.size is not None and f.size <= WHOLE_FILE)
+                e = min(b, s + step)
+                inside = None
+                if f.item_start is not None:
+                    inside = f.item_start[np.searchsorted(f.item_start, s):np.searchsorted(f.item_start, e)]
+                fetch = _Fetch(s, e, cached=(b - a) <= self.budget // 2,
+                               sticky=f.size is not None and f.size <= WHOLE_FILE, item_starts=inside)
                 k = bisect.bisect_left(f.starts, s)
                 f.starts.insert(k, s)
                 f.fetches.insert(k, fetch)
@@ -898,12 +910,14 @@ class RemoteTarget:
 
     def _upload_then_move(self, moves: list[tuple[str, str, str]], tmp: str) -> None:
         done: list[str] = []
-        # S3: the server copies the object and computes the copy's CRC32 itself, so the check below covers the move
-        move_options = {"ChecksumAlgorithm": "CRC32"} if self.s3 else {}
         try:
             sent = [self._put(local, staged) for local, staged, _ in moves]
             for one, (_, staged, final) in zip(sent, moves, strict=True):
-                call(self.url, self.fs.mv, staged, final, doing="cannot move the upload into place", **move_options)
+                if self.s3:  # a server-side copy that computes the copy's CRC32 itself (fsspec's mv drops options)
+                    call(self.url, self.fs.copy, staged, final, on_error="raise", ChecksumAlgorithm="CRC32",
+                         doing="cannot move the upload into place")  # the staged copies go below, in one bulk delete
+                else:
+                    call(self.url, self.fs.mv, staged, final, doing="cannot move the upload into place")
                 done.append(final)
                 self._confirm(one, final)
         except BaseException:

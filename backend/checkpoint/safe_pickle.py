@@ -333,28 +333,36 @@ def stream_size(stream: Any) -> int:
 MEMO_ALLOWANCE = 256 << 20  # address space an unpickle may add on top of 16x the file's size
 
 
-@contextlib.contextmanager
-def address_space_limit(extra: int):
-    """Cap the process's new address space at ``extra`` bytes above what it maps now (Linux), so that
-    allocations the C unpickler makes from numbers in the file fail with MemoryError instead of filling
-    RAM. NOTE: pickle's own memo table is sized by the index a PUT opcode names (``LONG_BINPUT
-    0x2a05f200`` zero-fills 11 GB) and nothing outside C sees that opcode; the limit is per process, so
-    it is only as generous as the largest legitimate object graph (7x the file for a million chunks)."""
+def _address_space() -> tuple[int, int, int] | None:
+    """(mapped bytes, soft limit, hard limit) of this process; None where that is unknown (not Linux)."""
     try:
         import resource
 
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        return (vm, *resource.getrlimit(resource.RLIMIT_AS))
     except (ImportError, OSError, StopIteration, ValueError):
-        yield  # not Linux: no limit
-        return
-    want = vm + extra
-    if soft != resource.RLIM_INFINITY and soft <= want:
-        yield
-        return
+        return None
+
+
+@contextlib.contextmanager
+def address_space_limit(extra: int):
+    """Cap the process's new address space at ``extra`` bytes above what it maps now (Linux), so that
+    allocations the C unpickler makes from numbers in the file fail with MemoryError instead of filling
+    RAM. NOTE: pickle's own memo table is sized by the index a PUT opcode names (``LONG_BINPUT
+    0x2a05f200`` zero-fills 11 GB) and nothing outside C sees that opcode. The limit is per process, so it
+    is only set where no other thread can allocate (see :func:`must_isolate`); reading, setting and
+    restoring it happen under one lock, so two loads never restore each other's limit."""
+    import resource
+
     with _LIMIT_LOCK:
-        resource.setrlimit(resource.RLIMIT_AS, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+        now = _address_space()
+        if now is None or (now[1] != resource.RLIM_INFINITY and now[1] <= now[0] + extra):
+            yield  # no limit known here, or already a tighter one
+            return
+        vm, soft, hard = now
+        want = vm + extra if hard == resource.RLIM_INFINITY else min(vm + extra, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (want, hard))
         try:
             yield
         finally:
@@ -362,6 +370,30 @@ def address_space_limit(extra: int):
 
 
 _LIMIT_LOCK = threading.Lock()
+_DEALLOC_NOISE = "deallocated bytearray object has exported buffers"
+
+
+@contextlib.contextmanager
+def _quiet_bytearray_noise():
+    """NOTE: when malloc fails in CPython 3.11's ``PyByteArray_FromStringAndSize`` (a ``BYTEARRAY8`` opcode
+    with a huge length, under the limit above) it frees the half-made bytearray before setting its export
+    count, and the dealloc, reading that uninitialised field, may print "SystemError: deallocated bytearray
+    object has exported buffers" through ``sys.excepthook`` (found by fuzzing). The load still fails
+    cleanly with MemoryError; this keeps that stray line off the user's terminal. Only used where no other
+    thread runs (the caller holds ``_LIMIT_LOCK``, see :mod:`.reader_process`)."""
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        if not (kind is SystemError and str(value) == _DEALLOC_NOISE):
+            previous(kind, value, tb)
+
+    sys.excepthook = hook
+    try:
+        yield
+    finally:
+        sys.excepthook = previous
 _STACK_LOCK = threading.Lock()
 MAX_STACK = 4 << 30
 
@@ -397,8 +429,15 @@ def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides
     """Unpickle DCP metadata with the allow-list; return the tree of :class:`Record` objects.
 
     ``overrides`` replaces the stand-ins of some DCP classes by name (the streaming reader's hooks).
-    Memory is bounded by the file's size (sized constructors are charged against it) and nesting by a
-    stack sized for it."""
+    Memory is bounded by the file's size (sized constructors are charged against it, the rest by an
+    address-space limit) and nesting by a stack sized for it. Where another thread could be hurt by that
+    limit, the load runs in a helper process (:mod:`.reader_process`)."""
+    from .reader_process import must_isolate, run_isolated
+
+    if must_isolate():
+        if overrides:
+            raise RuntimeError("a load with overrides must itself run through reader_process.run_isolated()")
+        return run_isolated(load_metadata_pickle, data, source)
     stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
     allowed = ALLOWED
     if overrides:
@@ -409,7 +448,7 @@ def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides
     size = stream_size(stream)
 
     def load() -> Any:
-        with gc_paused(), address_space_limit(MEMO_ALLOWANCE + 16 * size):
+        with gc_paused(), address_space_limit(MEMO_ALLOWANCE + 16 * size), _quiet_bytearray_noise():
             return _Unpickler(stream, source, allowed, size).load()
 
     try:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .reader_process import must_isolate, run_isolated
 from .safe_pickle import TensorStorageRecord, load_metadata_pickle, stream_size
 
 
@@ -138,6 +139,8 @@ def _hooks(ev: Events) -> dict[str, Any]:
 
 def stream_metadata(fh: Any, source: str) -> tuple[Any, Events]:
     """Load with the streaming hooks; raise :class:`NotStreamable` when the file's layout differs."""
+    if must_isolate():  # the hooks live in this process: the whole streaming load moves to the helper
+        return run_isolated(stream_metadata, fh, source)
     ev = Events()
     ev.max_dims = max_dims(stream_size(fh))
     md = load_metadata_pickle(fh, source, overrides=_hooks(ev))

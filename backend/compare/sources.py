@@ -168,12 +168,17 @@ class SafetensorsSource(Source):
         if missing:
             raise CheckpointError(f"{where.join(missing[0])}: no such file.", path=where.join(missing[0]))
         listing = {n: listing[n] for n in names}
+        # NOTE: the headers are parsed here first, through the folder's handles left open: on a URL those are
+        # the folder's one shared planner, so open_hf_folder finds the header bytes cached (one GET per file).
+        handles = where.handles()
+        metas = [parse_safetensors_file(handles, n, listing[n]).metadata for n in names]
+        if handles.local:
+            handles.close()  # local handles are this call's own descriptors
         self.ckpt = open_hf_folder(where, listing)
         self.ckpt.folder = where
         self.reader = ChunkReader(self.ckpt)
         self._objects: dict[str, Any] = {}
-        for n in names:
-            meta = parse_safetensors_file(self.reader.handles, n, listing[n]).metadata
+        for meta in metas:
             try:
                 objects = json.loads(meta.get("shardscope_objects") or "{}")
             except (ValueError, RecursionError):

@@ -24,6 +24,8 @@ TRAINING_STATE_ROOTS = frozenset({
 _OPTIMIZER_N = re.compile(r"optimizer_\d+$")
 MEGATRON_ROOTS = frozenset({"decoder", "encoder", "embedding", "output_layer", "language_model"})
 ACCELERATE_MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)$")
+# NOTE: a whole key part only (start of the key or after a dot), so a module named "my_orig_mod" stays.
+_WRAPPER_SEGMENT = re.compile(r"(?<![^.])(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,15 @@ def recognise_layout(ckpt: Checkpoint) -> Layout:
     return Layout("flat state dict", None)
 
 
+def unwrap_key(key: str) -> tuple[str, set[str]]:
+    """``key`` without the key parts wrappers add when a state dict is taken from the wrapper rather than
+    through ``get_model_state_dict``: torch.compile's ``_orig_mod`` (accelerate compiles after FSDP1 wrapping,
+    so its FSDP1 saves hold ``model._orig_mod.*``), FSDP1's ``_fsdp_wrapped_module``, activation
+    checkpointing's ``_checkpoint_wrapped_module``; and the parts removed."""
+    found = set(_WRAPPER_SEGMENT.findall(key))
+    return _WRAPPER_SEGMENT.sub("", key), found
+
+
 def find_model_folder(path: str) -> tuple[str, str | None]:
     """For an HF Trainer/accelerate checkpoint folder (``checkpoint-500/`` holding
     ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; else ``path``."""
@@ -87,4 +98,4 @@ def find_model_folder(path: str) -> tuple[str, str | None]:
     return os.path.join(path, models[0]), note
 
 
-__all__ = ["Layout", "find_model_folder", "is_training_state", "recognise_layout"]
+__all__ = ["Layout", "find_model_folder", "is_training_state", "recognise_layout", "unwrap_key"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.model import FLOAT_DTYPES, Checkpoint, ObjectEntry, TensorEntry, itemsize
 from ..errors import ShardscopeError
-from .layouts import Layout, recognise_layout
+from .layouts import Layout, recognise_layout, unwrap_key
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                  "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -177,9 +177,14 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
     strip = sel.container if strip_prefix is None else strip_prefix
     rules = parse_rename(rename)
     used = [False] * len(rules)
+    unwrap = fmt == "safetensors" and strip_prefix != ""  # '' keeps every key as stored
+    unwrapped: set[str] = set()
 
     def out_key(fqn: str) -> str:
         key = fqn[len(strip):] if strip and fqn.startswith(strip) else fqn
+        if unwrap:
+            key, parts = unwrap_key(key)
+            unwrapped.update(parts)
         for i, (pattern, repl) in enumerate(rules):
             new = pattern.sub(repl, key)
             used[i] |= new != key
@@ -194,8 +199,8 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
             continue
         key = out_key(fqn)
         if key in seen:
-            raise ExportError(f"{fqn} and {seen[key]} both become {key!r} (--strip-prefix/--rename); "
-                              "change the rules so every key stays unique.")
+            raise ExportError(f"{fqn} and {seen[key]} both become {key!r} (--strip-prefix/--rename, wrapper "
+                              "key parts such as _orig_mod); change the rules so every key stays unique.")
         seen[key] = fqn
         if isinstance(entry, TensorEntry):
             d = out_dtype if (out_dtype and entry.dtype in FLOAT_DTYPES) else entry.dtype
@@ -211,10 +216,12 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
         raise ExportError(f"{ckpt.path}: nothing to export by default (layout: {layout.name}; "
                           f"{'; '.join(sel.left_out) or 'no entries'}); choose entries with --only PREFIX, or "
                           "export everything to a .pt file.")
-    notes = [f"layout: {layout.name}" + (f"; keys without the '{strip}' prefix" if strip else "")]
+    notes = [f"layout: {layout.name}" + (f"; keys without the '{strip}' prefix" if strip else "")
+             + (f"; wrapper key parts removed: {', '.join(sorted(unwrapped))}" if unwrapped else "")]
     return ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
                       max_shard_size, fmt == "torch" and bool(ckpt.extra_files.get("meta.pt")) and not only,
-                      bool(strip) or bool(rules), _read_config(config, max_shard_size), record_source)
+                      bool(strip) or bool(rules) or bool(unwrapped), _read_config(config, max_shard_size),
+                      record_source)
 
 
 __all__ = ["DTYPE_ALIASES", "FORMATS", "ExportError", "ExportItem", "ExportPlan", "format_for",
