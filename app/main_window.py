@@ -168,6 +168,7 @@ class MainWindow(QMainWindow):
         view = CheckpointView(path)
         view.failed.connect(lambda msg, v=view: self._on_failed(v, msg))
         view.loaded.connect(lambda _d, v=view: self._on_loaded(v))
+        view.contentsVerified.connect(lambda _p: self._update_badge())
         view.exportRequested.connect(self.export_current)
         pane = self._active
         idx = pane.addTab(view, Path(path).name or path)
@@ -195,8 +196,11 @@ class MainWindow(QMainWindow):
         if view is None or view.data is None or view.data.problems is None:
             self.badge.setText("")
             return
-        n = len(view.data.problems)
-        self.badge.setText("● healthy" if n == 0 else f"● {n} problem{'s' if n != 1 else ''}")
+        # NOTE: after Verify contents its findings (every byte read) replace the quick check's
+        deep = view.verified_problems is not None
+        n = len(view.verified_problems if deep else view.data.problems)
+        ok = "● verified" if deep else "● healthy"
+        self.badge.setText(ok if n == 0 else f"● {n} problem{'s' if n != 1 else ''}")
         self.badge.setStyleSheet(f"color: {'#2ca02c' if n == 0 else '#d62728'}; font-weight: bold;")
 
     def reload_current(self) -> None:

@@ -33,10 +33,13 @@ BATCH = 250
 _SEEDS: dict[str, list] = {}
 
 
-def _load_corpus(fixtures: str) -> None:
-    """Worker initializer: read the seed files once per worker (it imports torch; it used to run per batch)."""
+def _load_corpus(fixtures: str, isolated: bool = False) -> None:
+    """Worker initializer: read the seed files once per worker (it imports torch; it used to run per batch).
+    ``isolated``: metadata loads go through the helper process, as on the window's worker threads."""
     from fuzz.harness import corpus
+    from shardscope.backend.checkpoint import reader_process
 
+    reader_process.ISOLATE = True if isolated else None
     _SEEDS["metadata"], _SEEDS["distcp"] = corpus([Path(fixtures) / n for n in CHECKPOINTS])
 
 
@@ -49,7 +52,7 @@ def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
 
     fixtures, kind, cases, timeout, out = args
     if not _SEEDS:
-        _load_corpus(fixtures)
+        _load_corpus(fixtures)  # not started through the pool's initializer
     seeds = _SEEDS[kind]
     counts: Counter = Counter()
     failures = []
@@ -144,7 +147,7 @@ class Run:
 def _run(args: argparse.Namespace, order: list[tuple], fixtures: Path) -> Run:
     """Feed the batches to the worker pool, two per worker in flight, until done or out of time."""
     run = Run()
-    with ProcessPoolExecutor(args.workers, initializer=_load_corpus, initargs=(str(fixtures),)) as pool:
+    with ProcessPoolExecutor(args.workers, initializer=_load_corpus, initargs=(str(fixtures), args.isolated)) as pool:
         it = iter(order)
         pending = {pool.submit(_batch, job): job for job in itertools.islice(it, 2 * args.workers)}
         while pending:
@@ -181,6 +184,8 @@ def main() -> int:
     ap.add_argument("--fixtures", default=str(Path.home() / ".cache" / "shardscope-fuzz-fixtures"))
     ap.add_argument("--out", default="fuzz-failures", help="where failing cases are saved")
     ap.add_argument("--minutes", type=float, default=0, help="stop submitting new batches after this long")
+    ap.add_argument("--isolated", action="store_true",
+                    help="load metadata in the helper process (the window's path); its memory is not measured")
     args = ap.parse_args()
     fixtures = _fixtures(Path(args.fixtures))
     run = _run(args, _jobs(args, fixtures), fixtures)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 from PySide6.QtCore import QThreadPool
 from PySide6.QtWidgets import QApplication
@@ -46,6 +49,7 @@ def test_value_read_error_does_not_widen_the_window(qtbot, copy_of):
     assert min_width(view) <= max(before, 700)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_long_tensor_name_does_not_widen_the_window(qtbot, tmp_path):
     """A transformers-style optimizer key (long FQN) in the inspector title must not set the minimum width."""
     import torch
@@ -59,3 +63,166 @@ def test_long_tensor_name_does_not_widen_the_window(qtbot, tmp_path):
         assert view.select_path(name)
     assert name in view.inspector.title.text()
     assert min_width(view) <= max(before, 700)
+
+
+def flip_a_value_byte(ckpt_dir, fqn: str) -> None:
+    """Flip one byte inside the stored values of ``fqn``'s first chunk (bit rot only a CRC32 catches)."""
+    from shardscope.backend.checkpoint.chunks import ChunkReader
+    from shardscope.backend.checkpoint.reader import open_checkpoint
+
+    ck = open_checkpoint(ckpt_dir)
+    chunk = ck.tensor(fqn).chunks[0]
+    with ChunkReader(ck) as reader:
+        at = reader.locate(fqn, chunk).data_offset + 8
+    with open(ckpt_dir / chunk.file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_status_badge_follows_verify_contents(qtbot, copy_of):
+    """The window's status badge said "● healthy" in green next to a Health tab listing a corrupt chunk
+    that Verify contents had just found."""
+    from shardscope.app.main_window import MainWindow
+
+    ckpt = copy_of("fsdp2_r2")
+    flip_a_value_byte(ckpt, "model.blocks.0.fc1.weight")
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True
+    view = win.open_path(str(ckpt))
+    qtbot.waitUntil(lambda: view.data is not None and view.data.problems is not None and view.progress.isHidden(),
+                    timeout=120000)
+    assert win.badge.text() == "● healthy"  # the quick check reads no values
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000) as sig:
+        win.verify_current()
+    assert [p.kind for p in sig.args[0]] == ["corrupt"]
+    assert win.badge.text() == "● 1 problem"
+    assert view.health.item(0).text().endswith(": 1 problem")
+
+
+@pytest.mark.parametrize("name", ["hf_r2", "fsdp_safetensors_r2"])
+def test_verify_contents_claims_no_crc32_that_safetensors_lacks(qtbot, fixtures, name):
+    """safetensors stores no checksum, yet the Health tab said "every stored item read once and its CRC32
+    matched" (the CLI says "CRC32 checked where the format stores one")."""
+    view = open_view(qtbot, fixtures[name])
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000):
+        view.verify_contents()
+    text = view.health.item(0).text()
+    assert text.startswith("✔ Contents verified") and "CRC32 matched" not in text
+    assert "safetensors" in text
+
+
+def test_large_module_stack_stays_within_a_chunk_budget(qtbot, tmp_path):
+    """Selecting ``model.layers`` of a 512-rank checkpoint stacked 200 tensors, 35,000 chunk rectangles,
+    and froze the window for 3.4 s; now the stack stops at a chunk budget and the caption says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shardscope.widgets.shard_map import MAX_STACKED_CHUNKS
+
+    script = Path(__file__).with_name("scale_checkpoint.py")
+    subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), "--ranks", "512", "--layers", "12"],
+                   check=True, capture_output=True, timeout=600)
+    view = open_view(qtbot, tmp_path / "ck")
+    assert view.select_path("model.layers")
+    tensors = [t for t in view.data.ckpt.tensors if t.fqn.startswith("model.layers.")]
+    assert sum(t.chunk_count for t in tensors) > MAX_STACKED_CHUNKS  # the module is over the budget
+    drawn = {ci.fqn for ci in view.map.chunk_items}
+    assert 0 < len(view.map.chunk_items) <= MAX_STACKED_CHUNKS
+    assert f"the first {len(drawn)} of {len(tensors)} tensors stacked" in view.map_caption.text()
+
+
+def export_dialog(qtbot, fixtures, dst):
+    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]))
+    qtbot.addWidget(dlg)
+    dlg.dst.setText(str(dst))
+    return dlg
+
+
+def test_export_dialog_locks_every_option_while_it_runs(qtbot, fixtures, tmp_path):
+    """Only destination, format, verify and overwrite were locked during an export: typing into Only,
+    Exclude, Rename or Max shard size replaced the plan and the preview while the old plan was written."""
+    dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000) as sig:
+        dlg.export_button.click()
+        assert [w for w in dlg.option_widgets() if w.isEnabled()] == []
+    assert sig.args[0] is not None and (tmp_path / "m.safetensors").exists()
+    assert dlg.only.isEnabled() and dlg.shard.isEnabled() and dlg.dst.isEnabled()
+    assert not dlg.ranks.isEnabled()  # used by DCP (reshard) only
+
+
+def test_export_dialog_speaks_of_its_own_fields(qtbot, fixtures, tmp_path):
+    """A destination that exists said "give --force to overwrite it": the dialog has no --force."""
+    (tmp_path / "m.safetensors").write_bytes(b"keep me")
+    dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000):
+        dlg.export_button.click()
+    assert "--force" not in dlg.message.text() and "Overwrite the destination if it exists" in dlg.message.text()
+    assert (tmp_path / "m.safetensors").read_bytes() == b"keep me"
+    dlg.dst.setText(str(tmp_path / "noext"))
+    assert "--" not in dlg.summary.text() and "Max shard size" in dlg.summary.text()
+
+
+def test_compare_error_does_not_widen_the_window(qtbot, fixtures, copy_of):
+    """Compare against a truncated checkpoint: the one-line error set the tab's minimum width past 1280 px."""
+    from shardscope.widgets.compare_view import CompareView
+
+    damaged = copy_of("fsdp2_r2")
+    with open(damaged / "__1_0.distcp", "r+b") as f:
+        f.truncate(50000)
+    view = CompareView(str(fixtures["fsdp2_r2"]), str(damaged))
+    qtbot.addWidget(view)
+    view.resize(1200, 700)
+    view.show()
+    before = min_width(view)
+    with qtbot.waitSignal(view.finished, timeout=120000) as sig:
+        view.start()
+    assert sig.args[0] is None and "truncated" in view.summary.text()
+    assert min_width(view) <= max(before, 900)
+
+
+def test_library_says_why_a_double_click_did_not_open(qtbot, tmp_path, fixtures):
+    """Double-clicking a consolidated .pt in the Library said "a.pt is complete; it opens once it is
+    complete"; an unreadable checkpoint was also promised to open "once it is complete"."""
+    import shutil
+
+    import torch
+    from shardscope.widgets.library_view import LibraryView
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    torch.save({"w": torch.zeros(2)}, run / "a.pt")
+    broken = run / "broken"
+    shutil.copytree(fixtures["fsdp2_r2"], broken)
+    (broken / ".metadata").write_bytes(b"")
+    old = time.time() - 3600  # files that changed a moment ago are "writing"
+    for p in [run / "a.pt", broken, *broken.iterdir()]:
+        os.utime(p, (old, old))
+    view = LibraryView([str(tmp_path / "runs")], None)
+    qtbot.addWidget(view)
+    view.show()
+    qtbot.waitUntil(lambda: view.snapshot is not None and len(view.snapshot.listing.checkpoints) == 2,
+                    timeout=120000)
+    view.select_paths([str(run / "a.pt")])
+    with qtbot.assertNotEmitted(view.openRequested, wait=100):
+        view.open_selected()
+    assert "consolidated file" in view.status.text() and "once it is complete" not in view.status.text()
+    view.select_paths([str(broken)])
+    with qtbot.assertNotEmitted(view.openRequested, wait=100):
+        view.open_selected()
+    assert "unreadable" in view.status.text() and "cannot be opened" in view.status.text()
+    assert "once it is complete" not in view.open_button.toolTip()
+
+
+def test_header_names_the_format_and_counts_ranks_in_words(qtbot, fixtures):
+    """The header said "1 writer ranks" for a one-process save and showed the raw format id "hf-safetensors"."""
+    view = open_view(qtbot, fixtures["nopg"])
+    assert "1 writer rank ·" in view.header.text()
+    view = open_view(qtbot, fixtures["hf_r2"])
+    assert "hf-safetensors" not in view.header.text() and "safetensors files" in view.header.text()

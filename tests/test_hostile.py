@@ -480,3 +480,43 @@ def test_huge_bytearray8_leaves_no_stray_line(monkeypatch):
         with pytest.raises(RefusedPickleError, match="allocation bomb"):
             safe_pickle.load_metadata_pickle(bomb, "bomb")
     assert err.getvalue() == ""
+
+
+def _versioned(ckpt, piece: bytes) -> None:
+    """The checkpoint's .metadata with ``piece`` (pickle opcodes) where its version string was."""
+    md = torch_metadata(ckpt)
+    md.version = "VERSIONMARK"
+    data = pickle.dumps(md, protocol=2)
+    (ckpt / ".metadata").write_bytes(data.replace(b"X\x0b\x00\x00\x00VERSIONMARK", piece))
+
+
+@pytest.mark.parametrize("case", ["memo bomb", "nested 200,000 deep", "a function as a value", "good"])
+def test_metadata_helper_process_answers_like_this_process(copy_of, tmp_path, monkeypatch, case):
+    """Loads on a thread run in the helper process (reader_process.py); hostile input gives the same kind of
+    clean error there, and a good checkpoint the same model, by both readers (streaming and object graph)."""
+    from shardscope.backend.checkpoint import reader, reader_process
+
+    ckpt = copy_of("fsdp2_r2")
+    if case == "memo bomb":
+        _memo_bomb(ckpt)
+    elif case == "nested 200,000 deep":
+        _versioned(ckpt, b")" + b"\x85" * 200_000)
+    elif case == "a function as a value":
+        _versioned(ckpt, b"ctorch.serialization\n_get_layout\n")
+
+    def model(isolate: bool, streaming: bool):
+        monkeypatch.setattr(reader_process, "ISOLATE", isolate)
+        monkeypatch.setattr(reader, "STREAMING", streaming)
+        try:
+            c = open_checkpoint(ckpt, use_cache=False)
+        except CheckpointError as exc:
+            return type(exc).__name__
+        t = c.chunk_table
+        return ([(e.fqn, e.dtype, e.shape, e.first_chunk, e.chunk_count) for e in c.tensors],
+                [(o.fqn, o.file, o.offset, o.length) for o in c.objects], c.version, c.save_id,
+                [getattr(t, a).tolist() for a in ("tensor", "file", "byte_offset", "length", "dim_start", "dims")])
+
+    for streaming in (True, False):
+        here, there = model(False, streaming), model(True, streaming)
+        assert type(here) is type(there), (here, there)
+        assert (here == there) if case == "good" else isinstance(here, str), (here, there)

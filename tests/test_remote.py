@@ -467,3 +467,23 @@ def test_upload_damaged_in_transit_is_refused_and_leaves_nothing(s3, src, name):
     assert not fs.exists(dst)
     assert not fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads")
 
+
+
+def test_upload_to_storage_without_checksums_says_it_checked_sizes_only(tmp_path):
+    """Other storage (fsspec's real in-memory filesystem here) gets no checksum: the summary line says the
+    objects were checked by size only, never more."""
+    import fsspec
+    from shardscope.backend.checkpoint.remote import RemoteTarget
+
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for name, data in (("a.safetensors", b"x" * 5000), ("model.safetensors.index.json", b"{}")):
+        (staged / name).write_bytes(data)
+    target = RemoteTarget("memory://upload-check/out")
+    target.check(force=False)
+    target.commit(str(staged), "dir")
+    fs = fsspec.filesystem("memory")
+    assert fs.cat("/upload-check/out/a.safetensors") == b"x" * 5000
+    assert target.report.describe() == ("2 objects; each final object's size equals the staged file's (the uploaded "
+                                        "bytes themselves were not checked)")
+    fs.rm("/upload-check", recursive=True)

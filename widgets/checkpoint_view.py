@@ -25,8 +25,8 @@ from shardscope.backend.checkpoint.tree import TreeNode
 from shardscope.backend.format import human_bytes
 
 from .overlay import ProgressOverlay
-from .panels import HealthPanel, InspectorView, RanksView
-from .shard_map import ShardMapView, grid_shape, legend_html
+from .panels import CHECKSUMS_WHERE_STORED, NO_CHECKSUMS, HealthPanel, InspectorView, RanksView
+from .shard_map import ShardMapView, grid_shape, legend_html, stacked_entries
 from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
 from .workers import Worker, run_in_background
 
@@ -49,6 +49,7 @@ class CheckpointView(QWidget):
         self._stats_worker: Worker | None = None
         self._load_worker: Worker | None = None
         self._verify_worker: Worker | None = None
+        self.verified_problems: list | None = None  # the findings of the last finished Verify contents
         self._selected: TreeNode | None = None
 
         layout = QVBoxLayout(self)
@@ -134,6 +135,8 @@ class CheckpointView(QWidget):
         ml.setContentsMargins(0, 0, 0, 0)
         self.map_caption = QLabel("")
         self.map_caption.setWordWrap(True)
+        # NOTE: a long tensor name cannot wrap; it used to become the window's minimum width
+        self.map_caption.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         ml.addWidget(self.map_caption)
         self.map = ShardMapView()
         ml.addWidget(self.map, 1)
@@ -233,7 +236,8 @@ class CheckpointView(QWidget):
         self.loaded.emit(data)
 
     def _show_problems(self, problems: list, deep: bool = False) -> None:
-        self.health.set_problems(problems, deep=deep)
+        hf = self.data is not None and self.data.ckpt.format == "hf-safetensors"
+        self.health.set_problems(problems, deep=deep, checksums=NO_CHECKSUMS if hf else CHECKSUMS_WHERE_STORED)
         self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems)})")
 
     def _on_failed(self, message: str) -> None:
@@ -262,7 +266,10 @@ class CheckpointView(QWidget):
                 self.load_values()
         else:
             tensors = list(node.iter_tensors())
-            self.map_caption.setText(f"<b>{node.path or 'all'}</b>: {len(tensors)} tensors stacked, each scaled to the "
+            shown = len(stacked_entries(tensors))
+            stacked = f"{len(tensors)} tensors stacked" if shown == len(tensors) else \
+                f"the first {shown} of {len(tensors)} tensors stacked"
+            self.map_caption.setText(f"<b>{node.path or 'all'}</b>: {stacked}, each scaled to the "
                                      f"same width<br>{legend}")
             self.map.show_tensors(ck, tensors)
             self.inspector.set_tensor(None)
@@ -383,6 +390,7 @@ class CheckpointView(QWidget):
         self._verify_worker = None
         self.progress.finish()
         self.verify_button.setEnabled(True)
+        self.verified_problems = problems
         self._show_problems(problems, deep=True)
         self.contentsVerified.emit(problems)
 
@@ -406,9 +414,12 @@ class CheckpointView(QWidget):
 
 def summary_html(ck) -> str:
     """The header's two lines: path, then format, version (only when the file records one), sizes."""
-    kind = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)"}.get(ck.format, ck.format)
+    kind = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)",
+            "hf-safetensors": "safetensors files (HF layout)"}.get(ck.format, ck.format)
+    n = len(ck.ranks)
+    ranks = "no writer ranks recorded" if n == 0 else f"{n} writer rank{'s' if n != 1 else ''}"
     parts = [kind + (f" (format version {ck.version})" if ck.version else ""), f"{len(ck.tensors):,} tensors",
-             f"{len(ck.chunk_table):,} chunks", f"{len(ck.ranks)} writer ranks", human_bytes(ck.total_bytes)]
+             f"{len(ck.chunk_table):,} chunks", ranks, human_bytes(ck.total_bytes)]
     if ck.save_id:
         parts.append(f"save id <tt>{ck.save_id}</tt>")
     return f"<b>{ck.path}</b><br>" + " · ".join(parts)

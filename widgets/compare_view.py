@@ -3,6 +3,7 @@ for the selected tensor the two shard maps side by side and a histogram of the d
 
 from __future__ import annotations
 
+import html
 import math
 from typing import Any
 
@@ -26,6 +27,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSplitter,
     QStyledItemDelegate,
     QStyleOptionViewItem,
@@ -135,6 +137,10 @@ class CompareView(QWidget):
         top = QHBoxLayout()
         self.header = QLabel(f"<b>A</b> {path_a}<br><b>B</b> {path_b}")
         self.header.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.header.setToolTip(f"A {path_a}\nB {path_b}")
+        # NOTE: long paths and error lines are clipped or wrapped; their one-line width used to become the
+        # window's minimum width (a truncated file's message pushed the window past a 1280 px screen)
+        self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         top.addWidget(self.header, 1)
         self.progress = QProgressBar()
         self.progress.setMaximumWidth(220)
@@ -144,6 +150,8 @@ class CompareView(QWidget):
         top.addWidget(self.cancel_button)
         layout.addLayout(top)
         self.summary = QLabel("Comparing …")
+        self.summary.setWordWrap(True)
+        self.summary.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         layout.addWidget(self.summary)
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self._build_table())
@@ -239,7 +247,7 @@ class CompareView(QWidget):
     def _failed(self, message: str) -> None:
         self.progress.hide()
         self.cancel_button.hide()
-        self.summary.setText(f"<span style='color:#d62728'>{message}</span>")
+        self.summary.setText(f"<span style='color:#d62728'>{html.escape(message)}</span>")
         self.finished.emit(None)
 
     def cancel(self) -> None:

@@ -31,6 +31,18 @@ from shardscope.backend.format import human_bytes, parse_size
 
 from .workers import Worker, run_in_background
 
+# The backend speaks the CLI's words; the dialog names its own fields instead.
+CLI_TO_DIALOG = (("give --force to overwrite it", "tick “Overwrite the destination if it exists” to replace it"),
+                 ("(or give --format)", "(or choose a Format)"),
+                 ("give --max-shard-size", "give a Max shard size"))
+
+
+def dialog_words(message: str) -> str:
+    """A backend message with the CLI's option names replaced by this dialog's fields."""
+    for cli, dialog in CLI_TO_DIALOG:
+        message = message.replace(cli, dialog)
+    return message
+
 
 class ExportDialog(QDialog):
     finished_export = Signal(object)  # ExportResult, or None when cancelled/failed
@@ -98,7 +110,7 @@ class ExportDialog(QDialog):
         dst_row = QHBoxLayout()
         self.dst = QLineEdit(os.path.join(os.path.dirname(ckpt.path.rstrip("/")),
                                           (prefix or os.path.basename(ckpt.path.rstrip("/"))) + ".safetensors"))
-        browse = QPushButton("Browse…")
+        browse = self.browse_button = QPushButton("Browse…")
         browse.clicked.connect(self._browse)
         dst_row.addWidget(self.dst, 1)
         dst_row.addWidget(browse)
@@ -132,6 +144,9 @@ class ExportDialog(QDialog):
         form.addRow("Floating-point dtype", self.dtype)
         self.verify = QCheckBox("Verify: re-read every written tensor and compare its CRC32 with the source bytes")
         self.verify.setChecked(True)
+        self.verify.setToolTip("For a URL destination this checks the local staged copy before its upload; the "
+                               "upload is checked apart (on S3 by a CRC32 the server checks with every PUT and "
+                               "part) and the result says how.")
         form.addRow("", self.verify)
         self.force = QCheckBox("Overwrite the destination if it exists")
         form.addRow("", self.force)
@@ -184,7 +199,7 @@ class ExportDialog(QDialog):
         except ExportError as exc:
             self.plan = None
             self.keys.setStringList([])
-            self.summary.setText(f"<span style='color:#d62728'>{html.escape(str(exc))}</span>")
+            self.summary.setText(f"<span style='color:#d62728'>{html.escape(dialog_words(str(exc)))}</span>")
             self.export_button.setEnabled(False)
             return
         plan = self.plan
@@ -238,13 +253,20 @@ class ExportDialog(QDialog):
         self.progress.setValue(done // scale)
         self.progress.setFormat(f"%p%  {human_bytes(done)} of {human_bytes(total)}")
 
+    def option_widgets(self) -> list[QWidget]:
+        """Every field of the form (all locked while an export runs)."""
+        return [self.dst, self.browse_button, self.format, self.ranks, self.shard, self.only, self.exclude,
+                self.strip, self.rename, self.dtype, self.verify, self.force]
+
     def _set_running(self, running: bool) -> None:
         self.progress.setVisible(running)
         self.export_button.setEnabled(not running)
-        for w in (self.dst, self.format, self.verify, self.force):
+        # NOTE: only four fields used to be locked: editing another one mid-export replaced the plan, the
+        # preview and the "Exporting …" line, so the result shown no longer matched what was written
+        for w in self.option_widgets():
             w.setEnabled(not running)
         if not running:
-            self.update_preview()
+            self.update_preview()  # re-disables what the chosen format does not use
 
     def _done(self, result: ExportResult) -> None:
         self.result = result
@@ -259,8 +281,8 @@ class ExportDialog(QDialog):
 
     def _failed(self, message: str) -> None:
         self._set_running(False)
-        self.message.setText(f"<span style='color:#d62728'>{html.escape(message)}</span><br>Nothing was written to the "
-                             "destination.")
+        self.message.setText(f"<span style='color:#d62728'>{html.escape(dialog_words(message))}</span><br>Nothing was "
+                             "written to the destination.")
         self.finished_export.emit(None)
 
     def _cancelled(self) -> None:

@@ -65,6 +65,17 @@ POLL_MS = 2000
 OPENABLE = ("complete",)
 
 
+def why_not_opened(c: CheckpointRecord) -> str:
+    """What the Library says when a double-click cannot open ``c`` in the browser."""
+    if c.is_file and c.state in OPENABLE:  # NOTE: it used to say "a.pt is complete; it opens once it is complete"
+        return (f"{c.name} is a consolidated file: the browser opens checkpoint folders. Select it with another "
+                "checkpoint and Compare them.")
+    reason = f": {c.reason}" if c.reason else ""
+    if c.state == "unreadable":
+        return f"{c.name} is unreadable{reason}; it cannot be opened."
+    return f"{c.name} is {c.state}{reason}; it opens once it is complete."
+
+
 def natural(name: str) -> str:
     """A sort key as text (Qt compares it): numbers zero-padded, so checkpoint-500 sorts before checkpoint-1000."""
     return re.sub(r"\d+", lambda m: m.group().zfill(20), name.lower())
@@ -639,7 +650,7 @@ class LibraryView(QWidget):
         self.folder_button.setEnabled(one is not None and not is_url(one.path))
         self.compare_button.setEnabled(len(sel) == 2 and all(c.state in OPENABLE for c in sel))
         if one is not None and not ready:
-            self.open_button.setToolTip(f"{one.name} is {one.state}: it opens once it is complete")
+            self.open_button.setToolTip(why_not_opened(one))
         elif one is not None and one.is_file:
             self.open_button.setToolTip("A consolidated file: Compare it with another checkpoint")
         else:
@@ -660,8 +671,7 @@ class LibraryView(QWidget):
         if len(sel) == 1 and sel[0].state in OPENABLE and not sel[0].is_file:
             self.openRequested.emit(sel[0].path)
         elif len(sel) == 1:
-            self.status.setText(f"{sel[0].name} is {sel[0].state}"
-                                f"{': ' + sel[0].reason if sel[0].reason else ''}; it opens once it is complete.")
+            self.status.setText(why_not_opened(sel[0]))
 
     def export_selected(self) -> None:
         sel = self.selected_checkpoints()

@@ -449,6 +449,9 @@ class InspectorView(QWidget):
 
 
 MAX_LISTED = 2000
+# What Verify contents proves about the bytes: torch.save items store a CRC32, safetensors stores none.
+CHECKSUMS_WHERE_STORED = "CRC32 checked where the format stores one: torch.save items do, safetensors does not"
+NO_CHECKSUMS = "safetensors stores no checksum: every byte read, dtype and size checked, no CRC32 to compare"
 
 
 class HealthPanel(QListWidget):
@@ -466,21 +469,25 @@ class HealthPanel(QListWidget):
         self.problems = []
         self.addItem(QListWidgetItem(message))
 
-    def set_problems(self, problems: list[Problem], deep: bool = False, note: str = "") -> None:
-        """``deep``: the list comes from Verify contents (every stored byte read and its CRC32 checked)."""
+    def set_problems(self, problems: list[Problem], deep: bool = False, note: str = "",
+                     checksums: str = "") -> None:
+        """``deep``: the list comes from Verify contents (every stored item read, its CRC32 checked where
+        the format stores one); ``checksums`` says which ones do (never claim a CRC safetensors lacks)."""
         self.clear()
         self.problems = list(problems)
         if note:
             self.addItem(QListWidgetItem(note))
         if not problems:
             self.addItem(QListWidgetItem(
-                "✔ Contents verified: every stored item read once and its CRC32 matched; every file present, "
-                "every tensor tiled exactly." if deep else
+                f"✔ Contents verified: every stored item read once ({checksums or CHECKSUMS_WHERE_STORED}); "
+                "every file present, every tensor tiled exactly." if deep else
                 "✔ Healthy: every file present and long enough, every tensor tiled exactly. (Bytes not read: "
                 "Verify contents reads every item and checks its CRC32.)"))
             return
         if deep:
-            self.addItem(QListWidgetItem(f"Verify contents read every stored item: {len(problems):,} problems"))
+            n = len(problems)
+            found = f"{n:,} problem{'s' if n != 1 else ''}"
+            self.addItem(QListWidgetItem(f"Verify contents read every stored item: {found}"))
         for p in problems[:MAX_LISTED]:
             item = QListWidgetItem(f"[{p.kind}] {p.message}")
             item.setData(Qt.ItemDataRole.UserRole, p.fqn)

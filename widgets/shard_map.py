@@ -23,6 +23,9 @@ MAP_WIDTH = 800.0
 MAX_ASPECT = 6.0  # a 50000 × 8 tensor would be a hairline: draw rows/cols at most this lopsided
 BAR_HEIGHT = 36.0
 MAX_STACKED = 200
+# NOTE: a module of a 512-rank checkpoint (200 tensors x 176 chunks) took 3.4 s of the GUI thread to
+# stack; past this many chunks the stack stops (the caption says how many tensors were left out).
+MAX_STACKED_CHUNKS = 8000
 MIN_OUTLINED = 3.0  # scene units (about pixels when fitted): thinner chunks are drawn without an outline
 
 
@@ -142,6 +145,7 @@ class ShardMapView(QGraphicsView):
         self.highlight_rank: int | None = None
         self.hover = HoverIndex()
         self._entries: list[TensorEntry] = []
+        self._single = True  # one tensor drawn alone (no label, its own aspect), not a stack
         self._ckpt: Checkpoint | None = None
 
     # ------------------------------------------------------------------ drawing
@@ -166,16 +170,18 @@ class ShardMapView(QGraphicsView):
     def show_tensors(self, ckpt: Checkpoint, entries: list[TensorEntry]) -> None:
         self.clear_map()
         self._ckpt = ckpt
-        self._entries = entries[:MAX_STACKED]
+        self._entries = stacked_entries(entries)
+        self._single = len(entries) == 1
         if not entries:
             self.clear_map("Select a tensor or a module to see how it is sharded.")
             return
         y = 0.0
-        single = len(self._entries) == 1
+        single = self._single
         for e in self._entries:
             y = self._draw_tensor(ckpt, e, y, with_label=not single) + (18.0 if not single else 0.0)
-        if len(entries) > MAX_STACKED:
-            t = self.scene().addSimpleText(f"… {len(entries) - MAX_STACKED} more tensors not drawn")
+        if len(entries) > len(self._entries):
+            t = self.scene().addSimpleText(f"… {len(entries) - len(self._entries)} more tensors not drawn "
+                                           "(select a smaller module to see them)")
             t.setPos(0, y)
             t.setBrush(self.palette().text())
         self.scene().setSceneRect(self.scene().itemsBoundingRect().adjusted(-10, -10, 10, 10))
@@ -187,7 +193,7 @@ class ShardMapView(QGraphicsView):
             return MAP_WIDTH, BAR_HEIGHT
         aspect = rows / cols if cols else 1.0
         aspect = min(max(aspect, 1 / MAX_ASPECT), MAX_ASPECT)
-        return MAP_WIDTH, MAP_WIDTH * aspect if len(self._entries) == 1 else max(24.0, min(MAP_WIDTH * aspect, 160.0))
+        return MAP_WIDTH, MAP_WIDTH * aspect if self._single else max(24.0, min(MAP_WIDTH * aspect, 160.0))
 
     def _draw_tensor(self, ckpt: Checkpoint, e: TensorEntry, y0: float, with_label: bool) -> float:
         scene = self.scene()
@@ -303,6 +309,19 @@ class ShardMapView(QGraphicsView):
 
     def mouseDoubleClickEvent(self, event) -> None:
         self.fit()
+
+
+def stacked_entries(entries: list[TensorEntry]) -> list[TensorEntry]:
+    """The first tensors of a module that are stacked: at most MAX_STACKED, and no more once
+    MAX_STACKED_CHUNKS chunks are drawn (always at least one)."""
+    out: list[TensorEntry] = []
+    total = 0
+    for e in entries[:MAX_STACKED]:
+        if out and total + e.chunk_count > MAX_STACKED_CHUNKS:
+            break
+        out.append(e)
+        total += e.chunk_count
+    return out
 
 
 def _how(ndim: int) -> str:

@@ -45,6 +45,8 @@ def must_isolate() -> bool:
         return False
     if ISOLATE is not None:
         return ISOLATE
+    if not sys.platform.startswith("linux"):
+        return False  # the address-space limit is only set on Linux: there is nothing to keep from other threads
     return threading.current_thread() is not threading.main_thread() or threading.active_count() > 1
 
 
@@ -80,8 +82,8 @@ class _Helper:
         except OSError:
             return None, False
 
-    def close(self, kill: bool = False) -> int:
-        """End the helper (it leaves when its socket closes); its exit code."""
+    def close(self, kill: bool = False) -> tuple[int, str]:
+        """End the helper (it leaves when its socket closes); its exit code and the end of what it printed."""
         self.replies.close()
         self.sock.close()
         if kill:
@@ -91,15 +93,24 @@ class _Helper:
         except Exception:  # it must not outlive this call, whatever went wrong
             self.proc.kill()
             code = self.proc.wait()
-        return code
-
-    def log_tail(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-3000:].decode("utf-8", "replace")
+        with self.log:
+            self.log.seek(0)
+            return code, self.log.read()[-3000:].decode("utf-8", "replace")
 
 
 _IDLE: list[_Helper] = []
 _IDLE_LOCK = threading.Lock()
+
+
+def _forget_helpers() -> None:
+    """NOTE: a forked child must not talk to its parent's helpers (two processes on one socket), and the
+    lock may have been held by a thread that does not exist in the child: it starts afresh."""
+    global _IDLE_LOCK
+    _IDLE.clear()
+    _IDLE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
 
 
 @atexit.register
@@ -108,7 +119,6 @@ def _close_idle() -> None:
         helpers, _IDLE[:] = list(_IDLE), []
     for helper in helpers:
         helper.close()
-        helper.log.close()
 
 
 def run_isolated(func: Any, data: Any, source: str) -> Any:
@@ -136,9 +146,7 @@ def run_isolated(func: Any, data: Any, source: str) -> Any:
             if len(_IDLE) < MAX_IDLE:
                 _IDLE.append(helper)
                 helper = None
-    code, tail = (helper.close(), helper.log_tail()) if helper is not None else (0, "")
-    if helper is not None:
-        helper.log.close()
+    code, tail = helper.close() if helper is not None else (0, "")
     if blob is None:
         return _no_reply(code, source, tail)
     with gc_paused():
@@ -288,8 +296,9 @@ def _answer(name: str, source: str, stream: Any) -> bytes:
     try:
         return _pickled(reply)
     except (RecursionError, pickle.PicklingError, TypeError, ValueError) as exc:  # what the file built
-        return _pickled(("error", "RefusedPickleError", f"{source}: the metadata holds what no DCP metadata "
-                         f"holds ({type(exc).__name__}: {str(exc)[:100]}); refused.", source, None))
+        what = "nests deeper than any DCP metadata does" if isinstance(exc, RecursionError) else \
+            f"holds a value no DCP metadata holds ({str(exc)[:100]})"
+        return _pickled(("error", "RefusedPickleError", f"{source}: the metadata {what}; refused.", source, None))
 
 
 def _pickled(obj: Any) -> bytes:

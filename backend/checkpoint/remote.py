@@ -615,6 +615,8 @@ class Download:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:  # Windows: a mapped file cannot be removed; the next download removes it
+                log.warning("could not remove %s: %r", path, exc)
 
     def _catch_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -6,10 +6,12 @@ a peak RSS above twice the checkpoint's size plus 300 MB (``memory``)."""
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import shutil
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,12 +77,19 @@ def _on_alarm(signum: int, frame: object) -> None:
     raise Hang()
 
 
+STRAY = ("Traceback (most recent call last)", "Exception ignored", "SystemError")
+
+
 def run_case(folder: Path, timeout: float = 30.0) -> Outcome:
-    """Exercise one checkpoint folder with a time limit (main thread only) and peak-memory accounting."""
+    """Exercise one checkpoint folder with a time limit (main thread only) and peak-memory accounting.
+    A traceback or error that C code prints on its way (an unraisable exception) counts as a crash too:
+    the user would see it."""
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     base = _status("VmRSS")
     _reset_peak()
     old = signal.signal(signal.SIGALRM, _on_alarm)
+    printed, real_stderr = io.StringIO(), sys.stderr
+    sys.stderr = printed
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         kind, detail = exercise(folder), ""
@@ -93,6 +102,9 @@ def run_case(folder: Path, timeout: float = 30.0) -> Outcome:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        sys.stderr = real_stderr
+    if kind != "crash" and any(s in printed.getvalue() for s in STRAY):
+        kind, detail = "crash", f"printed on stderr: {printed.getvalue()[-1500:]}"
     peak = max(0, _status("VmHWM") - base)
     if kind not in ("crash", "hang") and peak > 2 * size + MEMORY_SLACK:
         kind, detail = "memory", f"peak {peak >> 20} MB for {size >> 10} KB of checkpoint"
