@@ -257,6 +257,45 @@ def test_leftover_uploads_of_a_killed_export_are_cleaned_next_time(s3):
     fs.rm(f"{BUCKET}/killed", recursive=True)
 
 
+def test_another_machines_stale_leftovers_and_dead_multipart_uploads_are_cleaned(s3, tmp_path):
+    """Another machine's temporary upload is removed once untouched for the stale age (a day; shortened here
+    with the documented variable), and so is an incomplete multipart upload: this machine's at once when
+    its process is gone (a local record), anyone's after the stale age. This machine's live one is kept."""
+    from shardscope.backend.checkpoint.remote import _uploads_dir
+
+    server, fs, _ = s3
+    other = ".shardscope-tmp-4242-abcdef-elsewhere.example-model.safetensors"
+    fs.pipe(f"{BUCKET}/stale/{other}", b"partial upload")
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    ids = {}
+    for who, key in (("dead", "stale/model.safetensors"), ("live", "stale/other.safetensors")):
+        ids[who] = fs.call_s3("create_multipart_upload", Bucket=BUCKET, Key=key)["UploadId"]
+    os.makedirs(_uploads_dir(), exist_ok=True)
+    for who, pid in (("dead", dead), ("live", os.getpid())):
+        Path(_uploads_dir(), f"{pid}-test{who}").write_text(ids[who])
+
+    def uploads():
+        out = fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix="stale/")
+        return {u["UploadId"] for u in out.get("Uploads") or []}
+
+    assert uploads() == set(ids.values())
+    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/fsdp2_r4", f"s3://{BUCKET}/stale/a.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    fs.invalidate_cache()
+    assert fs.exists(f"{BUCKET}/stale/{other}")  # another machine's, fresh: kept
+    assert uploads() == {ids["live"]}  # this machine's dead process's upload: aborted at once
+    assert not Path(_uploads_dir(), f"{dead}-testdead").exists()
+    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/fsdp2_r4", f"s3://{BUCKET}/stale/b.safetensors",
+                         extra_env={"SHARDSCOPE_STALE_UPLOAD_SECONDS": "0"})
+    assert proc.returncode == 0, proc.stderr
+    fs.invalidate_cache()
+    # moto reports every upload as started in 2010, so only the live local record keeps one here
+    assert not fs.exists(f"{BUCKET}/stale/{other}") and uploads() == {ids["live"]}
+    Path(_uploads_dir(), f"{os.getpid()}-testlive").unlink()
+    fs.rm(f"{BUCKET}/stale", recursive=True)
+
+
 # ------------------------------------------------------------------ single files and index folders on a URL
 def write_safetensors(path: Path, tensors: dict) -> None:
     """A safetensors file written byte by byte from the format's definition (no safetensors package)."""

@@ -383,6 +383,10 @@ class InspectorView(QWidget):
         self.title.setText(f"<b>{entry.fqn}</b> — {entry.dtype} {list(entry.shape)}, {human_bytes(entry.nbytes)}")
         self.title.setToolTip(f"{entry.fqn} — {entry.dtype} {list(entry.shape)}, {human_bytes(entry.nbytes)}")
         chunks = entry.chunks
+        # NOTE: emptied first. Refilling rows that still held items replaced them one by one, and each
+        # replacement made the shown table re-measure its ResizeToContents columns over every row:
+        # 84 s frozen going from one 512-chunk tensor to another (found by tests/soak_driver.py --probe).
+        self.chunks.setRowCount(0)
         self.chunks.setRowCount(len(chunks))
         for i, c in enumerate(chunks):
             vals = (str(list(c.offsets)), str(list(c.sizes)), "" if c.rank is None else str(c.rank), c.file,

@@ -19,6 +19,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 import uuid
 import zlib
 from collections import OrderedDict
@@ -666,6 +667,70 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 
 
+STALE_ENV = "SHARDSCOPE_STALE_UPLOAD_SECONDS"
+
+
+def stale_seconds() -> float:
+    """How long another machine's temporary upload (or any incomplete multipart upload) must have been
+    left untouched before an export next to it removes it: a day, or ``$SHARDSCOPE_STALE_UPLOAD_SECONDS``."""
+    try:
+        return float(os.environ.get(STALE_ENV, 86400))
+    except ValueError:
+        return 86400.0
+
+
+def _modified(info: dict[str, Any]) -> float | None:
+    when = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
+    if when is None:
+        return None
+    return when.timestamp() if hasattr(when, "timestamp") else float(when)
+
+
+def _uploads_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "shardscope-uploads")
+
+
+def _remember_upload(upload_id: str) -> str:
+    """A local record ``<pid>-<hash>`` of a multipart upload in flight; removed when it ends."""
+    folder = _uploads_dir()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(upload_id)
+    return path
+
+
+def _forget_upload(record: str) -> None:
+    try:
+        os.unlink(record)
+    except OSError:
+        pass
+
+
+def _upload_records() -> dict[str, tuple[str, bool]]:
+    """Upload id -> (record path, whether its process is alive), for this machine's multipart uploads."""
+    out: dict[str, tuple[str, bool]] = {}
+    try:
+        names = os.listdir(_uploads_dir())
+    except OSError:
+        return out
+    for name in names:
+        pid = name.split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        alive = pid_alive(int(pid))
+        path = os.path.join(_uploads_dir(), name)
+        try:
+            if not alive and time.time() - os.path.getmtime(path) > 2 * stale_seconds():
+                _forget_upload(path)  # its upload is gone by now, or the age rule takes it
+                continue
+            with open(path, encoding="utf-8") as f:
+                out[f.read(1024).strip()] = (path, alive)
+        except OSError:
+            continue
+    return out
+
+
 PART = 16 << 20  # multipart part size for S3 uploads (5 MiB..5 GiB, at most 10,000 parts)
 MAX_PARTS = 10_000
 PARTS_IN_FLIGHT = 4  # parts read and sent at once: at most this many parts in memory
@@ -813,22 +878,72 @@ class RemoteTarget:
         return f"{parent}/{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}-{_host()}-{base}"
 
     def clean_leftovers(self) -> list[str]:
-        """Remove temporary uploads next to the destination left by a killed Shardscope process of this
-        machine (host name and a dead pid in the name); another machine's are never touched."""
+        """Remove what killed Shardscope exports left next to the destination: temporary uploads of this
+        machine whose process is gone (host name and pid in the name), and anyone's (another machine's)
+        untouched for longer than :func:`stale_seconds`; on S3 also incomplete multipart uploads to
+        these keys, by the same two rules (this machine's are known from their local records)."""
         parent = self.root.rpartition("/")[0]
         try:
-            names = [p.rstrip("/") for p in self.fs.ls(parent, detail=False)]
+            entries = call(self.url, self.fs.ls, parent, detail=True, doing="cannot list the destination")
+        except CheckpointError:
+            return []
+        removed = []
+        for entry in entries:
+            path = entry["name"].rstrip("/")
+            m = LEFTOVER_RE.match(path.rpartition("/")[2])
+            if not m:
+                continue
+            mine = m.group(3).startswith(f"{_host()}-")
+            if (mine and not pid_alive(int(m.group(1)))) or (not mine and self._stale(path, entry)):
+                self._quiet_rm(path, recursive=True)
+                removed.append(path)
+        if self.s3:
+            removed += self._abort_dead_uploads(parent)
+        return removed
+
+    def _stale(self, path: str, entry: dict[str, Any]) -> bool:
+        """True when nothing under ``path`` was written for :func:`stale_seconds`."""
+        try:
+            found = self.fs.find(path, detail=True) if entry.get("type") == "directory" else {path: entry}
+        except Exception as exc:
+            if not is_remote_error(exc):
+                raise
+            return False
+        times = [_modified(info) for info in found.values()]
+        if not times or None in times:
+            return False  # no time to go by: never remove another machine's upload
+        return time.time() - max(times) > stale_seconds()  # type: ignore[type-var]
+
+    def _abort_dead_uploads(self, parent: str) -> list[str]:
+        bucket, _, prefix = parent.partition("/")
+        try:
+            listed = self.fs.call_s3("list_multipart_uploads", Bucket=bucket,
+                                     Prefix=f"{prefix}/" if prefix else "").get("Uploads") or []
         except Exception as exc:
             if not is_remote_error(exc):
                 raise
             return []
-        removed = []
-        for path in names:
-            m = LEFTOVER_RE.match(path.rpartition("/")[2])
-            if m and m.group(3).startswith(f"{_host()}-") and not pid_alive(int(m.group(1))):
-                self._quiet_rm(path, recursive=True)
-                removed.append(path)
-        return removed
+        records = _upload_records()
+        aborted = []
+        for up in listed:
+            key, upload_id = up.get("Key", ""), up.get("UploadId", "")
+            path, alive = records.get(upload_id, ("", False))
+            if alive:
+                continue  # this machine's export still sending it
+            started = up.get("Initiated")
+            old = started is not None and time.time() - started.timestamp() > stale_seconds()
+            if path or old:
+                try:
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+                    aborted.append(f"{bucket}/{key} (incomplete upload {upload_id[:12]})")
+                except Exception as exc:
+                    if not is_remote_error(exc):
+                        raise
+                    log.warning("could not abort the upload of %s/%s: %r", bucket, key, exc)
+                    continue
+            if path:
+                _forget_upload(path)
+        return aborted
 
     def _put(self, local: str, remote: str) -> Sent:
         if self.s3:
@@ -857,6 +972,7 @@ class RemoteTarget:
     def _multipart(self, local: str, bucket: str, key: str, size: int, part: int) -> Sent:
         upload_id = self._s3_call("create_multipart_upload", Bucket=bucket, Key=key,
                                   ChecksumAlgorithm="CRC32")["UploadId"]
+        record = _remember_upload(upload_id)  # a kill -9 from here on is cleaned by this machine's next run
         fd = os.open(local, os.O_RDONLY)
 
         def one(i: int) -> tuple[dict[str, Any], int, int]:
@@ -883,6 +999,7 @@ class RemoteTarget:
         finally:
             pool.shutdown(wait=True)
             os.close(fd)
+            _forget_upload(record)
         if sum(d[2] for d in done) != size:
             raise CheckpointError(f"{self.url}: the staged file changed while it was uploaded.", path=self.url)
         whole = done[0][1]
