@@ -383,6 +383,8 @@ class MainWindow(QMainWindow):
 
         def failed(message: str) -> None:
             progress.close()
+            # NOTE: the backend speaks of the CLI's --force, which this window does not offer
+            message = message.replace("give --force to overwrite it", "choose a folder that does not exist yet")
             QMessageBox.warning(self, title, f"{message}\n\nNothing was written.")
 
         # the dialog owns the job: its slots are skipped once it is gone; it is deleted when the job ends

@@ -50,3 +50,21 @@ def terminate_tree(pid: int, grace: float = 10.0) -> None:
         send_signal(p.pid, signal.SIGKILL)
     send_signal(pid, signal.SIGKILL, group=True)
     psutil.wait_procs(alive, timeout=grace)
+
+
+def orphaned(folder: str, prefix: str) -> list[str]:
+    """Names in ``folder`` of the form ``<prefix><pid>-...`` whose process is gone (not this one):
+    temporaries a killed process (``kill -9``) could not remove."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid_text = name[len(prefix):].split("-", 1)[0]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
+            out.append(name)
+    return out
+

@@ -4,8 +4,9 @@ same checkpoints, as long as you like, with memory and reference counts reported
     QT_QPA_PLATFORM=offscreen python benchmarks/soak_long.py --hours 2 [--dir DIR] [--seed N]
 
 Writes its checkpoints under DIR (kept and reused), runs the driver in a fresh process, prints a
-table and exits 1 if the window aborted, an exception escaped into Qt, or the reference counts of
-None/True/False fell.
+table (reference counts, resident memory, live objects after the warm-up and at the end) and exits 1 if
+the window aborted, an exception escaped into Qt, or the reference counts of None/True/False fell.
+``python tests/soak_driver.py --probe N ...`` says which kind of action leaves what behind.
 """
 
 from __future__ import annotations
@@ -66,7 +67,14 @@ def main() -> int:
     for i, name in enumerate(("refcount(None)", "refcount(True)", "refcount(False)")):
         print(f"| {name} | {first[i]:,} (after {a0:,}) | {last[i]:,} (after {a1:,}) |")
     rss = s["rss_mib_first_max_last"]
-    print(f"| resident memory | {rss[0]:,} MiB | {rss[2]:,} MiB (peak {rss[1]:,}) |\n")
+    print(f"| resident memory | {rss[0]:,} MiB | {rss[2]:,} MiB (peak {rss[1]:,}) |")
+    if len(s.get("live_objects_rss_mib", [])) == 2:  # after the warm-up and at the end, each after a full gc
+        (w, o0, r0), (e, o1, r1) = s["live_objects_rss_mib"]
+        print(f"| live Python objects | {o0:,} (after {w:,}) | {o1:,} (after {e:,}; "
+              f"{(o1 - o0) / max(1, e - w):+.2f} per action) |")
+        print(f"| resident memory after gc | {r0:,} MiB | {r1:,} MiB ({1024 * (r1 - r0) / max(1, e - w):+.1f} KiB "
+              "per action) |")
+    print()
     print("actions:", ", ".join(f"{k} {v:,}" for k, v in sorted(s["by_kind"].items(), key=lambda kv: -kv[1])))
     print(f"tooltips checked: {s['tooltips_checked']:,}; metrics lines written: {s['metrics_lines']:,}")
     if proc.returncode != 0:

@@ -106,8 +106,11 @@ class Soak:
         self.win.show()
         self.counts: Counter[str] = Counter()
         self.spent: Counter[str] = Counter()  # seconds per kind of action
+        self.paint_seconds = 0.0  # letting Qt paint and run its timers between actions
         self.samples: list[tuple[int, int, int, int]] = []  # (actions, None, True, False)
         self.rss_mib: list[int] = []  # resident memory at each sample (a long soak shows leaks here)
+        self.growth: list[tuple[int, int, float]] = []  # (actions, live objects, RSS MiB) after warm-up and at the end
+        self.types: list[Counter[str]] = []  # live objects by type at the same points
         self.errors: list[str] = []
         self.tooltips = 0
         sys.excepthook = self._excepthook  # an exception in a slot is a failure, not a line on stderr
@@ -162,7 +165,8 @@ class Soak:
         view = self.rng.choice(self.views)
         self._show(view)
         paths = self.paths[id(view)]
-        big = [p for p in paths if p.endswith("big.weight") or p.endswith("layers") or p == "model"]
+        # the 512-chunk map (and its 512-chunk bias: one 512-row chunk table after another), modules
+        big = [p for p in paths if p.endswith(("big.weight", "big.bias", "layers")) or p == "model"]
         view.select_path(self.rng.choice(big if big and self.rng.random() < 0.4 else paths))
 
     def _show(self, widget) -> None:
@@ -272,6 +276,12 @@ class Soak:
         self.samples.append((actions, sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)))
         self.rss_mib.append(round(psutil.Process().memory_info().rss / 2**20))
 
+    def live(self, actions: int) -> None:
+        """Live objects (after a full collection, background work done) and resident memory, for growth."""
+        snap = self.snapshot()
+        self.growth.append((actions, snap["objects"], round(snap["rss"] / 2**20, 1)))
+        self.types.append(snap["types"])
+
     def fallen(self) -> str | None:
         """A message if a reference count fell below its warmed-up value by more than the slack."""
         warm = [s for s in self.samples if s[0] >= WARMUP_ACTIONS]
@@ -312,13 +322,17 @@ class Soak:
                 t_paint = time.monotonic()
                 QTest.qWait(1)
                 painted = time.monotonic()
-                self.spent["(paint, timers)"] += painted - t_paint
+                self.paint_seconds += painted - t_paint
+            if actions == WARMUP_ACTIONS:
+                self.live(actions)
             if actions % SAMPLE_EVERY == 0:
                 self.sample(actions)
                 problem = self.fallen()
                 if problem:
                     break
         elapsed = time.monotonic() - t0
+        if actions > WARMUP_ACTIONS:
+            self.live(actions)
         plotted = self.panel.plots.curve_points(("raw", 0)) if self.panel is not None else 0
         self.close()
         gc.collect()
@@ -327,10 +341,14 @@ class Soak:
         summary = {"actions": actions, "seconds": round(elapsed, 1), "setup_seconds": round(setup, 1),
                    "by_kind": dict(self.counts), "tooltips_checked": self.tooltips,
                    "ms_per_action": {k: round(1000 * v / max(1, self.counts[k]), 1) for k, v in self.spent.items()},
+                   "paint_seconds": round(self.paint_seconds, 1),
                    "metrics_lines": getattr(getattr(self, "writer", None), "lines", 0), "plotted_points": plotted,
                    "refcounts_first_last": [self.samples[0], self.samples[-1]] if self.samples else [],
                    "rss_mib_first_max_last": [self.rss_mib[0], max(self.rss_mib), self.rss_mib[-1]]
                    if self.rss_mib else [],
+                   "live_objects_rss_mib": self.growth,
+                   # the types with the most more live objects at the end than after the warm-up
+                   "types_grown": (self.types[-1] - self.types[0]).most_common(8) if len(self.types) == 2 else [],
                    "errors": self.errors[:5], "problem": problem}
         print("SOAK " + json.dumps(summary), flush=True)
         if problem or self.errors:

@@ -314,7 +314,7 @@ def test_dialog_shows_layout_and_takes_exclude_and_rename(qtbot, fixtures, tmp_p
 def test_crc32_of_pieces_combines_like_zlib():
     import zlib
 
-    from shardscope.backend.export.source import crc32_combine
+    from shardscope.backend.crc import crc32_combine
 
     gen = torch.Generator().manual_seed(1)
     for a_len, b_len in ((0, 5), (3, 0), (1, 1), (1000, 12345), (17, 1 << 20)):

@@ -226,3 +226,62 @@ def test_header_names_the_format_and_counts_ranks_in_words(qtbot, fixtures):
     assert "1 writer rank ·" in view.header.text()
     view = open_view(qtbot, fixtures["hf_r2"])
     assert "hf-safetensors" not in view.header.text() and "safetensors files" in view.header.text()
+
+
+def test_compare_with_its_own_export_says_why_nothing_paired(qtbot, fixtures, tmp_path):
+    """A checkpoint compared with its own default safetensors export listed "75 only in A, 15 only in B"
+    and "differences found", with no word that the export had dropped ``model.`` from every name."""
+    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.backend.export import export, plan_export
+    from shardscope.widgets.compare_view import CompareView
+
+    dst = tmp_path / "m.safetensors"
+    export(plan_export(open_checkpoint(fixtures["fsdp2_r2"]), "safetensors"), str(dst))
+    view = CompareView(str(fixtures["fsdp2_r2"]), str(dst))
+    qtbot.addWidget(view)
+    view.show()
+    with qtbot.waitSignal(view.finished, timeout=120000) as sig:
+        view.start()
+    assert sig.args[0].unchanged == 0 and len(sig.args[0].only_b) == 15
+    assert "without the prefix “model.”" in view.summary.text()
+
+
+def test_statistics_table_is_not_clipped_in_a_narrow_pane(qtbot, fixtures):
+    """Two checkpoints side by side: the statistics table keeps its natural width (the fix that lets
+    error messages wrap must not clip "max 0.30244" to "0.3024")."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    view.resize(620, 700)
+    with qtbot.waitSignal(view.statsReady, timeout=120000):
+        assert view.select_path("model.head.weight")
+    min_width(view)
+    stats = view.inspector.stats
+    assert stats.width() >= stats.sizeHint().width() > 0
+
+
+def test_import_into_an_existing_folder_does_not_speak_of_force(qtbot, fixtures, tmp_path):
+    """File › Import into a folder that exists said "give --force to overwrite it": the window has no
+    --force (and nothing in the folder may be touched)."""
+    from PySide6.QtCore import QTimer
+    from shardscope.app.main_window import MainWindow
+    from shardscope.backend.export.dcp_writer import import_file
+
+    dst = tmp_path / "exists"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    win = MainWindow()
+    qtbot.addWidget(win)
+    seen: list[str] = []
+
+    def read_and_close() -> None:  # the warning is modal: read it, close it
+        box = QApplication.activeModalWidget()
+        if box is not None and hasattr(box, "text") and "Nothing was written" in box.text():
+            seen.append(box.text())
+            box.close()
+        else:
+            QTimer.singleShot(50, read_and_close)
+
+    QTimer.singleShot(50, read_and_close)
+    win._run_dcp_job(import_file, str(fixtures["nopg"] / ".metadata"), str(dst), 2, None, title="Import")
+    qtbot.waitUntil(lambda: bool(seen), timeout=120000)
+    assert "--force" not in seen[0] and "does not exist yet" in seen[0]
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]

@@ -293,6 +293,7 @@ def test_another_machines_stale_leftovers_and_dead_multipart_uploads_are_cleaned
     # moto reports every upload as started in 2010, so only the live local record keeps one here
     assert not fs.exists(f"{BUCKET}/stale/{other}") and uploads() == {ids["live"]}
     Path(_uploads_dir(), f"{os.getpid()}-testlive").unlink()
+    fs.call_s3("abort_multipart_upload", Bucket=BUCKET, Key="stale/other.safetensors", UploadId=ids["live"])
     fs.rm(f"{BUCKET}/stale", recursive=True)
 
 

@@ -103,6 +103,21 @@ class DiffModel(QAbstractTableModel):
         return None
 
 
+def renamed_hint(only_a: list[str], only_b: list[str]) -> str:
+    """When no entry pairs up by name because one side's names are the other's under a prefix (a checkpoint
+    and its own safetensors export, which drops ``model.`` by default), say so; else ""."""
+    for longer, shorter, side in ((only_a, only_b, "B"), (only_b, only_a, "A")):
+        if not shorter:
+            continue
+        names, first = set(longer), shorter[0]
+        prefixes = {n[: -len(first)] for n in longer if n.endswith("." + first)}
+        for prefix in sorted(prefixes, key=len):
+            if all(prefix + k in names for k in shorter):
+                return (f"{side}'s entries are the other side's without the prefix “{prefix}” (Export drops the "
+                        "model's container by default), so none could be paired by name and no values were compared.")
+    return ""
+
+
 class BarDelegate(QStyledItemDelegate):
     """A bar behind the relative change, scaled to the largest in the table."""
 
@@ -242,6 +257,9 @@ class CompareView(QWidget):
         if not (result.changed or result.only_a or result.only_b):
             self.detail.setText(f"Nothing to list: both hold the same {result.unchanged} entries, each with the same "
                                 "dtype, shape and values (every element compared).")
+        hint = renamed_hint(result.only_a, result.only_b) if not (result.changed or result.unchanged) else ""
+        if hint:
+            self.summary.setText(self.summary.text() + "<br>" + html.escape(hint))
         self.finished.emit(result)
 
     def _failed(self, message: str) -> None:

@@ -338,9 +338,9 @@ class InspectorView(QWidget):
         self.stats.setAlignment(Qt.AlignmentFlag.AlignTop)
         # NOTE: an error message (a long path) wraps; its one-line width used to become the window's
         # minimum width (the window grew past the screen). The statistics table keeps its own width.
-        self.stats.setWordWrap(True)
         self.stats.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.stats.setMinimumWidth(self.fontMetrics().horizontalAdvance("mean -0.00757524  std 1.00421") + 16)
+        self._stats_min = self.fontMetrics().horizontalAdvance("mean -0.00757524  std 1.00421") + 16
+        self._fit_stats(wrap=True)
         ll.addWidget(self.stats)
         self.hist = themed_plot()
         self.hist.setLabel("bottom", "value")
@@ -370,7 +370,7 @@ class InspectorView(QWidget):
         self.last_stats = None
         self.hist.clear()
         self.hist.hide()
-        self.stats.setText("")
+        self.show_message("")
         self.read_note.setText("")
         self.load_button.setText("Load values")
         if entry is None:
@@ -421,13 +421,14 @@ class InspectorView(QWidget):
         self.read_note.setText(f"{'Read again' if again else 'Read'} from disk at {time.strftime('%H:%M:%S')} "
                                f"in {time.monotonic() - self._started:.2f} s")
         if stats.min is None:
-            self.stats.setText(f"No finite values. NaN {stats.nan:,}, Inf {stats.inf:,} of {stats.numel:,}.")
+            self.show_message(f"No finite values. NaN {stats.nan:,}, Inf {stats.inf:,} of {stats.numel:,}.")
             return
         self.stats.setText(
             f"<table><tr><td>min</td><td>{stats.min:.6g}</td><td>&nbsp;max</td><td>{stats.max:.6g}</td></tr>"
             f"<tr><td>mean</td><td>{stats.mean:.6g}</td><td>&nbsp;std</td><td>{stats.std:.6g}</td></tr>"
             f"<tr><td>NaN</td><td>{stats.nan:,}</td><td>&nbsp;Inf</td><td>{stats.inf:,}</td></tr>"
             f"<tr><td>zeros</td><td>{stats.zeros:,}</td><td>&nbsp;elements</td><td>{stats.numel:,}</td></tr></table>")
+        self._fit_stats(wrap=False)
         if stats.hist_counts:
             self.hist.show()
             self.hist.plot(stats.hist_edges, stats.hist_counts, stepMode="center", fillLevel=0,
@@ -436,6 +437,12 @@ class InspectorView(QWidget):
 
     def show_message(self, text: str) -> None:
         self.stats.setText(text)
+        self._fit_stats(wrap=True)
+
+    def _fit_stats(self, wrap: bool) -> None:
+        """Messages wrap at any width; the statistics table keeps its natural width (never clipped)."""
+        self.stats.setWordWrap(wrap)
+        self.stats.setMinimumWidth(self._stats_min if wrap else max(self._stats_min, self.stats.sizeHint().width()))
 
     def copy_chunks(self) -> str:
         rows = ["\t".join(self.chunks.horizontalHeaderItem(j).text() for j in range(self.chunks.columnCount()))]

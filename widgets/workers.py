@@ -69,7 +69,7 @@ class Worker:
         # keeps a reference to about half of the auto-delete runnables that start at once on an idle
         # thread (the pool's Python wrapper holds them after Qt deleted them): each kept its worker, its
         # arguments and its result for ever (found with tests/soak_driver.py --probe; shown by
-        # benchmarks/pyside_pool_leak.py). Started as a callable, nothing is kept.
+        # benchmarks/pyside_leaks.py). Started as a callable, nothing is kept.
         QThreadPool.globalInstance().start(self.run)
         return self
 

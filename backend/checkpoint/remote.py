@@ -9,7 +9,6 @@ request. Errors of the remote backend become one-line :class:`CheckpointError` (
 
 from __future__ import annotations
 
-import base64
 import bisect
 import logging
 import os
@@ -30,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from ..crc import crc32_b64, crc32_combine
 from ..errors import Cancelled, CheckpointError
 from ..format import human_bytes
-from ..procs import pid_alive
+from ..procs import orphaned, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -560,13 +560,8 @@ DOWNLOAD_RE = re.compile(r"^\.shardscope-tmp-(\d+)-dl-")
 def clean_downloads(folder: str) -> list[str]:
     """Remove copies in ``folder`` left by Shardscope processes that are gone (a kill -9 mid-copy)."""
     removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for name in names:
-        m = DOWNLOAD_RE.match(name)
-        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+    for name in orphaned(folder, TMP_PREFIX):
+        if DOWNLOAD_RE.match(name):
             try:
                 os.unlink(os.path.join(folder, name))
                 removed.append(name)
@@ -734,42 +729,6 @@ def _upload_records() -> dict[str, tuple[str, bool]]:
 PART = 16 << 20  # multipart part size for S3 uploads (5 MiB..5 GiB, at most 10,000 parts)
 MAX_PARTS = 10_000
 PARTS_IN_FLIGHT = 4  # parts read and sent at once: at most this many parts in memory
-
-
-def crc32_b64(crc: int) -> str:
-    """A CRC32 as S3 writes it (``x-amz-checksum-crc32``): the 4 big-endian bytes in base64."""
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's ``crc32_combine``: the CRC32 of ``A + B`` from the CRC32s of A and B and B's length."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
-    even = [_gf2_times(odd, v) for v in odd]  # two
-    odd = [_gf2_times(even, v) for v in even]  # four
-    while len2:  # apply len2 zero bytes to crc1, squaring the operator per bit of len2
-        even = [_gf2_times(odd, v) for v in odd]
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = [_gf2_times(even, v) for v in even]
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-    return crc1 ^ crc2
 
 
 @dataclass(frozen=True, slots=True)

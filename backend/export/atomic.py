@@ -27,7 +27,7 @@ from ..checkpoint.remote import RemoteTarget
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
 from ..format import human_bytes
-from ..procs import pid_alive
+from ..procs import orphaned
 from .plan import ExportError as OutputError
 
 TMP_PREFIX = ".shardscope-tmp-"
@@ -49,21 +49,9 @@ def remove_path(path: str) -> None:
 
 def clean_leftovers(folder: str) -> list[str]:
     """Remove temporaries in ``folder`` left by Shardscope processes that are gone (a kill -9)."""
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(TMP_PREFIX):
-            continue
-        pid_text = name[len(TMP_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        pid = int(pid_text)
-        if pid != os.getpid() and not pid_alive(pid):
-            remove_path(os.path.join(folder, name))
-            removed.append(name)
+    removed = orphaned(folder, TMP_PREFIX)
+    for name in removed:
+        remove_path(os.path.join(folder, name))
     return removed
 
 

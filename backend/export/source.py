@@ -14,6 +14,7 @@ from typing import Any
 
 from ..checkpoint.chunks import ChunkReader, StoredTensor, torch_dtype
 from ..checkpoint.model import Chunk, itemsize
+from ..crc import crc32_combine
 from ..errors import CheckpointError
 from ..progress import Progress
 from .atomic import start_writeback
@@ -33,47 +34,6 @@ def pwrite_all(fd: int, buf: Any, offset: int) -> None:
     pos = 0
     while pos < len(view):
         pos += os.pwrite(fd, view[pos:], offset + pos)
-
-
-# ------------------------------------------------------------------ CRC32 of concatenated pieces
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-_ZERO_BYTES_OPS: list[list[int]] = []  # operator k appends 2**k zero bytes to a CRC32
-
-
-def _zero_bytes_op(k: int) -> list[int]:
-    if not _ZERO_BYTES_OPS:
-        op = [0xEDB88320] + [1 << n for n in range(31)]  # appends one zero bit
-        for _ in range(3):
-            op = _gf2_square(op)
-        _ZERO_BYTES_OPS.append(op)
-    while len(_ZERO_BYTES_OPS) <= k:
-        _ZERO_BYTES_OPS.append(_gf2_square(_ZERO_BYTES_OPS[-1]))
-    return _ZERO_BYTES_OPS[k]
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python lacks)."""
-    k = 0
-    while len2 > 0:
-        if len2 & 1:
-            crc1 = _gf2_times(_zero_bytes_op(k), crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
 
 
 # ------------------------------------------------------------------ budget for assembled tensors
