@@ -200,7 +200,7 @@ class MainWindow(QMainWindow):
         deep = view.verified_problems is not None
         n = len(view.verified_problems if deep else view.data.problems)
         ok = "● verified" if deep else "● healthy"
-        self.badge.setText(ok if n == 0 else f"● {n} problem{'s' if n != 1 else ''}")
+        self.badge.setText(ok if n == 0 else f"● {n:,} problem{'s' if n != 1 else ''}")
         self.badge.setStyleSheet(f"color: {'#2ca02c' if n == 0 else '#d62728'}; font-weight: bold;")
 
     def reload_current(self) -> None:

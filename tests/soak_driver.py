@@ -145,7 +145,9 @@ class Soak:
         self.compare = None
         if self.args.compare:
             self.compare = self.win.compare(*self.args.compare)
-            self.wait_until(lambda: getattr(self.compare, "result", None) is not None, "the compare view")
+            self.wait_until(lambda: self.compare.progress.isHidden(), "the compare view")
+            if self.compare.result is None:
+                raise RuntimeError(f"soak: the compare view failed: {self.compare.summary.text()}")
             self.compare_rows = [self.compare.model.rows[i].fqn for i in range(self.compare.model.rowCount())]
 
     @staticmethod
@@ -276,9 +278,36 @@ class Soak:
         self.samples.append((actions, sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)))
         self.rss_mib.append(round(psutil.Process().memory_info().rss / 2**20))
 
+    def settle(self) -> None:
+        """The same things on screen whenever live objects are counted (a 512-chunk table and map hold
+        thousands of objects that a small tensor does not): each view's first entry, no filters."""
+        from PySide6.QtTest import QTest
+
+        self.win.resize(1280, 720)
+        for view in self.views:
+            self._show(view)
+            view.set_rank_filter(None)
+            view.filter_edit.clear()
+            view.select_path(self.paths[id(view)][0])
+            for i in (*range(view.tabs.count()), 0):  # every tab painted once (the Ranks bars cache 512 rects)
+                view.tabs.setCurrentIndex(i)
+                QTest.qWait(1)
+        for other in (self.panel, self.compare):
+            if other is not None:
+                self._show(other)
+                QTest.qWait(1)
+        if self.compare is not None and self.compare_rows:
+            self.compare.select(self.compare_rows[0])
+
     def live(self, actions: int) -> None:
         """Live objects (after a full collection, background work done) and resident memory, for growth."""
+        from shardscope.widgets.checkpoint_view import CheckpointView
+        from shardscope.widgets.workers import Worker
+
+        self.settle()
         snap = self.snapshot()
+        self.kept = {"workers": snap["types"][Worker.__qualname__],
+                     "checkpoint_views": snap["types"][CheckpointView.__qualname__], "views_open": len(self.views)}
         self.growth.append((actions, snap["objects"], round(snap["rss"] / 2**20, 1)))
         self.types.append(snap["types"])
 
@@ -347,6 +376,7 @@ class Soak:
                    "rss_mib_first_max_last": [self.rss_mib[0], max(self.rss_mib), self.rss_mib[-1]]
                    if self.rss_mib else [],
                    "live_objects_rss_mib": self.growth,
+                   "kept_at_end": getattr(self, "kept", {}),
                    # the types with the most more live objects at the end than after the warm-up
                    "types_grown": (self.types[-1] - self.types[0]).most_common(8) if len(self.types) == 2 else [],
                    "errors": self.errors[:5], "problem": problem}

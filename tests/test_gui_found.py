@@ -167,6 +167,9 @@ def test_export_dialog_speaks_of_its_own_fields(qtbot, fixtures, tmp_path):
     assert (tmp_path / "m.safetensors").read_bytes() == b"keep me"
     dlg.dst.setText(str(tmp_path / "noext"))
     assert "--" not in dlg.summary.text() and "Max shard size" in dlg.summary.text()
+    dlg.dst.setText(str(tmp_path / "m2.safetensors"))
+    dlg.only.setText("nothing.here")
+    assert "--" not in dlg.summary.text() and "Only nothing.here matches no entry" in dlg.summary.text()
 
 
 def test_compare_error_does_not_widen_the_window(qtbot, fixtures, copy_of):
@@ -258,7 +261,7 @@ def test_statistics_table_is_not_clipped_in_a_narrow_pane(qtbot, fixtures):
     assert stats.width() >= stats.sizeHint().width() > 0
 
 
-def test_import_into_an_existing_folder_does_not_speak_of_force(qtbot, fixtures, tmp_path):
+def test_import_into_an_existing_folder_does_not_speak_of_force(qtbot, tmp_path):
     """File › Import into a folder that exists said "give --force to overwrite it": the window has no
     --force (and nothing in the folder may be touched)."""
     from PySide6.QtCore import QTimer
@@ -281,7 +284,41 @@ def test_import_into_an_existing_folder_does_not_speak_of_force(qtbot, fixtures,
             QTimer.singleShot(50, read_and_close)
 
     QTimer.singleShot(50, read_and_close)
-    win._run_dcp_job(import_file, str(fixtures["nopg"] / ".metadata"), str(dst), 2, None, title="Import")
+    import torch
+
+    torch.save({"w": torch.ones(4, 2)}, tmp_path / "m.pt")
+    win._run_dcp_job(import_file, str(tmp_path / "m.pt"), str(dst), 2, None, title="Import")
     qtbot.waitUntil(lambda: bool(seen), timeout=120000)
     assert "--force" not in seen[0] and "does not exist yet" in seen[0]
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+
+
+def wheel(view, steps: int = 1) -> None:
+    """A real wheel event on the shard map's viewport (one notch per step, up = zoom in)."""
+    from PySide6.QtCore import QPoint, QPointF, Qt
+    from PySide6.QtGui import QWheelEvent
+
+    vp = view.map.viewport()
+    pos = QPointF(vp.rect().center())
+    for _ in range(steps):
+        QApplication.sendEvent(vp, QWheelEvent(pos, QPointF(vp.mapToGlobal(pos.toPoint())), QPoint(0, 0),
+                                               QPoint(0, 120), Qt.MouseButton.NoButton,
+                                               Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False))
+
+
+def test_wheel_zoom_on_the_shard_map_is_kept(qtbot, fixtures):
+    """Under Xvfb the wheel did nothing: zooming in brought up the scroll bars, their resize refitted the
+    map, and the zoom was gone before the next paint. Double-click still fits the whole tensor."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    view.select_path("model.blocks.0.fc1.weight")
+    min_width(view)  # let the first layout settle
+    fitted = view.map.transform().m11()
+    wheel(view, 3)
+    min_width(view)  # the scroll bars appear and resize the viewport
+    assert view.map.transform().m11() == pytest.approx(fitted * 1.25 ** 3, rel=1e-6)
+    view.resize(1100, 760)  # the user's zoom survives a window resize too
+    min_width(view)
+    assert view.map.transform().m11() == pytest.approx(fitted * 1.25 ** 3, rel=1e-6)
+    view.map.mouseDoubleClickEvent(None)
+    min_width(view)
+    assert view.map.transform().m11() < fitted * 1.25

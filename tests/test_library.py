@@ -323,6 +323,7 @@ def test_protected_checkpoints_survive(tree, tmp_path):
             "runs/run-live/checkpoints/step_000010",  # its run is running
             "runs/run-live/checkpoints/step_000020",  # being written
             "other/step_000100", "hf_out/checkpoint-1000", "exports/model_step_300.safetensors",
+            "exports/model.pt",  # no step number: no rule can place it in a series
             "lightning_logs/version_0/checkpoints/epoch=1-step=20.ckpt"} == left
     assert (tree / "runs/run-real/metrics").is_dir() and (tree / "runs/run-real/config.json").is_file()
 

@@ -200,16 +200,23 @@ def test_sigterm_to_train_stops_the_run_like_ctrl_c(tmp_path):
     torchrun = read_status(run_dir)["pid"]
     ranks = [c.pid for c in psutil.Process(torchrun).children(recursive=True)]
     assert ranks
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 1, (out, err)
-    assert "stopping the run (SIGTERM)" in out and "Traceback" not in err
-    assert read_status(run_dir)["state"] == "stopped"
-    deadline = time.monotonic() + 60
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-              for p in [torchrun, *ranks]):
-        assert time.monotonic() < deadline, "torchrun or a rank outlived the stop"
-        time.sleep(0.2)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 1, (out, err)
+        assert "stopping the run (SIGTERM)" in out and "Traceback" not in err
+        assert read_status(run_dir)["state"] == "stopped"
+        deadline = time.monotonic() + 60
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                  for p in [torchrun, *ranks]):
+            assert time.monotonic() < deadline, "torchrun or a rank outlived the stop"
+            time.sleep(0.2)
+    finally:  # a failing run of this test must not leave the ranks behind
+        for p in [torchrun, *ranks]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_report_is_a_noop_outside_a_run(monkeypatch, tmp_path):

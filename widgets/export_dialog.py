@@ -34,7 +34,9 @@ from .workers import Worker, run_in_background
 # The backend speaks the CLI's words; the dialog names its own fields instead.
 CLI_TO_DIALOG = (("give --force to overwrite it", "tick “Overwrite the destination if it exists” to replace it"),
                  ("(or give --format)", "(or choose a Format)"),
-                 ("give --max-shard-size", "give a Max shard size"))
+                 ("give --max-shard-size", "give a Max shard size"),
+                 ("--strip-prefix", "Strip prefix"), ("--max-shard-size", "Max shard size"), ("--only", "Only"),
+                 ("--exclude", "Exclude"), ("--rename", "Rename"), ("--dtype", "Floating-point dtype"))
 
 
 def dialog_words(message: str) -> str:

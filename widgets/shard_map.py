@@ -146,6 +146,7 @@ class ShardMapView(QGraphicsView):
         self.hover = HoverIndex()
         self._entries: list[TensorEntry] = []
         self._single = True  # one tensor drawn alone (no label, its own aspect), not a stack
+        self._follow_size = True  # refit on resize (False once the user zoomed with the wheel)
         self._ckpt: Checkpoint | None = None
 
     # ------------------------------------------------------------------ drawing
@@ -294,17 +295,22 @@ class ShardMapView(QGraphicsView):
 
     # ------------------------------------------------------------------ zoom and pan
     def fit(self) -> None:
+        """Show the whole map; it then follows the view's size again until the user zooms."""
+        self._follow_size = True
         rect = self.scene().sceneRect()
         if rect.isValid():
             self.fitInView(rect, Qt.AspectRatioMode.KeepAspectRatio)
 
     def wheelEvent(self, event: QWheelEvent) -> None:
         factor = 1.25 if event.angleDelta().y() > 0 else 0.8
+        # NOTE: zooming in brings up the scroll bars, which resize the viewport; refitting on that resize
+        # undid every wheel zoom at once in the real window
+        self._follow_size = False
         self.scale(factor, factor)
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
-        if self.chunk_items:
+        if self.chunk_items and self._follow_size:
             self.fit()
 
     def mouseDoubleClickEvent(self, event) -> None:

@@ -200,6 +200,8 @@ def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str]) -> lis
                 keep.append(f"incomplete but newer than --min-age {_age_text(rules.min_age)}")
             gone = [f"leftover of a failed save: {c.reason}"]
         elif c.state == "complete":
+            if c.step is None:  # e.g. unrelated checkpoints side by side in one folder: no series to order
+                keep.append("no step number: the rules cannot place it in a series (remove it by hand)")
             keep += _rule_reasons(c, rules, last, best, best_kept, age)
             if not rules.has_keep_rule():
                 keep.append("complete (only --incomplete given)")
