@@ -39,6 +39,11 @@ def human_duration(seconds: float) -> str:
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
 
 
+def count(n: int, one: str, many: str | None = None) -> str:
+    """``1 tensor``, ``2 tensors``, ``1,024 non-tensor entries``: a count with its noun in the right number."""
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
+
+
 def escape_name(name: object) -> str:
     """A name from a file made safe for a terminal line: control and bidi characters as ``\\uXXXX``."""
     text = str(name)

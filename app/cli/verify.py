@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
-from shardscope.backend.format import escape_name
+from shardscope.backend.format import count, escape_name
 
 from .output import TerminalProgress, add_command, print_problems
 from .storage_options import add_storage_options, folder
@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
                    "problems": [p.to_json() for p in problems]}, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(f"{escape_name(ckpt.path)}: {len(ckpt.tensors)} tensors, {len(ckpt.chunk_table)} chunks, "
-              f"{len(ckpt.data_files)} files{DEEP_NOTE if args.deep else ''}")
+        print(f"{escape_name(ckpt.path)}: {count(len(ckpt.tensors), 'tensor')}, "
+              f"{count(len(ckpt.chunk_table), 'chunk')}, {count(len(ckpt.data_files), 'file')}"
+              f"{DEEP_NOTE if args.deep else ''}")
         print_problems(problems)
     return EXIT_PROBLEMS if problems else EXIT_OK

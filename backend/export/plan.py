@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.model import FLOAT_DTYPES, Checkpoint, ObjectEntry, TensorEntry, itemsize
 from ..errors import ShardscopeError
+from ..format import count
 from .layouts import Layout, recognise_layout, unwrap_key
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -146,15 +147,17 @@ def _select(ckpt: Checkpoint, fmt: str, layout: Layout, only: list[str], exclude
     excluded = {n for n in wanted if any(_under(n, p) for p in exclude)}
     wanted -= excluded
     notes = []
-    groups = (("tensors", [t.fqn for t in ckpt.tensors]), ("non-tensor entries", [o.fqn for o in ckpt.objects]))
+    groups = ((("tensor", "tensors"), [t.fqn for t in ckpt.tensors]),
+              (("non-tensor entry", "non-tensor entries"), [o.fqn for o in ckpt.objects]))
     for kind, group in groups:
         skipped = [n for n in group if n not in wanted and n not in excluded]
         if skipped:
             roots = sorted({n.split(".", 1)[0] for n in skipped})
-            notes.append(f"{len(skipped)} {kind} {why} ({', '.join(roots[:6])}{' ...' if len(roots) > 6 else ''})")
+            notes.append(f"{count(len(skipped), *kind)} {why} ({', '.join(roots[:6])}"
+                         f"{' ...' if len(roots) > 6 else ''})")
         gone = [n for n in group if n in excluded]
         if gone:
-            notes.append(f"{len(gone)} {kind} under --exclude {', '.join(exclude)}")
+            notes.append(f"{count(len(gone), *kind)} under --exclude {', '.join(exclude)}")
     container = ""
     if fmt == "safetensors" and layout.container and all(n.startswith(layout.container) for n in wanted):
         container = layout.container

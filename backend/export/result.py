@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..format import human_bytes
+from ..format import count, human_bytes
 
 
 @dataclass
@@ -29,11 +29,12 @@ class ExportResult:
     def summary(self) -> str:
         """The lines the CLI prints and the dialog shows."""
         if self.verified is False:
-            return (f"VERIFICATION FAILED: {len(self.mismatches)} tensors differ from the source "
-                    f"({', '.join(self.mismatches[:5])}); nothing was written to {self.dst}.")
+            return (f"VERIFICATION FAILED: {count(len(self.mismatches), 'tensor differs', 'tensors differ')} "
+                    f"from the source ({', '.join(self.mismatches[:5])}); nothing was written to {self.dst}.")
         how = f" as {self.ranks} ranks" if self.ranks else ""
         lines = [*self.notes,
-                 f"wrote {self.dst}: {self.tensors} tensors, {human_bytes(self.bytes)}{how} in {self.seconds:.1f} s"
+                 f"wrote {self.dst}: {count(self.tensors, 'tensor')}, {human_bytes(self.bytes)}{how} "
+                 f"in {self.seconds:.1f} s"
                  + (f" ({len(self.files)} files)" if len(self.files) > 1 else "")]
         if self.verified:
             staged = " (the local staged copy, before its upload)" if self.uploaded else ""
