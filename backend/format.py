@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -66,3 +67,19 @@ def byte_unit(largest: float) -> tuple[float, str]:
         if abs(largest) < 1024 ** (power + 1) or name == "TiB":
             return float(1024**power), name
     return float(1024**4), "TiB"
+
+
+def ranks_text(ranks: Iterable[int], empty: str = "-") -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``: ranks as runs."""
+    ranks = sorted(ranks)
+    if not ranks:
+        return empty
+    parts, start, prev = [], ranks[0], ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)

@@ -2,10 +2,13 @@
 ``dcp.save`` checkpoints, each opened, verified deep and read in worker processes; counts tracebacks,
 hangs (over the per-case limit) and peaks above 2x the checkpoint's size + 300 MB.
 
-    python benchmarks/fuzz_long.py --metadata 100000 --distcp 20000 --workers 2
+    python benchmarks/fuzz_long.py --metadata 100000 --distcp 20000 --workers 1 [--minutes M]
+    python benchmarks/fuzz_long.py ... --start-metadata 26750 --start-distcp 5250   # continue case numbers
+    python benchmarks/fuzz_long.py ... --isolated   # metadata loads in the helper process, as in the window
 
 The fixtures come from ``tests/make_fixtures.py`` (written once into ``--fixtures``). Failing cases are
 saved under ``--out`` with the seed that reproduces them (``tests/fuzz/harness.py``: ``mutated(seed, case)``).
+The case numbers each kind ran are printed at the end, so runs can be added up without overlap.
 """
 
 from __future__ import annotations

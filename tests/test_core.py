@@ -88,6 +88,11 @@ def test_lightning_folder(fixtures):
     ckpt = open_checkpoint(fixtures["lightning_r2"])
     assert ckpt.format == "lightning"
     assert read_lightning_meta(ckpt) == {"epoch": 1, "global_step": 2, "hparams": {"lr": 0.01}}
+    proc = run_cli("inspect", fixtures["lightning_r2"], "--tensors")
+    assert proc.returncode == 0 and "  meta.pt    epoch 1, global_step 2, hparams {'lr': 0.01}" in proc.stdout
+    assert "1 chunk, ranks 0" in proc.stdout
+    doc = json.loads(run_cli("inspect", fixtures["lightning_r2"], "--json").stdout)
+    assert doc["lightning_meta"] == {"epoch": 1, "global_step": 2, "hparams": "{'lr': 0.01}"}
 
 
 def test_rank_balance_counts_every_chunk(fixtures):

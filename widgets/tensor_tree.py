@@ -14,7 +14,7 @@ from PySide6.QtCore import (
 )
 from shardscope.backend.checkpoint.model import ObjectEntry, TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
-from shardscope.backend.format import human_bytes
+from shardscope.backend.format import human_bytes, ranks_text
 
 NodeRole = Qt.ItemDataRole.UserRole + 1  # the TreeNode itself
 SortRole = Qt.ItemDataRole.UserRole + 2  # numeric sort keys
@@ -103,12 +103,12 @@ class TensorTreeModel(QAbstractItemModel):
                 return n.name
             if isinstance(e, TensorEntry):
                 return (None, e.dtype, "×".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes),
-                        str(e.chunk_count), _ranks_text(n.ranks))[col]
+                        str(e.chunk_count), ranks_text(n.ranks, ""))[col]
             if isinstance(e, ObjectEntry):
                 return (None, "object", self._values.get(e.fqn, ""), human_bytes(e.length), "",
-                        _ranks_text(n.ranks))[col]
+                        ranks_text(n.ranks, ""))[col]
             return (None, "", f"{n.tensors} tensors", human_bytes(n.nbytes), str(n.chunks),
-                    _ranks_text(n.ranks))[col]
+                    ranks_text(n.ranks, ""))[col]
         if role == SortRole:
             if col == 0:
                 return n.name
@@ -141,15 +141,6 @@ class TensorTreeModel(QAbstractItemModel):
 
 def _split(path: str, root: TreeNode) -> list[str]:
     return [p for p in path.split(".") if p] if path else []
-
-
-def _ranks_text(ranks: frozenset[int]) -> str:
-    if not ranks:
-        return ""
-    r = sorted(ranks)
-    if len(r) > 3 and r == list(range(r[0], r[-1] + 1)):
-        return f"{r[0]}–{r[-1]}"
-    return ", ".join(map(str, r[:8])) + ("…" if len(r) > 8 else "")
 
 
 class RankFilterProxy(QSortFilterProxyModel):

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK
-from shardscope.backend.format import escape_name, human_bytes
+from shardscope.backend.format import count, escape_name, human_bytes, ranks_text
 
 from .output import add_command, print_problems
 from .storage_options import add_storage_options, folder
@@ -26,6 +26,7 @@ def register(sub: Any) -> None:
 def inspect_json(ckpt: Any, problems: list) -> dict:
     """The ``--json`` document of ``inspect``."""
     from shardscope.backend.checkpoint.layout import rank_balance
+    from shardscope.backend.checkpoint.values import small_value_repr
 
     return {
         "path": ckpt.path,
@@ -37,7 +38,21 @@ def inspect_json(ckpt: Any, problems: list) -> dict:
         "objects": [o.to_json() for o in ckpt.objects],
         "ranks": [r.to_json() for r in rank_balance(ckpt)],
         "problems": [p.to_json() for p in problems],
+        "lightning_meta": {str(k): v if isinstance(v, (int, float, str, bool, type(None))) else small_value_repr(v)
+                           for k, v in lightning_meta(ckpt).items()},
     }
+
+
+def lightning_meta(ckpt: Any) -> dict:
+    """A Lightning/Fabric folder's ``meta.pt`` (epoch, global_step, hparams, ...); {} when absent or
+    unreadable (verify reports why)."""
+    from shardscope.backend.checkpoint.values import read_lightning_meta
+    from shardscope.backend.errors import ShardscopeError
+
+    try:
+        return read_lightning_meta(ckpt)
+    except ShardscopeError:
+        return {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,7 +74,13 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"  save id    {escape_name(ckpt.save_id)}\n")
     out.write(f"  tensors    {len(ckpt.tensors)}  ({human_bytes(ckpt.total_bytes)}, "
               f"{len(ckpt.chunk_table)} chunks)\n")
-    out.write(f"  other      {len(ckpt.objects)} non-tensor entries\n")
+    out.write(f"  other      {count(len(ckpt.objects), 'non-tensor entry', 'non-tensor entries')}\n")
+    meta = lightning_meta(ckpt)
+    if meta:
+        from shardscope.backend.checkpoint.values import small_value_repr
+
+        text = ", ".join(f"{escape_name(k)} {escape_name(small_value_repr(v, 60))}" for k, v in list(meta.items())[:8])
+        out.write(f"  meta.pt    {text}{' ...' if len(meta) > 8 else ''}\n")
     out.write(f"  files      {len(ckpt.data_files)} data files, "
               f"{human_bytes(sum(f.bytes or 0 for f in ckpt.files))} on disk\n")
     out.write("  ranks      (writer rank: DCP writes a replicated tensor once, so a rank here is the rank\n"
@@ -73,6 +94,6 @@ def run(args: argparse.Namespace) -> int:
         width = max((len(n) for n in names), default=10)
         for name, t in zip(names, ckpt.tensors):
             out.write(f"  {name:<{width}}  {t.dtype:<9} {list(t.shape)!s:<18} {human_bytes(t.nbytes):>10}  "
-                      f"{t.chunk_count} chunks, ranks {t.ranks}\n")
+                      f"{count(t.chunk_count, 'chunk')}, ranks {ranks_text(t.ranks)}\n")
     print_problems(problems)
     return EXIT_OK

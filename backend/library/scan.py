@@ -21,6 +21,7 @@ from ..checkpoint.items import MAX_SAFETENSORS_HEADER, ItemFormatError, parse_sa
 from ..checkpoint.model import MAX_INDEX
 from ..checkpoint.storage import LocalHandles
 from ..errors import ShardscopeError
+from ..format import ranks_text  # noqa: F401  (re-exported: the Library's column)
 from ..procs import pid_alive
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, is_zombie, read_status
@@ -160,21 +161,6 @@ class Listing:
         """The listing as a JSON-ready dict: roots, runs and checkpoints."""
         return {"roots": list(self.roots), "runs": [r.to_json() for r in self.runs],
                 "checkpoints": [c.to_json() for c in self.checkpoints]}
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
-    if not ranks:
-        return "-"
-    parts, start, prev = [], ranks[0], ranks[0]
-    for r in [*ranks[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(parts)
 
 
 def order_key(c: CheckpointRecord) -> tuple[int, float]:
