@@ -6,28 +6,13 @@ import os
 import pickle
 
 import pytest
-from PySide6.QtCore import Qt, QThreadPool
+from gui_support import no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
+from PySide6.QtCore import Qt
 from shardscope.backend.checkpoint.tree import TreeNode
 from shardscope.widgets.checkpoint_view import CheckpointView
 from shardscope.widgets.palette import rank_color
 from shardscope.widgets.tensor_tree import NodeRole, TensorTreeModel
 from torch_reference import flatten, torch_consolidated
-
-
-@pytest.fixture(autouse=True)
-def no_thread_left_running():
-    yield
-    assert QThreadPool.globalInstance().waitForDone(10000), "a background worker was left running"
-
-
-def open_view(qtbot, path) -> CheckpointView:
-    view = CheckpointView(str(path))
-    qtbot.addWidget(view)
-    view.resize(1200, 800)
-    view.show()
-    with qtbot.waitSignal(view.loaded, timeout=120000):
-        view.load()
-    return view
 
 
 def wait_loaded(qtbot, view: CheckpointView) -> None:

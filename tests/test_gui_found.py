@@ -6,25 +6,8 @@ import os
 import time
 
 import pytest
-from PySide6.QtCore import QThreadPool
+from gui_support import no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
 from PySide6.QtWidgets import QApplication
-from shardscope.widgets.checkpoint_view import CheckpointView
-
-
-@pytest.fixture(autouse=True)
-def no_thread_left_running():
-    yield
-    assert QThreadPool.globalInstance().waitForDone(10000), "a background worker was left running"
-
-
-def open_view(qtbot, path) -> CheckpointView:
-    view = CheckpointView(str(path))
-    qtbot.addWidget(view)
-    view.resize(1200, 800)
-    view.show()
-    with qtbot.waitSignal(view.loaded, timeout=120000):
-        view.load()
-    return view
 
 
 def min_width(widget) -> int:
