@@ -113,6 +113,7 @@ def run_in_background(func: Callable[..., Any], *args: Any, owner: QObject, on_r
     object already deleted"; found by tests/test_soak.py). So no code connects to a worker's signals
     itself: every connection goes through here, guarded by its owner.
     """
+    _collect_on_gui_thread()
     w = Worker(func, *args, **kwargs)
     s = w.signals
     for signal, slot in ((s.progress, on_progress), (s.returned, on_result), (s.errored, on_error),
@@ -121,6 +122,23 @@ def run_in_background(func: Callable[..., Any], *args: Any, owner: QObject, on_r
             signal.connect(_while_alive(owner, slot))
     _stop_with(owner, w)
     return w.start()
+
+
+_collector: object | None = None
+
+
+def _collect_on_gui_thread() -> None:
+    """Python's cycle collection from now on runs on a GUI-thread timer only (pyqtgraph's GarbageCollector).
+
+    NOTE: automatic collection runs in whichever thread allocates past a threshold. On a pool thread it
+    finalised unreachable widgets (a closed window's cycles) there, and ~QWidget waited for the GIL that
+    the GUI thread held while it deleted another widget: a deadlock (seen in tests/test_window_scale.py).
+    """
+    global _collector
+    if _collector is None:
+        from pyqtgraph.util.garbage_collector import GarbageCollector
+
+        _collector = GarbageCollector(interval=1.0)
 
 
 def _while_alive(owner: QObject, slot: Callable[..., Any]) -> Callable[..., None]:
