@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
+import warnings
 import zlib
 from typing import Any
 
@@ -31,6 +32,9 @@ from .model import ITEMSIZE, Checkpoint, Chunk, ObjectEntry, TensorEntry, contig
 from .storage import LocalHandles, RemoteHandles, open_folder
 
 log = logging.getLogger(__name__)
+# A damaged non-tensor entry can name any pickle protocol; torch.load then warns on stderr before it fails
+# (or not). The entry's fate is reported once, as a problem or an error naming it: not as terminal noise.
+warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 
 COPY_BLOCK = 16 << 20
 MAX_OBJECT_BYTES = 1 << 30  # a non-tensor entry (an optimizer step, an lr) is small; refuse a 1 GiB pickle
