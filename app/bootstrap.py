@@ -18,6 +18,11 @@ from .settings import settings
 
 def make_app() -> QApplication:
     """The one QApplication (Fusion style; Qt 6 scales for high-DPI screens by itself)."""
+    from shardscope.backend.checkpoint import reader_process
+
+    # Qt's own threads are invisible to `threading`: in the window every metadata load runs in the helper
+    # process, so its address-space cap can never reach a thread of the window.
+    reader_process.ISOLATE = True
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Shardscope")
     app.setOrganizationName("Shardscope")

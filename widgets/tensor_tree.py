@@ -14,7 +14,7 @@ from PySide6.QtCore import (
 )
 from shardscope.backend.checkpoint.model import ObjectEntry, TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
-from shardscope.backend.format import human_bytes, ranks_text
+from shardscope.backend.format import count, human_bytes, ranks_text
 
 NodeRole = Qt.ItemDataRole.UserRole + 1  # the TreeNode itself
 SortRole = Qt.ItemDataRole.UserRole + 2  # numeric sort keys
@@ -107,7 +107,7 @@ class TensorTreeModel(QAbstractItemModel):
             if isinstance(e, ObjectEntry):
                 return (None, "object", self._values.get(e.fqn, ""), human_bytes(e.length), "",
                         ranks_text(n.ranks, ""))[col]
-            return (None, "", f"{n.tensors} tensors", human_bytes(n.nbytes), str(n.chunks),
+            return (None, "", count(n.tensors, "tensor"), human_bytes(n.nbytes), str(n.chunks),
                     ranks_text(n.ranks, ""))[col]
         if role == SortRole:
             if col == 0:
