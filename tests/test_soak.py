@@ -18,7 +18,7 @@ from soak_driver import REFCOUNT_SLACK, WARMUP_ACTIONS, make_big_checkpoint
 
 HERE = Path(__file__).parent
 # A count, not a time: a busy machine (2-11 actions/s measured with the load average at 9-12 on 2 cores)
-# takes longer rather than proving less. 2,000 took 79-106 s of actions at a load average of 3-4.
+# takes longer rather than proving less. 2,000 took 54-106 s of actions at a load average of 2-4.
 ACTIONS = 2000
 # Growth after the warm-up, per action. Measured over 1,700 actions: live objects +277 (of 237,000),
 # resident memory grew 10 KiB per action (the run's metrics keep growing; malloc keeps freed
