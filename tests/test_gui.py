@@ -224,7 +224,7 @@ def test_two_checkpoints_side_by_side(qtbot, fixtures):
 
     win = MainWindow()
     qtbot.addWidget(win)
-    win._quiet = True
+    win.quiet = True
     a = win.open_path(str(fixtures["fsdp2_r2"]))
     wait_loaded(qtbot, a)
     b = win.open_path(str(fixtures["fsdp2_r4"]))
@@ -324,7 +324,7 @@ def test_window_opens_a_checkpoint_on_an_fsspec_url(qtbot, fixtures):
         fs.pipe(f"/gui-ck/{f.name}", f.read_bytes())
     win = MainWindow()
     qtbot.addWidget(win)
-    win._quiet = True
+    win.quiet = True
     view = win.open_path("memory://gui-ck")
     wait_loaded(qtbot, view)  # a condition, not the signal: it may have fired already on a fast load
     assert view.path == "memory://gui-ck" and view.data.problems == []

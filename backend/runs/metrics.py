@@ -134,6 +134,19 @@ def smooth_segments(values: np.ndarray, weight: float, state: tuple[float, int],
 BLOCK = 256
 
 
+
+def row_min_max(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's min and max ignoring NaN; NaN for a row of NaN only (a loss that blew up), without
+    numpy's "All-NaN slice" warning."""
+    if not np.isnan(rows).any():
+        return rows.min(axis=1), rows.max(axis=1)
+    some = ~np.isnan(rows).all(axis=1)
+    lo, hi = np.full(len(rows), np.nan), np.full(len(rows), np.nan)
+    if some.any():
+        lo[some], hi[some] = np.nanmin(rows[some], axis=1), np.nanmax(rows[some], axis=1)
+    return lo, hi
+
+
 class PeakBlocks:
     """Min and max of every 256 points of a growing array, updated as points arrive, so a view of a
     million points becomes ~8,000 plotted points without rescanning the data each frame."""
@@ -150,11 +163,9 @@ class PeakBlocks:
             self.mins, self.maxs, self.n = np.zeros(0), np.zeros(0), 0
         if full > self.n:
             chunk = y[self.n:full].reshape(-1, BLOCK)
-            with np.errstate(all="ignore"):
-                self.mins = np.concatenate([self.mins, np.nanmin(chunk, axis=1)]) if np.isnan(chunk).any() \
-                    else np.concatenate([self.mins, chunk.min(axis=1)])
-                self.maxs = np.concatenate([self.maxs, np.nanmax(chunk, axis=1)]) if np.isnan(chunk).any() \
-                    else np.concatenate([self.maxs, chunk.max(axis=1)])
+            lo, hi = row_min_max(chunk)
+            self.mins = np.concatenate([self.mins, lo])
+            self.maxs = np.concatenate([self.maxs, hi])
             self.n = full
 
 
@@ -190,8 +201,7 @@ def peak_view(x: np.ndarray, y: np.ndarray, blocks: PeakBlocks | None, x_range: 
     b = -(-count // buckets)
     m = (count // b) * b
     seg = y[i0:i0 + m].reshape(-1, b)
-    with np.errstate(all="ignore"):
-        lo, hi = np.nanmin(seg, axis=1), np.nanmax(seg, axis=1)
+    lo, hi = row_min_max(seg)
     px, py = _peaks(x[i0:i0 + m:b], lo, hi)
     if m < count:
         px, py = np.concatenate([px, x[i0 + m:i1]]), np.concatenate([py, y[i0 + m:i1]])
