@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import os
 import pickle
 import shutil
@@ -70,7 +71,7 @@ class _Helper:
 
     def call(self, name: str, source: str, fd: int, pos: int) -> tuple[bytes | None, bool]:
         """Send one load; its reply (None when the helper ended without one) and whether the helper stays."""
-        request = pickle.dumps((name, source, pos))
+        request = json.dumps([name, source, pos]).encode()
         try:
             socket.send_fds(self.sock, [struct.pack("<Q", len(request)) + request], [fd])
             head = self.replies.read(9)
@@ -267,7 +268,7 @@ def helper_main() -> None:
             if not part:
                 return
             request += part
-        name, source, pos = pickle.loads(request)  # from the parent process, not from a file
+        name, source, pos = json.loads(request)  # from the parent process: plain data, no pickle
         with os.fdopen(fds[0], "rb") as stream:
             stream.seek(pos)
             blob = _answer(name, source, stream)
