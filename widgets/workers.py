@@ -1,4 +1,4 @@
-"""One way to run background work: a QRunnable with a QObject of signals (as superqt does).
+"""One way to run background work: a callable on the global thread pool with a QObject of signals.
 
 The work is a plain backend function taking ``progress=``; results come back through queued
 signals, so nothing here touches a widget from the worker thread. Start work with
