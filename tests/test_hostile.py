@@ -312,10 +312,14 @@ def test_symlink_leading_out_of_the_folder_is_never_opened(copy_of, tmp_path):
     outside = tmp_path / "outside.distcp"
     os.rename(ckpt / chunk.file, outside)
     os.symlink(outside, ckpt / chunk.file)
-    for args in (("show", ckpt, FQN), ("verify", "--deep", ckpt), ("export", ckpt, tmp_path / "o.safetensors")):
+    for args in (("show", ckpt, FQN), ("verify", ckpt), ("verify", "--deep", ckpt), ("inspect", ckpt),
+                 ("export", ckpt, tmp_path / "o.safetensors")):
         proc = run_cli(*args, timeout=120)
-        assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, (args, proc.stderr)
-        assert "outside the checkpoint folder; refused" in proc.stdout + proc.stderr, args
+        assert "Traceback" not in proc.stderr and "healthy" not in proc.stdout, (args, proc.stdout, proc.stderr)
+        assert proc.returncode in (0, 1, 2) if args[0] == "inspect" else proc.returncode in (1, 2), args
+        out = proc.stdout + proc.stderr
+        assert "outside the checkpoint folder" in out and "refused" in out, (args, out)
+        assert out.count("outside the checkpoint folder") == 1, (args, out)  # said once, not per item
     assert not (tmp_path / "o.safetensors").exists()
     os.unlink(ckpt / chunk.file)
     os.rename(outside, ckpt / "real.bin")

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
+from shardscope.backend.format import count, ranks_text
 
 from .gui import no_display
 from .output import add_command
@@ -40,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     last = ckpts[-1]
     ck = open_checkpoint(last)
     problems = verify(ck, deep=True)
-    print(f"last checkpoint {last}: {len(ck.tensors)} tensors over ranks {ck.ranks}, "
-          f"{'healthy' if not problems else f'{len(problems)} problems'}")
+    print(f"last checkpoint {last}: {count(len(ck.tensors), 'tensor')} over ranks {ranks_text(ck.ranks)}, "
+          f"{'healthy' if not problems else count(len(problems), 'problem')}")
     print(f"try: shardscope inspect {last}\n     shardscope export {last} model.safetensors --strip-prefix model.")
     if problems:
         return EXIT_PROBLEMS

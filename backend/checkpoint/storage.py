@@ -16,15 +16,29 @@ from ..errors import CheckpointError
 from .remote import RemoteHandles, call, fs_for, is_url
 
 
+def outside_link(path: str, root: str) -> str | None:
+    """Where ``path`` leads when it is a symbolic link out of the folder ``root`` (the checkpoint's own
+    folder), else None: such a file is never opened or counted."""
+    if not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    inside = os.path.realpath(root)
+    return None if os.path.commonpath([target, inside]) == inside else target
+
+
+def why_absent(folder: str, name: str) -> str:
+    """Why file ``name`` of a checkpoint folder is not in its listing: "is missing", or a refused link."""
+    target = None if is_url(folder) else outside_link(os.path.join(folder, name), folder)
+    return "is missing" if target is None else f"is a symbolic link to {target}, outside the checkpoint folder: refused"
+
+
 def open_regular(path: str, root: str | None = None) -> int:
     """A read-only descriptor of a regular file; a FIFO, device or folder is refused without blocking,
-    and so is a symbolic link that leads outside the folder ``root`` (the checkpoint's own folder)."""
-    if root is not None and os.path.islink(path):
-        target = os.path.realpath(path)
-        inside = os.path.realpath(root)
-        if os.path.commonpath([target, inside]) != inside:
-            raise CheckpointError(f"{path}: a symbolic link to {target}, outside the checkpoint folder; refused.",
-                                  path=path)
+    and so is a symbolic link that leads outside the folder ``root``."""
+    target = outside_link(path, root) if root is not None else None
+    if target is not None:
+        raise CheckpointError(f"{path}: a symbolic link to {target}, outside the checkpoint folder; refused.",
+                              path=path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except OSError as exc:
@@ -145,7 +159,7 @@ class Folder:
                 out = {}
                 with os.scandir(self.path) as it:
                     for e in it:
-                        if e.is_file():
+                        if e.is_file() and not (e.is_symlink() and outside_link(e.path, self.path)):
                             out[e.name] = e.stat().st_size
                 return out
             except OSError as exc:

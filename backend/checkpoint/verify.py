@@ -14,6 +14,7 @@ from ..progress import Progress
 from .chunks import ChunkReader, CorruptChunkError, SharedStorageError, StoredTensor
 from .layout import coverage_problems
 from .model import Checkpoint, Problem
+from .storage import why_absent
 from .values import read_lightning_meta
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ def _file_problems(ckpt: Checkpoint) -> list[Problem]:
         if f.bytes is None:
             n = int(np.unique(t.tensor[used]).size) + len(objects)
             names = ", ".join(users or [o.fqn for o in objects[:3]])
-            problems.append(Problem("missing_file", f"{f.name} is missing; {n} entries have data in it "
-                                    f"(e.g. {names}).", fqn=(users or [None])[0], file=f.name))
+            problems.append(Problem("missing_file", f"{f.name} {why_absent(ckpt.path, f.name)}; {n} entries have "
+                                    f"data in it (e.g. {names}).", fqn=(users or [None])[0], file=f.name))
             continue
         need = int(ends[used].max()) if used.any() else 0
         for o in objects:

@@ -31,7 +31,7 @@ class ExportResult:
         if self.verified is False:
             return (f"VERIFICATION FAILED: {count(len(self.mismatches), 'tensor differs', 'tensors differ')} "
                     f"from the source ({', '.join(self.mismatches[:5])}); nothing was written to {self.dst}.")
-        how = f" as {self.ranks} ranks" if self.ranks else ""
+        how = f" as {count(self.ranks, 'rank')}" if self.ranks else ""
         lines = [*self.notes,
                  f"wrote {self.dst}: {count(self.tensors, 'tensor')}, {human_bytes(self.bytes)}{how} "
                  f"in {self.seconds:.1f} s"

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint.chunks import ChunkReader
+from ..checkpoint.storage import why_absent
 from ..errors import CheckpointError
 from ..progress import Progress
 from . import safetensors_writer, torch_writer
@@ -25,7 +26,8 @@ def check_sources(plan: ExportPlan) -> None:
     for f in sorted(needed, key=str):
         if not f or sizes.get(f) is None:
             users = [it.entry.fqn for it in plan.items if any(c.file == f for c in it.entry.chunks)][:3]
-            raise CheckpointError(f"{os.path.join(plan.ckpt.path, f or '?')} is missing; needed by "
+            why = why_absent(plan.ckpt.path, f) if f else "is missing"
+            raise CheckpointError(f"{os.path.join(plan.ckpt.path, f or '?')} {why}; needed by "
                                   f"{', '.join(users) or 'non-tensor entries'}.", path=f)
 
 
