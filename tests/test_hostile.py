@@ -325,6 +325,14 @@ def test_symlink_leading_out_of_the_folder_is_never_opened(copy_of, tmp_path):
     os.rename(outside, ckpt / "real.bin")
     os.symlink("real.bin", ckpt / chunk.file)  # relative, inside
     assert run_cli("show", ckpt, FQN, timeout=120).returncode == 0
+    # a file the user names is not a checkpoint folder: the Hugging Face cache links every file into blobs/
+    blobs, snap = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    assert run_cli("export", ckpt, blobs / "f00d.safetensors", timeout=120).returncode == 0
+    os.symlink(os.path.relpath(blobs / "f00d.safetensors", snap), snap / "model.safetensors")
+    proc = run_cli("diff", snap / "model.safetensors", blobs / "f00d.safetensors", timeout=120)
+    assert proc.returncode == 0 and "15 unchanged" in proc.stdout, proc.stdout + proc.stderr
     meta = tmp_path / "meta"
     os.rename(ckpt / ".metadata", meta)
     os.symlink(meta, ckpt / ".metadata")

@@ -54,8 +54,9 @@ class LocalHandles:
 
     local = True
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, confined: bool = True) -> None:
         self.folder = folder
+        self.confined = confined  # refuse symbolic links that lead out of the folder (see Folder.confined)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -69,7 +70,7 @@ class LocalHandles:
             fd = self._fds.get(name)
             if fd is None:
                 path = self.where(name)
-                fd = open_regular(path, self.folder)
+                fd = open_regular(path, self.folder if self.confined else None)
                 self._fds[name] = fd
             return fd
 
@@ -132,6 +133,9 @@ class Folder:
                  storage_options: dict[str, Any] | None = None) -> None:
         self.path = path  # what the user sees: a local path or the URL
         self.fs, self.root = fs, root
+        # NOTE: a checkpoint folder is confined: a symbolic link in it that leads out is refused. A file the user
+        # named (or the shards of an HF index) is not: the Hugging Face cache links every one into ../../blobs.
+        self.confined = True
         self.storage_options = storage_options
         self._listing: dict[str, int] | None = None  # remote: the listing made when opened
         self._remote: RemoteHandles | None = None
@@ -159,7 +163,7 @@ class Folder:
                 out = {}
                 with os.scandir(self.path) as it:
                     for e in it:
-                        if e.is_file() and not (e.is_symlink() and outside_link(e.path, self.path)):
+                        if e.is_file() and not (self.confined and e.is_symlink() and outside_link(e.path, self.path)):
                             out[e.name] = e.stat().st_size
                 return out
             except OSError as exc:
@@ -172,14 +176,14 @@ class Folder:
     def open(self, name: str) -> Any:
         """A binary file object (metadata pickles are read as a stream)."""
         if self.local:
-            return os.fdopen(open_regular(os.path.join(self.path, name), self.path), "rb")
+            return os.fdopen(open_regular(os.path.join(self.path, name), self.path if self.confined else None), "rb")
         return call(self.join(name), self.fs.open, self._key(name), "rb", block_size=8 << 20)
 
     def handles(self) -> LocalHandles | RemoteHandles:
         """Byte-range readers for this folder's files; make one per reader and share it between threads.
         Remote: one planner and cache per folder, shared by its readers (closing drops the cache)."""
         if self.local:
-            return LocalHandles(self.path)
+            return LocalHandles(self.path, self.confined)
         if self._remote is None:
             self._remote = RemoteHandles(self.fs, self.root or "", self.path, sizes=self._listing)
         return self._remote

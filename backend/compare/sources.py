@@ -163,6 +163,7 @@ class SafetensorsSource(Source):
 
     def __init__(self, where: Folder, names: list[str], name: str) -> None:
         self.name = name
+        where.confined = False  # files the user named (or their index names): HF's cache links them to blobs/
         listing = where.listing()
         missing = [n for n in names if n not in listing]
         if missing:
