@@ -27,8 +27,11 @@ def fixtures(tmp_path_factory) -> dict[str, Path]:
     """All fixture checkpoints; written once per session (or reused from SHARDSCOPE_FIXTURES)."""
     root = os.environ.get("SHARDSCOPE_FIXTURES")
     root = Path(root) if root else tmp_path_factory.mktemp("fixtures")
-    subprocess.run([sys.executable, str(HERE / "make_fixtures.py"), str(root)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run([sys.executable, str(HERE / "make_fixtures.py"), str(root)], capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode != 0:  # say why: the fixtures are what most tests stand on
+        pytest.fail(f"tests/make_fixtures.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-8000:]}",
+                    pytrace=False)
     from make_fixtures import FIXTURES
 
     return {name: root / name for name in FIXTURES}

@@ -7,8 +7,10 @@ Every checkpoint here is written the way users write them (see shared/seeds).
 from __future__ import annotations
 
 import os
-import socket
+import shutil
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -45,12 +47,6 @@ class TinyNet(nn.Module):
         return self.head(x)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_steps(model, opt, rank: int, steps: int = 2) -> None:
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -61,12 +57,12 @@ def _train_steps(model, opt, rank: int, steps: int = 2) -> None:
         opt.step()
 
 
-def _worker(rank: int, world: int, port: int, kind: str, out: str) -> None:
+def _worker(rank: int, world: int, store: str, kind: str, out: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Rendezvous through a file, not a TCP port: no free-port race with whatever else runs on the machine.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -131,7 +127,12 @@ def make(kind: str, world: int, out: Path) -> Path:
         _train_steps(model, opt, 0)
         dcp.save({"model": model.state_dict(), "step": 2}, checkpoint_id=str(out), no_dist=True)
         return out
-    mp.start_processes(_worker, args=(world, _free_port(), kind, str(out)), nprocs=world, start_method="spawn")
+    rendezvous = tempfile.mkdtemp(prefix="shardscope-fixture-")
+    try:
+        mp.start_processes(_worker, args=(world, os.path.join(rendezvous, "store"), kind, str(out)), nprocs=world,
+                           start_method="spawn")
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
     return out
 
 
@@ -155,9 +156,19 @@ def make_all(root: Path) -> dict[str, Path]:
     for name, (kind, world) in FIXTURES.items():
         target = root / name
         marker = root / f".{name}.done"
-        if not marker.exists():
-            make(kind, world, target)
-            marker.write_text("ok")
+        for attempt in (1, 2, 3):  # a busy machine can fail a gloo run; each try starts from an empty folder
+            if marker.exists():
+                break
+            shutil.rmtree(target, ignore_errors=True)
+            try:
+                make(kind, world, target)
+            except Exception:
+                print(f"make_fixtures: {name} failed (attempt {attempt} of 3):", file=sys.stderr)
+                traceback.print_exc()
+                if attempt == 3:
+                    raise
+            else:
+                marker.write_text("ok")
         paths[name] = target
     return paths
 

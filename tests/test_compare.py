@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import fsspec
 import pytest
@@ -90,18 +89,11 @@ def test_import_then_export_round_trips(fixtures, tmp_path):
         assert torch.equal(sd["model"][k], v), k
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _load_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+def _load_worker(rank: int, world: int, store: str, path: str, out: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
         from torch.distributed.fsdp import fully_shard
@@ -130,7 +122,8 @@ def test_resharded_checkpoint_loads_with_dcp_at_new_world_size(fixtures, tmp_pat
     d = run_cli("diff", "--json", fixtures["fsdp2_r2"], dst)
     assert d.returncode == 0 and {c["kind"] for c in json.loads(d.stdout)["changed"]} <= {"layout"}
     out = tmp_path / "loaded.pt"
-    mp.start_processes(_load_worker, args=(3, _port(), str(dst), str(out)), nprocs=3, start_method="spawn")
+    mp.start_processes(_load_worker, args=(3, str(tmp_path / "store"), str(dst), str(out)), nprocs=3,
+                       start_method="spawn")
     loaded = torch.load(out, weights_only=True)
     ref = torch_consolidated(fixtures["fsdp2_r2"])["model"]
     assert loaded.keys() == ref.keys()
