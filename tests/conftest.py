@@ -22,6 +22,17 @@ def _isolated_cache(tmp_path_factory):
     os.environ["SHARDSCOPE_LOG"] = str(tmp_path_factory.mktemp("log") / "shardscope.log")
 
 
+@pytest.fixture(autouse=True)
+def _address_space_restored():
+    """The reader caps this process's address space only while it unpickles; a cap left behind would be
+    inherited by every process a later test starts (torch does not import under it)."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    yield
+    assert resource.getrlimit(resource.RLIMIT_AS) == before, "an address-space limit was left set"
+
+
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict[str, Path]:
     """All fixture checkpoints; written once per session (or reused from SHARDSCOPE_FIXTURES)."""
