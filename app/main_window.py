@@ -28,7 +28,9 @@ from PySide6.QtWidgets import (
     QTabWidget,
 )
 from shardscope.backend.checkpoint.storage import is_url
+from shardscope.backend.compare.browse_file import TORCH_FILE
 from shardscope.backend.export.dcp_writer import import_file
+from shardscope.backend.format import count
 from shardscope.widgets.checkpoint_view import CheckpointView
 from shardscope.widgets.compare_view import CompareView
 from shardscope.widgets.help import help_topics, show_help
@@ -37,6 +39,10 @@ from shardscope.widgets.training_panel import TrainingPanel
 from shardscope.widgets.workers import run_in_background
 
 from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
+
+# What File › Open file offers (an index or a .metadata opens its folder)
+CHECKPOINT_FILES = ("Checkpoints (*.safetensors *.pt *.pth *.bin *.ckpt model.safetensors.index.json .metadata);;"
+                    "All files (*)")
 
 
 class MainWindow(QMainWindow):
@@ -111,7 +117,10 @@ class MainWindow(QMainWindow):
     def _build_menus(self) -> None:
         bar, add = self.menuBar(), self._action
         file_menu = bar.addMenu("&File")
-        add(file_menu, "&Open folder…", self.open_dialog, QKeySequence.StandardKey.Open)
+        add(file_menu, "&Open folder…", self.open_dialog, QKeySequence.StandardKey.Open,
+            "A DCP or Lightning checkpoint folder, or an HF folder of safetensors files")
+        add(file_menu, "Open &file…", self.open_file_dialog, "Ctrl+Shift+O",
+            "A .safetensors, .pt/.pth/.bin/.ckpt file, an HF model.safetensors.index.json or a DCP .metadata")
         self.recent_menu = file_menu.addMenu("Open &recent")
         self.recent_menu.aboutToShow.connect(self._fill_recent)
         add(file_menu, "&Reload", self.reload_current, "F5")
@@ -162,6 +171,13 @@ class MainWindow(QMainWindow):
         if path:
             self.open_path(path)
 
+    def open_file_dialog(self) -> None:
+        """Pick a checkpoint file: a consolidated file, an HF index (its folder opens) or a .metadata."""
+        start = os.path.dirname((recent_paths() or [str(Path.home()) + os.sep])[0])
+        path, _ = QFileDialog.getOpenFileName(self, "Open checkpoint file", start, CHECKPOINT_FILES)
+        if path:
+            self.open_path(path)
+
     def open_path(self, path: str) -> CheckpointView:
         if not is_url(path):  # fsspec URLs (s3://, memory://, ...) are opened as they are
             path = os.path.abspath(os.path.expanduser(path))
@@ -188,7 +204,7 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage("Could not open the checkpoint", 5000)
         if not self.quiet:
             QMessageBox.warning(self, "Cannot open checkpoint", f"{message}\n\nNothing was loaded or run; "
-                                "choose another folder with File › Open.")
+                                "choose another with File › Open folder or Open file.")
         self._update_badge()
 
     def _update_badge(self) -> None:
@@ -200,7 +216,7 @@ class MainWindow(QMainWindow):
         deep = view.verified_problems is not None
         n = len(view.verified_problems if deep else view.data.problems)
         ok = "● verified" if deep else "● healthy"
-        self.badge.setText(ok if n == 0 else f"● {n:,} problem{'s' if n != 1 else ''}")
+        self.badge.setText(ok if n == 0 else f"● {count(n, 'problem')}")
         self.badge.setStyleSheet(f"color: {'#2ca02c' if n == 0 else '#d62728'}; font-weight: bold;")
 
     def reload_current(self) -> None:
@@ -410,6 +426,10 @@ class MainWindow(QMainWindow):
         view = self.current_view()
         if view is None or view.data is None:
             QMessageBox.information(self, "Export", "Open a checkpoint first.")
+            return
+        if view.data.ckpt.format == TORCH_FILE:
+            QMessageBox.information(self, "Export", f"{view.path} is a torch.save file: File › Import turns it "
+                                    "into a DCP checkpoint, `shardscope import` too.")
             return
         from shardscope.widgets.export_dialog import ExportDialog
 

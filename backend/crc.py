@@ -4,6 +4,7 @@ CRC32s (zlib's ``crc32_combine``, which Python's zlib lacks), and S3's text form
 from __future__ import annotations
 
 import base64
+import threading
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:
@@ -22,17 +23,23 @@ def _gf2_square(mat: list[int]) -> list[int]:
 
 
 _ZERO_BYTES_OPS: list[list[int]] = []  # operator k appends 2**k zero bytes to a CRC32
+# NOTE: writer threads combine CRCs at once; two threads growing the table together appended the same operator
+# twice, and every later CRC of the process was wrong (an upload refused as damaged), so it grows under a lock.
+_ZERO_BYTES_LOCK = threading.Lock()
 
 
 def _zero_bytes_op(k: int) -> list[int]:
-    if not _ZERO_BYTES_OPS:
-        op = [0xEDB88320] + [1 << n for n in range(31)]  # appends one zero bit
-        for _ in range(3):
-            op = _gf2_square(op)
-        _ZERO_BYTES_OPS.append(op)
-    while len(_ZERO_BYTES_OPS) <= k:
-        _ZERO_BYTES_OPS.append(_gf2_square(_ZERO_BYTES_OPS[-1]))
-    return _ZERO_BYTES_OPS[k]
+    if len(_ZERO_BYTES_OPS) > k:
+        return _ZERO_BYTES_OPS[k]
+    with _ZERO_BYTES_LOCK:
+        if not _ZERO_BYTES_OPS:
+            op = [0xEDB88320] + [1 << n for n in range(31)]  # appends one zero bit
+            for _ in range(3):
+                op = _gf2_square(op)
+            _ZERO_BYTES_OPS.append(op)
+        while len(_ZERO_BYTES_OPS) <= k:
+            _ZERO_BYTES_OPS.append(_gf2_square(_ZERO_BYTES_OPS[-1]))
+        return _ZERO_BYTES_OPS[k]
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

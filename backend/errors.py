@@ -6,7 +6,9 @@ Exit codes (documented in the README, applied in one place: ``shardscope.app.cli
 * ``1`` (:data:`EXIT_PROBLEMS`): the command ran and found problems (verify), differences (diff),
   a verification that failed, or a training run that failed.
 * ``2`` (:data:`EXIT_BAD_INPUT`): bad input: a file that cannot be read as what it claims to be, a
-  bad option, an unreachable storage endpoint. One line on stderr names the file (and tensor).
+  bad option, an unreachable storage endpoint. One line on stderr names the file (and tensor). ``diff``
+  also exits 2 when some entries could not be read, after reporting them and comparing the rest (trouble
+  outranks differences, as in GNU diff).
 * ``3`` (:data:`EXIT_INTERNAL`): a bug in Shardscope. One line on stderr points to the log file that
   holds the traceback; never confused with "problems found".
 * ``130`` (:data:`EXIT_INTERRUPTED`): cancelled or interrupted (Ctrl-C, SIGTERM).

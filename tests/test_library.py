@@ -175,7 +175,7 @@ def test_ls_table_ends_with_totals_and_missing_root_exits_2(tree):
     proc = run_cli("ls", tree)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[-1].startswith("total: 15 checkpoint(s) in 6 run(s)")
+    assert lines[-1].startswith("total: 15 checkpoints in 6 runs")
     assert "12 complete, 2 incomplete, 1 writing, 0 unreadable" in lines[-1]
     assert any("step_000020" in line and "writing" in line for line in lines)
     proc = run_cli("ls", tree, tree / "nope")

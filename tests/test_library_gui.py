@@ -167,7 +167,7 @@ def test_prune_dialog_preview_and_removal(qtbot, keep_alive, qtmodeltester, root
     assert len(done.args[0].removed) == 2 and not done.args[0].failed
     ckpts = root / "runA" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000003"]
-    assert "2 checkpoint(s) deleted" in dlg.summary.text()
+    assert "2 checkpoints deleted" in dlg.summary.text()
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
 
 

@@ -11,14 +11,18 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from PySide6.QtCore import QThreadPool
+from PySide6.QtCore import Qt, QThreadPool
+from shardscope.backend.runs import launcher as launcher_module
 from shardscope.backend.runs.follow import RunFollower
 from shardscope.backend.runs.launcher import STOP_NOTE, RunConfig, RunLauncher, run_status
-from shardscope.backend.runs.rundir import checkpoints, read_config
+from shardscope.backend.runs.rundir import checkpoints, read_config, torchrun_root_cause, update_status
 from shardscope.widgets.training_panel import TrainingPanel
 
 SMALL = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
+LONG = 300_000  # ms: a deadline for anything a real torchrun does on a loaded 2-core machine (imports torch)
+SHORT = 120_000  # ms: a deadline for the panel's own polling (every 0.5 s, the Runs list every 2 s)
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +37,9 @@ def panel(qtbot, tmp_path):
     qtbot.addWidget(p)
     yield p
     p.shutdown()
+    for launcher in p.launchers.values():  # a test that failed half-way leaves no torchrun behind
+        if launcher.proc is not None and launcher.proc.poll() is None:
+            launcher.stop(grace=5)
 
 
 def write_metrics(run_dir, rank, steps, t0=None, loss=lambda s: 5.0 / s, **extra):
@@ -177,32 +184,41 @@ def test_failure_traceback_is_collapsed_and_does_not_squash_the_plots(qtbot, pan
 
 
 def test_panel_starts_follows_and_stops_a_real_run(qtbot, panel, tmp_path):
+    """Every wait is on a condition, with a deadline a loaded 2-core machine meets (torch is imported by
+    three processes before the first point); nothing waits on a signal that may already have fired."""
     small_form(panel)
+    panel.show()  # the traceback button is checked for visibility below: shown, so the check can fail
     assert panel.start_run() is True
-    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=60000)
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=SHORT)
     run_dir = next(iter(panel.launchers))
-    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 3, timeout=180000)
-    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "running", timeout=30000)
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 3, timeout=LONG)
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "running", timeout=SHORT)
     stall_free = time.time() - run_status(run_dir)["start_time"] < panel.follower.stall_seconds
     assert "stalled" not in panel.status.text() or not stall_free
-    qtbot.waitUntil(lambda: panel.stop_button.isEnabled(), timeout=10000)
+    qtbot.waitUntil(lambda: panel.stop_button.isEnabled(), timeout=SHORT)
+    assert not panel.resume_button.isEnabled()  # a running run is not resumed
     panel.stop_button.click()
-    qtbot.waitUntil(lambda: run_status(run_dir).get("state") == "stopped", timeout=60000)
-    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "stopped", timeout=30000)  # the Runs list follows
-    qtbot.waitUntil(lambda: "stopped by the user" in panel.status.text(), timeout=30000)
+    assert not panel.stop_button.isEnabled()  # one stop at a time, until the run has ended
+    qtbot.waitUntil(lambda: run_status(run_dir).get("state") == "stopped", timeout=SHORT)
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "stopped", timeout=SHORT)  # the Runs list follows
+    qtbot.waitUntil(lambda: "stopped by the user" in panel.status.text(), timeout=SHORT)
     assert "exited with code" not in panel.status.text() and "failed" not in panel.status.text()
-    assert not panel.details_button.isVisible()
-    assert STOP_NOTE.strip() in (Path(run_dir) / "logs" / "launcher.log").read_text()
-    assert panel.launchers[run_dir].proc.poll() is not None
+    assert "stopping" not in panel.status.text() and not panel.stop_button.isEnabled()
+    assert panel.isVisible() and not panel.details_button.isVisible()
+    # NOTE: a poll may settle "stopped" as soon as torchrun is gone, while the Stop still waits for the
+    # ranks to exit; the note follows once they have (read at once, this failed under load)
+    log = Path(run_dir) / "logs" / "launcher.log"
+    qtbot.waitUntil(lambda: STOP_NOTE.strip() in log.read_text(), timeout=SHORT)
+    qtbot.waitUntil(lambda: panel.launchers[run_dir].proc.poll() is not None, timeout=SHORT)
 
 
 def test_runs_list_follows_a_run_to_its_end(qtbot, panel, tmp_path):
     small_form(panel, steps=3)
     panel.form.nproc.setValue(1)
     assert panel.start_run()
-    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=60000)
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=SHORT)
     run_dir = next(iter(panel.launchers))
-    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "finished", timeout=240000)
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "finished", timeout=LONG)
     assert read_config(run_dir)["kind"] == "builtin" and read_config(run_dir)["steps"] == 3
 
 
@@ -318,3 +334,250 @@ def test_a_run_without_memory_does_not_keep_the_last_runs_axes(qtbot, panel, tmp
     panel.follow(str(bare))
     qtbot.waitUntil(lambda: "CSV: metrics.csv" in panel.plots.legend.text(), timeout=30000)
     assert panel.plots.memory.viewRange()[0][1] < 40  # not the previous run's steps 1..40
+
+
+RESUMABLE = textwrap.dedent("""
+    import os, time
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from shardscope import report
+
+    resume = os.environ.get("SHARDSCOPE_RESUME")
+    step = int(os.path.basename(resume).split("_")[-1]) if resume else 0
+    while True:  # the first launch ends after step 3 with a checkpoint; a resumed one runs until stopped
+        step += 1
+        report(step=step, loss=1.0 / step)
+        if not resume and step == 3:
+            dcp.save({"w": torch.full((4,), 3.0)},
+                     checkpoint_id=os.path.join(os.environ["SHARDSCOPE_RUN_DIR"], "checkpoints", "step_000003"))
+            break
+        time.sleep(0.05)
+""")
+
+
+def header_state(panel) -> str:
+    """The state word in the header (after the run's bold name)."""
+    text = panel.status.text()
+    if "</b>: " not in text:
+        return ""
+    head = text.split("</b>: ", 1)[1].split("<br>", 1)[0]
+    return head.split(">", 1)[1].split("<", 1)[0] if head.startswith("<span") else head.split(" ", 1)[0]
+
+
+def test_old_launcher_does_not_end_the_resumed_run(tmp_path):
+    """The launcher of a run's finished first segment still answers its exit code 0. Asked after a resume
+    (as the panel's poll in flight did), it used to write "finished" over the running resumed run, whose
+    header then stayed "finished" and whose Stop did nothing (its torchrun trained on, unstoppable)."""
+    run = tmp_path / "run"
+    first = RunLauncher(run, RunConfig(strategy="ddp", nproc=1, steps=3, checkpoint_every=3, model=SMALL)).start()
+    assert first.wait(LONG / 1000)["state"] == "finished"
+    resume = RunConfig(strategy="ddp", nproc=1, steps=100000, checkpoint_every=0, model=SMALL,
+                       resume=str(checkpoints(run)[-1]))
+    second = RunLauncher(run, resume).start()
+    try:
+        assert first.status()["state"] == "running"
+        assert run_status(run)["state"] == "running" and second.status()["state"] == "running"
+    finally:
+        assert second.stop()["state"] == "stopped"
+    assert second.proc.poll() is not None
+
+
+def test_a_status_read_before_a_stop_does_not_end_the_run_as_failed(monkeypatch, tmp_path):
+    """A poll that read status.json just before Stop wrote stop_requested, and found torchrun gone just
+    after, used to write "failed" (the stale read had no stop): the state is decided on a fresh read.
+    The interleaving is forced by stopping the (real) process inside the poll's liveness check."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    (run / "status.json").write_text(json.dumps({"state": "running", "pid": proc.pid, "scheduler": "local"}))
+    real_pid_alive = launcher_module.pid_alive
+
+    def stop_meanwhile(pid, group=False):
+        if pid == proc.pid and proc.returncode is None:
+            update_status(run, stop_requested=time.time())  # what stop_run writes before its first signal
+            proc.terminate()
+            proc.wait(60)
+        return real_pid_alive(pid, group)
+
+    monkeypatch.setattr(launcher_module, "pid_alive", stop_meanwhile)
+    try:
+        status = run_status(run)
+    finally:
+        proc.kill()
+        proc.wait(60)
+    assert status["state"] == "stopped", status
+    assert json.loads((run / "status.json").read_text())["state"] == "stopped"
+
+
+def test_resuming_a_finished_run_shows_it_running_and_stops_it(qtbot, panel, tmp_path):
+    """Resume of a finished run: the header, the Runs list and the buttons follow the resumed run (real
+    torchrun launches of a user script that writes a real DCP checkpoint)."""
+    script = tmp_path / "resumable.py"
+    script.write_text(RESUMABLE)
+    panel.form.script.setText(str(script))
+    panel.form.nproc.setValue(1)
+    assert panel.start_run()
+    assert not panel.start_button.isEnabled()  # no second Start while this one is on its way
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=SHORT)
+    run_dir = next(iter(panel.launchers))
+    qtbot.waitUntil(lambda: header_state(panel) == "finished" and panel.ckpt_list.count() == 1, timeout=LONG)
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "finished", timeout=SHORT)
+    assert panel.start_button.isEnabled() and not panel.stop_button.isEnabled()
+    assert not panel.resume_button.isEnabled()  # no checkpoint selected yet
+    panel.ckpt_list.item(0).setSelected(True)
+    assert panel.resume_button.isEnabled()
+    first = panel.launchers[run_dir]
+    panel.resume_button.click()
+    assert not panel.resume_button.isEnabled() and not panel.start_button.isEnabled()  # one launch at a time
+    qtbot.waitUntil(lambda: panel.launchers[run_dir] is not first, timeout=SHORT)
+    first.status()  # what a poll in flight during the resume asked: it must not end the resumed run
+    qtbot.waitUntil(lambda: header_state(panel) == "running" and panel.run_state(run_dir) == "running",
+                    timeout=SHORT)
+    qtbot.waitUntil(lambda: panel.follower.series.get(0) is not None and
+                    panel.follower.series[0].column("step")[-1] >= 6, timeout=LONG)  # the resumed steps arrive
+    assert header_state(panel) == "running" and list(panel.follower.series[0].column("step")[:4]) == [1, 2, 3, 4]
+    qtbot.waitUntil(lambda: panel.stop_button.isEnabled(), timeout=SHORT)
+    assert not panel.resume_button.isEnabled()
+    assert len(run_processes(script)) == 2  # torchrun and the rank, found by the script they run
+    panel.stop_button.click()
+    qtbot.waitUntil(lambda: header_state(panel) == "stopped" and panel.run_state(run_dir) == "stopped",
+                    timeout=SHORT)
+    qtbot.waitUntil(lambda: panel.launchers[run_dir].proc.poll() is not None, timeout=SHORT)
+    qtbot.waitUntil(lambda: not run_processes(script), timeout=SHORT)  # the Stop ends every rank too
+
+
+def run_processes(name: str | os.PathLike) -> list[int]:
+    """Live processes (not zombies) whose command line names ``name``."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.pid != os.getpid() and p.info["status"] != psutil.STATUS_ZOMBIE and \
+                str(name) in " ".join(p.info["cmdline"] or []):
+            out.append(p.pid)
+    return out
+
+
+def test_compare_chooser_lists_only_the_other_runs(qtbot, panel, tmp_path):
+    for name in ("run-a", "run-b", "run-c"):
+        write_metrics(tmp_path / name, 0, range(1, 11))
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: panel.compare.count() == 4, timeout=SHORT)  # (none) and the three runs
+
+    def offered():
+        return sorted(Path(panel.compare.itemData(i)).name for i in range(1, panel.compare.count()))
+
+    panel.follow(str(tmp_path / "run-a"))
+    assert offered() == ["run-b", "run-c"]
+    panel.compare.setCurrentIndex(panel.compare.findData(str(tmp_path / "run-c")))
+    qtbot.waitUntil(lambda: panel.plots.overlay is not None, timeout=SHORT)
+    panel.follow(str(tmp_path / "run-b"))  # another run shown: still compared with run-c
+    assert offered() == ["run-a", "run-c"] and panel.compare.currentData() == str(tmp_path / "run-c")
+    assert panel.plots.overlay is not None
+    panel.follow(str(tmp_path / "run-c"))  # the compared run is now the one shown: no comparing with itself
+    assert offered() == ["run-a", "run-b"] and panel.compare.currentData() == "" and panel.plots.overlay is None
+    (tmp_path / "run-a").rename(tmp_path / "run-a2")
+    write_metrics(tmp_path / "run-d", 0, range(1, 4))
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: offered() == ["run-a2", "run-b", "run-d"], timeout=SHORT)
+    shutil.rmtree(tmp_path / "run-b")
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: offered() == ["run-a2", "run-d"], timeout=SHORT)
+    assert panel.run_list.currentItem().data(Qt.ItemDataRole.UserRole) == str(tmp_path / "run-c")  # still the run shown
+
+
+def test_a_late_compare_read_does_not_bring_back_a_dropped_choice(qtbot, panel, tmp_path):
+    write_metrics(tmp_path / "run-a", 0, range(1, 11))
+    write_metrics(tmp_path / "run-b", 0, range(1, 11))
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: panel.compare.count() == 3, timeout=SHORT)
+    panel.follow(str(tmp_path / "run-a"))
+    panel.compare.setCurrentIndex(panel.compare.findData(str(tmp_path / "run-b")))
+    panel.compare.setCurrentIndex(0)  # changed back before run-b was read
+    assert QThreadPool.globalInstance().waitForDone(SHORT)
+    qtbot.wait(100)  # the queued results of the finished reads are delivered
+    assert panel.compare.currentData() == "" and panel.plots.overlay is None
+
+
+def fake_run(path: Path, status: dict, ckpts: int = 2) -> Path:
+    """A run folder as the launcher leaves it: status.json, one metric line, ``ckpts`` checkpoint folders."""
+    write_metrics(path, 0, range(1, 3))
+    for i in range(ckpts):
+        (path / "checkpoints" / f"step_{i:06d}").mkdir(parents=True)
+        (path / "checkpoints" / f"step_{i:06d}" / ".metadata").write_bytes(b"")
+    (path / "status.json").write_text(json.dumps(status))
+    return path
+
+
+def test_buttons_follow_the_shown_runs_state(qtbot, panel, tmp_path):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        running = fake_run(tmp_path / "running", {"state": "running", "pid": live.pid, "scheduler": "local",
+                                                  "start_time": time.time()})
+        done = fake_run(tmp_path / "done", {"state": "finished", "explanation": "success"})
+        panel.follow(str(running))
+        qtbot.waitUntil(lambda: panel.stop_button.isEnabled() and panel.ckpt_list.count() == 2, timeout=SHORT)
+        panel.ckpt_list.item(0).setSelected(True)
+        assert not panel.resume_button.isEnabled()  # running: stop it first
+        panel.follow(str(done))
+        assert not panel.stop_button.isEnabled()  # at once, not at the next poll: Stop would stop another run
+        qtbot.waitUntil(lambda: header_state(panel) == "finished" and panel.ckpt_list.count() == 2, timeout=SHORT)
+        assert not panel.resume_button.isEnabled() and not panel.compare_button.isEnabled()
+        panel.ckpt_list.item(0).setSelected(True)
+        assert panel.resume_button.isEnabled() and not panel.compare_button.isEnabled()
+        panel.ckpt_list.item(1).setSelected(True)
+        assert panel.compare_button.isEnabled() and not panel.resume_button.isEnabled()
+        update_status(running, stop_requested=time.time())  # a stop under way (from the CLI, say)
+        panel.follow(str(running))
+        qtbot.waitUntil(lambda: "stopping: SIGTERM" in panel.status.text(), timeout=SHORT)
+        assert header_state(panel) == "running" and not panel.stop_button.isEnabled()
+    finally:
+        live.kill()
+        live.wait(60)
+
+
+def test_header_names_the_rank_that_was_killed(qtbot, panel, tmp_path):
+    """A rank killed by SIGKILL (the OOM killer's signal) writes no exit record; the other ranks then fail
+    with gloo's "Connection reset by peer". The header names the killed rank first, from torchrun's own
+    root-cause report, and the run is failed (not stoppable, resumable)."""
+    small_form(panel)
+    panel.show()
+    assert panel.start_run()
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=SHORT)
+    run_dir = next(iter(panel.launchers))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 2, timeout=LONG)
+    workers = psutil.Process(panel.launchers[run_dir].proc.pid).children(recursive=True)
+    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    rank1.kill()
+    qtbot.waitUntil(lambda: header_state(panel) == "failed", timeout=LONG)
+    text = panel.status.text()
+    assert "rank 1 killed by SIGKILL (often the out-of-memory killer" in text, text
+    assert " failed: " not in text or text.index("rank 1 killed") < text.index(" failed: ")  # the cause first
+    assert torchrun_root_cause(run_dir) == (1, -9) and run_status(run_dir)["root_cause_rank"] == 1
+    assert not panel.stop_button.isEnabled() and panel.details_button.isVisible()
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "failed", timeout=SHORT)
+
+
+def test_ranks_end_when_torchrun_is_killed(qtbot, panel, tmp_path):
+    """torchrun killed by SIGKILL cannot end its ranks: they used to train on, re-parented, while the run
+    read "failed" and Stop was off. They now end themselves, and the header says torchrun was killed."""
+    small_form(panel)
+    assert panel.start_run()
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=SHORT)
+    run_dir = next(iter(panel.launchers))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 2, timeout=LONG)
+    torchrun = psutil.Process(panel.launchers[run_dir].proc.pid)
+    ranks = [p for p in torchrun.children(recursive=True) if "worker_entry" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    torchrun.kill()
+    try:
+        qtbot.waitUntil(lambda: header_state(panel) == "failed", timeout=LONG)
+        assert "killed by SIGKILL" in panel.status.text()
+        _gone, alive = psutil.wait_procs(ranks, timeout=SHORT / 1000)
+        assert not alive, alive
+    finally:
+        for p in ranks:  # nothing left training, whatever happened above
+            if p.is_running():
+                p.kill()
+    logs = [(Path(run_dir) / "logs" / f"rank_{r}.log").read_text() for r in (0, 1)]
+    assert any("torchrun (pid" in text for text in logs)  # the first to notice says why (the other may fail first)
+    qtbot.waitUntil(lambda: panel.run_state(run_dir) == "failed", timeout=SHORT)
+    assert not panel.stop_button.isEnabled()

@@ -19,10 +19,11 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.checkpoint.browse import BrowseData, analyse, load_tree, value_stats
+from shardscope.backend.checkpoint.browse import BrowseData
 from shardscope.backend.checkpoint.model import TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
-from shardscope.backend.format import human_bytes
+from shardscope.backend.compare.browse_file import TORCH_FILE, analyse_any, load_any, stats_any, verify_contents_any
+from shardscope.backend.format import count, human_bytes
 
 from .overlay import ProgressOverlay
 from .panels import CHECKSUMS_WHERE_STORED, NO_CHECKSUMS, HealthPanel, InspectorView, RanksView
@@ -185,14 +186,14 @@ class CheckpointView(QWidget):
     def load(self) -> None:
         self.progress.start("reading metadata", cancellable=False)
         self._load_worker = run_in_background(
-            load_tree, self.path, owner=self, on_result=self._on_tree, on_error=self._on_failed,
+            load_any, self.path, owner=self, on_result=self._on_tree, on_error=self._on_failed,
             on_progress=self.progress.set_progress)
 
     def _on_tree(self, data: BrowseData) -> None:
         """The tree goes up as soon as the metadata is read; the analysis follows in the background."""
         self.data = data
         ck = data.ckpt
-        self._set_header(summary_html(ck))
+        self._set_header(summary_html(ck, self.path))
         self.model.set_root(data.tree, {})
         self._size_columns()
         if data.tree.children and len(data.tree.children) <= 4:
@@ -201,7 +202,7 @@ class CheckpointView(QWidget):
         self.map.clear_map("Select a tensor or a module to see how it is sharded.")
         self.health.set_problems_pending()
         self.treeReady.emit(data)
-        self._load_worker = run_in_background(analyse, data, owner=self, on_result=self._on_loaded,
+        self._load_worker = run_in_background(analyse_any, data, owner=self, on_result=self._on_loaded,
                                               on_error=self._on_failed, on_progress=self.progress.set_progress)
 
     def _size_columns(self) -> None:
@@ -236,14 +237,15 @@ class CheckpointView(QWidget):
         self.loaded.emit(data)
 
     def _show_problems(self, problems: list, deep: bool = False) -> None:
-        hf = self.data is not None and self.data.ckpt.format == "hf-safetensors"
-        self.health.set_problems(problems, deep=deep, checksums=NO_CHECKSUMS if hf else CHECKSUMS_WHERE_STORED)
-        self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems)})")
+        fmt = self.data.ckpt.format if self.data is not None else ""
+        checksums = {"hf-safetensors": NO_CHECKSUMS, TORCH_FILE: TORCH_FILE_CHECKSUMS}.get(fmt, CHECKSUMS_WHERE_STORED)
+        self.health.set_problems(problems, deep=deep, checksums=checksums)
+        self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems):,})")
 
     def _on_failed(self, message: str) -> None:
         self.progress.finish()
         self._set_header(f"<b>Cannot open {self.path}</b><br>{message}")
-        self.map.clear_map("This folder could not be opened.")
+        self.map.clear_map("This checkpoint could not be opened.")
         self.failed.emit(message)
 
     # ------------------------------------------------------------------ selection
@@ -258,8 +260,8 @@ class CheckpointView(QWidget):
         if isinstance(node.entry, TensorEntry):
             e = node.entry
             rows, cols = grid_shape(e.shape)
-            self.map_caption.setText(f"<b>{e.fqn}</b> drawn as {rows} × {cols}, {e.chunk_count} chunks "
-                                     f"(wheel: zoom, drag: pan, double-click: fit)<br>{legend}")
+            self.map_caption.setText(f"<b>{e.fqn}</b> drawn as {rows} × {cols}, {count(e.chunk_count, 'chunk')}"
+                                     f"{unsharded_note(ck)} (wheel: zoom, drag: pan, double-click: fit)<br>{legend}")
             self.map.show_tensors(ck, [node.entry])
             self.inspector.set_tensor(node.entry)
             if node.entry.nbytes <= AUTO_LOAD_BYTES:
@@ -267,10 +269,10 @@ class CheckpointView(QWidget):
         else:
             tensors = list(node.iter_tensors())
             shown = len(stacked_entries(tensors))
-            stacked = f"{len(tensors)} tensors stacked" if shown == len(tensors) else \
-                f"the first {shown} of {len(tensors)} tensors stacked"
+            stacked = f"{count(len(tensors), 'tensor')} stacked" if shown == len(tensors) else \
+                f"the first {shown:,} of {count(len(tensors), 'tensor')} stacked"
             self.map_caption.setText(f"<b>{node.path or 'all'}</b>: {stacked}, each scaled to the "
-                                     f"same width<br>{legend}")
+                                     f"same width{unsharded_note(ck)}<br>{legend}")
             self.map.show_tensors(ck, tensors)
             self.inspector.set_tensor(None)
             if node.entry is not None:
@@ -307,7 +309,7 @@ class CheckpointView(QWidget):
         fqn = node.entry.fqn
         # NOTE: `w` in the last slot is read when it runs (queued, on this thread), after it was assigned
         w = run_in_background(
-            value_stats, self.data.ckpt, fqn, owner=self, on_progress=self.inspector.set_progress,
+            stats_any, self.data, fqn, owner=self, on_progress=self.inspector.set_progress,
             on_result=lambda st: self._on_stats(fqn, st),
             on_error=lambda msg: self.inspector.show_message(f"<span style='color:#d62728'>{msg}</span>"),
             on_cancelled=lambda: self.inspector.show_message("Cancelled."), on_finished=lambda: self._stats_done(w))
@@ -373,8 +375,6 @@ class CheckpointView(QWidget):
     def verify_contents(self) -> None:
         """Read every stored item once with its CRC32 checked (in the background, with cancel);
         the findings replace the Health tab's list."""
-        from shardscope.backend.checkpoint.verify import verify_contents
-
         if self.data is None or self._verify_worker is not None:
             return
         self.verify_button.setEnabled(False)
@@ -382,7 +382,7 @@ class CheckpointView(QWidget):
         self.tabs.setCurrentWidget(self.health)
         self.progress.start("verifying contents", cancellable=True)
         self._verify_worker = run_in_background(
-            verify_contents, self.data.ckpt, owner=self, on_progress=self.progress.set_progress,
+            verify_contents_any, self.data.ckpt, owner=self, on_progress=self.progress.set_progress,
             on_result=self._on_verified, on_error=lambda msg: self._verify_ended(f"Verify contents stopped: {msg}"),
             on_cancelled=lambda: self._verify_ended("Verify contents cancelled: nothing was concluded."))
 
@@ -412,14 +412,35 @@ class CheckpointView(QWidget):
             self._load_worker.quit()
 
 
-def summary_html(ck) -> str:
-    """The header's two lines: path, then format, version (only when the file records one), sizes."""
-    kind = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)",
-            "hf-safetensors": "safetensors files (HF layout)"}.get(ck.format, ck.format)
+TORCH_FILE_CHECKSUMS = "a torch.save file stores a CRC32 per record: every record's checked"
+KINDS = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)",
+         "hf-safetensors": "safetensors files (HF layout)", TORCH_FILE: "torch.save file (loaded weights_only)"}
+
+
+def summary_html(ck, path: str | None = None) -> str:
+    """The header's two lines: the path opened, then format, version (only when the file records one),
+    counts and size."""
+    kind = KINDS.get(ck.format, ck.format)
+    files = len(ck.data_files)
+    if ck.format == "hf-safetensors" and files == 1 and not ck.ranks:
+        kind = "safetensors file"
     n = len(ck.ranks)
-    ranks = "no writer ranks recorded" if n == 0 else f"{n} writer rank{'s' if n != 1 else ''}"
-    parts = [kind + (f" (format version {ck.version})" if ck.version else ""), f"{len(ck.tensors):,} tensors",
-             f"{len(ck.chunk_table):,} chunks", ranks, human_bytes(ck.total_bytes)]
+    if n:
+        ranks = count(n, "writer rank")
+    else:
+        ranks = "one file, not sharded" if files == 1 else f"{count(files, 'file')}, no writer ranks recorded"
+    parts = [kind + (f" (format version {ck.version})" if ck.version else ""), count(len(ck.tensors), "tensor"),
+             count(len(ck.chunk_table), "chunk"), ranks, human_bytes(ck.total_bytes)]
+    if ck.objects:
+        parts.insert(2, count(len(ck.objects), "non-tensor entry", "non-tensor entries"))
     if ck.save_id:
         parts.append(f"save id <tt>{ck.save_id}</tt>")
-    return f"<b>{ck.path}</b><br>" + " · ".join(parts)
+    return f"<b>{path or ck.path}</b><br>" + " · ".join(parts)
+
+
+def unsharded_note(ck) -> str:
+    """", all in one file (NAME), not sharded" for a checkpoint of one file and no writer ranks, else ""."""
+    files = ck.data_files
+    if ck.ranks or len(files) != 1:
+        return ""
+    return f", all in one file ({files[0].name}), not sharded"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import math
+from contextlib import ExitStack
 from typing import Any
 
 import pyqtgraph as pg
@@ -22,6 +23,7 @@ from PySide6.QtCore import (
 )
 from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import (
+    QCheckBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -37,6 +39,7 @@ from PySide6.QtWidgets import (
 )
 from shardscope.backend.compare import diff, open_source
 from shardscope.backend.compare.diff import Change, DiffResult, difference_histogram
+from shardscope.backend.format import count
 
 from .plot_style import themed_plot
 from .shard_map import ShardMapView
@@ -45,10 +48,12 @@ from .workers import Worker, run_in_background
 COLUMNS = ("entry", "kind", "max |a−b|", "rel. L2", "changed")
 WIDTHS_KEY = "compare/column_widths"
 SortRole = Qt.ItemDataRole.UserRole + 1
+DETAIL_HINT = "Select an entry to see both layouts and, for changed values, a histogram of a − b."
 
 
 class DiffModel(QAbstractTableModel):
-    """Rows: changed entries, then entries only in A or only in B (an adapter over DiffResult)."""
+    """Rows: changed entries, entries that could not be read, then entries only in A or only in B (an adapter
+    over DiffResult)."""
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
@@ -59,8 +64,9 @@ class DiffModel(QAbstractTableModel):
         self.beginResetModel()
         self.rows = []
         if result is not None:
-            self.rows = list(result.changed) + [Change(f, "only in A") for f in result.only_a] + \
-                [Change(f, "only in B") for f in result.only_b]
+            self.rows = list(result.changed) + list(result.unreadable) + \
+                [Change(f, "only in A", fqn_b="") for f in result.only_a] + \
+                [Change(f, "only in B", fqn_a="") for f in result.only_b]
         finite = [c.rel_l2 for c in self.rows if c.rel_l2 is not None and math.isfinite(c.rel_l2)]
         self.max_rel = max(finite, default=0.0)
         self.endResetModel()
@@ -86,36 +92,69 @@ class DiffModel(QAbstractTableModel):
                 return c.fqn
             if col == 1:
                 return c.kind
-            if c.rel_l2 is None:
-                return c.detail if col == 2 else ""
+            if c.rel_l2 is None:  # the detail spans the number columns (CompareView._span_details)
+                return (f"in {c.side}: {c.detail}" if c.kind == "unreadable" else c.detail) if col == 2 else ""
             return (None, None, f"{c.max_abs_diff:.4g}", f"{c.rel_l2:.4g}", f"{100 * c.frac_changed:.2f} %")[col]
         if role == SortRole:
             if col in (0, 1):
                 return c.fqn if col == 0 else c.kind
+            if c.kind == "unreadable":
+                return math.inf  # nothing is known about it: first among the biggest changes
             v = (None, None, c.max_abs_diff, c.rel_l2, c.frac_changed)[col]
             return -1.0 if v is None else float(v)
         if role == Qt.ItemDataRole.UserRole:
             return c
-        if role == Qt.ItemDataRole.ToolTipRole and col == 0:
-            return c.fqn  # the full name; the cell elides in the middle (exp_avg vs exp_avg_sq stay apart)
-        if role == Qt.ItemDataRole.TextAlignmentRole and col >= 2:
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return self._tooltip(c, col)
+        if role == Qt.ItemDataRole.ForegroundRole and c.kind == "unreadable":
+            return QColor("#d62728")
+        if role == Qt.ItemDataRole.TextAlignmentRole and col >= 2 and c.rel_l2 is not None:
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         return None
 
+    @staticmethod
+    def _tooltip(c: Change, col: int) -> str | None:
+        """The full name (the cell elides in the middle: exp_avg vs exp_avg_sq stay apart), both names when
+        they were paired without a container prefix, and the whole reason of an unreadable entry."""
+        if col == 0:
+            both = c.fqn_a and c.fqn_b and (c.fqn_a != c.fqn or c.fqn_b != c.fqn)
+            return f"{c.fqn}\nA: {c.fqn_a}\nB: {c.fqn_b}" if both else c.fqn
+        if c.kind == "unreadable":
+            return f"cannot be read in {c.side}: {c.detail}"
+        return c.detail if c.rel_l2 is None and c.detail else None
 
-def renamed_hint(only_a: list[str], only_b: list[str]) -> str:
-    """When no entry pairs up by name because one side's names are the other's under a prefix (a checkpoint
-    and its own safetensors export, which drops ``model.`` by default), say so; else ""."""
-    for longer, shorter, side in ((only_a, only_b, "B"), (only_b, only_a, "A")):
-        if not shorter:
-            continue
-        names, first = set(longer), shorter[0]
-        prefixes = {n[: -len(first)] for n in longer if n.endswith("." + first)}
-        for prefix in sorted(prefixes, key=len):
-            if all(prefix + k in names for k in shorter):
-                return (f"{side}'s entries are the other side's without the prefix “{prefix}” (Export drops the "
-                        "model's container by default), so none could be paired by name and no values were compared.")
-    return ""
+
+def summary_html(result: DiffResult) -> str:
+    """The verdict line, the counts, how the names were paired, and what could not be read."""
+    layout_only = sum(c.kind == "layout" for c in result.changed)
+    verdict = "<span style='color:#2ca02c'>no differences in values</span>" if not result.differs else \
+        "<span style='color:#d62728'>differences found</span>"
+    if result.unreadable:
+        verdict = (f"<span style='color:#d62728'>{len(result.unreadable)} unreadable</span> (the rest compared), "
+                   + verdict)
+    lines = [f"{verdict}: {len(result.only_a)} only in A, {len(result.only_b)} only in B, "
+             f"{len(result.changed) - layout_only} changed, {layout_only} with another layout only, "
+             f"{result.unchanged} unchanged"]
+    p = result.pairing
+    if p is not None and p.renamed:
+        lines.append(html.escape(f"Pairing: {p.describe()}. Tick Exact names to pair the names as stored.",
+                                 quote=False))
+    if p is not None and p.hint:
+        lines.append(html.escape(p.hint, quote=False))
+    if result.unreadable:
+        first = result.unreadable[0]
+        lines.append("<span style='color:#d62728'>" + html.escape(f"{first.fqn} cannot be read in {first.side}: "
+                                                                   f"{first.detail}", quote=False) + "</span>")
+    return "<br>".join(lines)
+
+
+class DetailDelegate(QStyledItemDelegate):
+    """The detail of a row without numbers (why it cannot be read, both dtypes) elides at its end: its start
+    names the file."""
+
+    def initStyleOption(self, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex) -> None:
+        super().initStyleOption(option, index)
+        option.textElideMode = Qt.TextElideMode.ElideRight
 
 
 class BarDelegate(QStyledItemDelegate):
@@ -148,6 +187,9 @@ class CompareView(QWidget):
         self.sources: tuple[Any, Any] | None = None
         self._worker: Worker | None = None
         self._detail_worker: Worker | None = None
+        # NOTE: every histogram worker still running reads through self.sources (a quit one too, until it
+        # returns); the sources are closed for a new comparison only when none is left
+        self._readers: set[Worker] = set()
         layout = QVBoxLayout(self)
         top = QHBoxLayout()
         self.header = QLabel(f"<b>A</b> {path_a}<br><b>B</b> {path_b}")
@@ -157,6 +199,12 @@ class CompareView(QWidget):
         # window's minimum width (a truncated file's message pushed the window past a 1280 px screen)
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         top.addWidget(self.header, 1)
+        self.exact_names = QCheckBox("Exact names")
+        self.exact_names.setToolTip("Pair entries only by their names as stored. Off: when it pairs more, a side's "
+                                    "container prefix (model., state_dict.) is removed first, so a checkpoint "
+                                    "pairs with its safetensors export (shardscope diff --exact-names).")
+        self.exact_names.toggled.connect(lambda _on: self.start())
+        top.addWidget(self.exact_names)
         self.progress = QProgressBar()
         self.progress.setMaximumWidth(220)
         self.cancel_button = QPushButton("Cancel")
@@ -198,9 +246,20 @@ class CompareView(QWidget):
         self.table.installEventFilter(self)
         # NOTE: only a column the user drags counts; the stretching last one follows the window
         header.sectionResized.connect(lambda col, *_a: col != len(COLUMNS) - 1 and self._save_widths())
+        self.table.setItemDelegateForColumn(2, DetailDelegate(self))
         self.table.setItemDelegateForColumn(3, BarDelegate(self.model, self))
         self.table.selectionModel().currentRowChanged.connect(self._row_changed)
+        self.proxy.layoutChanged.connect(self._span_details)  # sorting moves rows; spans are the view's
+        self.proxy.modelReset.connect(self._span_details)
         return self.table
+
+    def _span_details(self) -> None:
+        """A row without numbers (dtype, shape, unreadable: why) shows its detail across the number columns."""
+        self.table.clearSpans()
+        for row in range(self.proxy.rowCount()):
+            c: Change = self.proxy.index(row, 0).data(Qt.ItemDataRole.UserRole)
+            if c.rel_l2 is None and c.detail:
+                self.table.setSpan(row, 2, 1, len(COLUMNS) - 2)
 
     def _build_detail(self) -> QSplitter:
         """The selected entry: both shard maps, the histogram of a − b, a line of numbers."""
@@ -221,16 +280,34 @@ class CompareView(QWidget):
         self.hist.setLabel("left", "count")
         self.hist.hide()  # shown with a difference histogram only: no empty axes
         right.addWidget(self.hist)
-        self.detail = QLabel("Select an entry to see both layouts and, for changed values, a histogram of a − b.")
+        self.detail = QLabel(DETAIL_HINT)
         self.detail.setWordWrap(True)
         right.addWidget(self.detail)
         right.setSizes([400, 300, 40])
         return right
 
     def start(self) -> None:
+        """Compare (again, after "Exact names" was toggled) in the background; ``finished`` follows."""
+        self._close_sources()
+        self.model.set_result(None)
+        self.exact_names.setEnabled(False)  # one comparison at a time; enabled again when it ends
+        for w in (self.progress, self.cancel_button):
+            w.show()
+        self.progress.setRange(0, 0)
+        self.summary.setText("Comparing …")
+        self.hist.hide()
+        self.detail.setText(DETAIL_HINT)
+        for m in (self.map_a, self.map_b):
+            m.clear_map("")
+        exact = self.exact_names.isChecked()
+
         def work(progress=None):
-            a, b = open_source(self.path_a), open_source(self.path_b)
-            return a, b, diff(a, b, progress)
+            with ExitStack() as opened:  # closed unless the comparison is returned with them
+                a = opened.enter_context(open_source(self.path_a))
+                b = opened.enter_context(open_source(self.path_b))
+                result = diff(a, b, progress, exact_names=exact)
+                opened.pop_all()
+                return a, b, result
 
         self._worker = run_in_background(work, owner=self, on_result=self._done, on_error=self._failed,
                                          on_progress=self._on_progress, on_cancelled=lambda: self._failed("Cancelled."))
@@ -245,26 +322,23 @@ class CompareView(QWidget):
         self.sources, self.result = (a, b), result
         self.progress.hide()
         self.cancel_button.hide()
+        self._worker = None
+        self._allow_restart()
         self.model.set_result(result)
         self._restore_widths()  # NOTE: a model reset gives the header its default section sizes again
         self.table.sortByColumn(3, Qt.SortOrder.DescendingOrder)  # the biggest relative change first
-        layout_only = sum(c.kind == "layout" for c in result.changed)
-        verdict = "<span style='color:#2ca02c'>no differences in values</span>" if not result.differs else \
-            "<span style='color:#d62728'>differences found</span>"
-        self.summary.setText(f"{verdict}: {len(result.only_a)} only in A, {len(result.only_b)} only in B, "
-                             f"{len(result.changed) - layout_only} changed, {layout_only} with another layout only, "
-                             f"{result.unchanged} unchanged")
-        if not (result.changed or result.only_a or result.only_b):
-            self.detail.setText(f"Nothing to list: both hold the same {result.unchanged} entries, each with the same "
+        self.summary.setText(summary_html(result))
+        if not (result.changed or result.only_a or result.only_b or result.unreadable):
+            same = count(result.unchanged, "entry", "entries")
+            self.detail.setText(f"Nothing to list: both hold the same {same}, each with the same "
                                 "dtype, shape and values (every element compared).")
-        hint = renamed_hint(result.only_a, result.only_b) if not (result.changed or result.unchanged) else ""
-        if hint:
-            self.summary.setText(self.summary.text() + "<br>" + html.escape(hint))
         self.finished.emit(result)
 
     def _failed(self, message: str) -> None:
         self.progress.hide()
         self.cancel_button.hide()
+        self._worker = None
+        self._allow_restart()
         self.summary.setText(f"<span style='color:#d62728'>{html.escape(message)}</span>")
         self.finished.emit(None)
 
@@ -277,15 +351,15 @@ class CompareView(QWidget):
             return
         c: Change = self.proxy.mapToSource(current).data(Qt.ItemDataRole.UserRole)
         a, b = self.sources
-        for src, view in ((a, self.map_a), (b, self.map_b)):
+        for src, view, name in ((a, self.map_a, c.fqn_a), (b, self.map_b, c.fqn_b)):
             ck = getattr(src, "ckpt", None)
-            if ck is not None and ck.has_tensor(c.fqn):
-                view.show_tensors(ck, [ck.tensor(c.fqn)])
+            if ck is not None and name and ck.has_tensor(name):
+                view.show_tensors(ck, [ck.tensor(name)])
             else:
                 view.clear_map("not in this checkpoint" if ck is not None else "a consolidated file: one piece")
         self.hist.clear()
         self.hist.hide()
-        self.detail.setText("")
+        self.detail.setText(f"{c.fqn} cannot be read in {c.side}: {c.detail}" if c.kind == "unreadable" else "")
         if self._detail_worker is not None:
             self._detail_worker.quit()
             self._detail_worker = None
@@ -293,15 +367,24 @@ class CompareView(QWidget):
             self.detailDone.emit()
             return
         # NOTE: `w` in the last slot is read when it runs (queued, on this thread), after it was assigned
-        w = run_in_background(difference_histogram, a, b, c.fqn, owner=self, on_result=self._show_hist,
-                              on_error=self.detail.setText, on_finished=lambda: self._detail_finished(w))
+        w = run_in_background(difference_histogram, a, b, c.fqn_a, fqn_b=c.fqn_b, owner=self,
+                              on_result=self._show_hist, on_error=self.detail.setText,
+                              on_finished=lambda: self._detail_finished(w))
         self._detail_worker = w
+        self._readers.add(w)
+        self.exact_names.setEnabled(False)
 
     def detail_pending(self) -> bool:
         """A difference histogram is being computed (``detailDone`` follows)."""
         return self._detail_worker is not None
 
+    def _allow_restart(self) -> None:
+        """"Exact names" compares again once nothing reads through the current sources."""
+        self.exact_names.setEnabled(not self._readers and self._worker is None)
+
     def _detail_finished(self, worker: Worker) -> None:
+        self._readers.discard(worker)
+        self._allow_restart()
         if self._detail_worker is worker:
             self._detail_worker = None
             self.detailDone.emit()
@@ -330,7 +413,7 @@ class CompareView(QWidget):
         fm = self.table.fontMetrics()
         if widths is None:
             extra = 2 * fm.averageCharWidth() + 8
-            numbers = [fm.horizontalAdvance(t) + extra for t in ("only in A", "0.0001234", "0.0001234", "100.00 %")]
+            numbers = [fm.horizontalAdvance(t) + extra for t in ("unreadable", "0.0001234", "0.0001234", "100.00 %")]
             # NOTE: from the table's own width: its viewport is resized only after the table's resize event
             chrome = 2 * self.table.frameWidth() + self.table.verticalScrollBar().sizeHint().width() + 2
             # the stretching last section never goes below the header's default section size
@@ -357,8 +440,12 @@ class CompareView(QWidget):
                 return True
         return False
 
-    def shutdown(self) -> None:
-        self.cancel()
+    def _close_sources(self) -> None:
         if self.sources is not None:
             for s in self.sources:
                 s.close()
+            self.sources = None
+
+    def shutdown(self) -> None:
+        self.cancel()
+        self._close_sources()

@@ -26,8 +26,8 @@ from PySide6.QtWidgets import (
 )
 from shardscope.backend.checkpoint.model import Checkpoint
 from shardscope.backend.export import ExportError, ExportPlan, ExportResult, export, format_for, plan_export
-from shardscope.backend.export.dcp_writer import reshard
-from shardscope.backend.format import human_bytes, parse_size
+from shardscope.backend.export.dcp_writer import import_file, reshard
+from shardscope.backend.format import count, human_bytes, parse_size
 
 from .workers import Worker, run_in_background
 
@@ -190,8 +190,9 @@ class ExportDialog(QDialog):
             self.plan = None
             self.keys.setStringList([f"{t.fqn}    {t.dtype} {list(t.shape)}" for t in ck.tensors]
                                     + [f"{o.fqn}    (non-tensor, copied byte for byte)" for o in ck.objects])
-            self.summary.setText(f"<b>DCP</b>: every entry ({len(ck.tensors)} tensors, "
-                                 f"{human_bytes(ck.total_bytes)}) rewritten as {self.ranks.value()} ranks with even "
+            self.summary.setText(f"<b>DCP</b>: every entry ({count(len(ck.tensors), 'tensor')}, "
+                                 f"{human_bytes(ck.total_bytes)}) rewritten as {count(self.ranks.value(), 'rank')} "
+                                 "with even "
                                  "row-wise chunks; values unchanged (verified)")
             self.export_button.setEnabled(bool(self.dst.text().strip()))
             return
@@ -210,9 +211,11 @@ class ExportDialog(QDialog):
         notes = "".join(f"<br>{html.escape(n)}" for n in plan.notes)
         notes += "".join(f"<br>left out: {html.escape(n)}" for n in plan.left_out)
         if fmt == "safetensors" and plan.objects:
-            notes += (f"<br>{len(plan.objects)} non-tensor entries go into the header's metadata where they are "
+            entries = count(len(plan.objects), "non-tensor entry", "non-tensor entries")
+            verb = "goes" if len(plan.objects) == 1 else "go"
+            notes += (f"<br>{entries} {verb} into the header's metadata where they are "
                       "scalars or strings; the rest are listed as left out after the export.")
-        self.summary.setText(f"<b>{fmt}</b>: {len(plan.items)} tensors, {human_bytes(plan.total_bytes)}"
+        self.summary.setText(f"<b>{fmt}</b>: {count(len(plan.items), 'tensor')}, {human_bytes(plan.total_bytes)}"
                              + (f" in shards of at most {human_bytes(plan.max_shard_size)}" if plan.max_shard_size
                                 else "") + notes)
         self.export_button.setEnabled(True)
@@ -238,8 +241,10 @@ class ExportDialog(QDialog):
         self._set_running(True)
         self.message.setText("Exporting …")
         if self.resharding:
-            self._worker = run_in_background(reshard, self.ckpt.path, dst, self.ranks.value(),
-                                             self.force.isChecked(), self.verify.isChecked(), owner=self,
+            # a single safetensors file is no DCP folder to reshard: it is imported (the same DCP writer)
+            job = import_file if self.ckpt.path.endswith(".safetensors") else reshard
+            self._worker = run_in_background(job, self.ckpt.path, dst, self.ranks.value(),
+                                             force=self.force.isChecked(), verify=self.verify.isChecked(), owner=self,
                                              on_result=self._done, on_error=self._failed,
                                              on_progress=self._on_progress, on_cancelled=self._cancelled)
         else:

@@ -47,7 +47,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.format import human_bytes
+from shardscope.backend.format import count, human_bytes
 from shardscope.backend.library.prune import Plan, Rules
 from shardscope.backend.library.scan import CheckpointRecord, RunRecord, is_url, ranks_text
 from shardscope.backend.library.snapshot import LibrarySnapshot, take_snapshot
@@ -566,9 +566,9 @@ class LibraryView(QWidget):
         counts = {s: sum(1 for c in cks if c.state == s) for s in ("incomplete", "writing", "unreadable")}
         extra = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         missing = f" · missing: {', '.join(snap.missing)}" if snap.missing else ""
-        left = f" · {len(snap.listing.leftovers)} interrupted prune(s) to finish (Prune…)" \
+        left = f" · {count(len(snap.listing.leftovers), 'interrupted prune')} to finish (Prune…)" \
             if snap.listing.leftovers else ""
-        self.status.setText(f"{len(cks)} checkpoints in {len(snap.listing.runs)} runs, "
+        self.status.setText(f"{count(len(cks), 'checkpoint')} in {count(len(snap.listing.runs), 'run')}, "
                             f"{human_bytes(snap.listing.bytes)}{f' ({extra})' if extra else ''} · roots: "
                             f"{', '.join(self.roots())}{missing}{left} · updated {time.strftime('%H:%M:%S')}")
         self.empty_hint.setVisible(not cks)
@@ -609,7 +609,8 @@ class LibraryView(QWidget):
                                                     for c in r.checkpoints)]
         self.usage.set_rows(runs, snap.plan)
         freed = sum(f for _r, f in self.usage.rows)
-        self.rules_label.setText(f"{human_bytes(sum(r.bytes for r in runs))} in {len(runs)} runs. The prune rules "
+        self.rules_label.setText(f"{human_bytes(sum(r.bytes for r in runs))} in {count(len(runs), 'run')}. "
+                                 "The prune rules "
                                  f"({describe_rules(self.rules)}) would free {human_bytes(freed)}.")
 
     def _reveal_run(self, index: QModelIndex) -> None:

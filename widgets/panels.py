@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 from shardscope.backend.checkpoint.model import Checkpoint, Problem, TensorEntry
-from shardscope.backend.format import byte_unit, human_bytes, natural_key
+from shardscope.backend.format import byte_unit, count, human_bytes, natural_key
 
 from .palette import rank_color
 from .plot_style import CategoryAxis, themed_plot
@@ -57,7 +57,7 @@ class RankData:
 
     def bar_text(self, i: int) -> str:
         total = float(self.bytes.sum()) or 1.0
-        return (f"rank {self.ranks[i]}: {human_bytes(int(self.bytes[i]))} in {int(self.chunks[i]):,} chunks "
+        return (f"rank {self.ranks[i]}: {human_bytes(int(self.bytes[i]))} in {count(int(self.chunks[i]), 'chunk')} "
                 f"({100 * self.bytes[i] / total:.1f} % of all tensor bytes)")
 
     def cell_text(self, row: int, col: int) -> str:
@@ -69,6 +69,10 @@ def log2_bytes(v: float) -> str:
     if abs(v - round(v)) > 1e-6:
         return ""
     return human_bytes(2 ** round(v)).replace(".0 ", " ")
+
+
+WRITER_RANKS = ("<b>Writer</b> ranks (DCP writes a replicated tensor once). Click a bar to filter the tree; "
+                "hover for exact values.")
 
 
 class RanksView(QWidget):
@@ -84,8 +88,7 @@ class RanksView(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         top = QHBoxLayout()
         # One line that says what the ranks are, and then what is under the pointer (exact values).
-        self.note_text = ("<b>Writer</b> ranks (DCP writes a replicated tensor once). Click a bar to filter the tree; "
-                          "hover for exact values.")
+        self.note_text = WRITER_RANKS
         self.hover = QLabel(self.note_text)
         self.hover.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -150,6 +153,16 @@ class RanksView(QWidget):
         self.log_box.blockSignals(True)
         self.log_box.setChecked(self.data.dominated())
         self.log_box.blockSignals(False)
+        # NOTE: a consolidated file (or an HF folder) records no writer ranks: no bars or heat map to draw
+        ranked = bool(ckpt.ranks)
+        for w in (self.bars, self.heat, self.log_box):
+            w.setVisible(ranked)
+        files = len(ckpt.data_files)
+        hold = "holds" if files == 1 else "hold"
+        self.note_text = WRITER_RANKS if ranked else (
+            f"<b>No writer ranks recorded</b>: {count(files, 'file')}, listed below, {hold} every tensor whole "
+            "(not sharded across ranks).")
+        self.hover.setText(self.note_text)
         self._draw()
         self._fill_files(ckpt)
 
@@ -212,8 +225,8 @@ class RanksView(QWidget):
         self.bars.setYRange(floor, floor + span / (1 - frac), padding=0)
         bar_px = vb.width() / max(1, len(self.data.ranks) + 0.2)
         fm = self.fontMetrics()
-        for count, label in zip(self.data.chunks, self.bar_labels):
-            fits = [t for t in (f"{int(count):,} ch", f"{int(count):,}") if fm.horizontalAdvance(t) + 6 <= bar_px]
+        for chunks, label in zip(self.data.chunks, self.bar_labels):
+            fits = [t for t in (f"{int(chunks):,} ch", f"{int(chunks):,}") if fm.horizontalAdvance(t) + 6 <= bar_px]
             label.setVisible(bool(fits))
             if fits:
                 label.setText(fits[0])
@@ -389,7 +402,7 @@ class InspectorView(QWidget):
         self.chunks.setRowCount(0)
         self.chunks.setRowCount(len(chunks))
         for i, c in enumerate(chunks):
-            vals = (str(list(c.offsets)), str(list(c.sizes)), "" if c.rank is None else str(c.rank), c.file,
+            vals = (str(list(c.offsets)), str(list(c.sizes)), "—" if c.rank is None else str(c.rank), c.file,
                     f"{c.offset}", f"{c.length}")
             for j, v in enumerate(vals):
                 item = QTableWidgetItem(v)
@@ -486,6 +499,7 @@ class HealthPanel(QListWidget):
         the format stores one); ``checksums`` says which ones do (never claim a CRC safetensors lacks)."""
         self.clear()
         self.problems = list(problems)
+        check = " and checks its size" if checksums == NO_CHECKSUMS else " and checks its CRC32"
         if note:
             self.addItem(QListWidgetItem(note))
         if not problems:
@@ -493,12 +507,10 @@ class HealthPanel(QListWidget):
                 f"✔ Contents verified: every stored item read once ({checksums or CHECKSUMS_WHERE_STORED}); "
                 "every file present, every tensor tiled exactly." if deep else
                 "✔ Healthy: every file present and long enough, every tensor tiled exactly. (Bytes not read: "
-                "Verify contents reads every item and checks its CRC32.)"))
+                f"Verify contents reads every item{check}.)"))
             return
         if deep:
-            n = len(problems)
-            found = f"{n:,} problem{'s' if n != 1 else ''}"
-            self.addItem(QListWidgetItem(f"Verify contents read every stored item: {found}"))
+            self.addItem(QListWidgetItem(f"Verify contents read every stored item: {count(len(problems), 'problem')}"))
         for p in problems[:MAX_LISTED]:
             item = QListWidgetItem(f"[{p.kind}] {p.message}")
             item.setData(Qt.ItemDataRole.UserRole, p.fqn)

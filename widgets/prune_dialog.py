@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 from shardscope.backend.errors import ShardscopeError
-from shardscope.backend.format import human_bytes
+from shardscope.backend.format import count, human_bytes
 from shardscope.backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
 from shardscope.backend.library.scan import Listing
 
@@ -233,9 +233,9 @@ class PruneDialog(QDialog):
         if plan is None:
             self.summary.setText(f"<span style='color:#d62728'>{error}</span>")
         else:
-            left = f" Also finishes {len(plan.leftovers)} interrupted prune(s)." if plan.leftovers else ""
-            self.summary.setText(f"<b>Removes {len(plan.remove)} of {len(plan.decisions)} checkpoints, frees "
-                                 f"{human_bytes(plan.bytes_freed)}.</b>{left}")
+            left = f" Also finishes {count(len(plan.leftovers), 'interrupted prune')}." if plan.leftovers else ""
+            self.summary.setText(f"<b>Removes {len(plan.remove):,} of {count(len(plan.decisions), 'checkpoint')}, "
+                                 f"frees {human_bytes(plan.bytes_freed)}.</b>{left}")
         self.act_button.setEnabled(self._act_worker is None and self.result is None and plan is not None and
                                    bool(plan.remove or plan.leftovers))
 
@@ -246,7 +246,8 @@ class PruneDialog(QDialog):
             return
         delete = self.delete.isChecked()
         if delete and QMessageBox.question(
-                self, "Delete for good", f"Delete {len(plan.remove)} checkpoints ({human_bytes(plan.bytes_freed)}) "
+                self, "Delete for good", f"Delete {count(len(plan.remove), 'checkpoint')} "
+                f"({human_bytes(plan.bytes_freed)}) "
                 "for good? They do not go to the trash.") != QMessageBox.StandardButton.Yes:
             return
         self.start_removal(delete)

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+from shardscope.backend.format import count
 from shardscope.backend.runs.launcher import RunConfig
 from shardscope.backend.runs.slurm import Partition, SlurmOptions
 
@@ -143,8 +144,8 @@ class RunForm(QGroupBox):
         item.setEnabled(True)
         self.partition.clear()
         for p in parts:
-            self.partition.addItem(f"{p.name}{' (default)' if p.default else ''} — {p.nodes} node(s)", p.name)
-        self.on_note.setText(f"SLURM: {len(parts)} partition(s)")
+            self.partition.addItem(f"{p.name}{' (default)' if p.default else ''} — {count(p.nodes, 'node')}", p.name)
+        self.on_note.setText(f"SLURM: {count(len(parts), 'partition')}")
 
     def config(self) -> RunConfig:
         """The run this form describes (paths as typed; see RunConfig.resolved)."""

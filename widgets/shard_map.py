@@ -16,6 +16,7 @@ from PySide6.QtGui import QBrush, QColor, QFont, QHelpEvent, QPainter, QPen, QWh
 from PySide6.QtWidgets import QGraphicsRectItem, QGraphicsScene, QGraphicsSimpleTextItem, QGraphicsView, QToolTip
 from shardscope.backend.checkpoint.layout import Coverage, Region, coverage
 from shardscope.backend.checkpoint.model import Checkpoint, Chunk, TensorEntry
+from shardscope.backend.format import count
 
 from .palette import rank_color
 
@@ -181,7 +182,7 @@ class ShardMapView(QGraphicsView):
         for e in self._entries:
             y = self._draw_tensor(ckpt, e, y, with_label=not single) + (18.0 if not single else 0.0)
         if len(entries) > len(self._entries):
-            t = self.scene().addSimpleText(f"… {len(entries) - len(self._entries)} more tensors not drawn "
+            t = self.scene().addSimpleText(f"… {count(len(entries) - len(self._entries), 'more tensor')} not drawn "
                                            "(select a smaller module to see them)")
             t.setPos(0, y)
             t.setBrush(self.palette().text())
@@ -233,7 +234,8 @@ class ShardMapView(QGraphicsView):
             self.hover.add(rect, CHUNK, e, c)
             self.chunk_items.append(ChunkItem(e.fqn, c, item))
             if labelled:
-                text = QGraphicsSimpleTextItem(f"r{c.rank}" if c.rank is not None else "?", item)
+                # a chunk with no writer rank (a consolidated file) is labelled with its file
+                text = QGraphicsSimpleTextItem(f"r{c.rank}" if c.rank is not None else c.file, item)
                 text.setFont(QFont(self.font().family(), 8))
                 text.setBrush(QColor("white"))
                 text.setPos(rect.x() + 2, rect.y() + 1)
@@ -338,7 +340,9 @@ def legend_html(ranks: list[int]) -> str:
     """Rank colour legend for a label above the map."""
     shown = ranks[:24]
     parts = [f"<span style='color:{rank_color(r).name()}'>■</span>&nbsp;r{r}" for r in shown]
-    more = f" … ({len(ranks)} ranks)" if len(ranks) > len(shown) else ""
+    if not ranks:
+        parts = [f"<span style='color:{rank_color(None).name()}'>■</span>&nbsp;no writer rank recorded"]
+    more = f" … ({count(len(ranks), 'rank')})" if len(ranks) > len(shown) else ""
     # NOTE: "&nbsp; " between entries lets the label wrap; an unbreakable legend set the window's minimum width
     return "&nbsp; ".join(parts) + more + "&nbsp; <span style='color:#d62728'>▨</span>&nbsp;gap"
 
@@ -352,7 +356,8 @@ def _region_rect(region: Region, e: TensorEntry, y0: float, sx: float, sy: float
 def _hover_text(kind: int, e: TensorEntry, detail: object) -> str:
     if kind == CHUNK:
         c: Chunk = detail  # type: ignore[assignment]
-        return (f"{e.fqn}\nrank {c.rank} (writer)\noffsets {list(c.offsets)}  sizes {list(c.sizes)}\n"
+        writer = "no writer rank recorded" if c.rank is None else f"rank {c.rank} (writer)"
+        return (f"{e.fqn}\n{writer}\noffsets {list(c.offsets)}  sizes {list(c.sizes)}\n"
                 f"file {c.file}\nbytes {c.offset:,} – {c.offset + c.length:,} ({c.length:,} B)")
     if kind == GAP:
         return f"{e.fqn}\ngap: elements {detail} are in no chunk"

@@ -105,7 +105,8 @@ class TensorTreeModel(QAbstractItemModel):
                 return (None, e.dtype, "×".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes),
                         str(e.chunk_count), ranks_text(n.ranks, ""))[col]
             if isinstance(e, ObjectEntry):
-                return (None, "object", self._values.get(e.fqn, ""), human_bytes(e.length), "",
+                # NOTE: an entry with no stored bytes of its own (a .pt's step, a safetensors header value): no size
+                return (None, "object", self._values.get(e.fqn, ""), human_bytes(e.length if e.file else None), "",
                         ranks_text(n.ranks, ""))[col]
             return (None, "", count(n.tensors, "tensor"), human_bytes(n.nbytes), str(n.chunks),
                     ranks_text(n.ranks, ""))[col]
@@ -117,7 +118,9 @@ class TensorTreeModel(QAbstractItemModel):
             return (None, "", 0, n.nbytes, n.chunks, len(n.ranks))[col]
         if role == Qt.ItemDataRole.ToolTipRole:
             if isinstance(e, TensorEntry):
-                return f"{e.fqn}\n{e.dtype} {list(e.shape)}, {e.chunk_count} chunks written by ranks {sorted(n.ranks)}"
+                where = f"written by {count(len(n.ranks), 'rank')} ({ranks_text(n.ranks)})" if n.ranks else \
+                    "no writer rank recorded"
+                return f"{e.fqn}\n{e.dtype} {list(e.shape)}, {count(e.chunk_count, 'chunk')} {where}"
             return n.path
         if role == NodeRole:
             return n

@@ -32,7 +32,7 @@ from shardscope.backend.errors import ShardscopeError
 from shardscope.backend.runs import slurm
 from shardscope.backend.runs.follow import RunFollower, RunSnapshot, is_rank
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher, stop_run
-from shardscope.backend.runs.rundir import ACTIVE_STATES, default_runs_root, new_run_dir, read_config
+from shardscope.backend.runs.rundir import ACTIVE_STATES, FINAL_STATES, default_runs_root, new_run_dir, read_config
 from shardscope.backend.runs.store import RunInfo, list_runs, write_text
 
 from .run_form import RunForm
@@ -78,6 +78,8 @@ class TrainingPanel(QWidget):
         self._reading = False
         self._polls = 0
         self._status: dict = {}
+        self._launching = False  # a Start or Resume is on its way: no second one until it has started
+        self._stopping: set[str] = set()  # runs whose Stop is on its way
         split = QSplitter(Qt.Orientation.Horizontal)
         # NOTE: the form scrolls, so the panel (and the window) still fits 1280x720 with every row shown
         left = QScrollArea()
@@ -178,12 +180,15 @@ class TrainingPanel(QWidget):
         cl.addWidget(QLabel("Double-click a checkpoint to open it in the browser."))
         cl.addWidget(self.ckpt_list, 1)
         self.ckpt_list.setSelectionMode(QListWidget.SelectionMode.ExtendedSelection)
+        self.ckpt_list.itemSelectionChanged.connect(self._update_buttons)
         row = QHBoxLayout()
         self.resume_button = QPushButton("Resume from selected")
-        self.resume_button.setToolTip("Resume this run from the selected checkpoint")
+        self.resume_button.setToolTip("Resume this run from the selected checkpoint (once the run has ended)")
+        self.resume_button.setEnabled(False)
         self.resume_button.clicked.connect(self.resume_run)
         self.compare_button = QPushButton("Compare two selected")
-        self.compare_button.setToolTip("Compare the two selected checkpoints")
+        self.compare_button.setToolTip("Compare the two selected checkpoints (Ctrl+click to select two)")
+        self.compare_button.setEnabled(False)
         self.compare_button.clicked.connect(self._compare_selected)
         row.addWidget(self.resume_button)
         row.addWidget(self.compare_button)
@@ -227,14 +232,17 @@ class TrainingPanel(QWidget):
                 self.run_list.blockSignals(False)
 
     def _fill_compare(self, runs: list[RunInfo]) -> None:
-        """Offer every run; the run being compared stays chosen (the list is refilled when a run appears,
-        and used to fall back to "(none)" while its dashed curve stayed in the plot)."""
+        """Offer every run but the one shown; the run being compared stays chosen (the list is refilled
+        when a run appears or goes and when another run is shown, and used to fall back to "(none)"
+        while its dashed curve stayed in the plot)."""
         chosen = self.compare.currentData() or ""
+        shown = str(self.follower.run_dir) if self.follower is not None else None
         self.compare.blockSignals(True)
         self.compare.clear()
         self.compare.addItem("(none)", "")
         for r in runs:
-            self.compare.addItem(r.path.name, str(r.path))
+            if str(r.path) != shown:  # a run compared with itself shows nothing
+                self.compare.addItem(r.path.name, str(r.path))
         self.compare.setCurrentIndex(max(self.compare.findData(chosen), 0))
         self.compare.blockSignals(False)
         if chosen and self.compare.currentData() != chosen:  # the compared run is gone
@@ -268,6 +276,8 @@ class TrainingPanel(QWidget):
         self.ckpt_list.clear()
         self._set_details({})
         self._status = {}
+        self._update_buttons()  # nothing is known of this run yet: no Stop or Resume for the last one's state
+        self._fill_compare(self.runs)
         self.status.setText(f"Following {run_dir} …")
         self.poll()
 
@@ -288,15 +298,25 @@ class TrainingPanel(QWidget):
         def launch(progress=None) -> RunLauncher:
             return RunLauncher(run_dir or new_run_dir(root), config).start()
 
-        self.start_button.setEnabled(False)
         self.status.setText("Starting …")
-        run_in_background(launch, owner=self, on_result=self._started, on_error=self._start_failed,
-                          on_finished=lambda: self.start_button.setEnabled(True))
+        self._launch(launch)
         return True
+
+    def _launch(self, launch) -> None:
+        """Start or resume on the pool; Start and Resume stay disabled until it has started or failed
+        (two resumes of one run directory would both find it ended and start two torchruns)."""
+        self._launching = True
+        self._update_buttons()
+        run_in_background(launch, owner=self, on_result=self._started, on_error=self._start_failed,
+                          on_finished=self._launch_done)
+
+    def _launch_done(self) -> None:
+        self._launching = False
+        self._update_buttons()
 
     def _started(self, launcher: RunLauncher) -> None:
         self.launchers[str(launcher.run_dir)] = launcher
-        self.follower = None
+        self.follower = None  # NOTE: followed again from scratch: a resumed run's header, plots and logs
         self.follow(str(launcher.run_dir))
         self.refresh_runs(select=str(launcher.run_dir))
 
@@ -304,10 +324,17 @@ class TrainingPanel(QWidget):
         self.status.setText(f"<span style='color:#d62728'>Cannot start: {_escape(message)}</span>")
 
     def resume_run(self) -> None:
-        item = self.ckpt_list.currentItem()
-        if self.follower is None or item is None:
-            self.status.setText("Select a checkpoint of this run to resume from.")
+        """Launch the followed run again from the selected checkpoint, into the same run directory."""
+        items = self.ckpt_list.selectedItems()
+        if self.follower is None or len(items) != 1:
+            self.status.setText("Select one checkpoint of this run to resume from.")
             return
+        if self._launching:
+            return
+        if self._status.get("state") not in FINAL_STATES:
+            self.status.setText("Resume once the run has ended (stop it first).")
+            return
+        item = items[0]
         run_dir, ckpt = self.follower.run_dir, item.data(Qt.ItemDataRole.UserRole)
 
         def launch(progress=None) -> RunLauncher:
@@ -316,23 +343,42 @@ class TrainingPanel(QWidget):
             return RunLauncher(run_dir, config).start()
 
         self.status.setText("Resuming …")
-        run_in_background(launch, owner=self, on_result=self._started, on_error=self._start_failed)
+        self._launch(launch)
 
     def stop_run(self) -> None:
         if self.follower is None:
             return
         run_dir = str(self.follower.run_dir)
         launcher = self.launchers.get(run_dir)
-        self.stop_button.setEnabled(False)
-        how = "scancel" if self._status.get("scheduler") == "slurm" else \
-            "SIGTERM to every process of the run, SIGKILL after 10 s"
-        self.status.setText(f"Stopping: {how} …")
+        self._stopping.add(run_dir)
+        self._update_buttons()
+        self.status.setText(f"Stopping: {self._stop_how()} …")
 
         def stop(progress=None):
             return launcher.stop() if launcher is not None else stop_run(run_dir)
 
+        def done() -> None:
+            self._stopping.discard(run_dir)
+            self._update_buttons()
+
         run_in_background(stop, owner=self, on_result=lambda _s: self.poll(),
-                          on_error=lambda m: self.status.setText(_escape(m)))
+                          on_error=lambda m: self.status.setText(_escape(m)), on_finished=done)
+
+    def _stop_how(self) -> str:
+        return "scancel" if self._status.get("scheduler") == "slurm" else \
+            "SIGTERM to every process of the run, SIGKILL after 10 s"
+
+    def _update_buttons(self) -> None:
+        """Start, Stop, Resume and Compare enabled for what the followed run's state allows now."""
+        st, state = self._status, self._status.get("state")
+        run_dir = str(self.follower.run_dir) if self.follower is not None else ""
+        stopping = run_dir in self._stopping or bool(st.get("stop_requested"))
+        ours = run_dir in self.launchers or bool(st.get("pid") or st.get("job_id"))
+        selected = len(self.ckpt_list.selectedItems())
+        self.start_button.setEnabled(not self._launching)
+        self.stop_button.setEnabled(bool(run_dir) and state in ACTIVE_STATES and ours and not stopping)
+        self.resume_button.setEnabled(state in FINAL_STATES and selected == 1 and not self._launching)
+        self.compare_button.setEnabled(selected == 2)
 
     # ------------------------------------------------------------------ live updates
     def poll(self) -> None:
@@ -400,8 +446,9 @@ class TrainingPanel(QWidget):
         if known is None or known.state != (state or ""):  # the Runs list says what the header says
             self._show_runs([RunInfo(r.path, state or "", r.mtime, st.get("explanation", "")) if r is known else r
                              for r in self.runs])
-        ours = str(follower.run_dir) in self.launchers
-        self.stop_button.setEnabled(state in ACTIVE_STATES and (ours or bool(st.get("pid") or st.get("job_id"))))
+        if state in FINAL_STATES:
+            self._stopping.discard(str(follower.run_dir))
+        self._update_buttons()
         shown = state or "no status.json: a run started outside Shardscope; following its files"
         color = STATE_COLORS.get(state or "")
         head = f"<span style='color:{color}'>{shown}</span>" if color else shown
@@ -413,6 +460,8 @@ class TrainingPanel(QWidget):
             parts.append(line.replace("  ", " · "))
         if state == "queued":
             parts.append(f"waiting: {_escape(st.get('explanation', ''))}")
+        if state in ACTIVE_STATES and (st.get("stop_requested") or str(follower.run_dir) in self._stopping):
+            parts.append(f"stopping: {self._stop_how()} …")
         if snap.stalled:
             parts.append(f"<span style='color:#d62728'><b>stalled</b>: no new step from rank(s) "
                          f"{', '.join(map(str, snap.stalled))} for {follower.stall_seconds:.0f} s</span>")
@@ -420,18 +469,21 @@ class TrainingPanel(QWidget):
             parts.append(_escape(st["explanation"]))
         for problem in snap.problems:
             parts.append(f"<span style='color:#d62728'>{_escape(problem)}</span>")
-        self._set_details(snap.failures)
+        self._set_details(snap.failures, st.get("root_cause_rank"))
         for r, tb in sorted(snap.failures.items()):
-            last = next((ln for ln in reversed(tb.splitlines()) if ln.strip()), "no traceback recorded")
+            # the last line that says something (torchrun's summary ends in a rule of "=", its banner of "*")
+            last = next((ln for ln in reversed(tb.splitlines()) if ln.strip(" =-*")), "no traceback recorded")
             who = "torchrun" if r == -1 else f"rank {r}"
             parts.append(f"<span style='color:#d62728'>{who} failed: {_escape(last)}</span>")
         self.status.setText("<br>".join(p for p in parts if p))
 
-    def _set_details(self, failures: dict[int, str]) -> None:
+    def _set_details(self, failures: dict[int, str], root_cause: int | None = None) -> None:
         text = "\n\n".join(f"--- {'launcher' if r == -1 else f'rank {r}'}\n{tb}" for r, tb in sorted(failures.items()))
         if text != self.details.toPlainText():
             self.details.setPlainText(text)
-            first = min(failures, default=None)
+            # the rank torchrun names as the first to fail when it left a traceback (a rank killed by a
+            # signal often printed nothing), else the first failed rank: its log in front
+            first = root_cause if root_cause in failures else min(failures, default=None)
             if first is not None and first in self.log_views:  # the failed rank's log in front
                 self.logs.setCurrentWidget(self.log_views[first])
         self.details_button.setVisible(bool(text))
@@ -456,8 +508,13 @@ class TrainingPanel(QWidget):
             self.plots.set_overlay(None)
             return
         other = RunFollower(path)
-        run_in_background(lambda progress=None: other.read(), owner=self,
-                          on_result=lambda snap: (other.apply(snap), self.plots.set_overlay(other)))
+
+        def show(snap: RunSnapshot) -> None:
+            if self.compare.currentData() == path:  # not a choice the user has changed since
+                other.apply(snap)
+                self.plots.set_overlay(other)
+
+        run_in_background(lambda progress=None: other.read(), owner=self, on_result=show)
 
     def _save_png(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Save plots", "loss.png", "PNG (*.png)")

@@ -10,12 +10,14 @@ from typing import Any
 from shardscope.backend.errors import EXIT_BAD_INPUT
 
 from .output import add_command
-from .storage_options import add_storage_options, apply_to_window
+from .storage_options import add_storage_options, apply_to_fsspec
 
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "gui", run, "Open the checkpoint browser window (optionally on PATH).")
-    sp.add_argument("path", nargs="?", help="checkpoint folder or run directory to open")
+    sp.add_argument("path", nargs="?", help="what to open: a checkpoint folder, a .safetensors or "
+                    ".pt/.pth/.bin/.ckpt file, an HF folder with model.safetensors.index.json (or that file), "
+                    "or a run directory")
     sp.add_argument("--select", metavar="FQN", help="select this tensor (or module prefix) after loading")
     sp.add_argument("--screenshot", metavar="FILE.png", help="render the window to a PNG after loading, then exit")
     sp.add_argument("--size", metavar="WxH", default=None, help="window size, e.g. 1400x900")
@@ -41,6 +43,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     from shardscope.app.bootstrap import run as run_window
 
-    apply_to_window(args)
+    apply_to_fsspec(args, [args.path or "", *(args.compare or [])])
 
     return run_window(args)

@@ -20,7 +20,7 @@ def register(sub: Any) -> None:
     sp.add_argument("path")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
     sp.add_argument("--tensors", action="store_true", help="list every tensor")
-    sp.add_argument("--no-cache", action="store_true", help="do not use the metadata cache")
+    sp.add_argument("--no-cache", action="store_true", help="do not use the metadata cache (as the global --no-cache)")
 
 
 def inspect_json(ckpt: Any, problems: list) -> dict:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if ckpt.save_id:
         out.write(f"  save id    {escape_name(ckpt.save_id)}\n")
     out.write(f"  tensors    {len(ckpt.tensors)}  ({human_bytes(ckpt.total_bytes)}, "
-              f"{len(ckpt.chunk_table)} chunks)\n")
+              f"{count(len(ckpt.chunk_table), 'chunk')})\n")
     out.write(f"  other      {count(len(ckpt.objects), 'non-tensor entry', 'non-tensor entries')}\n")
     meta = lightning_meta(ckpt)
     if meta:
@@ -81,13 +81,14 @@ def run(args: argparse.Namespace) -> int:
 
         text = ", ".join(f"{escape_name(k)} {escape_name(small_value_repr(v, 60))}" for k, v in list(meta.items())[:8])
         out.write(f"  meta.pt    {text}{' ...' if len(meta) > 8 else ''}\n")
-    out.write(f"  files      {len(ckpt.data_files)} data files, "
+    out.write(f"  files      {count(len(ckpt.data_files), 'data file')}, "
               f"{human_bytes(sum(f.bytes or 0 for f in ckpt.files))} on disk\n")
     out.write("  ranks      (writer rank: DCP writes a replicated tensor once, so a rank here is the rank\n"
               "             that wrote a chunk, not every rank that held it)\n")
     for r in rank_balance(ckpt):
         label = f"rank {r.rank}" if r.rank >= 0 else "no rank"
-        out.write(f"    {label:<9} {r.chunks:>8} chunks  {human_bytes(r.bytes):>10}\n")
+        noun = "chunk" if r.chunks == 1 else "chunks"
+        out.write(f"    {label:<9} {r.chunks:>8} {noun:<6}  {human_bytes(r.bytes):>10}\n")
     if args.tensors:
         out.write("\n")
         names = [escape_name(t.fqn) for t in ckpt.tensors]

@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
-from shardscope.backend.format import escape_name, human_bytes
+from shardscope.backend.format import count, escape_name, human_bytes
 from shardscope.backend.library.scan import ranks_text
 
 from .output import TerminalProgress, add_command, err
+from .storage_options import add_storage_options, apply_to_fsspec
 
 
 def register(sub: Any) -> None:
@@ -21,6 +22,7 @@ def register(sub: Any) -> None:
                      "ranks, size on disk. Exit 0, or 2 when a root does not exist.")
     sp.add_argument("roots", nargs="+", metavar="ROOT")
     sp.add_argument("--json", action="store_true", help='print {"roots", "runs", "checkpoints"}')
+    add_storage_options(sp)
     sp = add_command(sub, "prune", run_prune, "Remove checkpoints no rule keeps (keep if any rule keeps). Prints "
                      "the plan; --yes acts (to the desktop trash; --delete: for good).")
     sp.add_argument("roots", nargs="+", metavar="ROOT")
@@ -38,6 +40,7 @@ def register(sub: Any) -> None:
     sp.add_argument("--yes", action="store_true", help="act on the plan (default: only print it)")
     sp.add_argument("--delete", action="store_true", help="delete for good instead of moving to the trash")
     sp.add_argument("--json", action="store_true")
+    add_storage_options(sp)
 
 
 def _finish_leftovers(listing: Any) -> list:
@@ -53,15 +56,17 @@ def _finish_leftovers(listing: Any) -> list:
     return done
 
 
-def _scan(roots: list[str], quiet: bool) -> Any:
+def _scan(args: argparse.Namespace, quiet: bool) -> Any:
     from shardscope.backend.library import scan
 
+    roots = args.roots
+    apply_to_fsspec(args, roots)
     with TerminalProgress(enabled=not quiet) as progress:
         return scan(roots, progress=progress)
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    listing = _scan(args.roots, args.json)
+    listing = _scan(args, args.json)
     _finish_leftovers(listing)
     if args.json:
         json.dump(listing.to_json(), sys.stdout)
@@ -69,7 +74,8 @@ def run_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     for run in listing.runs:
         kind = f"Shardscope run, {run.state or 'state unknown'}" if run.kind == "shardscope" else "folder"
-        print(f"{escape_name(run.path)}  ({kind})  {len(run.checkpoints)} checkpoint(s), {human_bytes(run.bytes)}")
+        print(f"{escape_name(run.path)}  ({kind})  {count(len(run.checkpoints), 'checkpoint')}, "
+              f"{human_bytes(run.bytes)}")
         if run.checkpoints:
             print(f"  {'STEP':>8}  {'STATE':<10}  {'FORMAT':<15}  {'RANKS':<7}  {'SIZE':>10}  {'MODIFIED':<16}  "
                   "CHECKPOINT")
@@ -81,8 +87,8 @@ def run_ls(args: argparse.Namespace) -> int:
     cks = listing.checkpoints
     counts = ", ".join(f"{sum(1 for c in cks if c.state == s)} {s}" for s in ("complete", "incomplete", "writing",
                                                                                "unreadable"))
-    print(f"total: {len(cks)} checkpoint(s) in {len(listing.runs)} run(s), {human_bytes(listing.bytes)} on disk "
-          f"({counts})")
+    print(f"total: {count(len(cks), 'checkpoint')} in {count(len(listing.runs), 'run')}, "
+          f"{human_bytes(listing.bytes)} on disk ({counts})")
     return EXIT_OK
 
 
@@ -107,7 +113,7 @@ def print_plan(plan: Any) -> None:
             c = d.checkpoint
             print(f"  {d.action.upper():<6}  {'-' if c.step is None else c.step:>8}  {human_bytes(c.bytes):>10}  "
                   f"{c.state:<10}  {escape_name(c.name):<28}  {'; '.join(d.reasons)}")
-    print(f"plan: remove {len(plan.remove)} of {len(plan.decisions)} checkpoint(s), "
+    print(f"plan: remove {len(plan.remove):,} of {count(len(plan.decisions), 'checkpoint')}, "
           f"freeing {human_bytes(plan.bytes_freed)}")
 
 
@@ -115,7 +121,7 @@ def run_prune(args: argparse.Namespace) -> int:
     from shardscope.backend.library import execute, make_plan
 
     rules = _rules(args)
-    listing = _scan(args.roots, args.json)
+    listing = _scan(args, args.json)
     plan = make_plan(listing, rules)
     if not args.json:
         print_plan(plan)

@@ -19,6 +19,7 @@ from .output import err
 log = logging.getLogger("shardscope.cli")
 
 # One module per subcommand (or per pair of closely related ones); each has ``register(sub)``.
+GLOBAL_FLAGS = ("-v", "--verbose", "--no-cache")  # options given before the subcommand
 COMMAND_MODULES = ("inspect", "verify", "show", "gui", "export", "diff", "convert", "train", "demo", "library")
 
 
@@ -30,6 +31,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
                     "Without a subcommand, opens the GUI (on PATH if given).",
         epilog="Exit codes: 0 ok, 1 problems found, 2 bad input, 3 internal error (see the log), 130 interrupted.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    parser.add_argument("--no-cache", dest="no_cache_global", action="store_true",
+                        help="neither read nor write the metadata cache, for every command and the window (same as "
+                             "SHARDSCOPE_NO_CACHE=1; the cache lives in $SHARDSCOPE_CACHE_DIR, default "
+                             "~/.cache/shardscope/metadata)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -48,11 +53,13 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, names = build_parser()
-    first = next((a for a in argv if a not in ("-v", "--verbose")), None)
+    first = next((a for a in argv if a not in GLOBAL_FLAGS), None)
     if first is None or (first not in names and not first.startswith("-")):
         argv.insert(argv.index(first) if first is not None else len(argv), "gui")  # `shardscope [PATH]`
     args = parser.parse_args(argv)
     logfile = setup_logging(args.verbose)
+    if args.no_cache_global:
+        os.environ["SHARDSCOPE_NO_CACHE"] = "1"  # read by the cache (also in the window's reader processes)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any
 
-from shardscope.backend.format import escape_name, human_bytes, human_duration
+from shardscope.backend.format import count, escape_name, human_bytes, human_duration
 from shardscope.backend.progress import Progress
 
 
@@ -20,7 +20,7 @@ def print_problems(problems: list) -> None:
     if not problems:
         print("  health     healthy")
         return
-    print(f"  health     {len(problems)} problem(s)")
+    print(f"  health     {count(len(problems), 'problem')}")
     for p in problems[:200]:
         print(f"    [{p.kind}] {escape_name(p.message)}")
     if len(problems) > 200:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, CheckpointError
-from shardscope.backend.format import escape_name, human_bytes
+from shardscope.backend.format import count, escape_name, human_bytes, ranks_text
 
 from .output import add_command
 from .storage_options import add_storage_options, folder
@@ -20,7 +20,7 @@ def register(sub: Any) -> None:
     sp.add_argument("fqn")
     sp.add_argument("--no-values", action="store_true", help="only the chunk table, read no values")
     sp.add_argument("--json", action="store_true", help="also print the chunk table and statistics as JSON")
-    sp.add_argument("--no-cache", action="store_true")
+    sp.add_argument("--no-cache", action="store_true", help="do not use the metadata cache (as the global --no-cache)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     cov = coverage(ckpt, entry)
     print(escape_name(entry.fqn))
     print(f"  dtype   {entry.dtype}\n  shape   {list(entry.shape)}\n  bytes   {human_bytes(entry.nbytes)}")
-    print(f"  chunks  {entry.chunk_count} from ranks {entry.ranks}; "
+    writers = f"from {count(len(entry.ranks), 'rank')} ({ranks_text(entry.ranks)})" if entry.ranks else \
+        "from no writer rank"
+    print(f"  chunks  {entry.chunk_count} {writers}; "
           f"{'tile the tensor exactly' if cov.exact else 'DO NOT tile the tensor (see verify)'}")
     print(f"  {'offsets':<16} {'sizes':<16} {'rank':>4}  {'file':<16} {'byte offset':>12} {'length':>10}")
     for c in entry.chunks:

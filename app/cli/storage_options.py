@@ -53,17 +53,16 @@ def folder(args: argparse.Namespace, path: str) -> Any:
     return open_folder(path, storage_options(args)) if is_url(path) else path
 
 
-def apply_to_window(args: argparse.Namespace) -> None:
-    """The window opens many paths over its life, so for ``gui`` the options become fsspec's own
-    per-protocol defaults for this process (``fsspec.config.conf``): for the protocol of PATH (and of
-    --compare), or ``s3`` when no URL is given."""
+def apply_to_fsspec(args: argparse.Namespace, paths: list[str]) -> None:
+    """For commands that open many paths over their life (``gui``; ``ls`` and ``prune``, whose URL roots
+    are listed and pruned deep in the library code), the options become fsspec's own per-protocol defaults
+    for this process (``fsspec.config.conf``): for the protocols of ``paths``, or ``s3`` when none is a URL."""
     options = storage_options(args)
     if not options:
         return
     import fsspec.config
     from shardscope.backend.checkpoint.remote import URL_RE
 
-    paths = [getattr(args, "path", None) or "", *(getattr(args, "compare", None) or [])]
     protocols = {m.group(1) for m in (URL_RE.match(p) for p in paths) if m} or {"s3"}
     for protocol in protocols:
         fsspec.config.conf.setdefault(protocol, {}).update(options)

@@ -22,7 +22,7 @@ def register(sub: Any) -> None:
     sp.add_argument("path")
     sp.add_argument("--deep", action="store_true", help="read every item, check CRC32, dtype and shape")
     sp.add_argument("--json", action="store_true")
-    sp.add_argument("--no-cache", action="store_true")
+    sp.add_argument("--no-cache", action="store_true", help="do not use the metadata cache (as the global --no-cache)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -358,6 +358,9 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
 
     import torch
 
+    # NOTE: io.BytesIO holds only bytes; DCP pickles a Stateful's BytesIO (torchtitan's train_state) as one and
+    # dcp_to_torch_save keeps it, so it is allowed (add_safe_globals is a set: adding it again is free).
+    torch.serialization.add_safe_globals([io.BytesIO])
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, KeyError,
@@ -365,7 +368,9 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
             AssertionError, ImportError, OSError) as exc:
         # torch.load's zip reader and weights-only unpickler raise all of these on damaged input.
         log.debug("torch.load failed on %s", where, exc_info=True)
-        text = (str(exc).splitlines() or [""])[0][:200]
+        lines = str(exc).splitlines() or [""]
+        # torch's weights-only message starts with advice; the line that says what was refused is further down
+        text = next((ln for ln in lines if "Unsupported global" in ln), lines[0]).strip()[:200]
         raise CheckpointError(f"{where}: cannot be decoded safely ({type(exc).__name__}: {text}).",
                               fqn=fqn, path=path) from None
 

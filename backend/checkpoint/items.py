@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import CheckpointError
-from .model import MAX_INDEX, MAX_NDIM, SAFETENSORS_DTYPES, contiguous_strides
+from .model import ITEMSIZE, MAX_INDEX, MAX_NDIM, SAFETENSORS_DTYPES, contiguous_strides
 
 ZIP_LOCAL = b"PK\x03\x04"
 _EOCD = b"PK\x05\x06"
@@ -95,7 +95,7 @@ class StorageRef:
 
     __slots__ = ("dtype", "key", "numel")
 
-    def __init__(self, key: str, numel: int, dtype: str) -> None:
+    def __init__(self, key: str, numel: int, dtype: str | None) -> None:
         self.key, self.numel, self.dtype = key, numel, dtype
 
 
@@ -115,7 +115,7 @@ class _TensorRef:
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorRef:
-    if not isinstance(storage, StorageRef):
+    if not isinstance(storage, StorageRef) or storage.dtype is None:
         raise ItemFormatError("tensor without storage")
     if type(storage_offset) is not int or not 0 <= storage_offset < MAX_INDEX:
         raise ItemFormatError("data.pkl has an implausible storage offset")
@@ -125,9 +125,22 @@ def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any
     return _TensorRef(storage, storage_offset, shape, strides)
 
 
+def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = None,
+                       hooks: Any = None, dtype: Any = None, *rest: Any) -> _TensorRef:
+    """torch.save's form for dtypes with no typed storage class (float8, uint16/32/64): an untyped (byte)
+    storage and the dtype as an argument."""
+    if not isinstance(storage, StorageRef) or storage.dtype is not None or not isinstance(dtype, _DType):
+        raise ItemFormatError("tensor without an untyped storage and a dtype")
+    return _rebuild_tensor_v2(StorageRef(storage.key, storage.numel, str(dtype)), storage_offset, size, stride)
+
+
 class _StorageType:
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: str | None) -> None:
+        self.dtype = dtype  # None: torch.storage.UntypedStorage (bytes; the tensor names its dtype)
+
+
+class _DType(str):
+    """A ``torch.<dtype>`` global in a data.pkl, by its short name."""
 
 
 class _ItemUnpickler(pickle.Unpickler):
@@ -136,6 +149,12 @@ class _ItemUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
             return _rebuild_tensor_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_tensor_v3
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _StorageType(None)
+        if module == "torch" and name in ITEMSIZE:
+            return _DType(name)
         if module == "collections" and name == "OrderedDict":
             return dict
         if module == "torch" and name in STORAGE_DTYPES:
@@ -266,6 +285,14 @@ def parse_torch_item(src: ByteSource, name: str, offset: int, length: int) -> St
                         rec.crc)
 
 
+def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, int, int]]:
+    """Every stored record of a whole zip file (a ``torch.save`` archive of ``size`` bytes) by its name without
+    the archive folder (``data.pkl``, ``data/0``): (absolute offset of its bytes, byte length, stored CRC32).
+    Read from the central directory and local headers only, each checked to lie inside the file."""
+    records = _zip_directory(src, name, 0, size)
+    return {key: (_record_start(src, name, 0, size, rec), rec.size, rec.crc) for key, rec in records.items()}
+
+
 # ---------------------------------------------------------------- safetensors
 @dataclass(frozen=True, slots=True)
 class SafetensorsHeader:
@@ -331,4 +358,4 @@ def parse_safetensors_file(src: ByteSource, name: str, size: int) -> Safetensors
 
 
 __all__ = ["ItemFormatError", "SafetensorsHeader", "StorageRef", "StoredTensor", "parse_safetensors_file",
-           "parse_safetensors_header", "parse_torch_item"]
+           "parse_safetensors_header", "parse_torch_item", "zip_records"]

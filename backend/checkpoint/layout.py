@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..format import count
 from .model import Checkpoint, Problem, TensorEntry, itemsize
 
 MAX_GRID_CELLS = 4_000_000
@@ -168,7 +169,7 @@ def coverage_problems(ckpt: Checkpoint) -> list[Problem]:
             problems.append(Problem("overlap", f"{e.fqn}: chunks overlap on {cov.overlap_elements} elements: "
                                     f"{where}.", fqn=e.fqn))
         if cov.out_of_bounds:
-            problems.append(Problem("out_of_bounds", f"{e.fqn}: {len(cov.out_of_bounds)} chunk(s) reach outside "
+            problems.append(Problem("out_of_bounds", f"{e.fqn}: {count(len(cov.out_of_bounds), 'chunk')} reach outside "
                                     f"the shape {list(e.shape)}.", fqn=e.fqn))
     return problems
 
@@ -202,11 +203,14 @@ def rank_balance(ckpt: Checkpoint) -> list[RankBalance]:
     t = ckpt.chunk_table
     ranks = ckpt.file_ranks[t.file]  # file -1 maps to the trailing -1
     nbytes = chunk_nbytes(ckpt)
-    out = []
-    for r in sorted(set(ranks.tolist()) | set(ckpt.ranks)):
-        m = ranks == r
-        out.append(RankBalance(int(r), int(m.sum()), int(nbytes[m].sum())))
-    return out
+    # one pass over the chunks (a mask per rank is quadratic with 100,000 ranks)
+    uniq, inverse = np.unique(np.concatenate([ranks, np.asarray(ckpt.ranks, ranks.dtype)]), return_inverse=True)
+    inverse = inverse[:len(ranks)]
+    chunks = np.bincount(inverse, minlength=len(uniq))
+    sums = np.zeros(len(uniq), np.int64)
+    np.add.at(sums, inverse, nbytes)
+    return [RankBalance(int(r), int(c), int(b)) for r, c, b in zip(uniq.tolist(), chunks.tolist(), sums.tolist(),
+                                                                    strict=True)]
 
 
 def tensor_rank_bytes(ckpt: Checkpoint) -> tuple[list[int], np.ndarray]:

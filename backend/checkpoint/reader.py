@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
+from ..format import count
 from ..progress import Progress
 from . import cache, validate
 from .hf_reader import is_hf_folder, open_hf_folder
@@ -28,7 +29,7 @@ from .safe_pickle import (
     gc_paused,
     load_metadata_pickle,
 )
-from .storage import RANK_METADATA_RE, Folder, open_folder
+from .storage import RANK_METADATA_RE, Folder, open_folder, outside_link
 from .streaming import Events, NotStreamable, join_storage, max_dims, stream_metadata
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -73,10 +74,10 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
     if ckpt is None:
         ckpt = _read_graphs(folder, listing, meta_names, progress)
     validate.check_table(ckpt, folder.join(meta_names[0]))
+    if key is not None:  # NOTE: before the listing's problems are added: a cache hit adds them anew
+        cache.store(key, ckpt)
     ckpt.problems[:0] = problems
     ckpt.folder = folder
-    if key is not None:
-        cache.store(key, ckpt)
     return ckpt
 
 
@@ -84,19 +85,36 @@ def _metadata_names(folder: Folder, listing: dict[str, int]) -> list[str]:
     """``.metadata``, else the per-rank ``__R.metadata`` files in rank order; bad input when there are none."""
     if ".metadata" in listing:
         return [".metadata"]
+    if folder.local and os.path.lexists(folder.join(".metadata")):  # there, but left out of the listing
+        where = folder.join(".metadata")
+        raise CheckpointError(f"{where}: not a regular file ({_file_kind(where)}); refused.", path=where)
     ranked = sorted((int(m.group(1)), n) for n in listing if (m := RANK_METADATA_RE.match(n)))
     if ranked:
         return [n for _, n in ranked]
     data = sorted(n for n in listing if n.endswith(".distcp"))
     if data:
         raise CheckpointError(
-            f"{folder.path}: {len(data)} .distcp file(s) but no .metadata: the save did not finish (the "
+            f"{folder.path}: {count(len(data), '.distcp file')} but no .metadata: the save did not finish (the "
             "coordinator writes .metadata last), so this checkpoint cannot be read or loaded.", path=folder.path)
     inside = _checkpoint_subfolders(folder)
     raise CheckpointError(
         f"{folder.path}: not a distributed checkpoint (no .metadata file and no .distcp files).",
         path=folder.path, hint=(f"It holds distributed checkpoints in {', '.join(inside)}: open one of those."
                                 if inside else "Open the folder that dcp.save or Lightning's sharded save wrote."))
+
+
+def _file_kind(path: str) -> str:
+    """What a path that is not a regular file is, in words."""
+    import stat
+
+    target = outside_link(path, os.path.dirname(path))
+    if target is not None:
+        return f"a symbolic link to {target}, outside the checkpoint folder"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a dangling symbolic link"
+    return "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
 
 
 def _checkpoint_subfolders(folder: Folder, limit: int = 8) -> list[str]:
@@ -245,7 +263,8 @@ def _objects(ckpt: Checkpoint, sdm: dict, ev: Events, object_positions: list[int
                                                 validate.as_index(ev.info_length[i], where, "length", fqn),
                                                 rank_of_file(rel)))
         else:
-            problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {type(rec).__name__}.", fqn=fqn))
+            kind = getattr(rec, "kind", type(rec).__name__)  # the DCP class a record stands in for
+            problems.append(Problem("unreadable", f"{fqn}: unknown metadata entry {kind}.", fqn=fqn))
     return problems
 
 

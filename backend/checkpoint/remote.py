@@ -22,7 +22,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +84,19 @@ def is_remote_error(exc: BaseException) -> bool:
     """An error of the storage backend or the network (not a bug of ours)."""
     if isinstance(exc, (OSError, TimeoutError)):
         return True
-    return any(c.__module__.split(".")[0] in REMOTE_ERROR_MODULES for c in type(exc).__mro__[:-2])
+    if any(c.__module__.split(".")[0] in REMOTE_ERROR_MODULES for c in type(exc).__mro__[:-2]):
+        return True
+    return isinstance(exc, ValueError | TypeError) and _raised_by_backend(exc)
+
+
+def _raised_by_backend(exc: BaseException) -> bool:
+    """True when the innermost frame of ``exc`` is in a storage backend's code: botocore refuses bad options
+    (``endpoint_url=notaurl``) with a plain ValueError when it first makes its client, at the first request."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = str(tb.tb_frame.f_globals.get("__name__", "")) if tb is not None else ""
+    return module.split(".")[0] in REMOTE_ERROR_MODULES
 
 
 def remote_error(where: str, exc: BaseException, doing: str = "cannot read it") -> CheckpointError:
@@ -96,6 +108,9 @@ def remote_error(where: str, exc: BaseException, doing: str = "cannot read it") 
                                hint="Check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
                                     "--storage-option key=... secret=...).")
     text = _first_line(exc)
+    if isinstance(exc, ValueError | TypeError):
+        return CheckpointError(f"{where}: bad storage options ({text}).", path=where,
+                               hint="Check --storage-option values, e.g. client_kwargs.endpoint_url=http://host:9000")
     if "connect" in text.lower() or "endpoint" in text.lower() or isinstance(exc, TimeoutError):
         return CheckpointError(f"{where}: cannot reach the storage endpoint ({text}).", path=where,
                                hint="Check AWS_ENDPOINT_URL or --storage-option client_kwargs.endpoint_url=...")
@@ -755,25 +770,37 @@ class UploadCheck:
     requests: int = 0  # PUTs and parts
     by_crc32: int = 0  # final objects that report the staged file's CRC32 (sent with every PUT/part)
     checksummed: bool = False  # every PUT and part carried a CRC32 the server checks on receipt
+    unreadable: int = 0  # final objects these credentials may write but not read back
 
-    def add(self, sent: Sent, crc_confirmed: bool) -> None:
+    def add(self, sent: Sent, crc_confirmed: bool, readable: bool = True) -> None:
         """Count one final object."""
         self.objects += 1
         self.requests += sent.requests
         self.by_crc32 += crc_confirmed
+        self.unreadable += not readable
 
     def describe(self) -> str:
         """Exactly what was checked, in one sentence."""
         n = f"{self.objects} object{'s' if self.objects != 1 else ''}"
+        readable = self.objects - self.unreadable
+        denied = (f"{self.unreadable} of {self.objects} final objects could not be read back with these credentials "
+                  "(access denied), so nothing was checked after their upload") if self.unreadable else ""
         if not self.checksummed:
-            return (f"{n}; each final object's size equals the staged file's (the uploaded bytes themselves were "
-                    "not checked)")
+            sizes = (f"{n}; each final object's size equals the staged file's (the uploaded bytes themselves were "
+                     "not checked)") if readable else n
+            return "; ".join(p for p in (sizes, denied) if p)
         text = (f"{n} in {self.requests} PUT{'s' if self.requests != 1 else ''}/parts, each sent with the CRC32 of "
                 "its bytes as read from the staged file, which the server checks on receipt (S3 refuses a mismatch)")
-        if self.by_crc32 == self.objects:
-            return text + "; every final object reports the staged file's CRC32"
-        return text + (f"; {self.by_crc32} of {self.objects} final objects report the staged file's CRC32, the "
-                       "others were checked by size only")
+        if self.by_crc32 == readable:
+            tail = "every final object reports the staged file's CRC32" if readable else ""
+        else:
+            tail = (f"{self.by_crc32} of {readable} final objects report the staged file's CRC32, the others were "
+                    "checked by size only")
+        return "; ".join(p for p in (text, tail, denied) if p)
+
+
+def _go_on() -> None:
+    """The ``stop`` of a commit nobody can interrupt."""
 
 
 class RemoteTarget:
@@ -787,6 +814,7 @@ class RemoteTarget:
         # S3: our own PUTs and parts, each with a CRC32 that the server checks (s3fs sends none of its own)
         self.s3 = self.protocol in ("s3", "s3a") and hasattr(self.fs, "call_s3")
         self.report = UploadCheck(checksummed=self.s3)
+        self._stop: Callable[[], None] = _go_on
 
     def exists(self) -> bool:
         """True when something already exists at the destination URL."""
@@ -803,13 +831,18 @@ class RemoteTarget:
             raise CheckpointError(f"{self.url}: the bucket {bucket} does not exist (or is not visible with these "
                                   "credentials).", path=self.url)
 
-    def commit(self, local_path: str, kind: str) -> None:
-        """Upload ``local_path`` (a file, or a folder when ``kind == "dir"``) to the URL."""
+    def commit(self, local_path: str, kind: str, stop: Callable[[], None] | None = None) -> None:
+        """Upload ``local_path`` (a file, or a folder when ``kind == "dir"``) to the URL. ``stop`` raises when
+        the user asked to stop (a deferred Ctrl-C); it is called between requests, never during one, so what
+        is at the destination is known when it raises, and removed."""
+        self._stop = stop or _go_on
         if kind == "file":
             if self.protocol in ATOMIC_PUT:  # one PUT or a multipart upload: visible only when complete
+                self._stop()
                 sent = self._put(local_path, self.root)
                 try:
                     self._confirm(sent, self.root)
+                    self._stop()  # a stop asked during the last request: the object goes again
                 except BaseException:
                     self._quiet_rm(self.root)  # a damaged object must not stay at the destination
                     raise
@@ -935,6 +968,7 @@ class RemoteTarget:
         fd = os.open(local, os.O_RDONLY)
 
         def one(i: int) -> tuple[dict[str, Any], int, int]:
+            self._stop()
             data = os.pread(fd, min(part, size - i * part), i * part)
             crc = zlib.crc32(data)
             out = self._s3_call("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=i + 1,
@@ -944,6 +978,7 @@ class RemoteTarget:
         pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="shardscope-upload")
         try:
             done = [f.result() for f in [pool.submit(one, i) for i in range(-(-size // part))]]
+            self._stop()
             self._s3_call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
                           MultipartUpload={"Parts": [d[0] for d in done]})
         except BaseException:
@@ -967,16 +1002,30 @@ class RemoteTarget:
         composite = crc32_b64(zlib.crc32(b"".join(d[1].to_bytes(4, "big") for d in done)))
         return Sent(size, len(done), crc32_b64(whole), f"{composite}-{len(done)}")
 
+    def _stored(self, remote: str) -> tuple[int, str | None] | None:
+        """Size and stored CRC32 of an uploaded object; None when these credentials may write it but not
+        read it (a write-only policy: the PUT succeeded, the HEAD is refused)."""
+        try:
+            if not self.s3:
+                info = self.fs.info(remote)
+                return int(info.get("size") or 0), None
+            bucket, _, key = remote.partition("/")
+            head = self.fs.call_s3("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+            return int(head.get("ContentLength") or 0), head.get("ChecksumCRC32")
+        except PermissionError:
+            return None
+        except Exception as exc:
+            if not is_remote_error(exc):
+                raise
+            raise remote_error(self.url, exc, "cannot check the upload") from None
+
     def _confirm(self, sent: Sent, remote: str) -> None:
         """The final object has the staged file's size and (S3) reports its CRC32; else CheckpointError."""
-        if not self.s3:
-            info = call(self.url, self.fs.info, remote, doing="cannot check the upload")
-            size, stored = int(info.get("size") or 0), None
-        else:
-            bucket, _, key = remote.partition("/")
-            head = self._s3_call("head_object", doing="cannot check the upload", Bucket=bucket, Key=key,
-                                 ChecksumMode="ENABLED")
-            size, stored = int(head.get("ContentLength") or 0), head.get("ChecksumCRC32")
+        stored_info = self._stored(remote)
+        if stored_info is None:
+            self.report.add(sent, False, readable=False)
+            return
+        size, stored = stored_info
         where = f"{self.url}/{remote[len(self.root):].lstrip('/')}".rstrip("/")
         if size != sent.size:
             raise CheckpointError(f"{where}: the uploaded object has {size} bytes, the staged file {sent.size}.",
@@ -989,15 +1038,20 @@ class RemoteTarget:
     def _upload_then_move(self, moves: list[tuple[str, str, str]], tmp: str) -> None:
         done: list[str] = []
         try:
-            sent = [self._put(local, staged) for local, staged, _ in moves]
+            sent = []
+            for local, staged, _ in moves:
+                self._stop()
+                sent.append(self._put(local, staged))
             for one, (_, staged, final) in zip(sent, moves, strict=True):
+                self._stop()
+                done.append(final)  # before the request: a copy that lands after a failure is removed too
                 if self.s3:  # a server-side copy that computes the copy's CRC32 itself (fsspec's mv drops options)
                     call(self.url, self.fs.copy, staged, final, on_error="raise", ChecksumAlgorithm="CRC32",
                          doing="cannot move the upload into place")  # the staged copies go below, in one bulk delete
                 else:
                     call(self.url, self.fs.mv, staged, final, doing="cannot move the upload into place")
-                done.append(final)
                 self._confirm(one, final)
+            self._stop()
         except BaseException:
             for final in done:  # a half-moved folder is worse than none
                 self._quiet_rm(final)

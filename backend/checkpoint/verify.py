@@ -10,6 +10,7 @@ from functools import partial
 import numpy as np
 
 from ..errors import CheckpointError
+from ..format import count
 from ..progress import Progress
 from .chunks import ChunkReader, CorruptChunkError, SharedStorageError, StoredTensor
 from .layout import coverage_problems
@@ -71,38 +72,47 @@ def overlap_problems(ranges: list[tuple[str, int, int, str]], same_start: bool) 
     return problems
 
 
-def _first_users(ckpt: Checkpoint, file_index: int, limit: int = 3) -> list[str]:
+def _chunks_by_file(ckpt: Checkpoint) -> dict[int, np.ndarray]:
+    """Chunk indices grouped by file, in O(chunks log chunks) (a per-file scan of every chunk is quadratic
+    on a metadata that names 100,000 files)."""
     t = ckpt.chunk_table
-    tids = np.unique(t.tensor[t.file == file_index])[:limit]
-    return [ckpt.tensors[int(i)].fqn for i in tids]
+    order = np.argsort(t.file, kind="stable")
+    files, starts = np.unique(t.file[order], return_index=True)
+    bounds = np.append(starts, len(order))
+    return {int(f): order[bounds[i]:bounds[i + 1]] for i, f in enumerate(files.tolist())}
 
 
 def _file_problems(ckpt: Checkpoint) -> list[Problem]:
     problems = []
     t = ckpt.chunk_table
     ends = t.byte_offset + t.length
+    by_file = _chunks_by_file(ckpt)
+    objects_of: dict[str, list] = {}
+    for o in ckpt.objects:
+        objects_of.setdefault(o.file, []).append(o)
+    none = np.zeros(0, np.int64)
     for fi, f in enumerate(ckpt.files):
         if f.kind != "data":
             continue
-        used = t.file == fi
-        users = _first_users(ckpt, fi)
-        objects = [o for o in ckpt.objects if o.file == f.name]
+        used = by_file.get(fi, none)
+        tids = np.unique(t.tensor[used])
+        users = [ckpt.tensors[int(i)].fqn for i in tids[:3]]
+        objects = objects_of.get(f.name, [])
         if f.bytes is None:
-            n = int(np.unique(t.tensor[used]).size) + len(objects)
             names = ", ".join(users or [o.fqn for o in objects[:3]])
-            problems.append(Problem("missing_file", f"{f.name} {why_absent(ckpt.path, f.name)}; {n} entries have "
-                                    f"data in it (e.g. {names}).", fqn=(users or [None])[0], file=f.name))
+            entries = count(len(tids) + len(objects), "entry", "entries")
+            problems.append(Problem("missing_file", f"{f.name} {why_absent(ckpt.path, f.name)}; {entries} with data "
+                                    f"in it (e.g. {names}).", fqn=(users or [None])[0], file=f.name))
             continue
-        need = int(ends[used].max()) if used.any() else 0
-        for o in objects:
-            need = max(need, o.offset + o.length)
+        need = max([int(ends[used].max()) if len(used) else 0] + [o.offset + o.length for o in objects])
         if need > f.bytes:
-            bad = np.nonzero(used & (ends > f.bytes))[0]
+            bad = used[ends[used] > f.bytes]
             fqn = ckpt.tensors[int(t.tensor[bad[0]])].fqn if len(bad) else next(
                 (o.fqn for o in objects if o.offset + o.length > f.bytes), None)
             problems.append(Problem("short_file", f"{f.name} has {f.bytes} bytes but its items need {need}: the file "
-                                    f"is truncated ({len(bad)} chunks cut off, first {fqn}).", fqn=fqn, file=f.name))
-        if not used.any() and not objects and ckpt.metadata_files:
+                                    f"is truncated ({count(len(bad), 'chunk')} cut off, first {fqn}).", fqn=fqn,
+                                    file=f.name))
+        if not len(used) and not objects and ckpt.metadata_files:
             problems.append(Problem("unused_file", f"{f.name} is not referenced by the metadata (left from "
                                     "another save?).", file=f.name))
     return problems

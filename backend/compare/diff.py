@@ -4,51 +4,71 @@ and by how much; one tensor pair in memory at a time."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.values import finite_histogram
+from ..errors import CheckpointError
 from ..progress import Progress
-from .sources import Source
+from .pairing import Pairing, pair_names
+from .sources import EntryInfo, Source
 
 BLOCK = 1 << 22
 
 
 @dataclass
 class Change:
-    """One entry that differs between A and B, and how."""
+    """One entry that differs between A and B, and how. ``fqn`` is the name shown for the pair; ``fqn_a`` and
+    ``fqn_b`` are the names in each side ('' for a side that does not hold it)."""
     fqn: str
-    kind: str  # values, dtype, shape, layout
+    kind: str  # values, dtype, shape, layout, unreadable
     max_abs_diff: float | None = None
     rel_l2: float | None = None
     frac_changed: float | None = None
-    detail: str = ""
+    detail: str = ""  # dtype/shape: both sides; unreadable: why, naming the file and entry
+    fqn_a: str | None = None
+    fqn_b: str | None = None
+    side: str = ""  # unreadable: "A", "B" or "A and B"
+
+    def __post_init__(self) -> None:
+        self.fqn_a = self.fqn if self.fqn_a is None else self.fqn_a
+        self.fqn_b = self.fqn if self.fqn_b is None else self.fqn_b
 
     def to_json(self) -> dict[str, Any]:
-        """The change as a JSON-ready dict: name, kind and how much the values differ."""
-        return {"fqn": self.fqn, "kind": self.kind, "max_abs_diff": self.max_abs_diff, "rel_l2": self.rel_l2,
-                "frac_changed": self.frac_changed}
+        """The change as a JSON-ready dict: names, kind and how much the values differ."""
+        out = {"fqn": self.fqn, "fqn_a": self.fqn_a, "fqn_b": self.fqn_b, "kind": self.kind,
+               "max_abs_diff": self.max_abs_diff, "rel_l2": self.rel_l2, "frac_changed": self.frac_changed,
+               "detail": self.detail}
+        if self.kind == "unreadable":
+            out["side"] = self.side
+        return out
 
 
 @dataclass
 class DiffResult:
-    """Everything ``diff`` found: entries on one side only, changed entries, and the unchanged count."""
+    """Everything ``diff`` found: entries on one side only, changed entries, entries that could not be read
+    (the rest is still compared), the unchanged count and how names were paired."""
     a: str
     b: str
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     changed: list[Change] = field(default_factory=list)
     unchanged: int = 0
+    unreadable: list[Change] = field(default_factory=list)
+    pairing: Pairing | None = None
 
     @property
     def differs(self) -> bool:
-        """True when anything but the layout differs (the exit status, as cmp has it)."""
+        """True when anything but the layout differs among what could be read (as cmp has it)."""
         return bool(self.only_a or self.only_b or any(c.kind != "layout" for c in self.changed))
 
     def to_json(self) -> dict[str, Any]:
-        """The whole comparison as a JSON-ready dict: entries only in A, only in B, changed, unchanged."""
+        """The whole comparison as a JSON-ready dict: entries only in A, only in B, changed, unreadable,
+        unchanged, and the pairing rule."""
         return {"only_a": self.only_a, "only_b": self.only_b, "changed": [c.to_json() for c in self.changed],
-                "unchanged": self.unchanged}
+                "unreadable": [c.to_json() for c in self.unreadable], "unchanged": self.unchanged,
+                "pairing": self.pairing.to_json() if self.pairing else None}
 
 
 def value_change(a: Any, b: Any) -> tuple[float, float, float] | None:
@@ -98,39 +118,79 @@ def _same_object(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-def diff(a: Source, b: Source, progress: Progress | None = None) -> DiffResult:
-    """Compare two sources entry by entry, one tensor pair in memory at a time."""
+def unreadable_reason(exc: BaseException, fqn: str) -> str:
+    """One line saying why entry ``fqn`` could not be read, naming the file and the entry."""
+    if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+        text = f"{exc.filename}: {exc.strerror or exc}" if exc.filename else f"{exc.strerror or exc}"
+    else:
+        text = str(exc)
+    text = " ".join(text.split())
+    return text if fqn in text else f"{text} (entry {fqn})"
+
+
+def _read_both(read_a: Callable[[str], Any], read_b: Callable[[str], Any], key: str, na: str, nb: str
+               ) -> tuple[Any, Any, Change | None]:
+    """Both sides' values of one pair, or a Change of kind ``unreadable`` saying which side failed and why.
+    NOTE: only bad input is caught (CheckpointError, OSError); Cancelled and bugs go up as they are."""
+    values, reasons, sides = [], [], []
+    for side, read, name in (("A", read_a, na), ("B", read_b, nb)):
+        try:
+            values.append(read(name))
+        except (CheckpointError, OSError) as exc:
+            values.append(None)
+            reasons.append(unreadable_reason(exc, name))
+            sides.append(side)
+    if not sides:
+        return values[0], values[1], None
+    detail = reasons[0] if len(reasons) == 1 else f"A: {reasons[0]}; B: {reasons[1]}"
+    return None, None, Change(key, "unreadable", detail=detail, fqn_a=na, fqn_b=nb, side=" and ".join(sides))
+
+
+def _compare_pair(a: Source, b: Source, key: str, na: str, nb: str, x: EntryInfo, y: EntryInfo) -> Change | None:
+    """How one paired entry differs (None: it does not)."""
+    def change(kind: str, *stats: float, detail: str = "") -> Change:
+        return Change(key, kind, *stats, detail=detail, fqn_a=na, fqn_b=nb)
+
+    if x.kind != y.kind:
+        return change("shape", detail=f"{x.kind} vs {y.kind}")
+    if x.kind == "object":
+        va, vb, bad = _read_both(a.object, b.object, key, na, nb)
+        return bad or (None if _same_object(va, vb) else change("values", detail="non-tensor value"))
+    if x.dtype != y.dtype:
+        return change("dtype", detail=f"{x.dtype} vs {y.dtype}")
+    if x.shape != y.shape:
+        return change("shape", detail=f"{list(x.shape or ())} vs {list(y.shape or ())}")
+    ta, tb, bad = _read_both(a.tensor, b.tensor, key, na, nb)
+    if bad:
+        return bad
+    ch = value_change(ta, tb)
+    del ta, tb  # one tensor pair in memory at a time
+    if ch is not None:
+        return change("values", *ch)
+    if x.layout is not None and y.layout is not None and x.layout != y.layout:
+        return change("layout", detail=f"{len(x.layout)} vs {len(y.layout)} chunks")
+    return None
+
+
+def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bool = False) -> DiffResult:
+    """Compare two sources entry by entry, one tensor pair in memory at a time. Names are paired as stored,
+    or without a side's container prefix when that pairs more (see :mod:`.pairing`; ``exact_names`` turns
+    that off). An entry that cannot be read is listed in ``unreadable`` and the rest is still compared."""
     ea, eb = a.entries(), b.entries()
-    res = DiffResult(a.name, b.name, sorted(set(ea) - set(eb)), sorted(set(eb) - set(ea)))
-    common = sorted(set(ea) & set(eb))
+    pairing = pair_names(list(ea), list(eb), a.layout(), b.layout(), exact=exact_names)
+    res = DiffResult(a.name, b.name, pairing.only_a, pairing.only_b, pairing=pairing)
     if progress:
-        progress.start(len(common), "comparing")
-    for fqn in common:
-        x, y = ea[fqn], eb[fqn]
+        progress.start(len(pairing.pairs), "comparing")
+    for key, (na, nb) in pairing.pairs.items():
         if progress:
-            progress.advance(1, fqn)
-        if x.kind != y.kind:
-            res.changed.append(Change(fqn, "shape", detail=f"{x.kind} vs {y.kind}"))
-            continue
-        if x.kind == "object":
-            if _same_object(a.object(fqn), b.object(fqn)):
-                res.unchanged += 1
-            else:
-                res.changed.append(Change(fqn, "values", detail="non-tensor value"))
-            continue
-        if x.dtype != y.dtype:
-            res.changed.append(Change(fqn, "dtype", detail=f"{x.dtype} vs {y.dtype}"))
-            continue
-        if x.shape != y.shape:
-            res.changed.append(Change(fqn, "shape", detail=f"{list(x.shape or ())} vs {list(y.shape or ())}"))
-            continue
-        ch = value_change(a.tensor(fqn), b.tensor(fqn))
-        if ch is not None:
-            res.changed.append(Change(fqn, "values", *ch))
-        elif x.layout is not None and y.layout is not None and x.layout != y.layout:
-            res.changed.append(Change(fqn, "layout", detail=f"{len(x.layout)} vs {len(y.layout)} chunks"))
-        else:
+            progress.advance(1, key)
+        c = _compare_pair(a, b, key, na, nb, ea[na], eb[nb])
+        if c is None:
             res.unchanged += 1
+        elif c.kind == "unreadable":
+            res.unreadable.append(c)
+        else:
+            res.changed.append(c)
     order = {"shape": 0, "dtype": 1, "values": 2, "layout": 3}
     res.changed.sort(key=lambda c: (order[c.kind], -(c.rel_l2 if c.rel_l2 is not None and c.rel_l2 == c.rel_l2
                                                       else 0.0), c.fqn))
@@ -148,14 +208,15 @@ class DifferenceDetail:
     numel: int
 
 
-def difference_histogram(a: Source, b: Source, fqn: str, bins: int = 64,
-                         progress: Progress | None = None) -> DifferenceDetail:
-    """The histogram of a - b of one entry in float64 blocks (the Compare view's detail)."""
+def difference_histogram(a: Source, b: Source, fqn: str, bins: int = 64, progress: Progress | None = None,
+                         fqn_b: str | None = None) -> DifferenceDetail:
+    """The histogram of a - b of one entry in float64 blocks (the Compare view's detail); ``fqn_b`` is the
+    entry's name in B when the names were paired without a container prefix."""
     import numpy as np
     import torch
 
     x = a.tensor(fqn).reshape(-1)
-    y = b.tensor(fqn).reshape(-1)
+    y = b.tensor(fqn if fqn_b is None else fqn_b).reshape(-1)
     if x.shape != y.shape:
         return DifferenceDetail(fqn, [], [], 0, x.numel())
 

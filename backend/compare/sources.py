@@ -21,6 +21,7 @@ from ..checkpoint.items import parse_safetensors_file
 from ..checkpoint.remote import Download
 from ..checkpoint.storage import Folder, is_url, open_folder, open_remote_file
 from ..errors import CheckpointError
+from ..export.layouts import Layout, layout_of_names, recognise_layout
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 INDEX = "model.safetensors.index.json"
@@ -58,6 +59,10 @@ class Source:
     def nested_path(self, fqn: str) -> tuple | None:
         """The nested key path entry ``fqn`` was flattened from, or None when not known."""
         return None
+
+    def layout(self) -> Layout:
+        """The layout the entries were saved in (which container prefix, if any, holds the model)."""
+        return layout_of_names(n for n, e in self.entries().items() if e.kind == "tensor")
 
     def close(self) -> None:
         """Release open files and readers; the source is not used afterwards."""
@@ -97,6 +102,10 @@ class DcpSource(Source):
     def nested_path(self, fqn: str) -> tuple | None:
         """The nested key path from the checkpoint's planner data, or None."""
         return self.ckpt.planner_data.get(fqn)
+
+    def layout(self) -> Layout:
+        """The layout as export recognises it (keys, folder name, Lightning's meta.pt)."""
+        return recognise_layout(self.ckpt)
 
     def close(self) -> None:
         """Close the DCP reader's files."""

@@ -113,6 +113,10 @@ class AtomicOutput:
         self.committed = False
         self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
         self._old_handlers: dict[int, Any] = {}
+        # NOTE: during an upload a signal is only noted, and acted on between requests (see commit()): raised
+        # in the middle of one, it would leave fsspec's event loop finishing that request after our clean-up.
+        self._uploading = False
+        self._pending: list[int] = []
 
     # ------------------------------------------------------------------ checks
     def _check(self) -> None:
@@ -171,7 +175,11 @@ class AtomicOutput:
     def commit(self) -> None:
         """Make the temporary durable and give it the destination's name (replacing it with --force)."""
         if self.remote:  # the upload is the commit
-            self.remote.commit(self.path, self.kind)
+            self._uploading = True
+            try:
+                self.remote.commit(self.path, self.kind, stop=self._stop_if_asked)
+            finally:
+                self._uploading = False
             self.uploaded = self.remote.report.describe()
             self._discard()
             self.committed = True
@@ -213,11 +221,22 @@ class AtomicOutput:
             signal.signal(sig, old)
         self._old_handlers.clear()
 
+    def _stop_if_asked(self) -> None:
+        """Raise for a signal noted during the upload (called by the upload between its requests)."""
+        if self._pending:
+            self._raise_for(self._pending[0], None)
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._uploading and not self._pending:  # a second Ctrl-C does not wait for the request
+            self._pending.append(signum)
+            return
         with _active_lock:
             paths = list(_active)
         for p in paths:  # at once: whatever happens next, no temporary stays behind
             remove_path(p)
+        self._raise_for(signum, frame)
+
+    def _raise_for(self, signum: int, frame: FrameType | None) -> None:
         old = self._old_handlers.get(signum)
         if callable(old):
             old(signum, frame)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..checkpoint.model import Checkpoint
@@ -37,13 +38,14 @@ class Layout:
     name: str
     model_roots: tuple[str, ...] | None
     container: str = ""
+    optimizer_roots: frozenset[str] = frozenset()  # optimizers found by their shape, under any name
 
     def is_model(self, fqn: str) -> bool:
         """True when entry ``fqn`` belongs to the model's weights, judged by its first key part."""
         root = fqn.split(".", 1)[0]
         if self.model_roots is not None:
             return root in self.model_roots
-        return not is_training_state(root)
+        return not is_training_state(root) and root not in self.optimizer_roots
 
 
 def is_training_state(root: str) -> bool:
@@ -53,8 +55,16 @@ def is_training_state(root: str) -> bool:
 
 def recognise_layout(ckpt: Checkpoint) -> Layout:
     """The layout of a checkpoint, from its keys, its folder name and its extra files."""
-    tensor_roots = {t.fqn.split(".", 1)[0] for t in ckpt.tensors}
-    folder = os.path.basename(ckpt.path.rstrip("/"))
+    return layout_of_names([t.fqn for t in ckpt.tensors], os.path.basename(ckpt.path.rstrip("/")),
+                           bool(ckpt.extra_files.get("meta.pt")))
+
+
+def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: bool = False) -> Layout:
+    """The layout from tensor names alone (also a consolidated ``.pt`` or safetensors file's keys), the
+    folder's name and whether a Lightning ``meta.pt`` is next to it."""
+    names = list(tensor_names)
+    tensor_roots = {n.split(".", 1)[0] for n in names}
+    shaped = optimizer_shaped_roots(names)
     if "state_dict" in tensor_roots:
         return Layout("Lightning Trainer (state_dict, optimizer_N, meta.pt)", ("state_dict",), "state_dict.")
     if _OPTIMIZER_N.match(folder) and tensor_roots == {"optimizer"}:
@@ -63,14 +73,33 @@ def recognise_layout(ckpt: Checkpoint) -> Layout:
     if "model" in tensor_roots:
         if ACCELERATE_MODEL_DIR.search(folder):
             return Layout("HF Trainer / accelerate FSDP (pytorch_model_fsdp_N)", ("model",), "model.")
-        if ckpt.extra_files.get("meta.pt") or any(_OPTIMIZER_N.match(r) for r in tensor_roots):
+        if has_meta_pt or any(_OPTIMIZER_N.match(r) for r in tensor_roots):
             return Layout("Lightning FSDP / Fabric (model, optimizer_N, meta.pt)", ("model",), "model.")
         return Layout("torch DCP recipe (model, optimizer, ...)", ("model",), "model.")
+    if has_meta_pt:  # Fabric: fabric.save(path, {"net": model, "opt": optimizer}) keeps the user's names
+        models = tuple(sorted(r for r in tensor_roots if r not in shaped and not is_training_state(r)))
+        return Layout(f"Lightning Fabric (meta.pt; model under {', '.join(models) or 'no key'}"
+                      + (f", optimizer state under {', '.join(sorted(shaped))}" if shaped else "") + ")",
+                      models, f"{models[0]}." if len(models) == 1 else "", shaped)
     if tensor_roots & MEGATRON_ROOTS:
-        return Layout("Megatron-style names (decoder, embedding, output_layer)", None)
-    if any(is_training_state(r) for r in tensor_roots) and any(not is_training_state(r) for r in tensor_roots):
-        return Layout("torchtitan-style (model keys at the top level next to optimizer, lr_scheduler, ...)", None)
+        return Layout("Megatron-style names (decoder, embedding, output_layer)", None, optimizer_roots=shaped)
+    state = {r for r in tensor_roots if is_training_state(r) or r in shaped}
+    if state and state != tensor_roots:
+        return Layout("torchtitan-style (model keys at the top level next to optimizer, lr_scheduler, ...)", None,
+                      optimizer_roots=shaped)
     return Layout("flat state dict", None)
+
+
+def optimizer_shaped_roots(tensor_names: Iterable[str]) -> frozenset[str]:
+    """First key parts under which every tensor is an optimizer's per-parameter state
+    (``<root>.state.<param>.<exp_avg|step|...>``, as ``get_optimizer_state_dict`` writes it): an
+    optimizer saved under a name of the user's choosing (``opt``, ``optim_0``, ...)."""
+    by_root: dict[str, bool] = {}
+    for name in tensor_names:
+        parts = name.split(".", 3)
+        root = parts[0]
+        by_root[root] = by_root.get(root, True) and len(parts) == 4 and parts[1] == "state"
+    return frozenset(r for r, shaped in by_root.items() if shaped)
 
 
 def unwrap_key(key: str) -> tuple[str, set[str]]:
@@ -98,4 +127,5 @@ def find_model_folder(path: str) -> tuple[str, str | None]:
     return os.path.join(path, models[0]), note
 
 
-__all__ = ["Layout", "find_model_folder", "is_training_state", "recognise_layout", "unwrap_key"]
+__all__ = ["Layout", "find_model_folder", "is_training_state", "layout_of_names", "optimizer_shaped_roots",
+           "recognise_layout", "unwrap_key"]

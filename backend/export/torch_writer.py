@@ -96,7 +96,11 @@ def pickle_state(root: dict, items: tuple[ExportItem, ...]) -> tuple[bytes, list
     def rebuild(dtype: str, shape: tuple, what: Any) -> Any:
         rec = StorageRef(str(len(storages)), math.prod(shape), dtype)
         storages.append((rec, what))
-        return (torch._utils._rebuild_tensor_v2, (rec, 0, shape, contiguous_strides(shape), False, OrderedDict()))
+        args = (rec, 0, shape, contiguous_strides(shape), False, OrderedDict())
+        if torch_dtype(dtype) in storage_types:
+            return (torch._utils._rebuild_tensor_v2, args)
+        # float8, uint16/32/64 have no typed storage class: torch.save writes bytes and names the dtype (v3)
+        return (torch._utils._rebuild_tensor_v3, (*args, torch_dtype(dtype)))
 
     class Pickler(pickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
@@ -110,8 +114,10 @@ def pickle_state(root: dict, items: tuple[ExportItem, ...]) -> tuple[bytes, list
 
         def persistent_id(self, obj: Any) -> Any:
             if isinstance(obj, StorageRef):
-                stype = getattr(torch, storage_types[torch_dtype(obj.dtype)])
-                return ("storage", stype, obj.key, "cpu", obj.numel)
+                tdtype = torch_dtype(obj.dtype)
+                if tdtype not in storage_types:  # an untyped storage counts bytes
+                    return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * tdtype.itemsize)
+                return ("storage", getattr(torch, storage_types[tdtype]), obj.key, "cpu", obj.numel)
             return None
 
     data = io.BytesIO()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ShardscopeError
-from ..format import human_bytes
+from ..format import count, human_bytes
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES
 from .metrics import checkpoint_metrics
@@ -248,7 +248,7 @@ class PruneResult:
     def summary(self) -> str:
         """A few lines for the user: how much was removed and freed, what was skipped, what failed."""
         where = "moved to the trash" if self.mode == "trash" else "deleted"
-        lines = [f"{len(self.removed)} checkpoint(s) {where}, {human_bytes(sum(o.bytes for o in self.removed))} "
+        lines = [f"{count(len(self.removed), 'checkpoint')} {where}, {human_bytes(sum(o.bytes for o in self.removed))} "
                  "freed" + (" (once the trash is emptied)" if self.mode == "trash" and self.removed else "")]
         lines += [f"finished an interrupted prune: {o.path} {o.result}" for o in self.leftovers
                   if o.result != "failed"]

@@ -27,6 +27,7 @@ from .rundir import (
     rank_exits,
     read_config,
     read_status,
+    torchrun_root_cause,
     update_status,
     write_json,
 )
@@ -149,26 +150,47 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def run_status(run_dir: str | os.PathLike, exit_code: int | None = None) -> dict[str, Any]:
+def run_status(run_dir: str | os.PathLike, exit_code: int | None = None, pid: int | None = None) -> dict[str, Any]:
     """The run's state now. status.json, brought up to date: from the scheduler for a SLURM run; for a
     local run whose torchrun has ended (``exit_code`` when we reaped it, else its pid is gone: the GUI
-    that started it was closed) from the ranks' exit records. A final state is written once."""
+    that started it was closed) from the ranks' exit records. A final state is written once.
+
+    ``exit_code`` is that of torchrun ``pid`` when given: it is ignored unless status.json describes
+    that launch (not a resume started since in the same run directory)."""
     status = read_status(run_dir)
     if status.get("state") in FINAL_STATES:
         return status
     if status.get("scheduler") == "slurm":
         return slurm.refresh(Path(run_dir), status)
+    if pid is not None and status.get("pid") != pid:
+        # NOTE: the launcher of a run's earlier segment still answers its old exit code: applied to the
+        # resumed launch it wrote "finished" over a running run, whose Stop then did nothing
+        exit_code = None
     pid = status.get("pid")
-    if exit_code is None and isinstance(pid, int):
+    if exit_code is None:
+        # NOTE: alive first, then reap: the other order read a torchrun that died between the two checks
+        # as gone without a code ("the launcher is gone", for a run killed by a signal)
+        if not isinstance(pid, int) or (pid_alive(pid) and not is_zombie(pid)):
+            return status
         exit_code = _reap_ended_child(pid)
-    if exit_code is None and (not isinstance(pid, int) or (pid_alive(pid) and not is_zombie(pid))):
-        return status
+    # NOTE: read again now that torchrun is known to have ended. A stop writes stop_requested before its
+    # first signal, so it is seen here; the status read above may predate it (a poll racing a Stop
+    # wrote "failed" over a run the user had stopped)
+    status = read_status(run_dir)
+    if status.get("state") in FINAL_STATES or status.get("pid") != pid:
+        return status  # settled meanwhile by another thread, or a new launch has begun
+    return _settle(run_dir, status, exit_code)
+
+
+def _settle(run_dir: str | os.PathLike, status: dict[str, Any], exit_code: int | None) -> dict[str, Any]:
+    """Write the final state of a local run whose torchrun has ended (``exit_code``, None when unknown)."""
     exits = rank_exits(run_dir)
     failed = sorted(r for r, e in exits.items() if e.get("code"))
     nproc = read_config(run_dir).get("nproc")
     # a rank killed by the stop's SIGTERM writes no exit record: a clean record from every rank means the
     # run had finished its work before the stop arrived (Stop clicked during the last checkpoint or teardown)
     all_clean = bool(exits) and not failed and isinstance(nproc, int) and len(exits) >= nproc
+    cause = None
     if status.get("stop_requested") and not all_clean:
         state, why = "stopped", "stopped by the user (SIGTERM to every process of the run)"
     elif status.get("stop_requested"):
@@ -180,8 +202,12 @@ def run_status(run_dir: str | os.PathLike, exit_code: int | None = None) -> dict
         why = describe_exit(exit_code) if exit_code is not None else \
             "the launcher is gone and no rank recorded an exit (killed?)" if not exits else \
             "the launcher is gone; state taken from the ranks' exit records"
+        cause = torchrun_root_cause(run_dir, int(status.get("log_start") or 0))
+        if cause is not None:  # the rank that failed first: the others often fail only because it went
+            why = f"rank {cause[0]} {describe_exit(cause[1])}, the first rank to fail (torchrun: {why})"
     return update_status(run_dir, state, end_time=time.time(), exit_code=exit_code, failed_ranks=failed,
-                         exit_codes={str(r): e.get("code") for r, e in exits.items()}, explanation=why)
+                         exit_codes={str(r): e.get("code") for r, e in exits.items()}, explanation=why,
+                         root_cause_rank=cause[0] if cause else None)
 
 
 def _reap_ended_child(pid: int) -> int | None:
@@ -210,7 +236,7 @@ def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> dict[str, Any]:
     signalled = pid_alive(pid)
     if signalled:
         terminate_tree(pid, grace)
-    final = run_status(run_dir, exit_code=-signal.SIGTERM)
+    final = run_status(run_dir, exit_code=-signal.SIGTERM, pid=pid)
     if signalled and final.get("state") == "stopped":
         with open(Path(run_dir) / "logs" / "launcher.log", "a") as log:
             log.write(STOP_NOTE)
@@ -238,9 +264,11 @@ class RunLauncher:
             old.unlink()  # the last launch's exit records, and temporaries of a writer that was killed
         self._write_config()
         history = read_config(self.run_dir).get("history", [])
+        log = self.run_dir / "logs" / "launcher.log"
         write_json(self.run_dir / "status.json", {"state": "starting", "start_time": time.time(),
                                                   "restarts": len(history), "updated": time.time(),
-                                                  "scheduler": self.config.on})
+                                                  "scheduler": self.config.on,
+                                                  "log_start": log.stat().st_size if log.exists() else 0})
         if self.config.on == "slurm":
             try:
                 job_id = slurm.submit(self.run_dir / "job.sbatch")
@@ -294,8 +322,9 @@ class RunLauncher:
 
     def status(self) -> dict[str, Any]:
         """The run's state now (reaps torchrun when it ended; see :func:`run_status`)."""
-        code = self.proc.poll() if self.proc is not None else None
-        return run_status(self.run_dir, exit_code=code)
+        if self.proc is None:
+            return run_status(self.run_dir)
+        return run_status(self.run_dir, exit_code=self.proc.poll(), pid=self.proc.pid)
 
     def wait(self, timeout: float | None = None, interval: float = 0.5) -> dict[str, Any]:
         """Wait until the run reaches a final state; returns its status (TimeoutError after ``timeout``)."""

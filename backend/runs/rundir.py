@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -153,6 +154,27 @@ def log_tail(run_dir: str | os.PathLike, rank: int, lines: int = 30) -> str:
             return "\n".join(f.read().decode("utf-8", "replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+# torchrun's error summary names the first failure: "Root Cause (first observed failure): ... rank : 1
+# (local_rank: 1) ... exitcode : -9 (pid: 123)"
+_ROOT_CAUSE = re.compile(rb"Root Cause[^\n]*\n(?:(?!={20}).*\n)*?\s*rank\s*:\s*(\d+)[^\n]*\n"
+                         rb"(?:(?!={20}).*\n)*?\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_root_cause(run_dir: str | os.PathLike, start: int = 0) -> tuple[int, int] | None:
+    """The rank and exit code torchrun reported as the root cause of a failure, in launcher.log after
+    byte ``start`` (where this launch's output begins: a resumed run appends to the same log)."""
+    p = Path(run_dir) / "logs" / "launcher.log"
+    try:
+        with open(p, "rb") as f:
+            size = p.stat().st_size
+            f.seek(max(start, size - 64_000, 0))
+            data = f.read(64_000)
+    except OSError:
+        return None
+    found = list(_ROOT_CAUSE.finditer(data))
+    return (int(found[-1].group(1)), int(found[-1].group(2))) if found else None
 
 
 def _is_checkpoint_dir(p: Path) -> bool:

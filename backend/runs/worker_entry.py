@@ -9,7 +9,33 @@ import os
 import runpy
 import signal
 import sys
+import threading
+import time
 import traceback
+
+WATCH_SECONDS = 1.0
+
+
+def _record_exit(run_dir: str, rank: int, code: int, tb: str) -> None:
+    with open(os.path.join(run_dir, "exit", f"rank_{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "code": code, "traceback_tail": tb[-4000:]}, f)
+
+
+def _end_with_torchrun(run_dir: str, rank: int) -> None:
+    """End this rank when torchrun is gone. NOTE: torchrun ends its ranks itself, except when it is
+    killed (SIGKILL, the OOM killer): its ranks were re-parented and trained on, unseen and unstoppable,
+    into a run that read "failed" (and that a resume would write into twice)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_SECONDS)
+        msg = f"torchrun (pid {parent}) is gone (killed?): rank {rank} ended itself instead of training on alone"
+        sys.stderr.write(msg + "\n")
+        _record_exit(run_dir, rank, 1, msg)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardscope-torchrun-watch", daemon=True).start()
 
 
 def main() -> None:
@@ -27,6 +53,7 @@ def main() -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     # `kill -USR1 PID` prints every thread's stack into this rank's log: how to see where a hung rank waits
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _end_with_torchrun(run_dir, rank)
     argv = sys.argv[1:]
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -48,8 +75,7 @@ def main() -> None:
         tb = traceback.format_exc()
         sys.stderr.write(tb)
         code = 1
-    with open(os.path.join(run_dir, "exit", f"rank_{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "code": code, "traceback_tail": tb[-4000:]}, f)
+    _record_exit(run_dir, rank, code, tb)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
