@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# QSettings (window geometry, column widths, recent files) live under XDG_CONFIG_HOME: tests, and the windows
+# they start in subprocesses, never read or write the user's own, nor what an earlier test run left there.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="shardscope-test-config-")
+atexit.register(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], ignore_errors=True)
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 

@@ -352,15 +352,23 @@ class ChunkReader:
         return load_weights_only(data, f"{where} (entry {obj.fqn})", fqn=obj.fqn, path=where)
 
 
+def allow_safe_globals() -> None:
+    """Let ``torch.load(weights_only=True)`` accept the plain types DCP checkpoints hold beyond torch's own
+    list; every weights-only load of checkpoint data (entries here, ``.pt`` files in compare) calls this.
+    NOTE: io.BytesIO holds only bytes; DCP pickles a Stateful's BytesIO (torchtitan's train_state) as one and
+    dcp_to_torch_save keeps it, so it is allowed (add_safe_globals is a set: adding it again is free)."""
+    import torch
+
+    torch.serialization.add_safe_globals([io.BytesIO])
+
+
 def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str | None = None) -> Any:
     """``torch.load(weights_only=True)`` of untrusted bytes; any failure is a CheckpointError."""
     import pickle
 
     import torch
 
-    # NOTE: io.BytesIO holds only bytes; DCP pickles a Stateful's BytesIO (torchtitan's train_state) as one and
-    # dcp_to_torch_save keeps it, so it is allowed (add_safe_globals is a set: adding it again is free).
-    torch.serialization.add_safe_globals([io.BytesIO])
+    allow_safe_globals()
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, KeyError,
@@ -376,4 +384,4 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
 
 
 __all__ = ["COPY_BLOCK", "ChunkReader", "CorruptChunkError", "SharedStorageError", "StoredTensor",
-           "load_weights_only", "safe_name", "torch_dtype"]
+           "allow_safe_globals", "load_weights_only", "safe_name", "torch_dtype"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import open_checkpoint
-from ..checkpoint.chunks import ChunkReader, safe_name
+from ..checkpoint.chunks import ChunkReader, allow_safe_globals, safe_name
 from ..checkpoint.flatten import dotted, flatten
 from ..checkpoint.hf_reader import open_hf_folder
 from ..checkpoint.items import parse_safetensors_file
@@ -120,6 +120,7 @@ class TorchFileSource(Source):
         import torch
 
         self.name = name or path  # a URL's name: the copy it was loaded from is temporary
+        allow_safe_globals()  # what an export of a DCP checkpoint may hold (io.BytesIO)
         try:
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
