@@ -438,13 +438,17 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ drag and drop
     def dragEnterEvent(self, event) -> None:
-        if event.mimeData().hasUrls():
+        if any(url.isLocalFile() for url in event.mimeData().urls()):
             event.acceptProposedAction()
 
     def dropEvent(self, event) -> None:
-        for url in event.mimeData().urls():
-            if url.isLocalFile():
-                self.open_path(url.toLocalFile())
+        paths = [url.toLocalFile() for url in event.mimeData().urls() if url.isLocalFile()]
+        if not paths:
+            event.ignore()
+            return
+        # NOTE: accepted, or the file manager the files came from is told the drop was refused
+        for path in paths:
+            self.open_path(path)
 
     # ------------------------------------------------------------------ settings
     def _restore_splitters(self, view: CheckpointView) -> None:
@@ -471,6 +475,15 @@ class MainWindow(QMainWindow):
             self._training.shutdown()
         self.library.shutdown()
         super().closeEvent(event)
+
+
+def tab_title(path: str) -> str:
+    """A tab's name: the file or folder name, but the folder's for a file that only stands for its folder (an
+    HF ``*.index.json`` or a DCP ``.metadata``): every HF model's tab used to read model.safetensors.index.json."""
+    p = Path(path)
+    if (p.name == ".metadata" or p.name.endswith(".index.json")) and p.parent.name:
+        return p.parent.name
+    return p.name or path
 
 
 def default_size(window: QMainWindow) -> QSize:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import Iterable
 
@@ -43,6 +44,20 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069
 def count(n: int, one: str, many: str | None = None) -> str:
     """``1 tensor``, ``2 tensors``, ``1,024 non-tensor entries``: a count with its noun in the right number."""
     return f"{n:,} {one if n == 1 else (many or one + 's')}"
+
+
+def rich_name(name: object) -> str:
+    """A name from a file for a Qt rich-text label: escaped as for a terminal, then as HTML (a tensor named
+    ``<img src=/some/file>`` would otherwise make Qt open that file, and a U+202E reverse the label)."""
+    return html.escape(escape_name(name))
+
+
+def plain_tooltip(text: str) -> str:
+    """A tooltip that Qt shows as the plain text it is: Qt takes a text whose first line holds a tag for rich
+    text (and loads what an ``<img>`` names), so such a text is escaped line by line."""
+    if "<" not in text:
+        return text
+    return "<p style='white-space:pre'>" + "<br>".join(rich_name(line) for line in text.split("\n")) + "</p>"
 
 
 def escape_name(name: object) -> str:

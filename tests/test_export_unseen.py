@@ -300,9 +300,12 @@ if __name__ != "__main__":
             plan_export(ckpt, "safetensors", rename=[r"^layers\.\d+\.=L."])
         with pytest.raises(ExportError, match="matches no exported key"):
             plan_export(ckpt, "safetensors", rename=["^optimizer=x"])  # left out by default: no key to rename
-        plan = plan_export(ckpt, "safetensors", only=["layers"], exclude=["layers.1"])
+        plan = plan_export(ckpt, "safetensors", only=["layers"], exclude=["layers.1", "output"])
         assert {it.key.split(".")[0] for it in plan.items} == {"layers"}
         assert not any(it.key.startswith("layers.1.") for it in plan.items)
+        # an --exclude outside what --only selects is no error, but it is said: it changed nothing
+        assert "--exclude output changed nothing: what it names is left out anyway (outside layers)" in plan.left_out
+        assert not any("--exclude layers.1 changed nothing" in n for n in plan.left_out)
         assert not list(tmp_path.iterdir())
 
     # -------------------------------------------------------------- S3 (a real S3 API server)

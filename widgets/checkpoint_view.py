@@ -23,7 +23,7 @@ from shardscope.backend.checkpoint.browse import BrowseData
 from shardscope.backend.checkpoint.model import TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
 from shardscope.backend.compare.browse_file import TORCH_FILE, analyse_any, load_any, stats_any, verify_contents_any
-from shardscope.backend.format import count, human_bytes
+from shardscope.backend.format import count, human_bytes, rich_name
 
 from .overlay import ProgressOverlay
 from .panels import CHECKSUMS_WHERE_STORED, NO_CHECKSUMS, HealthPanel, InspectorView, RanksView
@@ -60,7 +60,7 @@ class CheckpointView(QWidget):
         self.header.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
         self.header.setFixedHeight(2 * self.fontMetrics().lineSpacing() + 4)
-        self._set_header(f"<b>{path}</b><br>Opening …")
+        self._set_header(f"<b>{rich_name(path)}</b><br>Opening …")
         layout.addWidget(self.header)
 
         self.main_split = QSplitter(Qt.Orientation.Horizontal)
@@ -159,6 +159,10 @@ class CheckpointView(QWidget):
         return self.right_split
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if watched is self.filter_edit and event.type() == QEvent.Type.KeyPress and \
+                event.key() in (Qt.Key.Key_Down, Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            self._focus_results()
+            return True
         if watched is self.tree and event.type() in (QEvent.Type.Resize, QEvent.Type.Move, QEvent.Type.Show):
             self._place_progress()
         elif watched is self.tree.viewport() and event.type() == QEvent.Type.Resize:
@@ -244,7 +248,7 @@ class CheckpointView(QWidget):
 
     def _on_failed(self, message: str) -> None:
         self.progress.finish()
-        self._set_header(f"<b>Cannot open {self.path}</b><br>{message}")
+        self._set_header(f"<b>Cannot open {rich_name(self.path)}</b><br>{rich_name(message)}")
         self.map.clear_map("This checkpoint could not be opened.")
         self.failed.emit(message)
 
@@ -260,7 +264,8 @@ class CheckpointView(QWidget):
         if isinstance(node.entry, TensorEntry):
             e = node.entry
             rows, cols = grid_shape(e.shape)
-            self.map_caption.setText(f"<b>{e.fqn}</b> drawn as {rows} × {cols}, {count(e.chunk_count, 'chunk')}"
+            self.map_caption.setText(f"<b>{rich_name(e.fqn)}</b> drawn as {rows} × {cols}, "
+                                     f"{count(e.chunk_count, 'chunk')}"
                                      f"{unsharded_note(ck)} (wheel: zoom, drag: pan, double-click: fit)<br>{legend}")
             self.map.show_tensors(ck, [node.entry])
             self.inspector.set_tensor(node.entry)
@@ -271,13 +276,13 @@ class CheckpointView(QWidget):
             shown = len(stacked_entries(tensors))
             stacked = f"{count(len(tensors), 'tensor')} stacked" if shown == len(tensors) else \
                 f"the first {shown:,} of {count(len(tensors), 'tensor')} stacked"
-            self.map_caption.setText(f"<b>{node.path or 'all'}</b>: {stacked}, each scaled to the "
+            self.map_caption.setText(f"<b>{rich_name(node.path or 'all')}</b>: {stacked}, each scaled to the "
                                      f"same width{unsharded_note(ck)}<br>{legend}")
             self.map.show_tensors(ck, tensors)
             self.inspector.set_tensor(None)
             if node.entry is not None:
                 value = (self.data.values or {}).get(node.path, "(loading)")
-                self.inspector.title.setText(f"<b>{node.path}</b> = {value}")
+                self.inspector.title.setText(f"<b>{rich_name(node.path)}</b> = {rich_name(value)}")
         if self.ranks.selected_rank is not None:
             self.map.set_highlight_rank(self.ranks.selected_rank)
 
@@ -356,6 +361,20 @@ class CheckpointView(QWidget):
             if self.tabs.tabText(i).lower().startswith(name.lower()):
                 self.tabs.setCurrentIndex(i)
 
+    def _focus_results(self) -> None:
+        """Down or Enter in the filter box goes on to the matches (the first entry selected unless one is), so
+        the tree is reached from Ctrl+F without the mouse; it used to do nothing."""
+        self._filter_timer.stop()
+        self._apply_filter()  # what was typed so far, not what the timer would filter 150 ms later
+        if not self.tree.currentIndex().isValid() and self.proxy.rowCount():
+            first = self.proxy.index(0, 0)
+            while self.proxy.rowCount(first):  # down the first branch to its first entry
+                first = self.proxy.index(0, 0, first)
+            self.tree.scrollTo(first)
+            self.tree.selectionModel().setCurrentIndex(
+                first, QItemSelectionModel.SelectionFlag.ClearAndSelect | QItemSelectionModel.SelectionFlag.Rows)
+        self.tree.setFocus()
+
     def focus_filter(self) -> None:
         self.filter_edit.setFocus()
         self.filter_edit.selectAll()
@@ -429,13 +448,14 @@ def summary_html(ck, path: str | None = None) -> str:
         ranks = count(n, "writer rank")
     else:
         ranks = "one file, not sharded" if files == 1 else f"{count(files, 'file')}, no writer ranks recorded"
-    parts = [kind + (f" (format version {ck.version})" if ck.version else ""), count(len(ck.tensors), "tensor"),
+    parts = [kind + (f" (format version {rich_name(ck.version)})" if ck.version else ""),
+             count(len(ck.tensors), "tensor"),
              count(len(ck.chunk_table), "chunk"), ranks, human_bytes(ck.total_bytes)]
     if ck.objects:
         parts.insert(2, count(len(ck.objects), "non-tensor entry", "non-tensor entries"))
     if ck.save_id:
-        parts.append(f"save id <tt>{ck.save_id}</tt>")
-    return f"<b>{path or ck.path}</b><br>" + " · ".join(parts)
+        parts.append(f"save id <tt>{rich_name(ck.save_id)}</tt>")
+    return f"<b>{rich_name(path or ck.path)}</b><br>" + " · ".join(parts)
 
 
 def unsharded_note(ck) -> str:
@@ -443,4 +463,4 @@ def unsharded_note(ck) -> str:
     files = ck.data_files
     if ck.ranks or len(files) != 1:
         return ""
-    return f", all in one file ({files[0].name}), not sharded"
+    return f", all in one file ({rich_name(files[0].name)}), not sharded"

@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 from shardscope.backend.checkpoint.model import Checkpoint, Problem, TensorEntry
-from shardscope.backend.format import byte_unit, count, human_bytes, natural_key
+from shardscope.backend.format import byte_unit, count, human_bytes, natural_key, plain_tooltip, rich_name
 
 from .palette import rank_color
 from .plot_style import CategoryAxis, themed_plot
@@ -393,8 +393,10 @@ class InspectorView(QWidget):
             self.load_button.setEnabled(False)
             return
         self.load_button.setEnabled(True)
-        self.title.setText(f"<b>{entry.fqn}</b> — {entry.dtype} {list(entry.shape)}, {human_bytes(entry.nbytes)}")
-        self.title.setToolTip(f"{entry.fqn} — {entry.dtype} {list(entry.shape)}, {human_bytes(entry.nbytes)}")
+        self.title.setText(f"<b>{rich_name(entry.fqn)}</b> — {entry.dtype} {list(entry.shape)}, "
+                           f"{human_bytes(entry.nbytes)}")
+        self.title.setToolTip(plain_tooltip(f"{entry.fqn} — {entry.dtype} {list(entry.shape)}, "
+                                            f"{human_bytes(entry.nbytes)}"))
         chunks = entry.chunks
         # NOTE: emptied first. Refilling rows that still held items replaced them one by one, and each
         # replacement made the shown table re-measure its ResizeToContents columns over every row:

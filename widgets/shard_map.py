@@ -16,7 +16,7 @@ from PySide6.QtGui import QBrush, QColor, QFont, QHelpEvent, QPainter, QPen, QWh
 from PySide6.QtWidgets import QGraphicsRectItem, QGraphicsScene, QGraphicsSimpleTextItem, QGraphicsView, QToolTip
 from shardscope.backend.checkpoint.layout import Coverage, Region, coverage
 from shardscope.backend.checkpoint.model import Checkpoint, Chunk, TensorEntry
-from shardscope.backend.format import count
+from shardscope.backend.format import count, plain_tooltip
 
 from .palette import rank_color
 
@@ -291,7 +291,8 @@ class ShardMapView(QGraphicsView):
             else:
                 text, rect = found
                 # the tip stays up while the pointer is over the same chunk, and moves on with it
-                QToolTip.showText(event.globalPos(), text, self.viewport(), self.mapFromScene(rect).boundingRect())
+                QToolTip.showText(event.globalPos(), plain_tooltip(text), self.viewport(),
+                                  self.mapFromScene(rect).boundingRect())
             return True
         return super().viewportEvent(event)
 

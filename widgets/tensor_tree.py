@@ -14,7 +14,7 @@ from PySide6.QtCore import (
 )
 from shardscope.backend.checkpoint.model import ObjectEntry, TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
-from shardscope.backend.format import count, human_bytes, ranks_text
+from shardscope.backend.format import count, human_bytes, plain_tooltip, ranks_text
 
 NodeRole = Qt.ItemDataRole.UserRole + 1  # the TreeNode itself
 SortRole = Qt.ItemDataRole.UserRole + 2  # numeric sort keys
@@ -120,8 +120,8 @@ class TensorTreeModel(QAbstractItemModel):
             if isinstance(e, TensorEntry):
                 where = f"written by {count(len(n.ranks), 'rank')} ({ranks_text(n.ranks)})" if n.ranks else \
                     "no writer rank recorded"
-                return f"{e.fqn}\n{e.dtype} {list(e.shape)}, {count(e.chunk_count, 'chunk')} {where}"
-            return n.path
+                return plain_tooltip(f"{e.fqn}\n{e.dtype} {list(e.shape)}, {count(e.chunk_count, 'chunk')} {where}")
+            return plain_tooltip(n.path)
         if role == NodeRole:
             return n
         if role == PathRole:

@@ -80,6 +80,7 @@ class TrainingPanel(QWidget):
         self._status: dict = {}
         self._launching = False  # a Start or Resume is on its way: no second one until it has started
         self._stopping: set[str] = set()  # runs whose Stop is on its way
+        self._gone = False  # the followed run's folder no longer exists (renamed, moved or deleted)
         split = QSplitter(Qt.Orientation.Horizontal)
         # NOTE: the form scrolls, so the panel (and the window) still fits 1280x720 with every row shown
         left = QScrollArea()
@@ -207,7 +208,10 @@ class TrainingPanel(QWidget):
 
     def _show_runs(self, runs: list[RunInfo], select: str | None = None) -> None:
         current = select or (self.follower and str(self.follower.run_dir))
-        if current and current not in [str(r.path) for r in runs]:
+        # NOTE: a run folder opened from elsewhere is listed too, but not one renamed or deleted under us
+        # (it used to stay at the top of the list, blank, next to its new name)
+        gone = self._gone and self.follower is not None and current == str(self.follower.run_dir)
+        if current and not gone and current not in [str(r.path) for r in runs]:
             state = self._status.get("state", "") if self.follower and str(self.follower.run_dir) == current else ""
             runs.insert(0, RunInfo(Path(current), state, 0.0))  # a run folder opened from elsewhere
         self.runs = runs
@@ -276,6 +280,7 @@ class TrainingPanel(QWidget):
         self.ckpt_list.clear()
         self._set_details({})
         self._status = {}
+        self._gone = False
         self._update_buttons()  # nothing is known of this run yet: no Stop or Resume for the last one's state
         self._fill_compare(self.runs)
         self.status.setText(f"Following {run_dir} …")
@@ -395,16 +400,24 @@ class TrainingPanel(QWidget):
         def work(progress=None):
             for launcher in launchers:
                 launcher.status()
-            return (follower.read() if follower is not None else None), (list_runs(root) if root else None)
+            snap = follower.read() if follower is not None else None
+            gone = False
+            return snap, (list_runs(root) if root else None), gone
 
         run_in_background(work, owner=self, on_result=lambda r: self._apply(follower, *r),
                           on_error=lambda m: self.status.setText(_escape(m)),
                           on_finished=lambda: setattr(self, "_reading", False))
 
-    def _apply(self, follower: RunFollower | None, snap: RunSnapshot | None, runs: list[RunInfo] | None) -> None:
+    def _apply(self, follower: RunFollower | None, snap: RunSnapshot | None, runs: list[RunInfo] | None,
+               gone: bool = False) -> None:
+        if follower is not None and follower is self.follower:
+            self._gone = gone
         if runs is not None:
             self._show_runs(runs)
         if follower is None or follower is not self.follower or snap is None:
+            return
+        if gone:
+            self._show_gone(follower)
             return
         follower.apply(snap)
         if snap.new_points or snap.replaced:
@@ -422,6 +435,17 @@ class TrainingPanel(QWidget):
                 item.setData(Qt.ItemDataRole.UserRole, str(p))
                 self.ckpt_list.addItem(item)
         self._show_status(follower, snap)
+
+    def _show_gone(self, follower: RunFollower) -> None:
+        """The followed run's folder went away: say so (not "a run started outside Shardscope"), keep what was
+        read, and offer nothing that would act on the old path."""
+        self._status = {}
+        self.ckpt_list.clear()  # their paths are gone with the folder
+        self._update_buttons()
+        self._show_runs([r for r in self.runs if r.path != follower.run_dir])  # its blank entry leaves the list
+        self.status.setText(f"<b>{_escape(follower.run_dir.name)}</b>: <span style='color:#d62728'>this run folder "
+                            f"no longer exists</span> (renamed, moved or deleted): {_escape(str(follower.run_dir))}. "
+                            "Pick the run again in the Runs list.")
 
     def _log_view(self, rank: int) -> QPlainTextEdit:
         view = self.log_views.get(rank)

@@ -112,7 +112,9 @@ def _file_problems(ckpt: Checkpoint) -> list[Problem]:
             problems.append(Problem("short_file", f"{f.name} has {f.bytes} bytes but its items need {need}: the file "
                                     f"is truncated ({count(len(bad), 'chunk')} cut off, first {fqn}).", fqn=fqn,
                                     file=f.name))
-        if not len(used) and not objects and ckpt.metadata_files:
+        # NOTE: a rank left with nothing to write (its replicated entries deduplicated to other ranks) still
+        # writes its file, empty: that is torch's normal output, not a stray file
+        if not len(used) and not objects and ckpt.metadata_files and f.bytes:
             problems.append(Problem("unused_file", f"{f.name} is not referenced by the metadata (left from "
                                     "another save?).", file=f.name))
     return problems

@@ -146,7 +146,8 @@ def _select(ckpt: Checkpoint, fmt: str, layout: Layout, only: list[str], exclude
         why = ""
     excluded = {n for n in wanted if any(_under(n, p) for p in exclude)}
     wanted -= excluded
-    notes = []
+    notes = [f"--exclude {p} changed nothing: what it names is left out anyway ({why})"
+             for p in exclude if not any(_under(n, p) for n in excluded)]
     groups = ((("tensor", "tensors"), [t.fqn for t in ckpt.tensors]),
               (("non-tensor entry", "non-tensor entries"), [o.fqn for o in ckpt.objects]))
     for kind, group in groups:
