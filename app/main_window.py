@@ -124,6 +124,8 @@ class MainWindow(QMainWindow):
         self.recent_menu = file_menu.addMenu("Open &recent")
         self.recent_menu.aboutToShow.connect(self._fill_recent)
         add(file_menu, "&Reload", self.reload_current, "F5")
+        add(file_menu, "&Close tab", self.close_current_tab, QKeySequence.StandardKey.Close,
+            "Close the tab in front (not the Library); its background work is cancelled")
         add(file_menu, "&Verify contents (read every byte)", self.verify_current, "Ctrl+Shift+V",
             "Read every stored item once and check its CRC32; findings go to the Health tab")
         add(file_menu, "&Import .pt / .safetensors as DCP…", self.import_dialog)
@@ -187,7 +189,7 @@ class MainWindow(QMainWindow):
         view.contentsVerified.connect(lambda _p: self._update_badge())
         view.exportRequested.connect(self.export_current)
         pane = self._active
-        idx = pane.addTab(view, Path(path).name or path)
+        idx = pane.addTab(view, tab_title(path))
         pane.setTabToolTip(idx, path)
         pane.setCurrentIndex(idx)
         self._restore_splitters(view)
@@ -225,8 +227,11 @@ class MainWindow(QMainWindow):
             return
         pane = self._active
         selected = view.selected_node().path if view.selected_node() else None
-        self.close_tab(pane.currentIndex(), pane)
+        where = pane.currentIndex()
+        self.close_tab(where, pane)
         new = self.open_path(view.path)
+        if pane.indexOf(new) >= 0:  # NOTE: in its old place among the tabs (it used to jump to the end)
+            pane.tabBar().moveTab(pane.indexOf(new), min(where, pane.count() - 1))
         if selected:
             new.loaded.connect(lambda _d: new.select_path(selected))
 
@@ -262,6 +267,12 @@ class MainWindow(QMainWindow):
             pane.hide()
             self._active = self.tabs
         self._show_welcome_if_empty()
+
+    def close_current_tab(self) -> None:
+        """Ctrl+W: the tab in front of the active side, unless it is the Library (the start page stays)."""
+        pane = self._active
+        if pane.currentWidget() is not None and pane.currentWidget() is not self.library:
+            self.close_tab(pane.currentIndex(), pane)
 
     def _library_takes_folder(self, path: str) -> None:
         """A run folder opened by hand joins the Library, unless a Library root already holds it."""
@@ -301,13 +312,16 @@ class MainWindow(QMainWindow):
 
     def compare_dialog(self) -> QDialog:
         """Two pickers (A, B): open checkpoints first, then the Library's complete checkpoints."""
-        paths = [v.path for v in self.all_views()]
-        paths += [p for p in reversed(self.library.known_paths()[:200]) if p not in paths]
+        opened = [v.path for v in self.all_views()]
+        library = [p for p in reversed(self.library.known_paths()[:200]) if p not in opened]
+        paths = opened + library
+        # the checkpoints open in the window come first (they used to lose to the Library's last two)
+        defaults = ["", "", *library[-2:], *opened][-2:]
         dlg = self.compare_picker = QDialog(self)
         dlg.setWindowTitle("Compare two checkpoints")
         form = QFormLayout(dlg)
         boxes = []
-        for label, default in (("A", paths[-2] if len(paths) > 1 else ""), ("B", paths[-1] if paths else "")):
+        for label, default in zip("AB", defaults, strict=True):
             box = QComboBox()
             box.setEditable(True)
             box.addItems(paths)
@@ -447,6 +461,7 @@ class MainWindow(QMainWindow):
             event.ignore()
             return
         # NOTE: accepted, or the file manager the files came from is told the drop was refused
+        event.acceptProposedAction()
         for path in paths:
             self.open_path(path)
 

@@ -125,3 +125,82 @@ def test_a_followed_run_renamed_on_disk_leaves_no_blank_entry(qtbot, tmp_path):
         assert json.loads((tmp_path / "my-run" / "status.json").read_text())["state"] == "finished"
     finally:
         panel.shutdown()
+
+
+def test_compare_pickers_start_on_the_checkpoints_open_in_the_window(qtbot, window, fixtures, tmp_path):
+    """With two checkpoints open, Ctrl+D's pickers offered them but preselected the Library's two newest
+    checkpoints instead; OK compared two checkpoints the user was not looking at."""
+    import shutil
+
+    ckpts = tmp_path / "root" / "runA" / "checkpoints"
+    for i, name in enumerate(("fsdp2_r2", "ddp_r2")):
+        shutil.copytree(fixtures[name], ckpts / f"step_{i:06d}")
+    window.library.user_roots = [str(tmp_path / "root")]
+    window.library.poll(force=True)
+    qtbot.waitUntil(lambda: len(window.library.known_paths()) >= 2, timeout=SLOW)
+    a, b = (window.open_path(str(fixtures[n])) for n in ("fsdp2_r4", "ddp_r2"))
+    qtbot.waitUntil(lambda: a.data is not None and b.data is not None, timeout=SLOW)
+    picker = window.compare_dialog()
+    try:
+        assert [box.currentText() for box in picker.boxes] == [a.path, b.path]
+        offered = [picker.boxes[0].itemText(i) for i in range(picker.boxes[0].count())]
+        assert set(window.library.known_paths()) <= set(offered)  # the Library's are still offered
+    finally:
+        picker.reject()
+        window.library.shutdown()
+
+
+def test_a_training_tab_opened_again_shows_the_run_still_going(qtbot, tmp_path):
+    """Closing the Training tab while a run went on, then Run › Training panel (Ctrl+T): the new panel said "No
+    run selected" with Stop disabled, though the run was still training."""
+    import subprocess
+    import sys
+    import time
+
+    from shardscope.widgets.training_panel import TrainingPanel
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    panel = None
+    try:
+        fake_run(tmp_path / "old", {"state": "finished", "explanation": "success"})
+        running = fake_run(tmp_path / "going", {"state": "running", "pid": live.pid, "scheduler": "local",
+                                                "start_time": time.time()})
+        panel = TrainingPanel(runs_root=tmp_path)
+        qtbot.addWidget(panel)
+        qtbot.waitUntil(lambda: panel.follower is not None and panel.stop_button.isEnabled(), timeout=SHORT)
+        assert panel.follower.run_dir == running
+        assert panel.run_list.currentItem().data(Qt.ItemDataRole.UserRole) == str(running)
+    finally:
+        if panel is not None:
+            panel.shutdown()
+        live.kill()
+        live.wait(60)
+
+
+def test_reload_keeps_the_tab_in_its_place_and_the_selection(qtbot, window, fixtures):
+    """File › Reload (F5) reopened the checkpoint as the last tab: with a few open, the tab jumped away."""
+    first, second = (window.open_path(str(fixtures[n])) for n in ("fsdp2_r2", "ddp_r2"))
+    qtbot.waitUntil(lambda: first.data is not None and second.data is not None, timeout=SLOW)
+    where = window.tabs.indexOf(first)
+    window.tabs.setCurrentIndex(where)
+    assert first.select_path("model.blocks.0.fc1.weight")
+    window.reload_current()
+    new = window.current_view()
+    assert new is not first and window.tabs.indexOf(new) == where and window.tabs.indexOf(second) == where + 1
+    qtbot.waitUntil(lambda: new.selected_node() is not None, timeout=SLOW)
+    assert new.selected_node().path == "model.blocks.0.fc1.weight"
+
+
+def test_ctrl_w_closes_the_tab_in_front_but_not_the_library(qtbot, window, fixtures):
+    """There was no way to close a tab from the keyboard (Ctrl+W did nothing); the Library stays."""
+    from PySide6.QtGui import QAction, QKeySequence
+
+    action = next(a for a in window.findChildren(QAction) if a.text() == "&Close tab")
+    assert action.shortcut() == QKeySequence(QKeySequence.StandardKey.Close)
+    view = window.open_path(str(fixtures["fsdp2_r2"]))
+    qtbot.waitUntil(lambda: view.data is not None, timeout=SLOW)
+    assert window.tabs.currentWidget() is view
+    action.trigger()
+    assert window.tabs.indexOf(view) < 0 and window.tabs.currentWidget() is window.library
+    action.trigger()
+    assert window.tabs.indexOf(window.library) == 0

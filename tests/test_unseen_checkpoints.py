@@ -40,6 +40,8 @@ def _dtensor_state() -> dict:
     return {
         "col": distribute_tensor(full, mesh, [Shard(1)]),  # 10 columns over 4 ranks: 3, 3, 3, 1
         "tiny_rows": distribute_tensor(torch.arange(15.0).reshape(3, 5), mesh, [Shard(0)]),  # rank 3: 0 rows
+        "narrow_cols": distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(1)]),  # 2 ranks: 0 columns
+        "tiny_2d": distribute_tensor(torch.arange(3.0).reshape(1, 3), mesh2, [Shard(0), Shard(1)]),  # 1 row, 2x2
         "rep": distribute_tensor(torch.arange(7.0), mesh, [Replicate()]),
         "sr": distribute_tensor(full, mesh2, [Shard(0), Replicate()]),
         "ss": distribute_tensor(full, mesh2, [Shard(0), Shard(1)]),
@@ -234,11 +236,14 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------ the tests
 @pytest.fixture(scope="module")
 def unseen(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("unseen")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(root)], capture_output=True, text=True,
-                          timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"writing the checkpoints failed:\n{proc.stderr[-6000:]}", pytrace=False)
+    for attempt in (1, 2, 3):  # a busy machine can fail a gloo run; each try starts from an empty folder
+        root = tmp_path_factory.mktemp("unseen")
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(root)], capture_output=True,
+                              text=True, timeout=900)
+        if proc.returncode == 0:
+            break
+        if attempt == 3:
+            pytest.fail(f"writing the checkpoints failed 3 times:\n{proc.stderr[-6000:]}", pytrace=False)
     hostile = root / "hostile"
     hostile.mkdir()
     write_hostile(hostile, root / "extra_state")
@@ -299,6 +304,12 @@ def test_every_command_on_an_unseen_kind(unseen, name, capsys, tmp_path):
     for o in listing["objects"]:
         rc, out, err = cli(capsys, "show", path, o["fqn"])
         assert rc == 0, (o["fqn"], err)
+        if o["fqn"] == "bio":  # by its bytes, not its address
+            assert "value  io.BytesIO of 11 bytes: b'hello bytes'" in out, out
+    if name == "dtypes":  # columns stay aligned past float8_e4m3fn and complex128
+        rc, out, err = cli(capsys, "inspect", "--tensors", path)
+        rows = [ln for ln in out.splitlines() if " B  1 chunk" in ln]
+        assert len(rows) == len(listing["tensors"]) and len({ln.index("[") for ln in rows}) == 1, out
     rc, out, err = cli(capsys, "export", path, tmp_path / "all.pt")
     assert rc == 0, err
     allow_safe_globals()  # an io.BytesIO entry, as dcp_to_torch_save keeps it
@@ -397,7 +408,7 @@ def test_stray_files_twice_reported_once(unseen, capsys, tmp_path):
         assert rc == 1 and out.count(".metadata.tmp is left") == 1 and out.count("__9_0.distcp is not") == 1, out
 
 
-@pytest.mark.parametrize("name", ["dtensor", "dtypes", "objects", "names"])
+@pytest.mark.parametrize("name", SPAWNED + SINGLE)
 def test_window_shows_every_entry(unseen, name, qtbot):
     """The real window: every tensor selected shows its statistics (equal to torch's) and one map item per
     chunk; every non-tensor entry shows its value; "Verify contents" finds nothing."""

@@ -88,6 +88,7 @@ class CheckpointView(QWidget):
         self.progress.cancelRequested.connect(self._cancel_background)
         self.tree.installEventFilter(self)
         self.tree.viewport().installEventFilter(self)
+        self.filter_edit.installEventFilter(self)
 
     def _build_tree_side(self) -> QWidget:
         """The filter row and the tensor tree."""

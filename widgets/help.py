@@ -32,7 +32,8 @@ VIEW_KEYS = [
     ("Click a bar in Ranks", "highlight that rank's chunks and filter the tree (click again to clear)"),
     ("Ctrl+C in the Inspector", "copy the chunk table as tab-separated text"),
     ("Right-click in the tree", "export a subtree, copy a name"),
-    ("Drop a folder on the window", "open it"),
+    ("Down or Enter in the filter box", "go on to the matches in the tree (the first one selected)"),
+    ("Drop a folder or a checkpoint file on the window", "open it"),
 ]
 
 SHARD_MAP = """

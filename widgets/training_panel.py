@@ -207,6 +207,12 @@ class TrainingPanel(QWidget):
                           on_result=lambda runs: self._show_runs(runs, select))
 
     def _show_runs(self, runs: list[RunInfo], select: str | None = None) -> None:
+        if self.follower is None and not select:
+            # NOTE: a panel opened again (its tab closed while a run went on, or a new window) shows the run
+            # that is still going; it used to say "No run selected" with Stop out of reach
+            live = next((r for r in runs if r.state in ACTIVE_STATES), None)
+            if live is not None:
+                self.follow(str(live.path))
         current = select or (self.follower and str(self.follower.run_dir))
         # NOTE: a run folder opened from elsewhere is listed too, but not one renamed or deleted under us
         # (it used to stay at the top of the list, blank, next to its new name)
@@ -401,7 +407,7 @@ class TrainingPanel(QWidget):
             for launcher in launchers:
                 launcher.status()
             snap = follower.read() if follower is not None else None
-            gone = False
+            gone = follower is not None and not follower.run_dir.is_dir()
             return snap, (list_runs(root) if root else None), gone
 
         run_in_background(work, owner=self, on_result=lambda r: self._apply(follower, *r),

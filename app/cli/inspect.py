@@ -93,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
         out.write("\n")
         names = [escape_name(t.fqn) for t in ckpt.tensors]
         width = max((len(n) for n in names), default=10)
+        dwidth = max((len(t.dtype) for t in ckpt.tensors), default=9)  # float8_e4m3fn, complex128
         for name, t in zip(names, ckpt.tensors):
-            out.write(f"  {name:<{width}}  {t.dtype:<9} {list(t.shape)!s:<18} {human_bytes(t.nbytes):>10}  "
+            out.write(f"  {name:<{width}}  {t.dtype:<{dwidth}} {list(t.shape)!s:<18} {human_bytes(t.nbytes):>10}  "
                       f"{count(t.chunk_count, 'chunk')}, ranks {ranks_text(t.ranks)}\n")
     print_problems(problems)
     return EXIT_OK

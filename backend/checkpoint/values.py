@@ -3,6 +3,7 @@ decoded only through ``torch.load(weights_only=True)``."""
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,8 +34,12 @@ def read_lightning_meta(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def small_value_repr(value: Any, limit: int = 80) -> str:
-    """``repr`` cut to ``limit`` characters."""
-    text = repr(value)
+    """``repr`` cut to ``limit`` characters (an ``io.BytesIO`` by its bytes, not its address)."""
+    if isinstance(value, io.BytesIO):
+        data = value.getvalue()
+        text = f"io.BytesIO of {len(data):,} bytes: {data[:limit]!r}"
+    else:
+        text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
