@@ -444,3 +444,13 @@ if __name__ == "__main__":
         write_titan_rank(where, int(sys.argv[3]))
     else:
         {"trainer_ddp": write_trainer_ddp, "fabric": write_fabric, "titan": write_titan}[what](where)
+
+
+def test_a_plain_state_dict_container_is_not_called_lightning():
+    from shardscope.backend.export.layouts import layout_of_names
+
+    plain = layout_of_names(["state_dict.fc.weight", "optim.state.0.exp_avg", "optim.state.0.step"])
+    assert plain.container == "state_dict." and "Lightning" not in plain.name
+    assert plain.is_model("state_dict.fc.weight") and not plain.is_model("optim.state.0.exp_avg")
+    lightning = layout_of_names(["state_dict.fc.weight", "optimizer_states.0.state.0.exp_avg"])
+    assert lightning.name.startswith("Lightning Trainer")

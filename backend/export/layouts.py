@@ -66,7 +66,10 @@ def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: 
     tensor_roots = {n.split(".", 1)[0] for n in names}
     shaped = optimizer_shaped_roots(names)
     if "state_dict" in tensor_roots:
-        return Layout("Lightning Trainer (state_dict, optimizer_N, meta.pt)", ("state_dict",), "state_dict.")
+        if has_meta_pt or "optimizer_states" in tensor_roots or any(_OPTIMIZER_N.match(r) for r in tensor_roots):
+            return Layout("Lightning Trainer (state_dict, optimizer_N, meta.pt)", ("state_dict",), "state_dict.")
+        # a plain torch.save({"state_dict": ..., "optim": ...}): the same choice, without claiming Lightning
+        return Layout("model weights under state_dict", ("state_dict",), "state_dict.")
     if _OPTIMIZER_N.match(folder) and tensor_roots == {"optimizer"}:
         return Layout("HF Trainer / accelerate FSDP optimizer state (optimizer_N: no model weights; they are in "
                       "the sibling pytorch_model_fsdp_N/)", ())
