@@ -532,3 +532,16 @@ def test_metadata_helper_process_answers_like_this_process(copy_of, tmp_path, mo
         here, there = model(False, streaming), model(True, streaming)
         assert type(here) is type(there), (here, there)
         assert (here == there) if case == "good" else isinstance(here, str), (here, there)
+
+
+def test_a_data_file_deleted_after_opening_is_one_problem_not_one_per_entry(copy_of):
+    """The window keeps a checkpoint open; its folder may lose files before "Verify contents" runs."""
+    path = copy_of("fsdp2_r4")
+    ckpt = open_checkpoint(path, use_cache=False)
+    entries = sum(1 for t in ckpt.tensors for c in t.chunks if c.file == "__1_0.distcp")
+    entries += sum(1 for o in ckpt.objects if o.file == "__1_0.distcp")
+    assert entries > 10
+    os.remove(path / "__1_0.distcp")
+    found = [p for p in verify_contents(ckpt) if p.file == "__1_0.distcp"]
+    assert len(found) == 1, [p.message for p in found]
+    assert "__1_0.distcp" in found[0].message and f"{entries:,} entries stored in it not checked" in found[0].message

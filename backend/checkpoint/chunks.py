@@ -118,6 +118,10 @@ class ChunkReader:
             size = self._sizes[name] = self.handles.size(name)
         return size
 
+    def file_size(self, name: str) -> int:
+        """Bytes in data file ``name``, opening it (once); CheckpointError when it cannot be opened."""
+        return self._size(name)
+
     def _check_range(self, name: str, offset: int, length: int, what: str) -> None:
         size = self._size(name)
         if offset < 0 or length < 0 or offset + length > size:

@@ -129,10 +129,19 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
     with ChunkReader(ckpt) as reader:
         items = [(e.fqn, c.file, partial(reader.check_chunk, e.fqn, c)) for e in ckpt.tensors for c in e.chunks]
         items += [(o.fqn, o.file, partial(reader.read_object, o)) for o in ckpt.objects]
+        unopenable: dict[str, list] = {}  # file -> [the error, entries not checked]: one problem per file
         for fqn, file, check in items:
             if progress:
                 progress.advance(1, fqn)
             if not file or file in missing:
+                continue
+            if file not in unopenable:
+                try:
+                    reader.file_size(file)
+                except CheckpointError as exc:
+                    unopenable[file] = [str(exc), 0]
+            if file in unopenable:
+                unopenable[file][1] += 1
                 continue
             try:
                 st = check()
@@ -145,6 +154,8 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
             else:
                 if isinstance(st, StoredTensor) and st.nbytes:
                     located.append((file, st.data_offset, st.data_offset + st.nbytes, fqn))
+    problems += [Problem("unreadable", f"{why}; {count(n, 'entry', 'entries')} stored in it not checked", file=f)
+                 for f, (why, n) in unopenable.items()]
     problems += overlap_problems(located, same_start=True)
     if ckpt.extra_files.get("meta.pt"):
         try:
