@@ -439,7 +439,8 @@ class InspectorView(QWidget):
             self.show_message(f"No finite values. NaN {stats.nan:,}, Inf {stats.inf:,} of {stats.numel:,}.")
             return
         self.stats.setText(
-            f"<table><tr><td>min</td><td>{stats.min:.6g}</td><td>&nbsp;max</td><td>{stats.max:.6g}</td></tr>"
+            '<table cellspacing="3">'  # spacing: "mean" and a negative value must not run together
+            f"<tr><td>min</td><td>{stats.min:.6g}</td><td>&nbsp;max</td><td>{stats.max:.6g}</td></tr>"
             f"<tr><td>mean</td><td>{stats.mean:.6g}</td><td>&nbsp;std</td><td>{stats.std:.6g}</td></tr>"
             f"<tr><td>NaN</td><td>{stats.nan:,}</td><td>&nbsp;Inf</td><td>{stats.inf:,}</td></tr>"
             f"<tr><td>zeros</td><td>{stats.zeros:,}</td><td>&nbsp;elements</td><td>{stats.numel:,}</td></tr></table>")

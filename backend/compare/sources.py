@@ -26,7 +26,7 @@ from ..export.layouts import Layout, layout_of_names, recognise_layout
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 INDEX = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20  # an index names files and keys; far larger is not one
-NOT_A_CHECKPOINT = "not a checkpoint file (.pt, .pth, .bin, .safetensors) or folder."
+NOT_A_CHECKPOINT = "not a checkpoint file (.pt, .pth, .bin, .ckpt, .safetensors) or folder."
 
 
 @dataclass(frozen=True)
