@@ -468,6 +468,10 @@ def test_window_shows_hostile_names_as_text(unseen, qtbot, tmp_path):
             for label in (view.map_caption, view.inspector.title):
                 assert "<img" not in label.text() and "\u202e" not in label.text(), label.text()
                 assert label.sizeHint().height() < 100  # no 400-pixel picture inside
+            row, shown = view.model.index_for_path(fqn), ""
+            while row.isValid():  # the tree's rows from the leaf up (RTL_NAME's U+202E is in a module's row)
+                shown, row = row.data(Qt.ItemDataRole.DisplayRole) + "." + shown, row.parent()
+            assert "\u202e" not in shown and (fqn != RTL_NAME or "\\u202e" in shown), shown  # the tree row too
             tip = view.model.index_for_path(fqn).data(Qt.ItemDataRole.ToolTipRole)
             assert "<img" not in tip and "&lt;img" in tip if fqn == img_name else tip.startswith(RTL_NAME)
     finally:

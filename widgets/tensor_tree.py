@@ -14,7 +14,7 @@ from PySide6.QtCore import (
 )
 from shardscope.backend.checkpoint.model import ObjectEntry, TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
-from shardscope.backend.format import count, human_bytes, plain_tooltip, ranks_text
+from shardscope.backend.format import count, escape_name, human_bytes, plain_tooltip, ranks_text
 
 NodeRole = Qt.ItemDataRole.UserRole + 1  # the TreeNode itself
 SortRole = Qt.ItemDataRole.UserRole + 2  # numeric sort keys
@@ -99,15 +99,15 @@ class TensorTreeModel(QAbstractItemModel):
         col = index.column()
         e = n.entry
         if role == Qt.ItemDataRole.DisplayRole:
-            if col == 0:
-                return n.name
+            if col == 0:  # escaped: a U+202E or newline in a stored name must not reorder or split the row
+                return escape_name(n.name)
             if isinstance(e, TensorEntry):
                 return (None, e.dtype, "×".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes),
                         str(e.chunk_count), ranks_text(n.ranks, ""))[col]
             if isinstance(e, ObjectEntry):
                 # NOTE: an entry with no stored bytes of its own (a .pt's step, a safetensors header value): no size
-                return (None, "object", self._values.get(e.fqn, ""), human_bytes(e.length if e.file else None), "",
-                        ranks_text(n.ranks, ""))[col]
+                return (None, "object", escape_name(self._values.get(e.fqn, "")),
+                        human_bytes(e.length if e.file else None), "", ranks_text(n.ranks, ""))[col]
             return (None, "", count(n.tensors, "tensor"), human_bytes(n.nbytes), str(n.chunks),
                     ranks_text(n.ranks, ""))[col]
         if role == SortRole:
