@@ -388,3 +388,14 @@ def test_old_torch_module_paths_and_missing_fields(copy_of, fixtures):
     assert old.version is None and old.save_id is None
     assert [t.to_json() for t in old.tensors] == [t.to_json() for t in new.tensors]
     assert verify(old, deep=True) == []
+
+
+def test_show_json_for_objects_and_without_values(fixtures):
+    obj = run_cli("show", fixtures["fsdp2_r2"], "extra.ints", "--json")
+    assert obj.returncode == 0, obj.stderr
+    rec = json.loads(obj.stdout.splitlines()[-1])["object"]
+    assert rec["fqn"] == "extra.ints" and rec["type"] == "list" and rec["value"] == "[1, 2]" and rec["length"] > 0
+    bare = run_cli("show", fixtures["fsdp2_r2"], "model.emb.weight", "--json", "--no-values")
+    assert bare.returncode == 0, bare.stderr
+    rec = json.loads(bare.stdout.splitlines()[-1])
+    assert rec["stats"] is None and rec["tensor"]["shape"] == [37, 12]

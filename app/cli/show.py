@@ -19,7 +19,8 @@ def register(sub: Any) -> None:
     sp.add_argument("path")
     sp.add_argument("fqn")
     sp.add_argument("--no-values", action="store_true", help="only the chunk table, read no values")
-    sp.add_argument("--json", action="store_true", help="also print the chunk table and statistics as JSON")
+    sp.add_argument("--json", action="store_true",
+                    help="also print the entry (chunk table and statistics, or the value) as one JSON line")
     sp.add_argument("--no-cache", action="store_true", help="do not use the metadata cache (as the global --no-cache)")
 
 
@@ -41,7 +42,11 @@ def run(args: argparse.Namespace) -> int:
             value = reader.read_object(obj)
         print(f"{escape_name(obj.fqn)}  (non-tensor entry in {escape_name(obj.file)}, "
               f"bytes {obj.offset}..{obj.offset + obj.length})")
-        print(f"  value  {escape_name(small_value_repr(value, 2000))}")
+        text = small_value_repr(value, 2000)
+        print(f"  value  {escape_name(text)}")
+        if args.json:
+            print(json.dumps({"object": {"fqn": obj.fqn, "file": obj.file, "offset": obj.offset, "length": obj.length,
+                                         "type": type(value).__name__, "value": text}}))
         return EXIT_OK
     entry = ckpt.tensor(args.fqn)
     cov = coverage(ckpt, entry)
@@ -56,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {list(c.offsets)!s:<16} {list(c.sizes)!s:<16} {c.rank if c.rank is not None else '-':>4}  "
               f"{escape_name(c.file):<16} {c.offset:>12} {c.length:>10}")
     if args.no_values:
+        if args.json:
+            print(json.dumps({"tensor": entry.to_json(), "stats": None}))
         return EXIT_OK
     with ChunkReader(ckpt) as reader:
         tensor = reader.read_tensor(entry)
