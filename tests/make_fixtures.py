@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -57,7 +58,22 @@ def _train_steps(model, opt, rank: int, steps: int = 2) -> None:
         opt.step()
 
 
+_KEEP_ALIVE: list = []
+DEADLINE = 600.0  # seconds one fixture's gloo run may take on a loaded machine before it is retried
+
+
 def _worker(rank: int, world: int, store: str, kind: str, out: str) -> None:
+    """One rank: write the fixture, then leave with ``os._exit``. NOTE: freeing a DDP model after the group is
+    destroyed runs ~Reducer -> ~ProcessGroupGloo, which joins gloo's worker thread while holding the GIL, and
+    that thread may need the GIL to free a collective's tensors: with torch 2.13 the rank then hangs for
+    ever (seen in CI). So the model is kept alive and no destructor runs at exit (as backend/runs does)."""
+    _write(rank, world, store, kind, out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _write(rank: int, world: int, store: str, kind: str, out: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -76,6 +92,7 @@ def _worker(rank: int, world: int, store: str, kind: str, out: str) -> None:
             fully_shard(model)
         elif kind == "ddp":
             model = nn.parallel.DistributedDataParallel(model)
+        _KEEP_ALIVE.append(model)
         if kind == "init":  # the same untrained model at any world size: identical values
             dcp.save({"model": get_state_dict(model, [])[0]}, checkpoint_id=out)
             dist.barrier()
@@ -129,8 +146,15 @@ def make(kind: str, world: int, out: Path) -> Path:
         return out
     rendezvous = tempfile.mkdtemp(prefix="shardscope-fixture-")
     try:
-        mp.start_processes(_worker, args=(world, os.path.join(rendezvous, "store"), kind, str(out)), nprocs=world,
-                           start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(rendezvous, "store"), kind, str(out)),
+                                 nprocs=world, start_method="spawn", join=False)
+        deadline = time.monotonic() + DEADLINE
+        while not ctx.join(timeout=5):  # raises when a rank fails (and ends the others)
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{kind} on {world} ranks did not finish in {DEADLINE:.0f} s")
     finally:
         shutil.rmtree(rendezvous, ignore_errors=True)
     return out

@@ -437,15 +437,6 @@ if __name__ != "__main__":
             assert subprocess.run([sys.executable, "-c", script], timeout=120).returncode == 0
 
 
-if __name__ == "__main__":
-    warnings.filterwarnings("ignore")
-    what, where = sys.argv[1], Path(sys.argv[2])
-    if what == "titan_rank":
-        write_titan_rank(where, int(sys.argv[3]))
-    else:
-        {"trainer_ddp": write_trainer_ddp, "fabric": write_fabric, "titan": write_titan}[what](where)
-
-
 def test_a_plain_state_dict_container_is_not_called_lightning():
     from shardscope.backend.export.layouts import layout_of_names
 
@@ -454,3 +445,18 @@ def test_a_plain_state_dict_container_is_not_called_lightning():
     assert plain.is_model("state_dict.fc.weight") and not plain.is_model("optim.state.0.exp_avg")
     lightning = layout_of_names(["state_dict.fc.weight", "optimizer_states.0.state.0.exp_avg"])
     assert lightning.name.startswith("Lightning Trainer")
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    what, where = sys.argv[1], Path(sys.argv[2])
+    if what == "titan_rank":
+        write_titan_rank(where, int(sys.argv[3]))
+    else:
+        {"trainer_ddp": write_trainer_ddp, "fabric": write_fabric, "titan": write_titan}[what](where)
+    # NOTE: no destructors at exit: freeing a DDP model after its gloo group is gone can hang for ever with
+    # torch 2.13 (~Reducer -> ~ProcessGroupGloo joins a thread that waits for the GIL; see make_fixtures.py)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
