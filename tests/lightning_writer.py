@@ -9,6 +9,8 @@ Lightning re-runs this script for rank 1. Writes OUT_DIR/ckpt (``state_dict.*``,
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -53,6 +55,19 @@ def main(out: Path) -> None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save(full, out / "reference.pt")
+
+
+def write(out: Path, attempts: int = 3) -> None:
+    """Run this script as the tests do (Lightning starts rank 1 itself), from an empty folder each try: Lightning
+    rendezvouses on a TCP port it picked free a moment before, which another process on a busy machine may take
+    in between. Fails with the last try's output."""
+    for _ in range(attempts):
+        shutil.rmtree(out / "ckpt", ignore_errors=True)
+        (out / "reference.pt").unlink(missing_ok=True)
+        proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0:
+            return
+    raise AssertionError(f"tests/lightning_writer.py failed {attempts} times; the last:\n{proc.stderr[-3000:]}")
 
 
 if __name__ == "__main__":
