@@ -256,3 +256,43 @@ def test_resume_into_the_same_run_directory(tmp_path):
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["resume"].endswith("step_000004") and len(cfg["history"]) == 1
     assert read_status(run_dir)["state"] == "finished"
+
+
+def _torchrun_report(tmp_path, failures):
+    """A failure report exactly as torchrun prints it (torch's own ChildFailedError): ``failures`` maps a
+    rank to its exit code and, for a rank that raised, the second its error file records."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    made = {}
+    for rank, (code, stamp) in failures.items():
+        error_file = str(tmp_path / f"error_{rank}.json")
+        if stamp is not None:
+            (tmp_path / f"error_{rank}.json").write_text(json.dumps({"message": {
+                "message": "RuntimeError: Connection reset by peer",
+                "extraInfo": {"py_callstack": "Traceback (most recent call last):\n  rank      : 7 (local_rank: 7)\n"
+                                              "RuntimeError: Connection reset by peer", "timestamp": str(stamp)}}}))
+        made[rank] = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file=error_file)
+    return ChildFailedError("train.py", made).format_msg()
+
+
+@pytest.mark.parametrize("killed", [0, 1, 3])
+def test_root_cause_is_the_rank_killed_by_a_signal_not_torchruns_first_stamp(tmp_path, killed):
+    """torchrun stamps a rank killed by SIGKILL when it notices it, its peers' "Connection reset" with the
+    second they raised in: in a tie (seen in CI) or a later poll it names a peer as the first failure."""
+    from shardscope.backend.runs.rundir import torchrun_root_cause
+
+    now = int(time.time())
+    failures = {r: (1, now - 1) for r in range(4) if r != killed}
+    failures[killed] = (-9, None)
+    report = _torchrun_report(tmp_path, failures)
+    log = tmp_path / "run" / "logs" / "launcher.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("an earlier launch\n" + _torchrun_report(tmp_path, {2: (1, now)}) + "\nresumed\n" + report + "\n")
+    assert f"rank      : {killed} " not in report.split("Root Cause")[1]  # torchrun blames a peer
+    assert torchrun_root_cause(tmp_path / "run") == (killed, -9)
+    # a rank's watchdog abort is a consequence of a peer's failure, and torchrun's pick stands
+    log.write_text(_torchrun_report(tmp_path, {0: (1, now - 1), 1: (-6, None)}))
+    assert torchrun_root_cause(tmp_path / "run") == (0, 1)
+    # a report cut short, or none, names nobody
+    log.write_text(report.split("Root Cause")[0])
+    assert torchrun_root_cause(tmp_path / "run") is None

@@ -511,8 +511,8 @@ class TrainingPanel(QWidget):
         text = "\n\n".join(f"--- {'launcher' if r == -1 else f'rank {r}'}\n{tb}" for r, tb in sorted(failures.items()))
         if text != self.details.toPlainText():
             self.details.setPlainText(text)
-            # the rank torchrun names as the first to fail when it left a traceback (a rank killed by a
-            # signal often printed nothing), else the first failed rank: its log in front
+            # the rank that failed first (torchrun_root_cause) when it left a traceback (a rank killed by
+            # a signal often printed nothing), else the first failed rank: its log in front
             first = root_cause if root_cause in failures else min(failures, default=None)
             if first is not None and first in self.log_views:  # the failed rank's log in front
                 self.logs.setCurrentWidget(self.log_views[first])

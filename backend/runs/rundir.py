@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -156,25 +157,45 @@ def log_tail(run_dir: str | os.PathLike, rank: int, lines: int = 30) -> str:
         return ""
 
 
-# torchrun's error summary names the first failure: "Root Cause (first observed failure): ... rank : 1
-# (local_rank: 1) ... exitcode : -9 (pid: 123)"
-_ROOT_CAUSE = re.compile(rb"Root Cause[^\n]*\n(?:(?!={20}).*\n)*?\s*rank\s*:\s*(\d+)[^\n]*\n"
-                         rb"(?:(?!={20}).*\n)*?\s*exitcode\s*:\s*(-?\d+)")
+# torchrun's error summary: "Failures:" then "Root Cause (first observed failure):", each failure as
+# "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 123)" (torch.distributed.elastic's template)
+_REPORT = re.compile(rb"\nFailures:\n(.*?)\nRoot Cause \(first observed failure\):\n(.*?)(?:\n={20}|\Z)", re.S)
+_FAILURE = re.compile(rb"^  rank      : (\d+) \(local_rank: \d+\)\n  exitcode  : (-?\d+) \(pid: ", re.M)
+# a rank's own watchdog aborts it (SIGABRT) when a peer fails: that death is a consequence, not a cause
+_CONSEQUENT_SIGNALS = {-signal.SIGABRT}
 
 
 def torchrun_root_cause(run_dir: str | os.PathLike, start: int = 0) -> tuple[int, int] | None:
-    """The rank and exit code torchrun reported as the root cause of a failure, in launcher.log after
-    byte ``start`` (where this launch's output begins: a resumed run appends to the same log)."""
+    """The rank and exit code that ended the run first, from torchrun's last failure report in
+    launcher.log after byte ``start`` (where this launch's output begins: a resumed run appends to the
+    same log).
+
+    NOTE: torchrun's own "first observed failure" is the failure with the smallest whole-second
+    timestamp, and a rank killed by a signal (the OOM killer's SIGKILL) is stamped when torchrun notices
+    it, while its peers' "Connection reset by peer" carry the second they raised in: the killed rank
+    then loses, or ties and loses to the lower rank. A rank ended by a signal that is not a consequence
+    of a peer's failure is therefore the cause whenever torchrun reports one."""
     p = Path(run_dir) / "logs" / "launcher.log"
     try:
         with open(p, "rb") as f:
             size = p.stat().st_size
-            f.seek(max(start, size - 64_000, 0))
-            data = f.read(64_000)
+            f.seek(max(start, size - 256_000, 0))
+            data = f.read(256_000)
     except OSError:
         return None
-    found = list(_ROOT_CAUSE.finditer(data))
-    return (int(found[-1].group(1)), int(found[-1].group(2))) if found else None
+    reports = list(_REPORT.finditer(data))
+    if not reports:
+        return None
+    others, root = reports[-1].group(1), reports[-1].group(2)
+    first = _FAILURE.search(root)
+    if first is None:
+        return None
+    torchrun_pick = (int(first.group(1)), int(first.group(2)))
+    failures = [torchrun_pick, *((int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(others))]
+    killed = [f for f in failures if f[1] < 0 and f[1] not in _CONSEQUENT_SIGNALS]
+    if killed and torchrun_pick not in killed:
+        return min(killed)
+    return torchrun_pick
 
 
 def _is_checkpoint_dir(p: Path) -> bool:
