@@ -4,7 +4,7 @@ Run as a process: ``python tests/s3_server.py`` prints ``PORT <n>`` once it list
 ``GET /_requests`` returns the count of S3 requests so far (by method) as JSON; ``DELETE /_requests``
 resets it. ``PUT /_requests/fail`` with a body makes every later PUT whose path contains that text
 fail with a real S3 ``500 InternalError`` (a storage fault, injected at the server; an empty body
-clears it). Used by tests/test_remote.py and benchmarks/remote_export.py, so both count the same way:
+clears it); a server-side copy's path is matched as ``/bucket/key<-bucket/source-key``. Used by tests/test_remote.py and benchmarks/remote_export.py, so both count the same way:
 at the server, for every client.
 
 Checksums as S3 checks them: a PUT (object or part) that carries ``x-amz-checksum-crc32`` (as a header,
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 import zlib
 from collections import Counter
@@ -95,7 +96,9 @@ class RequestCounter:
                 body = json.dumps(dict(self.checks)).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
-        if self.fail_match and environ["REQUEST_METHOD"] == "PUT" and self.fail_match in path:
+        copied = environ.get("HTTP_X_AMZ_COPY_SOURCE")
+        seen = f"{path}<-{urllib.parse.unquote(copied).lstrip('/')}" if copied else path
+        if self.fail_match and environ["REQUEST_METHOD"] == "PUT" and self.fail_match in seen:
             with self.lock:
                 self.counts["failed"] += 1
             start_response("500 Internal Server Error", [("Content-Type", "application/xml"),

@@ -148,6 +148,36 @@ def test_failed_upload_leaves_no_final_key(s3):
     assert not [p for p in fs.find(BUCKET) if ".shardscope-tmp" in p]
 
 
+def test_failed_force_export_over_a_folder_leaves_the_old_folder_as_it_was(s3):
+    """--force over a sharded folder: the shards are moved into place first (replacing the old ones of the
+    same names), the index last; when the index's move fails the old shards are put back."""
+    server, fs, _ = s3
+    src, dst = f"s3://{BUCKET}/fsdp2_r4", f"{BUCKET}/force/sharded"
+    proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "4KB")
+    assert proc.returncode == 0, proc.stderr
+    before = {p: fs.cat(p) for p in fs.find(dst)}
+    assert len(before) == 4  # three shards and the index
+    try:
+        # the new index's move into place fails (not the old one's put back)
+        server.fail_puts(f"{dst}/model.safetensors.index.json<-{BUCKET}/force/.shardscope-tmp-")
+        # the same shard names with other bytes (the keys renamed)
+        proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "4KB",
+                             "--rename", r"\.weight$=.w", "--force")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert server.requests().get("failed", 0) >= 1
+    finally:
+        server.fail_puts("")
+    assert {p: fs.cat(p) for p in fs.find(dst)} == before
+    assert not [p for p in fs.find(BUCKET) if ".shardscope-tmp" in p or ".shardscope-old" in p]
+    # and when nothing fails, the new folder replaces it
+    proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "4KB",
+                         "--rename", r"\.weight$=.w", "--force")
+    assert proc.returncode == 0, proc.stderr
+    after = {p: fs.cat(p) for p in fs.find(dst)}
+    assert after.keys() == before.keys() and all(after[p] != before[p] for p in before)
+    assert not [p for p in fs.find(BUCKET) if ".shardscope-tmp" in p or ".shardscope-old" in p]
+
+
 def test_storage_option_gives_endpoint_and_credentials_without_env(s3):
     server, _, _ = s3
     opts = ["--storage-option", f"client_kwargs.endpoint_url={server.endpoint}",

@@ -296,3 +296,58 @@ def test_root_cause_is_the_rank_killed_by_a_signal_not_torchruns_first_stamp(tmp
     # a report cut short, or none, names nobody
     log.write_text(report.split("Root Cause")[0])
     assert torchrun_root_cause(tmp_path / "run") is None
+
+
+def test_status_updates_from_threads_and_processes_are_never_lost(tmp_path):
+    """status.json is changed by the window's poll, a Stop and ``shardscope stop`` in a terminal at once:
+    every read-modify-write holds the run's status lock, so no change is written over by another."""
+    import subprocess
+    import sys
+    import threading
+
+    from shardscope.backend.runs.rundir import update_status
+
+    update_status(tmp_path, "running")
+    n = 150
+    script = ("import sys\nfrom shardscope.backend.runs.rundir import update_status\n"
+              f"for i in range({n}): update_status(sys.argv[1], **{{f'{{sys.argv[2]}}{{i}}': i}})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), f"p{k}_"]) for k in range(2)]
+    threads = [threading.Thread(target=lambda k=k: [update_status(tmp_path, **{f"t{k}_{i}": i}) for i in range(n)])
+               for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    status = json.loads((tmp_path / "status.json").read_text())
+    missing = [f"{w}_{i}" for w in ("p0", "p1", "t0", "t1") for i in range(n) if f"{w}_{i}" not in status]
+    assert not missing, f"{len(missing)} updates lost, e.g. {missing[:5]}"
+    assert status["state"] == "running"
+
+
+def test_a_stop_while_starting_stops_the_torchrun_started_after_it(tmp_path):
+    """``shardscope stop`` can come while a run is "starting" (no torchrun pid yet): it settles the run
+    "stopped", and the torchrun the launcher starts a moment later is ended, not left training unseen."""
+    import threading
+
+    from shardscope.backend.runs.launcher import stop_run
+    from shardscope.backend.runs.rundir import status_lock
+
+    run = tmp_path / "early"
+    launcher = RunLauncher(run, RunConfig(strategy="ddp", nproc=2, steps=100000, checkpoint_every=0, model=SMALL))
+    with status_lock(run):  # the launcher is held between starting torchrun and recording its pid
+        starter = threading.Thread(target=launcher.start)
+        starter.start()
+        deadline = time.monotonic() + 120
+        while read_status(run).get("state") != "starting":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert stop_run(run, grace=5)["state"] == "stopped"
+    starter.join(120)
+    assert not starter.is_alive()
+    try:
+        assert launcher.proc is not None and launcher.proc.poll() is not None, "torchrun still runs"
+        assert read_status(run)["state"] == "stopped"
+    finally:
+        if launcher.proc is not None and launcher.proc.poll() is None:
+            launcher.stop(grace=2)

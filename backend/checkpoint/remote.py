@@ -566,6 +566,7 @@ class RemoteHandles:
 
 # ------------------------------------------------------------------ a whole object, copied to a local temporary
 TMP_PREFIX = ".shardscope-tmp-"
+OLD_PREFIX = ".shardscope-old-"  # the old files of a --force export over a folder, while it commits
 DOWNLOAD_BLOCK = 16 << 20  # one ranged GET each
 DOWNLOAD_IN_FLIGHT = 4  # blocks fetched at once: at most this many blocks are in memory
 DOWNLOAD_SPARE = 256 << 20  # left free on the temp folder's disk after a copy
@@ -815,6 +816,7 @@ class RemoteTarget:
         self.s3 = self.protocol in ("s3", "s3a") and hasattr(self.fs, "call_s3")
         self.report = UploadCheck(checksummed=self.s3)
         self._stop: Callable[[], None] = _go_on
+        self._keep_aside = False  # a failed --force export could not put every old file back
 
     def exists(self) -> bool:
         """True when something already exists at the destination URL."""
@@ -855,9 +857,56 @@ class RemoteTarget:
         moves = [(os.path.join(local_path, n), f"{tmp}/{n}", f"{self.root}/{n}") for n in names
                  if os.path.isfile(os.path.join(local_path, n))]
         old = self._old_files()
-        self._upload_then_move(moves, tmp)
-        for path in sorted(old - {final for _, _, final in moves}):  # --force: the old folder's other files
+        finals = {final for _, _, final in moves}
+        # --force over a folder: the old files a move would overwrite are first copied aside (server side),
+        # and put back if the export then fails, so a failure leaves the old folder as it was
+        saved = self._set_aside(sorted(old & finals)) if old & finals else None
+        try:
+            self._upload_then_move(moves, tmp)
+        except BaseException:
+            if saved is not None:
+                self._put_back(saved)  # raises, keeping the copies, when one could not be put back
+            raise
+        finally:
+            if saved is not None and not self._keep_aside:
+                self._quiet_rm(saved[0], recursive=True)
+        for path in sorted(old - finals):  # the old folder's other files, once the new one is in place
             self._quiet_rm(path)
+
+    def _set_aside(self, paths: list[str]) -> tuple[str, list[tuple[str, str]]]:
+        """Copies of ``paths`` in a folder next to the destination, ``.shardscope-old-…``. NOTE: unlike the
+        temporary uploads it is never removed by a later run: after a kill -9 during the moves it holds the
+        only copy of the old files the moves had replaced."""
+        parent, _, base = self.root.rpartition("/")
+        aside = f"{parent}/{OLD_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}-{_host()}-{base}"
+        copies = [(p, f"{aside}/{p.rpartition('/')[2]}") for p in paths]
+        try:
+            for path, copy in copies:
+                self._stop()
+                call(self.url, self.fs.copy, path, copy, doing="cannot set the old files aside")
+        except BaseException:
+            self._quiet_rm(aside, recursive=True)
+            raise
+        return aside, copies
+
+    def _put_back(self, saved: tuple[str, list[tuple[str, str]]]) -> None:
+        """After a failed --force export: every old file the new one may have replaced or removed, as it was.
+        A file that cannot be put back is named in the log, with the copy that still holds it."""
+        aside, copies = saved
+        lost = []
+        for path, copy in copies:
+            try:
+                self.fs.copy(copy, path)
+            except Exception as exc:
+                if not is_remote_error(exc):
+                    raise
+                lost.append(path)
+                log.warning("could not put back %s from %s: %r", path, copy, exc)
+        if lost:  # keep the copies: they are all that is left of these files
+            self._keep_aside = True
+            raise CheckpointError(f"{self.url}: the export failed and {len(lost)} of the old files could not be "
+                                  f"put back; their copies are under {self.protocol}://{aside} (see the log).",
+                                  path=self.url)
 
     def _old_files(self) -> set[str]:
         if not self.exists():

@@ -191,7 +191,11 @@ class AtomicOutput:
                     # a folder cannot be replaced in one step: move it aside under a temporary name first
                     aside = f"{self.path}-old"
                     os.rename(self.dst, aside)
-                    os.rename(self.path, self.dst)
+                    try:
+                        os.rename(self.path, self.dst)
+                    except OSError:
+                        os.rename(aside, self.dst)  # the old folder back under its name
+                        raise
                     remove_path(aside)
                 else:
                     os.replace(self.path, self.dst)

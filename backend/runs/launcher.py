@@ -27,6 +27,7 @@ from .rundir import (
     rank_exits,
     read_config,
     read_status,
+    status_lock,
     torchrun_root_cause,
     update_status,
     write_json,
@@ -173,13 +174,14 @@ def run_status(run_dir: str | os.PathLike, exit_code: int | None = None, pid: in
         if not isinstance(pid, int) or (pid_alive(pid) and not is_zombie(pid)):
             return status
         exit_code = _reap_ended_child(pid)
-    # NOTE: read again now that torchrun is known to have ended. A stop writes stop_requested before its
-    # first signal, so it is seen here; the status read above may predate it (a poll racing a Stop
-    # wrote "failed" over a run the user had stopped)
-    status = read_status(run_dir)
-    if status.get("state") in FINAL_STATES or status.get("pid") != pid:
-        return status  # settled meanwhile by another thread, or a new launch has begun
-    return _settle(run_dir, status, exit_code)
+    # NOTE: read again, under the status lock, now that torchrun is known to have ended. A stop writes
+    # stop_requested (under the same lock) before its first signal, so it is seen here; the status read
+    # above may predate it (a poll racing a Stop wrote "failed" over a run the user had stopped)
+    with status_lock(run_dir):
+        status = read_status(run_dir)
+        if status.get("state") in FINAL_STATES or status.get("pid") != pid:
+            return status  # settled meanwhile by another thread or process, or a new launch has begun
+        return _settle(run_dir, status, exit_code)
 
 
 def _settle(run_dir: str | os.PathLike, status: dict[str, Any], exit_code: int | None) -> dict[str, Any]:
@@ -282,7 +284,15 @@ class RunLauncher:
             # NOTE: a new session, so stop() can signal torchrun *and* its workers as one group.
             self.proc = subprocess.Popen(self.command(), cwd=str(self.run_dir), env=env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        update_status(self.run_dir, "running", pid=self.proc.pid)
+        with status_lock(self.run_dir):
+            # NOTE: a stop that came while the run was "starting" (``shardscope stop`` from a terminal) found
+            # no process and settled the run "stopped": the torchrun just started must not run on unseen
+            stopped = read_status(self.run_dir).get("state") in FINAL_STATES
+            if not stopped:
+                update_status(self.run_dir, "running", pid=self.proc.pid)
+        if stopped:
+            terminate_tree(self.proc.pid, 10.0)
+            self.proc.wait()
         return self
 
     def _check_directory(self) -> None:

@@ -17,7 +17,10 @@ import os
 import re
 import signal
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +97,61 @@ def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
     return read_json(Path(run_dir) / "status.json")
 
 
+STATUS_LOCK_NAME = ".status.lock"
+_held: dict[str, list] = {}  # run folder -> [RLock, depth, fd of the flock'ed lock file or None]
+_held_guard = threading.Lock()
+
+
+@contextmanager
+def status_lock(run_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold status.json for a read-modify-write, against other threads and other processes (the window's
+    poll, a Stop, ``shardscope stop`` from a terminal). Re-entrant in a thread. Where no lock can be taken
+    (a read-only folder, a system without ``flock``) it holds the threads of this process only.
+
+    NOTE: without it a poll that settled a run "failed" could write over the stop_requested a Stop had
+    written a moment before (lost update), and the run read "failed" although the user had stopped it."""
+    key = os.path.abspath(run_dir)
+    with _held_guard:
+        entry = _held.setdefault(key, [threading.RLock(), 0, None])
+    with entry[0]:
+        if entry[1] == 0:
+            entry[2] = _flock(Path(key) / STATUS_LOCK_NAME)
+        entry[1] += 1
+        try:
+            yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0 and entry[2] is not None:
+                os.close(entry[2])  # closing the descriptor releases the flock
+                entry[2] = None
+
+
+def _flock(path: Path) -> int | None:
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # a file system without locks (some network mounts)
+        os.close(fd)
+        return None
+    return fd
+
+
 def update_status(run_dir: str | os.PathLike, state: str | None = None, **changes: Any) -> dict[str, Any]:
-    """Merge ``changes`` (and the new ``state``) into status.json; returns the new status."""
-    status = read_status(run_dir)
-    status.update(changes, updated=time.time())
-    if state is not None:
-        status["state"] = state
-    write_json(Path(run_dir) / "status.json", status)
+    """Merge ``changes`` (and the new ``state``) into status.json, under :func:`status_lock`; returns the
+    new status."""
+    with status_lock(run_dir):
+        status = read_status(run_dir)
+        status.update(changes, updated=time.time())
+        if state is not None:
+            status["state"] = state
+        write_json(Path(run_dir) / "status.json", status)
     return status
 
 
