@@ -4,8 +4,9 @@ Run as a process: ``python tests/s3_server.py`` prints ``PORT <n>`` once it list
 ``GET /_requests`` returns the count of S3 requests so far (by method) as JSON; ``DELETE /_requests``
 resets it. ``PUT /_requests/fail`` with a body makes every later PUT whose path contains that text
 fail with a real S3 ``500 InternalError`` (a storage fault, injected at the server; an empty body
-clears it); a server-side copy's path is matched as ``/bucket/key<-bucket/source-key``. Used by tests/test_remote.py and benchmarks/remote_export.py, so both count the same way:
-at the server, for every client.
+clears it); a server-side copy's path is matched as ``/bucket/key<-bucket/source-key``. Used by
+tests/test_remote.py and benchmarks/remote_export.py, so both count the same way: at the server, for
+every client.
 
 Checksums as S3 checks them: a PUT (object or part) that carries ``x-amz-checksum-crc32`` (as a header,
 or as the trailer of an ``aws-chunked`` body) is refused with ``400 BadDigest`` when the bytes received
