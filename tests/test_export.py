@@ -175,3 +175,26 @@ def test_refuses_to_overwrite_without_force(fixtures, tmp_path):
     assert run_cli("export", fixtures["nopg"], dst).returncode == 2
     assert dst.read_text() == "keep me"
     assert run_cli("export", fixtures["nopg"], dst, "--force").returncode == 0
+
+
+def test_empty_and_tensorless_checkpoints_say_what_was_proven(tmp_path):
+    """An empty state dict is refused in words that fit it; a .pt of non-tensor entries only is written,
+    and "verified" does not claim tensor bytes that were never there."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... a single process"
+        dcp.save({}, checkpoint_id=str(tmp_path / "empty"))
+        dcp.save({"model": {}, "step": 3}, checkpoint_id=str(tmp_path / "objects"))
+    for out in ("e.pt", "e.safetensors"):
+        proc = run_cli("export", tmp_path / "empty", tmp_path / out)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "holds no entries" in proc.stderr and ".pt file" not in proc.stderr
+        assert not (tmp_path / out).exists()
+    proc = run_cli("export", tmp_path / "objects", tmp_path / "o.pt")
+    assert proc.returncode == 0, proc.stderr
+    assert "verified: nothing (no tensor was written" in proc.stdout and "every tensor's bytes" not in proc.stdout
+    # the empty dict leaves no entry in the metadata: torch's dcp_to_torch_save gives the same
+    assert torch.load(tmp_path / "o.pt", weights_only=True) == {"step": 3}

@@ -217,6 +217,9 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
     if not items and not objects:
         if only:
             raise ExportError(f"{ckpt.path}: nothing to export under {', '.join(only)}.")
+        if not ckpt.tensors and not ckpt.objects:
+            raise ExportError(f"{ckpt.path}: the checkpoint holds no entries (an empty state dict was saved); "
+                              "nothing to export.")
         raise ExportError(f"{ckpt.path}: nothing to export by default (layout: {layout.name}; "
                           f"{'; '.join(sel.left_out) or 'no entries'}); choose entries with --only PREFIX, or "
                           "export everything to a .pt file.")

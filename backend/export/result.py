@@ -36,7 +36,9 @@ class ExportResult:
                  f"wrote {self.dst}: {count(self.tensors, 'tensor')}, {human_bytes(self.bytes)}{how} "
                  f"in {self.seconds:.1f} s"
                  + (f" ({len(self.files)} files)" if len(self.files) > 1 else "")]
-        if self.verified:
+        if self.verified and not self.tensors:
+            lines.append("verified: nothing (no tensor was written; the file was read back only as a structure)")
+        elif self.verified:
             staged = " (the local staged copy, before its upload)" if self.uploaded else ""
             lines.append(f"verified{staged}: {self.verified_what}")
         if self.uploaded:
