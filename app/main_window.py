@@ -448,6 +448,7 @@ class MainWindow(QMainWindow):
         from shardscope.widgets.export_dialog import ExportDialog
 
         dlg = ExportDialog(view.data.ckpt, prefix, self)
+        dlg.openRequested.connect(self.open_path)  # Open after an export: the written file or folder in a tab
         dlg.exec()
 
     # ------------------------------------------------------------------ drag and drop

@@ -198,3 +198,33 @@ def test_empty_and_tensorless_checkpoints_say_what_was_proven(tmp_path):
     assert "verified: nothing (no tensor was written" in proc.stdout and "every tensor's bytes" not in proc.stdout
     # the empty dict leaves no entry in the metadata: torch's dcp_to_torch_save gives the same
     assert torch.load(tmp_path / "o.pt", weights_only=True) == {"step": 3}
+
+
+def test_force_over_a_model_folder_keeps_what_an_export_does_not_write(fixtures, tmp_path):
+    """`export ... --max-shard-size ... --force` into an HF model folder replaced the whole folder, deleting
+    its config.json and tokenizer files. An earlier export's weights go; everything else stays, hard-linked
+    into the new folder (the same files, no copy)."""
+    folder = tmp_path / "model"
+    (folder / "tok").mkdir(parents=True)
+    (folder / "config.json").write_text('{"a": 1}')
+    (folder / "tok" / "vocab.txt").write_text("x")
+    (folder / "notes.md").symlink_to("config.json")
+    (folder / "pytorch_model.bin").write_bytes(b"stale weights")
+    inode = (folder / "config.json").stat().st_ino
+    proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "4KB")
+    assert proc.returncode == 2 and "--force" in proc.stderr
+    proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "4KB", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert "kept in the folder (not written by an export): config.json, notes.md, tok" in proc.stdout
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert {p.name for p in folder.iterdir()} == {*index["weight_map"].values(), "model.safetensors.index.json",
+                                                  "config.json", "notes.md", "tok"}
+    assert (folder / "config.json").stat().st_ino == inode and os.readlink(folder / "notes.md") == "config.json"
+    assert (folder / "tok" / "vocab.txt").read_text() == "x"
+    # --config writes config.json itself: the given one wins over the kept one
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"model_type": "llama"}')
+    proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "8KB", "--config", cfg, "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shardscope-tmp")]

@@ -155,8 +155,9 @@ def test_failed_force_export_over_a_folder_leaves_the_old_folder_as_it_was(s3):
     src, dst = f"s3://{BUCKET}/fsdp2_r4", f"{BUCKET}/force/sharded"
     proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "4KB")
     assert proc.returncode == 0, proc.stderr
+    fs.pipe(f"{dst}/config.json", b"{}")  # a model folder's own file, which no export writes
     before = {p: fs.cat(p) for p in fs.find(dst)}
-    assert len(before) == 4  # three shards and the index
+    assert len(before) == 5  # three shards, the index and config.json
     try:
         # the new index's move into place fails (not the old one's put back)
         server.fail_puts(f"{dst}/model.safetensors.index.json<-{BUCKET}/force/.shardscope-tmp-")
@@ -173,8 +174,10 @@ def test_failed_force_export_over_a_folder_leaves_the_old_folder_as_it_was(s3):
     proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "4KB",
                          "--rename", r"\.weight$=.w", "--force")
     assert proc.returncode == 0, proc.stderr
+    assert "kept in the folder (not written by an export): config.json" in proc.stdout
     after = {p: fs.cat(p) for p in fs.find(dst)}
-    assert after.keys() == before.keys() and all(after[p] != before[p] for p in before)
+    assert after.keys() == before.keys()
+    assert [p for p in before if after[p] == before[p]] == [f"{dst}/config.json"]
     assert not [p for p in fs.find(BUCKET) if ".shardscope-tmp" in p or ".shardscope-old" in p]
 
 

@@ -255,6 +255,12 @@ class CheckpointView(QWidget):
 
     # ------------------------------------------------------------------ selection
     def _current_changed(self, current: QModelIndex, _previous: QModelIndex) -> None:
+        sel = self.tree.selectionModel()
+        if current.isValid() and not sel.isSelected(current):
+            # NOTE: Qt makes the first row current, unselected, when the tree gets the focus (Tab, the window
+            # activated): the map and the inspector showed that entry while no row of the tree was highlighted
+            sel.select(current, QItemSelectionModel.SelectionFlag.ClearAndSelect |
+                       QItemSelectionModel.SelectionFlag.Rows)
         node: TreeNode | None = current.data(NodeRole) if current.isValid() else None
         self._selected = node
         self.cancel_values()

@@ -48,6 +48,7 @@ def dialog_words(message: str) -> str:
 
 class ExportDialog(QDialog):
     finished_export = Signal(object)  # ExportResult, or None when cancelled/failed
+    openRequested = Signal(str)  # Open pressed after an export: the written checkpoint, to open in the window
 
     def __init__(self, ckpt: Checkpoint, prefix: str = "", parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -81,11 +82,15 @@ class ExportDialog(QDialog):
         self.export_button = self.buttons.addButton("Export", QDialogButtonBox.ButtonRole.AcceptRole)
         self.show_button = self.buttons.addButton("Show in folder", QDialogButtonBox.ButtonRole.ActionRole)
         self.show_button.hide()
+        self.open_button = self.buttons.addButton("Open", QDialogButtonBox.ButtonRole.ActionRole)
+        self.open_button.setToolTip("Open what was written in the window (and close this dialog)")
+        self.open_button.hide()
         self.cancel_button = self.buttons.addButton(QDialogButtonBox.StandardButton.Cancel)
         self.close_button = self.buttons.addButton(QDialogButtonBox.StandardButton.Close)
         self.close_button.hide()
         self.export_button.clicked.connect(self.start)
         self.show_button.clicked.connect(self._show_in_folder)
+        self.open_button.clicked.connect(self._open_result)
         self.cancel_button.clicked.connect(self._cancel)
         self.close_button.clicked.connect(self.accept)
         layout.addWidget(self.buttons)
@@ -95,6 +100,7 @@ class ExportDialog(QDialog):
         for c in (self.format, self.dtype):
             c.currentIndexChanged.connect(self._options_changed)
         self.ranks.valueChanged.connect(self._options_changed)
+        self.force.toggled.connect(self._options_changed)
         self.update_preview()
 
     def _options_changed(self) -> None:
@@ -104,6 +110,7 @@ class ExportDialog(QDialog):
             self.message.clear()
             self.message.setStyleSheet("")
             self.show_button.hide()
+            self.open_button.hide()
         self.update_preview()
 
     def _build_form(self, ckpt: Checkpoint, prefix: str) -> QFormLayout:
@@ -151,6 +158,8 @@ class ExportDialog(QDialog):
                                "part) and the result says how.")
         form.addRow("", self.verify)
         self.force = QCheckBox("Overwrite the destination if it exists")
+        self.force.setToolTip("A file is replaced. A folder gets the new weights (and index); an earlier export's "
+                              "weights go, and every other file in it (config.json, tokenizer files) is kept.")
         form.addRow("", self.force)
         return form
 
@@ -268,6 +277,13 @@ class ExportDialog(QDialog):
     def _set_running(self, running: bool) -> None:
         self.progress.setVisible(running)
         self.export_button.setEnabled(not running)
+        if running:
+            # NOTE: a finished export swaps Cancel for Close; a second export from the same dialog needs Cancel
+            # back (it used to run with only Close, which shut the dialog instead of stopping the export)
+            self.cancel_button.show()
+            self.close_button.hide()
+            self.show_button.hide()
+            self.open_button.hide()
         # NOTE: only four fields used to be locked: editing another one mid-export replaced the plan, the
         # preview and the "Exporting …" line, so the result shown no longer matched what was written
         for w in self.option_widgets():
@@ -282,6 +298,7 @@ class ExportDialog(QDialog):
         self.message.setStyleSheet("" if result.verified is not False else "color: #d62728;")
         ok = result.verified is not False
         self.show_button.setVisible(ok)
+        self.open_button.setVisible(ok)
         self.close_button.setVisible(True)
         self.cancel_button.hide()
         self.finished_export.emit(result)
@@ -302,6 +319,11 @@ class ExportDialog(QDialog):
             self._worker.quit()
         else:
             self.reject()
+
+    def _open_result(self) -> None:
+        if self.result is not None:
+            self.openRequested.emit(self.result.dst)
+            self.accept()
 
     def _show_in_folder(self) -> None:
         if self.result is not None:

@@ -33,6 +33,7 @@ VIEW_KEYS = [
     ("Ctrl+C in the Inspector", "copy the chunk table as tab-separated text"),
     ("Right-click in the tree", "export a subtree, copy a name"),
     ("Down or Enter in the filter box", "go on to the matches in the tree (the first one selected)"),
+    ("Enter or double-click on a checkpoint", "open it (the Library, a run's Checkpoints in Training)"),
     ("Drop a folder or a checkpoint file on the window", "open it"),
 ]
 

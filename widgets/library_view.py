@@ -369,6 +369,9 @@ class LibraryView(QWidget):
         self.proxy.setSourceModel(self.model)
         self.proxy.setSortRole(SortRole)
         self.proxy.setRecursiveFilteringEnabled(True)
+        # NOTE: a run whose name matches keeps its checkpoints (filtering by a run's name used to show the run
+        # with "3 ckpt" and nothing under it to open)
+        self.proxy.setAutoAcceptChildRows(True)
         self.proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
         self.proxy.setFilterKeyColumn(0)
         self.usage = DiskUsageModel(self)
@@ -463,7 +466,8 @@ class LibraryView(QWidget):
             header.setSectionResizeMode(col, QHeaderView.ResizeMode.Interactive)
             header.resizeSection(col, width)
         self.tree.selectionModel().selectionChanged.connect(lambda *_: self._update_buttons())
-        self.tree.doubleClicked.connect(lambda _i: self.open_selected())
+        # NOTE: activated, not doubleClicked: Enter opens the selected checkpoint too (keyboard-only use)
+        self.tree.activated.connect(lambda _i: self.open_selected())
         self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.proxy.rowsInserted.connect(self._expand_new)
@@ -487,7 +491,7 @@ class LibraryView(QWidget):
         self.usage_table.setWordWrap(False)
         self.usage_table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.usage_table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
-        self.usage_table.doubleClicked.connect(self._reveal_run)
+        self.usage_table.activated.connect(self._reveal_run)
         v.addWidget(self.usage_table, 1)
         self.rules_label = QLabel()
         self.rules_label.setWordWrap(True)
@@ -706,7 +710,16 @@ class LibraryView(QWidget):
         dlg = PruneDialog(self.snapshot.listing, self.rules, self)
         dlg.rulesChanged.connect(self._set_rules)
         dlg.pruned.connect(lambda: self.poll(force=True))
-        dlg.exec()
+
+        def rescanned() -> None:  # the preview follows the Library's scans (after a removal, while a run writes)
+            if self.snapshot is not None:
+                dlg.set_listing(self.snapshot.listing)
+
+        self.refreshed.connect(rescanned)
+        try:
+            dlg.exec()
+        finally:
+            self.refreshed.disconnect(rescanned)
 
     def _set_rules(self, rules: Rules) -> None:
         self.rules = rules

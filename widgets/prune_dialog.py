@@ -85,6 +85,8 @@ class PruneDialog(QDialog):
         self._plan_worker: Worker | None = None
         self._again = False
         self._act_worker: Worker | None = None
+        self._plan_listing: Listing | None = None  # the listing the plan in progress (or shown) was made from
+        self._acted_on: Listing | None = None  # the listing of the last removal: its plan is spent
         self.current_rules: Rules | None = None
         lay = QVBoxLayout(self)
         lay.addLayout(self._build_rules(rules))
@@ -205,6 +207,16 @@ class PruneDialog(QDialog):
         self.debounce.start()
 
     # ------------------------------------------------------------------ preview
+    def set_listing(self, listing: Listing) -> None:
+        """A newer scan of the Library: plan again on what exists now. NOTE: the dialog used to keep the listing
+        it was opened with, so after a removal it listed the checkpoints already in the trash as "remove", with
+        their bytes, and Move to the trash stayed disabled for good."""
+        # an unchanged scan (the Library polls every 2 s) plans nothing: the table keeps its scroll and selection
+        if listing == self.listing or self._act_worker is not None:
+            return
+        self.listing = listing
+        self.update_preview()
+
     def update_preview(self) -> None:
         """Plan the current rules in a worker; the table and the summary follow."""
         try:
@@ -217,6 +229,7 @@ class PruneDialog(QDialog):
         if self._plan_worker is not None:
             self._again = True
             return
+        self._plan_listing = self.listing
         self._plan_worker = run_in_background(plan_rules, self.listing, rules, owner=self, on_result=self._show_plan,
                                               on_error=lambda m: self._show_plan(None, m),
                                               on_finished=self._plan_done)
@@ -234,9 +247,12 @@ class PruneDialog(QDialog):
             self.summary.setText(f"<span style='color:#d62728'>{error}</span>")
         else:
             left = f" Also finishes {count(len(plan.leftovers), 'interrupted prune')}." if plan.leftovers else ""
-            self.summary.setText(f"<b>Removes {len(plan.remove):,} of {count(len(plan.decisions), 'checkpoint')}, "
-                                 f"frees {human_bytes(plan.bytes_freed)}.</b>{left}")
-        self.act_button.setEnabled(self._act_worker is None and self.result is None and plan is not None and
+            done = f"{self._result_html()}<br>" if self.result is not None else ""  # the last removal stays in view
+            self.summary.setText(f"{done}<b>Removes {len(plan.remove):,} of "
+                                 f"{count(len(plan.decisions), 'checkpoint')}, frees {human_bytes(plan.bytes_freed)}."
+                                 f"</b>{left}")
+        fresh = self._plan_listing is not None and self._plan_listing is not self._acted_on
+        self.act_button.setEnabled(self._act_worker is None and fresh and plan is not None and
                                    bool(plan.remove or plan.leftovers))
 
     # ------------------------------------------------------------------ acting
@@ -255,6 +271,7 @@ class PruneDialog(QDialog):
     def start_removal(self, delete: bool) -> Worker:
         """Carry out the plan shown (tests call this directly; the button asks first for --delete)."""
         assert self.plan is not None
+        self._acted_on = self._plan_listing
         self.act_button.setEnabled(False)
         self.progress.setVisible(True)
         self.progress.setRange(0, max(1, len(self.plan.remove)))
@@ -271,9 +288,13 @@ class PruneDialog(QDialog):
         self._act_worker = None
         self.progress.setVisible(False)
         self.close_button.setText("Close")
-        color = "#d62728" if result.failed else "#2ca02c"
-        self.summary.setText(f"<span style='color:{color}'>{result.summary().replace(chr(10), '<br>')}</span>")
+        self.summary.setText(self._result_html())
         self.pruned.emit(result)
+
+    def _result_html(self) -> str:
+        assert self.result is not None
+        color = "#d62728" if self.result.failed else "#2ca02c"
+        return f"<span style='color:{color}'>{self.result.summary().replace(chr(10), '<br>')}</span>"
 
     def _act_failed(self, message: str) -> None:
         self._act_worker = None

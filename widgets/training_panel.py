@@ -51,6 +51,23 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def without_banners(log: str) -> str:
+    """A log tail without torchrun's start-up notices framed by rules of "*" (the OMP_NUM_THREADS one).
+    NOTE: a run whose torchrun was killed (kill -9, a scheduler) leaves only that notice in the launcher's log;
+    the panel used to say "torchrun failed: Setting OMP_NUM_THREADS environment variable ..." as if it were
+    the cause, with the notice as the traceback."""
+    out: list[str] = []
+    notice: list[str] | None = None  # the lines of a notice being read (kept if it never closes)
+    for line in log.splitlines():
+        if line.strip() and not line.strip("*"):  # a rule of stars opens or closes a notice
+            notice = [line] if notice is None else None
+        elif notice is not None:
+            notice.append(line)
+        else:
+            out.append(line)
+    return "\n".join(out + (notice or [])).strip()
+
+
 def _slurm_partitions(progress=None) -> list | str:
     """Partitions from sinfo, or why SLURM cannot be used here (runs on the pool)."""
     if not slurm.available():
@@ -177,8 +194,9 @@ class TrainingPanel(QWidget):
         ck = QWidget()
         cl = QVBoxLayout(ck)
         self.ckpt_list = QListWidget()
-        self.ckpt_list.itemDoubleClicked.connect(lambda it: self.openCheckpoint.emit(it.data(Qt.ItemDataRole.UserRole)))
-        cl.addWidget(QLabel("Double-click a checkpoint to open it in the browser."))
+        # NOTE: itemActivated (double-click or Enter), not itemDoubleClicked: the keyboard opens a checkpoint too
+        self.ckpt_list.itemActivated.connect(lambda it: self.openCheckpoint.emit(it.data(Qt.ItemDataRole.UserRole)))
+        cl.addWidget(QLabel("Double-click a checkpoint (or press Enter) to open it in the browser."))
         cl.addWidget(self.ckpt_list, 1)
         self.ckpt_list.setSelectionMode(QListWidget.SelectionMode.ExtendedSelection)
         self.ckpt_list.itemSelectionChanged.connect(self._update_buttons)
@@ -499,8 +517,10 @@ class TrainingPanel(QWidget):
             parts.append(_escape(st["explanation"]))
         for problem in snap.problems:
             parts.append(f"<span style='color:#d62728'>{_escape(problem)}</span>")
-        self._set_details(snap.failures, st.get("root_cause_rank"))
-        for r, tb in sorted(snap.failures.items()):
+        failures = {r: tb for r, tb in ((r, without_banners(tb)) for r, tb in snap.failures.items())
+                    if tb or r != -1}  # the launcher's log with nothing but notices says nothing more
+        self._set_details(failures, st.get("root_cause_rank"))
+        for r, tb in sorted(failures.items()):
             # the last line that says something (torchrun's summary ends in a rule of "=", its banner of "*")
             last = next((ln for ln in reversed(tb.splitlines()) if ln.strip(" =-*")), "no traceback recorded")
             who = "torchrun" if r == -1 else f"rank {r}"

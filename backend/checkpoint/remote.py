@@ -817,6 +817,7 @@ class RemoteTarget:
         self.report = UploadCheck(checksummed=self.s3)
         self._stop: Callable[[], None] = _go_on
         self._keep_aside = False  # a failed --force export could not put every old file back
+        self.kept: list[str] = []  # --force over a folder: what was there and is not the export's, kept
 
     def exists(self) -> bool:
         """True when something already exists at the destination URL."""
@@ -833,10 +834,13 @@ class RemoteTarget:
             raise CheckpointError(f"{self.url}: the bucket {bucket} does not exist (or is not visible with these "
                                   "credentials).", path=self.url)
 
-    def commit(self, local_path: str, kind: str, stop: Callable[[], None] | None = None) -> None:
+    def commit(self, local_path: str, kind: str, stop: Callable[[], None] | None = None,
+               owned: Callable[[str], bool] | None = None) -> None:
         """Upload ``local_path`` (a file, or a folder when ``kind == "dir"``) to the URL. ``stop`` raises when
         the user asked to stop (a deferred Ctrl-C); it is called between requests, never during one, so what
-        is at the destination is known when it raises, and removed."""
+        is at the destination is known when it raises, and removed. Over an existing folder (--force), its
+        files the upload does not replace are removed when ``owned(name)`` says they are the writer's kind
+        (an earlier export's other shards), and kept otherwise (listed in ``kept``); all, without ``owned``."""
         self._stop = stop or _go_on
         if kind == "file":
             if self.protocol in ATOMIC_PUT:  # one PUT or a multipart upload: visible only when complete
@@ -870,8 +874,12 @@ class RemoteTarget:
         finally:
             if saved is not None and not self._keep_aside:
                 self._quiet_rm(saved[0], recursive=True)
-        for path in sorted(old - finals):  # the old folder's other files, once the new one is in place
-            self._quiet_rm(path)
+        for path in sorted(old - finals):  # an earlier export's other files, once the new one is in place
+            name = path[len(self.root) + 1:]
+            if "/" not in name and (owned is None or owned(name)):
+                self._quiet_rm(path)
+            else:
+                self.kept.append(name)  # not written by an export (config.json, tokenizer files): kept
 
     def _set_aside(self, paths: list[str]) -> tuple[str, list[tuple[str, str]]]:
         """Copies of ``paths`` in a folder next to the destination, ``.shardscope-old-…``. NOTE: unlike the

@@ -92,6 +92,25 @@ def write_error(dst: str, exc: OSError) -> OutputError:
     return OutputError(f"{dst}: cannot write ({exc.strerror or exc}).")
 
 
+# what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
+# --force replaces an earlier export's files of these kinds and keeps everything else in the folder
+EXPORT_SUFFIXES = (".safetensors", ".distcp", ".pt", ".pth", ".bin")
+EXPORT_NAMES = ("model.safetensors.index.json", ".metadata")
+
+
+def export_owned(name: str) -> bool:
+    """True for a folder entry an export writes or replaces (see :data:`EXPORT_SUFFIXES`); a --force export
+    over a folder keeps every other entry (an HF model folder's config.json and tokenizer files)."""
+    return name.endswith(EXPORT_SUFFIXES) or name in EXPORT_NAMES
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # the same file system (the temporary is made next to the destination): no copy
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 class AtomicOutput:
     """Context manager: write into ``path`` (a file or a folder), then ``commit()``.
 
@@ -111,6 +130,7 @@ class AtomicOutput:
         self.folder = tempfile.gettempdir() if self.remote else os.path.dirname(self.dst)  # remote: local staging
         self.path = os.path.join(self.folder, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(3)}")
         self.committed = False
+        self.kept: list[str] = []  # --force over a folder: its entries the export kept (it does not write them)
         self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
         self._old_handlers: dict[int, Any] = {}
         # NOTE: during an upload a signal is only noted, and acted on between requests (see commit()): raised
@@ -177,10 +197,11 @@ class AtomicOutput:
         if self.remote:  # the upload is the commit
             self._uploading = True
             try:
-                self.remote.commit(self.path, self.kind, stop=self._stop_if_asked)
+                self.remote.commit(self.path, self.kind, stop=self._stop_if_asked, owned=export_owned)
             finally:
                 self._uploading = False
             self.uploaded = self.remote.report.describe()
+            self.kept = self.remote.kept
             self._discard()
             self.committed = True
             return
@@ -188,6 +209,8 @@ class AtomicOutput:
         try:
             if os.path.lexists(self.dst):
                 if os.path.isdir(self.dst) and not os.path.islink(self.dst):
+                    if self.kind == "dir":
+                        self.kept = self._carry_over()
                     # a folder cannot be replaced in one step: move it aside under a temporary name first
                     aside = f"{self.path}-old"
                     os.rename(self.dst, aside)
@@ -207,6 +230,27 @@ class AtomicOutput:
         self.committed = True
         with _active_lock:
             _active.discard(self.path)
+
+    def _carry_over(self) -> list[str]:
+        """Hard links (copies across file systems) in the new folder of the old folder's entries the export
+        does not write, so the swap keeps them. NOTE: --force replaced the whole folder, and an export into
+        an HF model folder deleted its config.json and tokenizer files without a word."""
+        kept = []
+        with os.scandir(self.dst) as entries:
+            for e in sorted(entries, key=lambda e: e.name):
+                target = os.path.join(self.path, e.name)
+                if export_owned(e.name) or os.path.lexists(target):
+                    continue  # replaced by the new export, or written by it (--config's config.json)
+                if e.is_symlink():
+                    os.symlink(os.readlink(e.path), target)
+                elif e.is_dir():
+                    shutil.copytree(e.path, target, symlinks=True, copy_function=_link_or_copy)
+                else:
+                    _link_or_copy(e.path, target)
+                kept.append(e.name)
+        if kept:
+            fsync_path(self.path)
+        return kept
 
     def _discard(self) -> None:
         remove_path(self.path)

@@ -161,7 +161,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, ".metadata"]], count, nbytes,
                         time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
                         verified_what=WHAT + "; the folder reads back as a DCP checkpoint" if verify else "",
-                        uploaded=out.uploaded)
+                        uploaded=out.uploaded, kept=out.kept)
 
 
 def _expectations(folder: str, written: list[_Written]) -> list[Expectation]:

@@ -25,6 +25,7 @@ class ExportResult:
     verified_what: str = ""  # what exactly was proven, printed after "verified:"
     mismatches: list[str] = field(default_factory=list)
     uploaded: str = ""  # URL destinations: how the upload of the verified staged copy was checked
+    kept: list[str] = field(default_factory=list)  # --force over a folder: its entries that are not an export's
 
     def summary(self) -> str:
         """The lines the CLI prints and the dialog shows."""
@@ -43,6 +44,9 @@ class ExportResult:
             lines.append(f"verified{staged}: {self.verified_what}")
         if self.uploaded:
             lines.append(f"uploaded: {self.uploaded}")
+        if self.kept:
+            lines.append(f"kept in the folder (not written by an export): {', '.join(self.kept[:8])}"
+                         + (f" and {len(self.kept) - 8} more" if len(self.kept) > 8 else ""))
         lines += [f"left out: {note}" for note in self.left_out]
         return "\n".join(lines)
 

@@ -68,7 +68,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     files = [os.path.join(out.dst, n) if n else out.dst for n in names]
     return ExportResult(out.dst, files, len(plan.items), total, time.monotonic() - t0, plan.format,
                         left_out=left_out, notes=list(plan.notes), verified=True if verify else None,
-                        verified_what=WHAT if verify else "", uploaded=out.uploaded)
+                        verified_what=WHAT if verify else "", uploaded=out.uploaded, kept=out.kept)
 
 
 __all__ = ["check_sources", "export"]
