@@ -38,7 +38,8 @@ def human_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
+# NOTE: lone surrogates (a JSON header may hold "\\ud800") cannot be encoded at all: printing one raises.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
 
 
 def count(n: int, one: str, many: str | None = None) -> str:

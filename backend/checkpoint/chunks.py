@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import threading
 import warnings
 import zlib
@@ -185,6 +186,10 @@ class ChunkReader:
     def _stored(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
         """The one dispatch over storage variants."""
         if self.ckpt.format == "hf-safetensors":  # the chunk's byte range is the raw data itself
+            need = math.prod(chunk.sizes) * max(1, ITEMSIZE.get(dtype, 1))
+            if chunk.length != need:  # the safetensors library refuses such a header: never read a prefix
+                raise ItemFormatError(f"{chunk.length} bytes stored for shape {list(chunk.sizes)} of {dtype}, "
+                                      f"which needs {need}")
             return StoredTensor(dtype, tuple(chunk.sizes), contiguous_strides(chunk.sizes), 0, chunk.offset,
                                 chunk.length, None)
         magic = self.handles.read(chunk.file, chunk.offset, 4) if chunk.length >= 4 else b""

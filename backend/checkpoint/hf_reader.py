@@ -15,11 +15,15 @@ from array import array
 import numpy as np
 
 from ..errors import CheckpointError
+from ..format import count
+from .chunks import safe_name
 from .items import parse_safetensors_file
 from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize
-from .storage import Folder
+from .storage import Folder, why_absent
 
 SHARD_RE = re.compile(r"^shard-(\d+)-")
+INDEX = "model.safetensors.index.json"  # save_pretrained's map of tensor -> shard file
+MAX_INDEX_BYTES = 64 << 20  # an index names files and keys; far larger is not one
 
 
 def is_hf_folder(listing: dict[str, int], folder: Folder) -> bool:
@@ -82,9 +86,59 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     if ".metadata" in listing:
         files.append(FileInfo(".metadata", None, listing[".metadata"], "metadata"))
         ckpt.metadata_files = [".metadata"]
+    if INDEX in listing:
+        problems += _index_problems(folder, listing, pieces)
     ckpt.problems = problems
     ckpt.reindex()
     return ckpt
+
+
+def index_weight_map(where: Folder) -> dict[str, str]:
+    """Tensor name -> shard file of the folder's HF ``model.safetensors.index.json``, every file a plain
+    name inside the folder; CheckpointError naming the index when it is missing, too large or malformed."""
+    index = where.join(INDEX)
+    size = where.listing().get(INDEX)
+    if size is None:
+        raise CheckpointError(f"{index}: no such file.", path=index)
+    if size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index}: {size} bytes is implausible for a safetensors index.", path=index)
+    try:
+        with where.handles() as handles:
+            weight_map = json.loads(handles.read(INDEX, 0, size))["weight_map"]
+        files = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"{index}: not a readable safetensors index ({type(exc).__name__}).",
+                              path=index) from None
+    bad = sorted(repr(f) for f in files if not isinstance(f, str) or not safe_name(f))
+    if bad:
+        raise CheckpointError(f"{index}: names {bad[0]}, not a file inside the folder.", path=index)
+    return weight_map
+
+
+def _index_problems(folder: Folder, listing: dict[str, int], pieces: dict[str, list]) -> list[Problem]:
+    """What the folder's index promises and the shards do not hold: a shard file that is absent (or refused),
+    a tensor in none of the shards. Without this a folder missing a shard would look healthy."""
+    try:
+        weight_map = index_weight_map(folder)
+    except CheckpointError as exc:
+        return [Problem("unreadable", str(exc), file=INDEX)]
+    out = []
+    by_file: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        by_file.setdefault(name, []).append(key)
+    for name in sorted(n for n in by_file if n not in listing):
+        keys = by_file[name]
+        out.append(Problem("missing_file", f"{name} {why_absent(folder.path, name)}; the index places "
+                           f"{count(len(keys), 'tensor')} in it ({_some(keys)}).", fqn=keys[0], file=name))
+    lost = [k for k, n in weight_map.items() if n in listing and k not in pieces]
+    if lost:
+        out.append(Problem("missing_tensor", f"{INDEX} places {count(len(lost), 'tensor')} in shards that do "
+                           f"not hold them ({_some(lost)}).", fqn=lost[0]))
+    return out
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
 
 
 def _sharding_info(meta: dict[str, str], name: str, problems: list[Problem]) -> dict:

@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import json
 import os
+import pickletools
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint import open_checkpoint
-from ..checkpoint.chunks import ChunkReader, allow_safe_globals, safe_name
-from ..checkpoint.flatten import dotted, flatten
-from ..checkpoint.hf_reader import open_hf_folder
-from ..checkpoint.items import parse_safetensors_file
+from ..checkpoint.chunks import ChunkReader, allow_safe_globals
+from ..checkpoint.flatten import FlattenError, dotted, flatten
+from ..checkpoint.hf_reader import INDEX, index_weight_map, open_hf_folder
+from ..checkpoint.items import ItemFormatError, parse_safetensors_file, zip_records
+from ..checkpoint.model import Checkpoint, Problem
 from ..checkpoint.remote import Download
-from ..checkpoint.storage import Folder, is_url, open_folder, open_remote_file
+from ..checkpoint.storage import Folder, LocalHandles, is_url, open_folder, open_remote_file
+from ..checkpoint.verify import overlap_problems
 from ..errors import CheckpointError
 from ..export.layouts import Layout, layout_of_names, recognise_layout
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
-INDEX = "model.safetensors.index.json"
-MAX_INDEX_BYTES = 64 << 20  # an index names files and keys; far larger is not one
 NOT_A_CHECKPOINT = "not a checkpoint file (.pt, .pth, .bin, .ckpt, .safetensors) or folder."
 
 
@@ -121,16 +123,34 @@ class TorchFileSource(Source):
 
         self.name = name or path  # a URL's name: the copy it was loaded from is temporary
         allow_safe_globals()  # what an export of a DCP checkpoint may hold (io.BytesIO)
+        budget = _check_pickle(path, self.name)
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            with warnings.catch_warnings():  # torch warns on stderr about what a file holds (TypedStorage, CSR)
+                warnings.simplefilter("ignore")
+                data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
             raise CheckpointError(f"{self.name}: cannot be loaded safely with weights_only=True "
                                   f"({str(exc).splitlines()[0][:200]}).", path=self.name) from None
         if not isinstance(data, dict):
             raise CheckpointError(f"{self.name}: does not hold a dict of tensors.", path=self.name)
-        flat = flatten(data)
+        try:
+            flat = flatten(data, limit=budget)
+        except FlattenError as exc:
+            raise CheckpointError(f"{self.name}: its pickled data {exc}.", path=self.name) from None
         self._leaves = {dotted(k): v for k, v in flat.items()}
         self._paths = {dotted(k): k for k in flat}
+        if len(self._leaves) != len(flat):  # torch's flatten_state_dict refuses these too
+            names = [dotted(k) for k in flat]
+            twice = next(n for i, n in enumerate(names) if n in names[:i])
+            raise CheckpointError(f"{self.name}: two entries are both named {twice!r} once flattened "
+                                  "(a key with a dot next to a nested one).", path=self.name, fqn=twice)
+        odd = next((k for k, v in self._leaves.items() if isinstance(v, torch.Tensor) and not _dense(v)), None)
+        if odd is not None:
+            v = self._leaves[odd]
+            what = ("a quantized tensor" if v.is_quantized else "a tensor on the meta device (no values)"
+                    if v.device.type == "meta" else f"a {str(v.layout).removeprefix('torch.')} tensor")
+            raise CheckpointError(f"{self.name} (tensor {odd}): {what}; only dense tensors are read.",
+                                  path=self.name, fqn=odd)
 
     @classmethod
     def from_url(cls, url: str, storage_options: dict[str, Any] | None = None) -> TorchFileSource:
@@ -165,6 +185,43 @@ class TorchFileSource(Source):
         return self._paths.get(fqn)
 
 
+def _dense(t: Any) -> bool:
+    """A tensor whose values exist as a strided CPU buffer (not sparse, quantized or on the meta device)."""
+    import torch
+
+    return t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
+
+
+def _check_pickle(path: str, name: str) -> int:
+    """Refuse a torch file whose ``data.pkl`` builds a ``bytearray`` from a number larger than the file
+    (``weights_only`` allows ``bytearray(5_000_000_000)``: a 100-byte pickle that allocates 5 GB). Returns
+    the budget of entries :func:`flatten` may visit: a pickle of N bytes holds fewer than N objects, so only
+    shared references reach more."""
+    size = os.path.getsize(path)
+    handles = LocalHandles(os.path.dirname(os.path.abspath(path)), confined=False)
+    base = os.path.basename(path)
+    try:
+        records = zip_records(handles, base, size)
+        pkl = next((r for k, r in records.items() if k == "data.pkl"), None)
+        data = handles.read(base, pkl[0], pkl[1]) if pkl and pkl[1] <= size else b""
+    except (ItemFormatError, CheckpointError):
+        data = b""  # not a zip archive torch maps: torch.load says why
+    finally:
+        handles.close()
+    if b"bytearray" in data:
+        largest = 0
+        try:
+            for _, arg, _ in pickletools.genops(data):
+                if type(arg) is int:
+                    largest = max(largest, arg)
+        except Exception:  # a malformed tail: judge what comes before it (torch.load fails there)
+            pass
+        if largest > size:
+            raise CheckpointError(f"{name}: its pickled data asks for a {largest:,}-byte bytearray, more than the "
+                                  f"{size:,}-byte file holds; refused.", path=name)
+    return (len(data) or size) + 10_000
+
+
 class SafetensorsSource(Source):
     """A ``.safetensors`` file, or a folder with ``model.safetensors.index.json``: read through the same
     header parser and chunk reader as every checkpoint (bounds and dtype checks included)."""
@@ -187,6 +244,10 @@ class SafetensorsSource(Source):
             handles.close()  # local handles are this call's own descriptors
         self.ckpt = open_hf_folder(where, listing)
         self.ckpt.folder = where
+        bad = _header_problem(self.ckpt)
+        if bad is not None:  # a header the safetensors library refuses: sizes that do not fit, entries overlapping
+            raise CheckpointError(f"{where.join(bad.file or '')} (tensor {bad.fqn}): not a valid safetensors "
+                                  f"header: {bad.message}", path=where.join(bad.file or ""), fqn=bad.fqn)
         self.reader = ChunkReader(self.ckpt)
         self._objects: dict[str, Any] = {}
         for meta in metas:
@@ -228,25 +289,22 @@ class SafetensorsSource(Source):
         self.reader.close()
 
 
+def _header_problem(ckpt: Checkpoint) -> Problem | None:
+    """The first entry of safetensors headers that the safetensors library would refuse: a byte length
+    that does not fit its shape and dtype (found by the reader), or bytes overlapping another entry's.
+    O(n log n): a header of 300,000 entries must not cost a full :func:`verify`."""
+    bad = next((p for p in ckpt.problems if p.kind == "unreadable" and p.fqn), None)
+    if bad is not None:
+        return bad
+    t, names, fqns = ckpt.chunk_table, [f.name for f in ckpt.files], [e.fqn for e in ckpt.tensors]
+    ranges = [(names[f], o, o + n, fqns[ti]) for f, o, n, ti in zip(
+        t.file.tolist(), t.byte_offset.tolist(), t.length.tolist(), t.tensor.tolist(), strict=True) if n > 0]
+    return next(iter(overlap_problems(ranges, same_start=False)), None)
+
+
 def _index_files(where: Folder) -> list[str]:
     """The shard files an HF ``model.safetensors.index.json`` names (plain names inside the folder)."""
-    index = where.join(INDEX)
-    size = where.listing().get(INDEX)
-    if size is None:
-        raise CheckpointError(f"{index}: no such file.", path=index)
-    if size > MAX_INDEX_BYTES:
-        raise CheckpointError(f"{index}: {size} bytes is implausible for a safetensors index.", path=index)
-    try:
-        with where.handles() as handles:
-            weight_map = json.loads(handles.read(INDEX, 0, size))["weight_map"]
-        files = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise CheckpointError(f"{index}: not a readable safetensors index ({type(exc).__name__}).",
-                              path=index) from None
-    bad = [f for f in files if not isinstance(f, str) or not safe_name(f)]
-    if bad:
-        raise CheckpointError(f"{index}: names {bad[0]!r}, not a file inside the folder.", path=index)
-    return files
+    return sorted(set(index_weight_map(where).values()))
 
 
 def open_source(path: str | os.PathLike | Folder, storage_options: dict[str, Any] | None = None) -> Source:
