@@ -66,6 +66,21 @@ def copy_of(fixtures, tmp_path):
     return make
 
 
+# the CLI in a fresh process that prints its own peak RSS last. NOTE: VmHWM, not ru_maxrss: Linux carries
+# ru_maxrss over fork and exec, so a child of a pytest process that had grown to 1 GB "peaked" at 1 GB
+PEAK_SCRIPT = ("import sys\nfrom shardscope.app.cli.main import main\nrc = main(sys.argv[1:])\n"
+               "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0].split()[1]\n"
+               "print('PEAK_KB', hwm, file=sys.stderr)\nsys.exit(rc)")
+
+
+def run_cli_peak(*args: object, timeout: float = 300) -> tuple[subprocess.CompletedProcess, int]:
+    """Run the CLI in a subprocess; the completed process and its own peak RSS in MiB (-1: not reached)."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    line = [x for x in proc.stderr.splitlines() if x.startswith("PEAK_KB")]
+    return proc, int(line[-1].split()[1]) // 1024 if line else -1
+
+
 def run_cli(*args: str, check: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ})

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, run_cli_peak
 from make_fixtures import TinyNet
 from safetensors import safe_open
 from shardscope.backend.checkpoint import open_checkpoint
@@ -228,3 +228,27 @@ def test_force_over_a_model_folder_keeps_what_an_export_does_not_write(fixtures,
     assert proc.returncode == 0, proc.stderr
     assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shardscope-tmp")]
+
+
+def test_export_from_a_safetensors_folder_streams_its_largest_tensor(tmp_path):
+    """An HF folder's tensors have no stored CRC32: they are copied in blocks with their CRC32 taken as
+    read, not loaded whole and copied once more (a 1 GiB tensor peaked at 2.3 GB; now about 240 MB)."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    big = torch.arange(96 << 20, dtype=torch.int32).view(-1, 1024)  # 384 MiB
+    save_file({"w": big, "b": torch.ones(3)}, str(hf / "model-00001-of-00001.safetensors"))
+    shard = "model-00001-of-00001.safetensors"
+    index = {"metadata": {}, "weight_map": {"w": shard, "b": shard}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    del big
+    for out in ("m.safetensors", "m.pt"):
+        proc, peak_mib = run_cli_peak("export", hf, tmp_path / out, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        assert peak_mib < 384, f"{out}: peak {peak_mib} MiB for a 384 MiB tensor"
+        assert "verified: every tensor's bytes" in proc.stdout
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("w"), torch.arange(96 << 20, dtype=torch.int32).view(-1, 1024))
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True, mmap=True)["w"][-1],
+                       torch.arange((96 << 20) - 1024, 96 << 20, dtype=torch.int32))

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_cli_peak
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader, CorruptChunkError
 from shardscope.backend.checkpoint.layout import coverage
@@ -25,16 +25,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch_reference import torch_metadata
 
 FQN = "model.blocks.0.fc1.weight"
-MEASURE = ("import resource, sys\nfrom shardscope.app.cli.main import main\nrc = main(sys.argv[1:])\n"
-           "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\nsys.exit(rc)")
 
 
 def run_measured(*args: object, timeout: float = 300) -> tuple[subprocess.CompletedProcess, int]:
-    """Run the CLI in a subprocess; the exit code, output and its peak RSS in MB."""
-    proc = subprocess.run([sys.executable, "-c", MEASURE, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-    line = [x for x in proc.stderr.splitlines() if x.startswith("MAXRSS_KB")]
-    return proc, int(line[0].split()[1]) // 1024 if line else -1
+    """Run the CLI in a subprocess; the exit code, output and its peak RSS in MiB."""
+    return run_cli_peak(*args, timeout=timeout)
 
 
 def clean(proc: subprocess.CompletedProcess, codes: tuple[int, ...] = (2,)) -> None:

@@ -13,13 +13,11 @@ import sys
 
 import pytest
 import torch
+from conftest import run_cli_peak
 from safetensors.torch import save_file
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.format import escape_name
-
-MEASURE = ("import resource, sys\nfrom shardscope.app.cli.main import main\nrc = main(sys.argv[1:])\n"
-           "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\nsys.exit(rc)")
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -103,10 +101,7 @@ def test_deep_nesting_in_a_torch_file(capsys, tmp_path, base):
 
 
 def _measured(*args, timeout: float = 90) -> tuple[subprocess.CompletedProcess, int]:
-    proc = subprocess.run([sys.executable, "-c", MEASURE, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-    line = [x for x in proc.stderr.splitlines() if x.startswith("MAXRSS_KB")]
-    return proc, int(line[0].split()[1]) // 1024 if line else -1
+    return run_cli_peak(*args, timeout=timeout)
 
 
 def test_shared_references_do_not_expand(tmp_path, base):

@@ -267,23 +267,25 @@ class ChunkReader:
         return st
 
     def copy_range(self, fqn: str, chunk: Chunk, fd: int, dst_offset: int, progress: Progress | None = None,
-                   check_crc: bool = True) -> int:
-        """Copy a directly copyable chunk's value bytes into ``fd`` at ``dst_offset``; returns the bytes copied.
-        The whole storage record's CRC32 is computed in the same pass; CorruptChunkError is raised after
-        copying when it does not match, so the caller discards its (temporary) output.
-        ``check_crc=False`` (local files): the kernel copies the bytes (copy_file_range) without them passing
-        through this process; the caller then proves the copy against ``locate().crc32`` itself (the
-        exporter's verifier re-reads its output) and calls :meth:`check_chunk` to name a corrupt source."""
+                   check_crc: bool = True) -> tuple[int, int | None]:
+        """Copy a directly copyable chunk's value bytes into ``fd`` at ``dst_offset``, in fixed-size blocks;
+        returns the bytes copied and, for a chunk stored without a CRC32 (a safetensors shard), the CRC32 of
+        those bytes as they were read (None otherwise).
+        A stored record's CRC32 is computed over the whole record in the same pass; CorruptChunkError is
+        raised after copying when it does not match, so the caller discards its (temporary) output.
+        ``check_crc=False`` (local files, a record with a stored CRC32): the kernel copies the bytes
+        (copy_file_range) without them passing through this process; the caller then proves the copy against
+        ``locate().crc32`` itself (the exporter's verifier re-reads its output) and calls :meth:`check_chunk`
+        to name a corrupt source."""
         st = self.locate(fqn, chunk)
         if not st.contiguous:
             raise self._error(fqn, chunk, "item is not stored contiguously; read it with read_chunk.")
         elem = ITEMSIZE.get(st.dtype, 1)
         start, count = st.storage_offset * elem, st.numel * elem
-        if not check_crc and self.handles.local and self._kernel_copy(chunk, st.data_offset + start, count, fd,
-                                                                      dst_offset, progress):
-            return count
-        self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
-        return count
+        if not check_crc and st.crc32 is not None and self.handles.local and \
+                self._kernel_copy(chunk, st.data_offset + start, count, fd, dst_offset, progress):
+            return count, None
+        return count, self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
 
     def _kernel_copy(self, chunk: Chunk, src_offset: int, count: int, fd: int, dst_offset: int,
                      progress: Progress | None) -> bool:
@@ -310,10 +312,12 @@ class ChunkReader:
         return True
 
     def _stream(self, fqn: str, chunk: Chunk, st: StoredTensor, fd: int | None, dst_offset: int, start: int,
-                count: int, progress: Progress | None) -> None:
-        """Read the storage record block by block: CRC over all of it, bytes [start, start+count) to fd."""
+                count: int, progress: Progress | None) -> int | None:
+        """Read the storage record block by block: CRC over all of it, bytes [start, start+count) to fd.
+        Returns the CRC32 of the bytes written when the record has no stored CRC32, else None."""
         buf = _thread_buffer()
         crc = 0
+        copied = 0
         pos = 0
         while pos < st.nbytes:
             n = min(len(buf), st.nbytes - pos)
@@ -322,6 +326,8 @@ class ChunkReader:
             if st.crc32 is not None:
                 crc = zlib.crc32(view, crc)
             lo, hi = max(pos, start), min(pos + n, start + count)
+            if st.crc32 is None and hi > lo:
+                copied = zlib.crc32(view[lo - pos:hi - pos], copied)
             if fd is not None and hi > lo:
                 _pwrite_all(fd, view[lo - pos:hi - pos], dst_offset + lo - start)
                 if progress:
@@ -331,6 +337,7 @@ class ChunkReader:
             pos += n
         if st.crc32 is not None and crc != st.crc32:
             raise self._corrupt(fqn, chunk, st, crc)
+        return copied if st.crc32 is None else None
 
     # ------------------------------------------------------------ non-tensor entries
     def read_object_bytes(self, obj: ObjectEntry) -> bytes:

@@ -77,14 +77,16 @@ class TensorSource:
         self.kernel_copied: set[str] = set()  # keys whose bytes only the verifier's re-read has checked
 
     def _copyable(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
-        """The chunk's stored tensor when it can be copied byte for byte with a known CRC32 of exactly
-        the bytes copied (the whole storage record, whose zip CRC the reader checks)."""
+        """The chunk's stored tensor when it can be copied byte for byte in blocks: the whole storage record
+        (whose zip CRC the reader checks), or raw bytes stored without a CRC32 (a safetensors shard: the
+        copy computes their CRC32 as it reads them). NOTE: without the second case a safetensors source
+        was read whole into memory and copied once more, 2.2x its largest tensor (2.3 GB for 1 GiB)."""
         st = self.reader.direct_copy(fqn, chunk, dtype)
-        if st is None or st.crc32 is None or st.storage_offset != 0 or st.numel * itemsize(dtype) != st.nbytes:
+        if st is None or st.storage_offset != 0 or st.numel * itemsize(dtype) != st.nbytes:
             return None
         return st
 
-    def _direct_ranges(self, item: ExportItem) -> list[tuple[Chunk, int, int]] | None:
+    def _direct_ranges(self, item: ExportItem) -> list[tuple[Chunk, int, int | None]] | None:
         """(chunk, offset in the output tensor) for chunks that are contiguous row bands stored as-is,
         tiling the tensor exactly; None when the tensor must be assembled."""
         e = item.entry
@@ -121,10 +123,11 @@ class TensorSource:
                 for c, dst, part in ranges:
                     if progress:
                         progress.check()
-                    n = self.reader.copy_range(item.entry.fqn, c, fd, base + dst, progress,
-                                               check_crc=not self.kernel_copy)
-                    crc = crc32_combine(crc, part, n)  # part: the CRC32 stored with the record
-                if self.kernel_copy:
+                    n, read = self.reader.copy_range(item.entry.fqn, c, fd, base + dst, progress,
+                                                     check_crc=not self.kernel_copy)
+                    # part: the CRC32 stored with the record; read: taken as the bytes were read (none stored)
+                    crc = crc32_combine(crc, part if part is not None else read, n)
+                if self.kernel_copy and all(part is not None for _, _, part in ranges):
                     self.kernel_copied.add(item.key)  # set.add is atomic under the GIL
                 return crc
             self.budget.acquire(item.nbytes)
