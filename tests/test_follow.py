@@ -144,3 +144,21 @@ def test_empty_logs_are_harmless(tmp_path, name):
     (run / name).write_bytes(b"")
     snap = RunFollower(run).poll()
     assert snap.new_points == 0 and not snap.problems
+
+
+def test_a_model_folder_with_config_json_is_not_a_run(tmp_path):
+    """An HF model folder (an export with --config, a from_pretrained folder) has a config.json, as our runs
+    do: ``gui FOLDER`` opened an empty Training tab on it instead of the checkpoint."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.ones(2)}, str(model / "model.safetensors"))
+    assert not is_run_dir(model)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    assert not is_run_dir(bare)  # a config.json of anything, with no run status, metrics or logs
+    (bare / "status.json").write_text('{"state": "running"}')
+    assert is_run_dir(bare)

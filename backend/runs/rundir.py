@@ -291,10 +291,17 @@ def scalar_logs(run_dir: str | os.PathLike) -> list[Path]:
     return scan(run_dir)[1]
 
 
+# a Hugging Face model folder (an export, a from_pretrained folder): its config.json is the model's
+MODEL_FOLDER_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
+
+
 def is_run_dir(path: str | os.PathLike) -> bool:
-    """A folder the Training panel can follow: one of ours (config.json, metrics/), or any folder with
-    TensorBoard event files or a Lightning metrics.csv, such as a run launched on a cluster by hand."""
+    """A folder the Training panel can follow: one of ours (config.json with status.json, or metrics/), or
+    any folder with TensorBoard event files or a Lightning metrics.csv, such as a run launched on a cluster
+    by hand. NOTE: config.json alone made every Hugging Face model folder (an export) a run: ``gui FOLDER``
+    opened an empty Training tab instead of the checkpoint."""
     p = Path(path)
-    if not p.is_dir() or _is_checkpoint_dir(p):
+    if not p.is_dir() or _is_checkpoint_dir(p) or any((p / n).is_file() for n in MODEL_FOLDER_FILES):
         return False
-    return (p / "config.json").is_file() or (p / "metrics").is_dir() or bool(scalar_logs(p))
+    ours = (p / "config.json").is_file() and (p / "status.json").is_file()
+    return ours or (p / "metrics").is_dir() or bool(scalar_logs(p))
