@@ -140,8 +140,8 @@ class TorchFileSource(Source):
         self._leaves = {dotted(k): v for k, v in flat.items()}
         self._paths = {dotted(k): k for k in flat}
         if len(self._leaves) != len(flat):  # torch's flatten_state_dict refuses these too
-            names = [dotted(k) for k in flat]
-            twice = next(n for i, n in enumerate(names) if n in names[:i])
+            seen: set[str] = set()  # NOTE: one pass; a scan of the names before each one was quadratic
+            twice = next(n for n in map(dotted, flat) if n in seen or seen.add(n))
             raise CheckpointError(f"{self.name}: two entries are both named {twice!r} once flattened "
                                   "(a key with a dot next to a nested one).", path=self.name, fqn=twice)
         odd = next((k for k, v in self._leaves.items() if isinstance(v, torch.Tensor) and not _dense(v)), None)
