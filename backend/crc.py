@@ -4,10 +4,10 @@ CRC32s (zlib's ``crc32_combine``, which Python's zlib lacks), and S3's text form
 from __future__ import annotations
 
 import base64
-import threading
+from collections.abc import Sequence
 
 
-def _gf2_times(mat: list[int], vec: int) -> int:
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
     out = 0
     i = 0
     while vec:
@@ -18,28 +18,24 @@ def _gf2_times(mat: list[int], vec: int) -> int:
     return out
 
 
-def _gf2_square(mat: list[int]) -> list[int]:
+def _gf2_square(mat: Sequence[int]) -> list[int]:
     return [_gf2_times(mat, mat[n]) for n in range(32)]
 
 
-_ZERO_BYTES_OPS: list[list[int]] = []  # operator k appends 2**k zero bytes to a CRC32
-# NOTE: writer threads combine CRCs at once; two threads growing the table together appended the same operator
-# twice, and every later CRC of the process was wrong (an upload refused as damaged), so it grows under a lock.
-_ZERO_BYTES_LOCK = threading.Lock()
+def _zero_bytes_ops() -> tuple[tuple[int, ...], ...]:
+    """Operator k appends 2**k zero bytes to a CRC32, for k < 64 (any length a file can have)."""
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # appends one zero bit
+    for _ in range(3):
+        op = _gf2_square(op)
+    ops = [op]
+    while len(ops) < 64:
+        ops.append(_gf2_square(ops[-1]))
+    return tuple(tuple(o) for o in ops)
 
 
-def _zero_bytes_op(k: int) -> list[int]:
-    if len(_ZERO_BYTES_OPS) > k:
-        return _ZERO_BYTES_OPS[k]
-    with _ZERO_BYTES_LOCK:
-        if not _ZERO_BYTES_OPS:
-            op = [0xEDB88320] + [1 << n for n in range(31)]  # appends one zero bit
-            for _ in range(3):
-                op = _gf2_square(op)
-            _ZERO_BYTES_OPS.append(op)
-        while len(_ZERO_BYTES_OPS) <= k:
-            _ZERO_BYTES_OPS.append(_gf2_square(_ZERO_BYTES_OPS[-1]))
-        return _ZERO_BYTES_OPS[k]
+# NOTE: built whole at import (3 ms), never grown: a table grown lazily by writer threads at once once held an
+# operator twice, and every later CRC of the process was wrong (an upload refused as damaged).
+_ZERO_BYTES_OPS = _zero_bytes_ops()
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
@@ -47,7 +43,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     k = 0
     while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(_zero_bytes_op(k), crc1)
+            crc1 = _gf2_times(_ZERO_BYTES_OPS[k], crc1)
         len2 >>= 1
         k += 1
     return crc1 ^ crc2

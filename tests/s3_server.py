@@ -14,8 +14,11 @@ do not match it. moto stores such a value unchecked (a TODO in its ``_get_checks
 the server would accept what real S3 refuses. ``PUT /_requests/corrupt`` with a body flips one byte of
 every later PUT body whose path contains that text (damage in transit; an empty body clears it).
 ``GET /_requests/checks`` counts PUT bodies by how they were checked (``crc32``, ``none``, ``bad_digest``).
-``PUT /_requests/delay`` with a body makes every later GET whose path contains it wait 20 s (a slow network,
-to interrupt a download; an empty body clears it).
+``PUT /_requests/hold`` with a body holds every later request whose ``METHOD path?query`` contains it (a
+server-side copy as ``PUT /bucket/key<-bucket/source-key?query``) until the hold is cleared (an empty body) or
+``HOLD_SECONDS`` pass; ``GET /_requests/held`` says how many are held now. A test that interrupts a transfer
+waits until one is held, sends its signal, then clears the hold: the transfer cannot finish before the signal
+arrives, however fast or slow the machine is.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ COUNTER_PATH = "/_requests"
 FAIL_PATH = "/_requests/fail"
 CORRUPT_PATH = "/_requests/corrupt"
 CHECKS_PATH = "/_requests/checks"
-DELAY_PATH = "/_requests/delay"
+HOLD_PATH = "/_requests/hold"
+HELD_PATH = "/_requests/held"
+HOLD_SECONDS = 600  # a hold nobody clears ends by itself: a failed test does not hang the server
 FAULT = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
          b"<Message>injected by the test server</Message></Error>")
-DELAY_SECONDS = 20
 BAD_DIGEST = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>BadDigest</Code>'
               b"<Message>The CRC32 you specified did not match the calculated checksum.</Message></Error>")
 
@@ -77,21 +81,36 @@ class RequestCounter:
         self.counts: Counter[str] = Counter()
         self.fail_match = ""
         self.corrupt_match = ""
-        self.delay_match = ""
+        self.hold_match = ""
+        self.released = threading.Event()
+        self.held = 0
         self.checks: Counter[str] = Counter()
         self.lock = threading.Lock()
 
     def __call__(self, environ: dict, start_response: Any) -> Any:
         path = environ.get("PATH_INFO", "")
-        if path in (FAIL_PATH, CORRUPT_PATH, DELAY_PATH):
+        if path in (FAIL_PATH, CORRUPT_PATH):
             size = int(environ.get("CONTENT_LENGTH") or 0)
             text = environ["wsgi.input"].read(size).decode() if size else ""
-            setattr(self, {FAIL_PATH: "fail_match", CORRUPT_PATH: "corrupt_match", DELAY_PATH: "delay_match"}[path],
-                    text)
+            setattr(self, {FAIL_PATH: "fail_match", CORRUPT_PATH: "corrupt_match"}[path], text)
             start_response("200 OK", [("Content-Length", "0")])
             return [b""]
-        if self.delay_match and environ["REQUEST_METHOD"] == "GET" and self.delay_match in path:
-            time.sleep(DELAY_SECONDS)  # a slow network, for tests that interrupt a download
+        if path == HOLD_PATH:
+            size = int(environ.get("CONTENT_LENGTH") or 0)
+            with self.lock:
+                self.hold_match = environ["wsgi.input"].read(size).decode() if size else ""
+                if self.hold_match:
+                    self.released = threading.Event()
+                else:
+                    self.released.set()
+            start_response("200 OK", [("Content-Length", "0")])
+            return [b""]
+        if path == HELD_PATH:
+            with self.lock:
+                body = str(self.held).encode()
+            start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+            return [body]
+        self.hold_if_asked(environ, path)
         if path == CHECKS_PATH:
             with self.lock:
                 body = json.dumps(dict(self.checks)).encode()
@@ -125,6 +144,22 @@ class RequestCounter:
                   file=sys.stderr, flush=True)
         return self.app(environ, start_response)
 
+
+    def hold_if_asked(self, environ: dict, path: str) -> None:
+        """Hold a request that matches the hold until it is cleared (see the module's docstring)."""
+        copied = environ.get("HTTP_X_AMZ_COPY_SOURCE")
+        seen = f"{path}<-{urllib.parse.unquote(copied).lstrip('/')}" if copied else path
+        seen = f"{environ['REQUEST_METHOD']} {seen}?{environ.get('QUERY_STRING', '')}"
+        with self.lock:
+            if not self.hold_match or self.hold_match not in seen:
+                return
+            released = self.released
+            self.held += 1
+        try:
+            released.wait(HOLD_SECONDS)
+        finally:
+            with self.lock:
+                self.held -= 1
 
     def check_body(self, environ: dict, path: str) -> bool:
         """Damage the body when asked, then check it against its CRC32 as S3 does; True: refuse it."""
@@ -202,10 +237,25 @@ class S3Server:
         req = urllib.request.Request(self.endpoint + CORRUPT_PATH, data=match.encode(), method="PUT")
         urllib.request.urlopen(req, timeout=30).close()
 
-    def delay_gets(self, match: str) -> None:
-        """Answer every GET whose path contains ``match`` only after DELAY_SECONDS ("" clears it)."""
-        req = urllib.request.Request(self.endpoint + DELAY_PATH, data=match.encode(), method="PUT")
+    def hold(self, match: str) -> None:
+        """Hold every request whose ``METHOD path?query`` contains ``match`` until ``hold("")``."""
+        req = urllib.request.Request(self.endpoint + HOLD_PATH, data=match.encode(), method="PUT")
         urllib.request.urlopen(req, timeout=30).close()
+
+    def held(self) -> int:
+        """How many requests the hold keeps waiting now."""
+        with urllib.request.urlopen(self.endpoint + HELD_PATH, timeout=30) as r:
+            return int(r.read())
+
+    def wait_until_held(self, proc: subprocess.Popen, timeout: float = 120) -> None:
+        """Wait until the hold keeps one of ``proc``'s requests (it must not end first)."""
+        deadline = time.monotonic() + timeout
+        while self.held() == 0:
+            if proc.poll() is not None:
+                raise AssertionError(f"the client ended (exit {proc.returncode}) before a request was held")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no request was held in {timeout} s")
+            time.sleep(0.02)
 
     def checks(self) -> dict[str, int]:
         """PUT bodies so far by how they were checked: ``crc32``, ``none``, ``bad_digest``."""

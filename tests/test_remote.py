@@ -443,8 +443,8 @@ def test_remote_file_on_an_unreachable_endpoint_is_one_line():
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_interrupted_download_leaves_no_temporary(s3, files, tmp_path, how):
-    """A .pt being copied (the server answers slowly) is interrupted: SIGINT and SIGTERM remove the copy at
-    once; after a kill -9 the next download removes it."""
+    """A .pt being copied is interrupted while the server holds its GET (so the copy cannot finish first): SIGINT
+    and SIGTERM remove the copy at once; after a kill -9 the next download removes it."""
     import signal
 
     server, _, _ = s3
@@ -453,19 +453,17 @@ def test_interrupted_download_leaves_no_temporary(s3, files, tmp_path, how):
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(server.env(), TMPDIR=str(tmp))
-    server.delay_gets("files/model.pt")
+    server.hold(f"GET /{BUCKET}/files/model.pt?")
     try:
         proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "diff", f"{url}/model.pt",
                                  str(local / "model.pt")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        deadline = time.monotonic() + 120
-        while not list(tmp.glob(".shardscope-tmp-*-dl-*")) and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert list(tmp.glob(".shardscope-tmp-*-dl-*")), proc.communicate(timeout=60)
+        server.wait_until_held(proc)
+        assert list(tmp.glob(".shardscope-tmp-*-dl-*")), "the copy starts before its first GET"
         proc.send_signal(getattr(signal, how))
         _, stderr = proc.communicate(timeout=120)
     finally:
-        server.delay_gets("")
+        server.hold("")
     if how == "SIGKILL":
         assert proc.returncode == -9 and list(tmp.iterdir())
         again, _ = shardscope(server, "diff", f"{url}/model.pt", str(local / "model.pt"),
