@@ -135,7 +135,7 @@ def test_ls_finds_every_kind(tree):
     assert listing["roots"] == [str(tree.resolve())]
     got = _by_rel(listing, tree)
     for c in got.values():
-        assert set(c) == {"path", "run", "step", "format", "ranks", "bytes", "mtime", "state"}
+        assert set(c) == {"path", "run", "step", "format", "kind", "ranks", "bytes", "mtime", "state"}
     expect = {  # path: (run, step, format, ranks, state)
         **{f"runs/run-real/checkpoints/step_{s:06d}": ("runs/run-real", s, "dcp", [0, 1], "complete")
            for s in RUN_STEPS},
@@ -211,8 +211,8 @@ def test_plan_of_each_rule(tree, trained_run):
     last2 = _plan(tree, keep_last=2)
     assert _removed(last2) & real == {REAL.format(5), REAL.format(10)}
     assert "keep-last 2" in last2[REAL.format(15)][1]
-    # the newest complete checkpoint of each run is never removed, whatever the rules
-    assert "the newest complete checkpoint of its run" in last2[REAL.format(20)][1]
+    # the newest resumable checkpoint of each run is never removed, whatever the rules
+    assert "the newest resumable checkpoint of its run" in last2[REAL.format(20)][1]
     assert last2["hf_out/checkpoint-500"] == ("keep", ["keep-last 2"])
     last1 = _plan(tree, keep_last=1)
     assert last1["hf_out/checkpoint-500"] == ("remove", ["no rule keeps it"])
@@ -248,6 +248,52 @@ def test_plan_of_each_rule(tree, trained_run):
     assert inc["runs/run-live/checkpoints/step_000020"][0] == "keep"
 
 
+def _dcp_steps(folder: Path, fixtures, steps: list[int], name: str = "step_{:06d}") -> None:
+    for s in steps:
+        shutil.copytree(fixtures["fsdp2_r2"], folder / name.format(s))
+
+
+def test_prune_counts_weights_files_apart_and_keeps_the_newest_resumable(tmp_path, fixtures):
+    """An export next to a run's DCP checkpoints (the Export dialog's old default, RUN/checkpoints/) once took the
+    newest slot: --keep-last 1 kept the 460 KiB export and trashed the only resumable state, step 30."""
+    root = tmp_path / "root"
+    ck = root / "run" / "checkpoints"
+    _dcp_steps(ck, fixtures, [10, 20, 30])
+    save_file({"w": torch.ones(4)}, str(ck / "step_000030.safetensors"))
+    plain = root / "plain" / "ckpts"  # a plain script: step folders and a reference .pt beside them
+    _dcp_steps(plain, fixtures, [10, 20], "step_{}")
+    torch.save({"w": torch.ones(4)}, plain / "step_20_reference.pt")
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    torch.save({"model": {"w": torch.ones(2)}, "optimizer": opt.state_dict()}, plain / "step_5_full.pt")
+    _age(root)
+    kinds = {os.path.relpath(c["path"], root): c["kind"] for c in _ls(root)["checkpoints"]}
+    assert kinds == {"run/checkpoints/step_000010": "resumable", "run/checkpoints/step_000020": "resumable",
+                     "run/checkpoints/step_000030": "resumable", "run/checkpoints/step_000030.safetensors": "weights",
+                     "plain/ckpts/step_10": "resumable", "plain/ckpts/step_20": "resumable",
+                     "plain/ckpts/step_20_reference.pt": "weights", "plain/ckpts/step_5_full.pt": "resumable"}
+    last1 = _plan(root, keep_last=1)
+    assert _removed(last1) == {"run/checkpoints/step_000010", "run/checkpoints/step_000020", "plain/ckpts/step_10",
+                               "plain/ckpts/step_5_full.pt"}
+    assert "the newest resumable checkpoint of its run" in last1["run/checkpoints/step_000030"][1]
+    assert last1["run/checkpoints/step_000030.safetensors"] == (
+        "keep", ["weights file (an export): removed only with --weights"])
+    last2 = _plan(root, keep_last=2)
+    assert _removed(last2) == {"run/checkpoints/step_000010", "plain/ckpts/step_5_full.pt"}
+    # with --weights the rules count weights files among themselves; the resumable ones as before
+    save_file({"w": torch.ones(4)}, str(ck / "step_000020.safetensors"))
+    _age(ck / "step_000020.safetensors")
+    weights = _plan(root, keep_last=1, weights=True)
+    assert _removed(weights) == _removed(last1) | {"run/checkpoints/step_000020.safetensors"}
+    assert weights["run/checkpoints/step_000030.safetensors"] == ("keep", ["keep-last 1 weights files"])
+    proc = run_cli("prune", root, "--keep-last", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert {os.path.relpath(c["path"], root): c["kind"] for c in json.loads(proc.stdout)["checkpoints"]
+            if c["action"] == "keep"}["run/checkpoints/step_000030.safetensors"] == "weights"
+    text = run_cli("prune", root, "--keep-last", "1", "--weights", "--yes", "--delete")
+    assert text.returncode == 0, text.stderr
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000030", "step_000030.safetensors"]
+
+
 def test_plan_cli_json_and_no_rule_is_an_error(tree):
     proc = run_cli("prune", tree, "--keep-last", "1", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -259,7 +305,7 @@ def test_plan_cli_json_and_no_rule_is_an_error(tree):
     assert all((tree / p).exists() for p in removed)  # only a plan
     text = run_cli("prune", tree, "--keep-last", "1")
     assert "REMOVE" in text.stdout and "run again with --yes" in text.stdout
-    assert "the newest complete checkpoint of its run" in text.stdout
+    assert "the newest resumable checkpoint of its run" in text.stdout
     proc = run_cli("prune", tree)
     assert proc.returncode == 2 and "give at least one rule" in proc.stderr
 
@@ -324,7 +370,9 @@ def test_protected_checkpoints_survive(tree, tmp_path):
             "runs/run-live/checkpoints/step_000020",  # being written
             "other/step_000100", "hf_out/checkpoint-1000", "exports/model_step_300.safetensors",
             "exports/model.pt",  # no step number: no rule can place it in a series
-            "lightning_logs/version_0/checkpoints/epoch=1-step=20.ckpt"} == left
+            "lightning_logs/version_0/checkpoints/epoch=1-step=20.ckpt",
+            "lightning_logs/version_0/checkpoints/epoch=0-step=10.ckpt",  # weights only: goes only with --weights
+            } == left
     assert (tree / "runs/run-real/metrics").is_dir() and (tree / "runs/run-real/config.json").is_file()
 
 
@@ -494,7 +542,8 @@ def test_keep_best_reads_tensorboard_event_files(tmp_path):
     writer = SummaryWriter(str(run))
     for step, val in ((10, 1.5), (20, 1.8), (30, 1.6)):
         writer.add_scalar("val_loss", val, step)
-        torch.save({"global_step": step}, run / "checkpoints" / f"epoch={step // 10}-step={step}.ckpt")
+        torch.save({"global_step": step, "optimizer_states": [{"state": {}, "param_groups": []}]},
+                   run / "checkpoints" / f"epoch={step // 10}-step={step}.ckpt")
     writer.close()
     _age(tmp_path / "lightning_logs")
     plan = _plan(tmp_path, keep_best="val_loss", mode="min", top=1)

@@ -54,7 +54,7 @@ from shardscope.backend.library.snapshot import LibrarySnapshot, take_snapshot
 
 from .workers import Worker, run_in_background
 
-COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "format", "state", "loss")
+COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "kind", "format", "state", "loss")
 SIZE_COLUMN = COLUMNS.index("size")
 ObjectRole = Qt.ItemDataRole.UserRole
 SortRole = Qt.ItemDataRole.UserRole + 1
@@ -191,11 +191,11 @@ class LibraryModel(QAbstractItemModel):
         loss = self.metric.get(c.path)
         if role == Qt.ItemDataRole.DisplayRole:
             return {"checkpoint": c.name, "step": "" if c.step is None else str(c.step), "modified": _when(c.mtime),
-                    "size": human_bytes(c.bytes), "ranks": ranks_text(c.ranks), "format": c.format,
+                    "size": human_bytes(c.bytes), "ranks": ranks_text(c.ranks), "kind": c.kind, "format": c.format,
                     "state": c.state, "loss": "" if loss is None else f"{loss:.4f}"}[col]
         if role == SortRole:
             return {"checkpoint": natural(c.name), "step": -1 if c.step is None else c.step, "modified": c.mtime,
-                    "size": c.bytes, "ranks": len(c.ranks), "format": c.format, "state": c.state,
+                    "size": c.bytes, "ranks": len(c.ranks), "kind": c.kind, "format": c.format, "state": c.state,
                     "loss": float("inf") if loss is None else loss}[col]
         if role == Qt.ItemDataRole.ToolTipRole:
             return c.path + (f"\n{c.state}: {c.reason}" if c.reason else "")
@@ -462,7 +462,7 @@ class LibraryView(QWidget):
         header = self.tree.header()
         header.setStretchLastSection(False)
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for col, width in zip(range(1, len(COLUMNS)), (70, 130, 110, 60, 110, 90, 70)):
+        for col, width in zip(range(1, len(COLUMNS)), (70, 130, 110, 60, 80, 110, 90, 70)):
             header.setSectionResizeMode(col, QHeaderView.ResizeMode.Interactive)
             header.resizeSection(col, width)
         self.tree.selectionModel().selectionChanged.connect(lambda *_: self._update_buttons())

@@ -147,7 +147,7 @@ class PruneDialog(QDialog):
         self.last_on, self.last_n = check("Keep the last", rules.keep_last is not None), spin(rules.keep_last or 3)
         g.addWidget(self.last_on, 0, 0)
         g.addWidget(self.last_n, 0, 1)
-        g.addWidget(QLabel("complete checkpoints of each run"), 0, 2, 1, 3)
+        g.addWidget(QLabel("resumable checkpoints of each run"), 0, 2, 1, 3)
         self.every_on, self.every_k = check("Keep every", rules.keep_every is not None), spin(rules.keep_every or 1000)
         g.addWidget(self.every_on, 1, 0)
         g.addWidget(self.every_k, 1, 1)
@@ -181,12 +181,16 @@ class PruneDialog(QDialog):
         self.incomplete = check("Also remove leftovers of failed saves (incomplete, older than the age above)",
                                 rules.incomplete)
         g.addWidget(self.incomplete, 5, 0, 1, 6)
+        self.weights = check("Also apply the rules to weights files (exports), counted among weights files",
+                             rules.weights)
+        g.addWidget(self.weights, 6, 0, 1, 6)
         self.delete = check("Delete for good (default: to the desktop trash)", False)
-        g.addWidget(self.delete, 6, 0, 1, 6)
-        note = QLabel("Never removed: the newest complete checkpoint of a run, a running run's checkpoints, anything "
-                      "being written. A checkpoint is kept if any rule keeps it.")
+        g.addWidget(self.delete, 7, 0, 1, 6)
+        note = QLabel("Never removed: the newest resumable checkpoint of a run, a running run's checkpoints, anything "
+                      "being written. A checkpoint is kept if any rule keeps it; weights files count apart from "
+                      "resumable checkpoints and go only when asked.")
         note.setWordWrap(True)
-        g.addWidget(note, 7, 0, 1, 6)
+        g.addWidget(note, 8, 0, 1, 6)
         g.setColumnStretch(5, 1)
         return g
 
@@ -200,7 +204,7 @@ class PruneDialog(QDialog):
                      keep=tuple(g.strip() for g in self.globs.text().split(",") if g.strip())
                      if self.glob_on.isChecked() else (),
                      min_age=parse_age(self.age.text()) if age_needed and self.age_on.isChecked() else None,
-                     incomplete=self.incomplete.isChecked())
+                     incomplete=self.incomplete.isChecked(), weights=self.weights.isChecked())
 
     def _changed(self, *_: object) -> None:
         self.act_button.setText("Delete for good" if self.delete.isChecked() else "Move to the trash")

@@ -26,7 +26,8 @@ def register(sub: Any) -> None:
     sp = add_command(sub, "prune", run_prune, "Remove checkpoints no rule keeps (keep if any rule keeps). Prints "
                      "the plan; --yes acts (to the desktop trash; --delete: for good).")
     sp.add_argument("roots", nargs="+", metavar="ROOT")
-    sp.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest complete checkpoints of each run")
+    sp.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest complete resumable checkpoints of "
+                    "each run (with --weights, also the N newest weights files)")
     sp.add_argument("--keep-every", type=int, metavar="K", help="keep checkpoints whose step is divisible by K")
     sp.add_argument("--keep-best", metavar="METRIC", help="keep the best --top N by METRIC at the checkpoint's "
                     "step (the run's metrics/rank_N.jsonl, Lightning's metrics.csv, TensorBoard event files or "
@@ -37,6 +38,9 @@ def register(sub: Any) -> None:
     sp.add_argument("--min-age", metavar="AGE", help="keep checkpoints newer than AGE (90s, 30m, 2h, 7d)")
     sp.add_argument("--incomplete", action="store_true",
                     help="also remove leftovers of failed saves (older than --min-age)")
+    sp.add_argument("--weights", action="store_true",
+                    help="also apply the rules to weights files (exports: safetensors, HF folders, torch files "
+                    "without optimizer state), counted among weights files; without it they are kept")
     sp.add_argument("--yes", action="store_true", help="act on the plan (default: only print it)")
     sp.add_argument("--delete", action="store_true", help="delete for good instead of moving to the trash")
     sp.add_argument("--json", action="store_true")
@@ -77,12 +81,12 @@ def run_ls(args: argparse.Namespace) -> int:
         print(f"{escape_name(run.path)}  ({kind})  {count(len(run.checkpoints), 'checkpoint')}, "
               f"{human_bytes(run.bytes)}")
         if run.checkpoints:
-            print(f"  {'STEP':>8}  {'STATE':<10}  {'FORMAT':<15}  {'RANKS':<7}  {'SIZE':>10}  {'MODIFIED':<16}  "
-                  "CHECKPOINT")
+            print(f"  {'STEP':>8}  {'STATE':<10}  {'KIND':<9}  {'FORMAT':<15}  {'RANKS':<7}  {'SIZE':>10}  "
+                  f"{'MODIFIED':<16}  CHECKPOINT")
         for c in run.checkpoints:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.mtime)) if c.mtime else "?"
             note = f"  ({c.reason})" if c.reason and c.state != "complete" else ""
-            print(f"  {'-' if c.step is None else c.step:>8}  {c.state:<10}  {c.format:<15}  "
+            print(f"  {'-' if c.step is None else c.step:>8}  {c.state:<10}  {c.kind:<9}  {c.format:<15}  "
                   f"{ranks_text(c.ranks):<7}  {human_bytes(c.bytes):>10}  {when:<16}  {escape_name(c.name)}{note}")
     cks = listing.checkpoints
     counts = ", ".join(f"{sum(1 for c in cks if c.state == s)} {s}" for s in ("complete", "incomplete", "writing",
@@ -97,7 +101,7 @@ def _rules(args: argparse.Namespace) -> Any:
 
     rules = Rules(keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep_best, mode=args.mode,
                   top=args.top, keep=tuple(args.keep), min_age=parse_age(args.min_age) if args.min_age else None,
-                  incomplete=args.incomplete)
+                  incomplete=args.incomplete, weights=args.weights)
     rules.check()
     return rules
 
@@ -112,7 +116,7 @@ def print_plan(plan: Any) -> None:
         for d in decisions:
             c = d.checkpoint
             print(f"  {d.action.upper():<6}  {'-' if c.step is None else c.step:>8}  {human_bytes(c.bytes):>10}  "
-                  f"{c.state:<10}  {escape_name(c.name):<28}  {'; '.join(d.reasons)}")
+                  f"{c.state:<10}  {c.kind:<9}  {escape_name(c.name):<28}  {'; '.join(d.reasons)}")
     print(f"plan: remove {len(plan.remove):,} of {count(len(plan.decisions), 'checkpoint')}, "
           f"freeing {human_bytes(plan.bytes_freed)}")
 

@@ -26,6 +26,8 @@ from ..runs.rundir import ACTIVE_STATES
 from .metrics import checkpoint_metrics
 from .scan import (
     PRUNE_PREFIX,
+    RESUMABLE,
+    WEIGHTS,
     CheckpointRecord,
     Leftover,
     Listing,
@@ -71,6 +73,7 @@ class Rules:
     keep: tuple[str, ...] = ()  # globs on the name or the path
     min_age: float | None = None  # seconds: newer ones are kept
     incomplete: bool = False  # also remove leftovers of failed saves (older than min_age)
+    weights: bool = False  # also apply the rules to weights files (exports), counted among weights files
 
     def has_keep_rule(self) -> bool:
         """True when any keep rule (last, every, best, glob, min age) is set."""
@@ -106,7 +109,7 @@ class Decision:
     def to_json(self) -> dict[str, Any]:
         """The checkpoint, the action and its reasons as a JSON-ready dict."""
         c = self.checkpoint
-        return {"path": c.path, "run": c.run, "step": c.step, "bytes": c.bytes, "state": c.state,
+        return {"path": c.path, "run": c.run, "step": c.step, "kind": c.kind, "bytes": c.bytes, "state": c.state,
                 "action": self.action, "reasons": list(self.reasons), "metric": self.metric}
 
 
@@ -153,7 +156,7 @@ def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord |
     if c.state == "writing":
         out.append("being written")
     if c is newest:
-        out.append("the newest complete checkpoint of its run")
+        out.append("the newest resumable checkpoint of its run")
     if c.state == "unreadable":
         out.append(f"unreadable ({c.reason}); check it with `shardscope verify`")
     return out
@@ -163,7 +166,7 @@ def _rule_reasons(c: CheckpointRecord, rules: Rules, last: set[str], best: dict[
                   best_kept: set[str], age: float) -> list[str]:
     out = []
     if c.path in last:
-        out.append(f"keep-last {rules.keep_last}")
+        out.append(f"keep-last {rules.keep_last}" + (" weights files" if c.kind == WEIGHTS else ""))
     if rules.keep_every and c.step is not None and c.step % rules.keep_every == 0:
         out.append(f"keep-every {rules.keep_every}")
     if rules.keep_best:
@@ -179,37 +182,50 @@ def _rule_reasons(c: CheckpointRecord, rules: Rules, last: set[str], best: dict[
 
 
 def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str]) -> list[Decision]:
-    complete = sorted((c for c in run.checkpoints if c.state == "complete"), key=order_key)
-    newest = complete[-1] if complete else None
-    last = {c.path for c in complete[-rules.keep_last:]} if rules.keep_last else set()
-    best: dict[str, float] = {}
-    best_kept: set[str] = set()
-    if rules.keep_best:
-        best = {p: v for p, v in checkpoint_metrics(run, rules.keep_best).items()
-                if p in {c.path for c in complete}}
-        ranked = sorted(best, key=best.__getitem__, reverse=rules.mode == "max")
-        best_kept = set(ranked[:rules.top])
-    out = []
-    for c in run.checkpoints:
-        age = max(0.0, now - c.mtime)
-        keep = _protections(c, run, newest, roots)
-        if c.state == "incomplete":
-            if not rules.incomplete:
-                keep.append(f"incomplete ({c.reason}); --incomplete removes failed saves")
-            elif rules.min_age is not None and age < rules.min_age:
-                keep.append(f"incomplete but newer than --min-age {_age_text(rules.min_age)}")
-            gone = [f"leftover of a failed save: {c.reason}"]
-        elif c.state == "complete":
-            if c.step is None:  # e.g. unrelated checkpoints side by side in one folder: no series to order
-                keep.append("no step number: the rules cannot place it in a series (remove it by hand)")
-            keep += _rule_reasons(c, rules, last, best, best_kept, age)
-            if not rules.has_keep_rule():
-                keep.append("complete (only --incomplete given)")
-            gone = ["no rule keeps it"]
-        else:
-            gone = []
-        out.append(Decision(c, not keep, keep or gone, best.get(c.path)))
-    return out
+    """Each kind is counted on its own: a weights file (an export) never takes a resumable checkpoint's place
+    in --keep-last or --keep-best, the newest resumable checkpoint always stays, and weights files go only
+    with --weights."""
+    decided: dict[str, Decision] = {}
+    for kind in (RESUMABLE, WEIGHTS):
+        members = [c for c in run.checkpoints if c.kind == kind]
+        complete = sorted((c for c in members if c.state == "complete"), key=order_key)
+        newest = complete[-1] if complete and kind == RESUMABLE else None
+        last = {c.path for c in complete[-rules.keep_last:]} if rules.keep_last else set()
+        best: dict[str, float] = {}
+        best_kept: set[str] = set()
+        if rules.keep_best and complete:
+            best = {p: v for p, v in checkpoint_metrics(run, rules.keep_best).items()
+                    if p in {c.path for c in complete}}
+            ranked = sorted(best, key=best.__getitem__, reverse=rules.mode == "max")
+            best_kept = set(ranked[:rules.top])
+        for c in members:
+            decided[c.path] = _decide(c, run, rules, now, roots, newest, last, best, best_kept)
+    return [decided[c.path] for c in run.checkpoints]
+
+
+def _decide(c: CheckpointRecord, run: RunRecord, rules: Rules, now: float, roots: list[str],
+            newest: CheckpointRecord | None, last: set[str], best: dict[str, float], best_kept: set[str]) -> Decision:
+    age = max(0.0, now - c.mtime)
+    keep = _protections(c, run, newest, roots)
+    if c.state == "incomplete":
+        if not rules.incomplete:
+            keep.append(f"incomplete ({c.reason}); --incomplete removes failed saves")
+        elif rules.min_age is not None and age < rules.min_age:
+            keep.append(f"incomplete but newer than --min-age {_age_text(rules.min_age)}")
+        gone = [f"leftover of a failed save: {c.reason}"]
+    elif c.state == "complete" and c.kind == WEIGHTS and not rules.weights:
+        keep.append("weights file (an export): removed only with --weights")
+        gone = []
+    elif c.state == "complete":
+        if c.step is None:  # e.g. unrelated checkpoints side by side in one folder: no series to order
+            keep.append("no step number: the rules cannot place it in a series (remove it by hand)")
+        keep += _rule_reasons(c, rules, last, best, best_kept, age)
+        if not rules.has_keep_rule():
+            keep.append("complete (only --incomplete given)")
+        gone = ["no rule keeps it"]
+    else:
+        gone = []
+    return Decision(c, not keep, keep or gone, best.get(c.path))
 
 
 # ---------------------------------------------------------------------------------------------- acting

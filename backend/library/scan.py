@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.items import MAX_SAFETENSORS_HEADER, ItemFormatError, parse_safetensors_header
+from ..checkpoint.items import MAX_SAFETENSORS_HEADER, ItemFormatError, parse_safetensors_header, zip_records
 from ..checkpoint.model import MAX_INDEX
 from ..checkpoint.storage import LocalHandles
 from ..errors import ShardscopeError
@@ -65,6 +65,16 @@ def step_from_name(name: str) -> int | None:
     return None
 
 
+RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
+WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
+# formats that hold weights only (safetensors cannot hold an optimizer's state); a torch file is weights unless
+# its pickle names an optimizer (torch_file_kind; a remote one is not read, so it stays weights: never removed
+# without --weights, and never taking a resumable checkpoint's place)
+WEIGHTS_FORMATS = frozenset({"hf-safetensors", "hf-sharded", "safetensors", "torch"})
+OPTIMIZER_MARKS = (b"param_groups", b"optimizer_states")  # any torch optimizer's state_dict; Lightning's key
+MAX_KIND_PROBE = 16 << 20  # bytes of a torch file's pickle read to tell its kind
+
+
 @dataclass(slots=True)
 class CheckpointRecord:
     """One checkpoint found on disk (a folder, or a consolidated file)."""
@@ -80,6 +90,11 @@ class CheckpointRecord:
     reason: str = ""  # why it is not complete, in a sentence
     is_file: bool = False
     files: int = 0
+    kind: str = ""  # resumable (training state: optimizer or trainer state beside the weights) or weights
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            self.kind = WEIGHTS if self.format in WEIGHTS_FORMATS else RESUMABLE
 
     @property
     def name(self) -> str:
@@ -88,7 +103,7 @@ class CheckpointRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state)."""
-        return {"path": self.path, "run": self.run, "step": self.step, "format": self.format,
+        return {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
                 "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state}
 
 
@@ -265,8 +280,9 @@ class _Scanner:
                      "complete")
         reason = next((f"{os.path.relpath(c.path, path)}: {c.reason}" for c in parts if c.state == state and c.reason),
                       "")
+        kind = RESUMABLE if any(c.kind == RESUMABLE for c in parts) else WEIGHTS
         rec = CheckpointRecord(path, run or self.default_run(path), step, fmt, ranks, total, newest, state, reason,
-                               False, count)
+                               False, count, kind)
         self.mark_writing(rec)
         return rec
 
@@ -312,8 +328,9 @@ class _Scanner:
         state, reason, fmt = file_state(path, st.st_size)
         if fmt is None:
             return None
+        kind = torch_file_kind(path, st.st_size) if fmt == "torch" and state == "complete" else ""
         rec = CheckpointRecord(path, run or self.default_run(path), step_from_name(os.path.basename(path)), fmt, [],
-                               disk_bytes(st), st.st_mtime, state, reason, True, 1)
+                               disk_bytes(st), st.st_mtime, state, reason, True, 1, kind)
         self.mark_writing(rec)
         return rec
 
@@ -518,6 +535,28 @@ def file_state(path: str, size: int) -> tuple[str, str, str | None]:
     if tail != b"PK\x05\x06":
         return "incomplete", "truncated: the zip archive has no end record (torch.save did not finish)", "torch"
     return "complete", "", "torch"
+
+
+def torch_file_kind(path: str, size: int) -> str:
+    """``resumable`` when a torch file's pickle names an optimizer's state (``param_groups``, Lightning's
+    ``optimizer_states``), else ``weights``: read from the archive's ``data.pkl`` record (at most 16 MiB), or
+    the head of a legacy (pre-zip) file. Nothing is unpickled."""
+    data = b""
+    head = _head(path, 4)
+    if head == b"PK\x03\x04":
+        handles = LocalHandles(os.path.dirname(path) or ".")
+        base = os.path.basename(path)
+        try:
+            pkl = zip_records(handles, base, size).get("data.pkl")
+            if pkl and pkl[1] <= MAX_KIND_PROBE:
+                data = handles.read(base, pkl[0], pkl[1])
+        except (ItemFormatError, ShardscopeError):
+            data = b""  # not an archive torch maps: its tensors are not readable, so it resumes nothing either
+        finally:
+            handles.close()
+    elif head and head[:1] == b"\x80":
+        data = _head(path, MAX_KIND_PROBE) or b""
+    return RESUMABLE if any(mark in data for mark in OPTIMIZER_MARKS) else WEIGHTS
 
 
 def _safetensors_state(path: str, size: int) -> tuple[str, str]:
