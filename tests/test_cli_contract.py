@@ -63,3 +63,15 @@ def test_names_are_escaped_on_terminals():
 
     assert escape_name("layer\nweight\u202e") == "layer\\x0aweight\\u202e"
     assert "\n" not in escape_name("a\r\nb") and escape_name("model.w") == "model.w"
+
+
+def test_a_missing_command_module_fails_loudly(monkeypatch):
+    """build_parser once skipped a subcommand whose module did not import: the command vanished without a word."""
+    import importlib
+
+    cli_main = importlib.import_module("shardscope.app.cli.main")
+    _parser, names = cli_main.build_parser()
+    assert names >= {"inspect", "verify", "show", "export", "diff", "import", "reshard", "ls", "prune", "train", "gui"}
+    monkeypatch.setattr(cli_main, "COMMAND_MODULES", (*cli_main.COMMAND_MODULES, "no_such_command"))
+    with pytest.raises(ModuleNotFoundError, match="no_such_command"):
+        cli_main.build_parser()

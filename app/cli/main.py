@@ -37,13 +37,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
                              "~/.cache/shardscope/metadata)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{name}":
-                raise
-            continue  # a subcommand module being written by someone else; NOTE: never hides a broken import
-        module.register(sub)
+        # NOTE: a missing or broken command module fails here, loudly: skipping it once hid a subcommand
+        # from every user of a wheel that lacked the module
+        importlib.import_module(f"{__package__}.{name}").register(sub)
     return parser, set(sub.choices)
 
 
