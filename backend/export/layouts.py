@@ -39,9 +39,15 @@ class Layout:
     model_roots: tuple[str, ...] | None
     container: str = ""
     optimizer_roots: frozenset[str] = frozenset()  # optimizers found by their shape, under any name
+    wrapper: str = ""  # one key every entry sits under (torch's DCP tutorial: {"app": AppState(model, optim)})
 
     def is_model(self, fqn: str) -> bool:
-        """True when entry ``fqn`` belongs to the model's weights, judged by its first key part."""
+        """True when entry ``fqn`` belongs to the model's weights, judged by its first key part (below the
+        wrapper key, if there is one)."""
+        if self.wrapper:
+            if not fqn.startswith(self.wrapper):
+                return False
+            fqn = fqn[len(self.wrapper):]
         root = fqn.split(".", 1)[0]
         if self.model_roots is not None:
             return root in self.model_roots
@@ -64,6 +70,9 @@ def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: 
     folder's name and whether a Lightning ``meta.pt`` is next to it."""
     names = list(tensor_names)
     tensor_roots = {n.split(".", 1)[0] for n in names}
+    wrapped = _wrapped_layout(names, tensor_roots, folder, has_meta_pt)
+    if wrapped is not None:
+        return wrapped
     shaped = optimizer_shaped_roots(names)
     if "state_dict" in tensor_roots:
         if has_meta_pt or "optimizer_states" in tensor_roots or any(_OPTIMIZER_N.match(r) for r in tensor_roots):
@@ -91,6 +100,27 @@ def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: 
         return Layout("torchtitan-style (model keys at the top level next to optimizer, lr_scheduler, ...)", None,
                       optimizer_roots=shaped)
     return Layout("flat state dict", None)
+
+
+def _wrapped_layout(names: list[str], tensor_roots: set[str], folder: str, has_meta_pt: bool) -> Layout | None:
+    """A model and its training state under one wrapper key: torch's DCP tutorial saves
+    ``{"app": AppState(model, optimizer)}``, so every key reads ``app.model.*`` or ``app.optim.*``. None when the
+    keys have more than one first part, or the one part is itself a model or state key."""
+    if len(tensor_roots) != 1:
+        return None
+    (wrap,) = tensor_roots
+    if wrap in ("model", "state_dict", "module") or is_training_state(wrap) or wrap in MEGATRON_ROOTS:
+        return None
+    inner_names = [n.split(".", 1)[1] for n in names if "." in n]
+    if len(inner_names) != len(names):
+        return None
+    inner = layout_of_names(inner_names, folder, has_meta_pt)
+    inner_roots = {n.split(".", 1)[0] for n in inner_names}
+    model = {r for r in inner_roots if inner.is_model(f"{r}.x")}
+    if not model or model == inner_roots:  # no training state beside the model: not a model/optimizer pair
+        return None
+    return Layout(f"{inner.name}, under the wrapper key {wrap!r} (torch's DCP tutorial: {{{wrap!r}: AppState}})",
+                  inner.model_roots, f"{wrap}.{inner.container}", inner.optimizer_roots, f"{wrap}.")
 
 
 def optimizer_shaped_roots(tensor_names: Iterable[str]) -> frozenset[str]:
