@@ -11,7 +11,7 @@ from shardscope.backend.errors import EXIT_OK
 from shardscope.backend.format import count, escape_name, human_bytes, ranks_text
 
 from .output import add_command, print_problems
-from .storage_options import add_storage_options, folder
+from .storage_options import add_storage_options, storage_options
 
 
 def register(sub: Any) -> None:
@@ -56,11 +56,11 @@ def lightning_meta(ckpt: Any) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.layout import rank_balance
     from shardscope.backend.checkpoint.verify import verify
+    from shardscope.backend.compare.browse_file import open_any
 
-    ckpt = open_checkpoint(folder(args, args.path), use_cache=not args.no_cache)
+    ckpt, _backing = open_any(args.path, storage_options(args), use_cache=not args.no_cache)
     problems = verify(ckpt)
     if args.json:
         json.dump(inspect_json(ckpt, problems), sys.stdout)
@@ -83,9 +83,14 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"  meta.pt    {text}{' ...' if len(meta) > 8 else ''}\n")
     out.write(f"  files      {count(len(ckpt.data_files), 'data file')}, "
               f"{human_bytes(sum(f.bytes or 0 for f in ckpt.files))} on disk\n")
-    out.write("  ranks      (writer rank: DCP writes a replicated tensor once, so a rank here is the rank\n"
-              "             that wrote a chunk, not every rank that held it)\n")
-    for r in rank_balance(ckpt):
+    balance = rank_balance(ckpt)
+    if all(r.rank < 0 for r in balance):
+        out.write("  ranks      none (a consolidated file or folder: no rank wrote it)\n")
+        balance = []
+    else:
+        out.write("  ranks      (writer rank: DCP writes a replicated tensor once, so a rank here is the rank\n"
+                  "             that wrote a chunk, not every rank that held it)\n")
+    for r in balance:
         label = f"rank {r.rank}" if r.rank >= 0 else "no rank"
         noun = "chunk" if r.chunks == 1 else "chunks"
         out.write(f"    {label:<9} {r.chunks:>8} {noun:<6}  {human_bytes(r.bytes):>10}\n")

@@ -10,7 +10,7 @@ from shardscope.backend.errors import EXIT_OK, CheckpointError
 from shardscope.backend.format import count, escape_name, human_bytes, ranks_text
 
 from .output import add_command
-from .storage_options import add_storage_options, folder
+from .storage_options import add_storage_options, storage_options
 
 
 def register(sub: Any) -> None:
@@ -25,12 +25,12 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.chunks import ChunkReader
     from shardscope.backend.checkpoint.layout import coverage
     from shardscope.backend.checkpoint.values import small_value_repr, tensor_stats
+    from shardscope.backend.compare.browse_file import open_any, read_tensor_any
 
-    ckpt = open_checkpoint(folder(args, args.path), use_cache=not args.no_cache)
+    ckpt, backing = open_any(args.path, storage_options(args), use_cache=not args.no_cache)
     if not ckpt.has_tensor(args.fqn):
         obj = next((o for o in ckpt.objects if o.fqn == args.fqn), None)
         if obj is None:
@@ -38,10 +38,14 @@ def run(args: argparse.Namespace) -> int:
             hint = f"Did you mean: {', '.join(close)}?" if close else "List them with `shardscope inspect --tensors`."
             raise CheckpointError(f"{escape_name(ckpt.path)}: no entry named {escape_name(args.fqn)!r}.",
                                   path=ckpt.path, hint=hint)
-        with ChunkReader(ckpt) as reader:
-            value = reader.read_object(obj)
-        print(f"{escape_name(obj.fqn)}  (non-tensor entry in {escape_name(obj.file)}, "
-              f"bytes {obj.offset}..{obj.offset + obj.length})")
+        if backing is not None:  # a consolidated file: read with the file (a torch pickle, a safetensors header)
+            value = backing.objects[obj.fqn]
+            print(f"{escape_name(obj.fqn)}  (non-tensor entry of {escape_name(ckpt.path)})")
+        else:
+            with ChunkReader(ckpt) as reader:
+                value = reader.read_object(obj)
+            print(f"{escape_name(obj.fqn)}  (non-tensor entry in {escape_name(obj.file)}, "
+                  f"bytes {obj.offset}..{obj.offset + obj.length})")
         text = small_value_repr(value, 2000)
         print(f"  value  {escape_name(text)}")
         if args.json:
@@ -64,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"tensor": entry.to_json(), "stats": None}))
         return EXIT_OK
-    with ChunkReader(ckpt) as reader:
-        tensor = reader.read_tensor(entry)
-    st = tensor_stats(tensor)
+    st = tensor_stats(read_tensor_any(ckpt, backing, entry.fqn))
     print("  values")
     if st.min is None:
         print("    no finite values")

@@ -11,7 +11,7 @@ from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 from shardscope.backend.format import count, escape_name
 
 from .output import TerminalProgress, add_command, print_problems
-from .storage_options import add_storage_options, folder
+from .storage_options import add_storage_options, storage_options
 
 DEEP_NOTE = " (deep: every item read; CRC32 checked where the format stores one)"
 
@@ -26,12 +26,12 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.verify import verify
+    from shardscope.backend.compare.browse_file import open_any, verify_contents_any
 
-    ckpt = open_checkpoint(folder(args, args.path), use_cache=not args.no_cache)
+    ckpt, _backing = open_any(args.path, storage_options(args), use_cache=not args.no_cache)
     with TerminalProgress(enabled=args.deep and not args.json) as progress:
-        problems = verify(ckpt, deep=args.deep, progress=progress)
+        problems = verify_contents_any(ckpt, progress) if args.deep else verify(ckpt)
     if args.json:
         json.dump({"path": ckpt.path, "deep": args.deep, "healthy": not problems,
                    "problems": [p.to_json() for p in problems]}, sys.stdout)

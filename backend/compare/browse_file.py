@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.browse import BrowseData, analyse, load_tree, value_stats
-from ..checkpoint.chunks import CorruptChunkError
+from ..checkpoint.chunks import ChunkReader, CorruptChunkError
 from ..checkpoint.items import ItemFormatError, zip_records
 from ..checkpoint.model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
+from ..checkpoint.reader import open_checkpoint
 from ..checkpoint.storage import RANK_METADATA_RE, Folder, is_url, open_folder
 from ..checkpoint.tree import build_tree
 from ..checkpoint.values import small_value_repr, tensor_stats
@@ -42,6 +43,7 @@ class FileBacking:
     values: dict[str, str]  # the non-tensor entries as short text
     source: TorchFileSource | None = None  # a torch file: its loaded (memory-mapped) tensors
     crc: dict[int, int] = field(default_factory=dict)  # a torch file: record offset -> stored CRC32
+    objects: dict[str, Any] = field(default_factory=dict)  # the non-tensor entries' values (`show`)
 
 
 @dataclass
@@ -69,6 +71,49 @@ def consolidated_path(path: str) -> str | None:
     return None
 
 
+def open_file(target: str, storage_options: dict[str, Any] | None = None
+              ) -> tuple[Checkpoint, FileBacking] | None:
+    """A consolidated file (or HF index folder) as the checkpoint model and what backs its values; None when
+    ``target`` turns out to be a DCP folder (an index next to a ``.metadata``: HF's storage writer)."""
+    if is_url(target) and target.endswith(TORCH_EXT):
+        raise CheckpointError(f"{target}: a torch file on a URL is not browsed (it would be copied whole); "
+                              "copy it here first, or compare it with `shardscope diff`.", path=target)
+    source = open_source(target, storage_options)
+    try:
+        if isinstance(source, SafetensorsSource):
+            return _safetensors_checkpoint(source, target)
+        if isinstance(source, TorchFileSource):
+            return _torch_checkpoint(source, target)
+        return None
+    finally:
+        if not isinstance(source, TorchFileSource):
+            source.close()
+
+
+def open_any(path: str, storage_options: dict[str, Any] | None = None, use_cache: bool = True
+             ) -> tuple[Checkpoint, FileBacking | None]:
+    """Whatever the window opens, for the commands (inspect, verify, show): a checkpoint folder's metadata,
+    or a consolidated file's model and its backing (None for a folder)."""
+    target = consolidated_path(path)
+    # NOTE: a folder (an HF index folder, or the folder of an index file named) goes to the checkpoint reader,
+    # which reports a missing or refused shard as a problem where the file sources refuse the whole folder
+    is_file = target is not None and (is_url(target) or os.path.isfile(target))
+    opened = open_file(target, storage_options) if is_file else None
+    if opened is not None:
+        return opened
+    where = target or path
+    return open_checkpoint(open_folder(where, storage_options) if is_url(where) else where, use_cache=use_cache), None
+
+
+def read_tensor_any(ckpt: Checkpoint, backing: FileBacking | None, fqn: str, progress: Progress | None = None) -> Any:
+    """Tensor ``fqn``'s values with their stored checksum checked: a torch file's from its record, everything
+    else through the chunk reader."""
+    if backing is None or backing.source is None:
+        with ChunkReader(ckpt) as reader:
+            return reader.read_tensor(ckpt.tensor(fqn), progress)
+    return torch_file_tensor(ckpt, backing, fqn, progress)
+
+
 def load_any(path: str, progress: Progress | None = None) -> BrowseData:
     """The browser's first step for any path: a checkpoint folder's metadata, or a consolidated file's
     header (safetensors) or ``weights_only`` load (torch), with the tree built."""
@@ -77,21 +122,10 @@ def load_any(path: str, progress: Progress | None = None) -> BrowseData:
         return load_tree(path, progress)
     progress = progress or Progress()
     progress.start(2, "reading the file")
-    if is_url(target) and target.endswith(TORCH_EXT):
-        raise CheckpointError(f"{target}: a torch file on a URL is not browsed (it would be copied whole); "
-                              "copy it here first, or compare it with `shardscope diff`.", path=target)
-    source = open_source(target)
-    try:
-        if isinstance(source, SafetensorsSource):
-            ckpt, backing = _safetensors_checkpoint(source, target)
-        elif isinstance(source, TorchFileSource):
-            ckpt, backing = _torch_checkpoint(source, target)
-        else:  # open_source found a DCP folder after all (an index next to a .metadata: HF's storage writer)
-            source.close()
-            return load_tree(target, progress)
-    finally:
-        if not isinstance(source, TorchFileSource):
-            source.close()
+    opened = open_file(target)
+    if opened is None:
+        return load_tree(target, progress)
+    ckpt, backing = opened
     progress.advance(1, "building the tree")
     return FileBrowseData(ckpt, build_tree(ckpt), backing=backing)
 
@@ -177,7 +211,8 @@ def _safetensors_checkpoint(source: SafetensorsSource, path: str) -> tuple[Check
     ckpt.path = path
     objects = [k for k, e in source.entries().items() if e.kind == "object"]
     ckpt.objects = [ObjectEntry(k, None, 0, 0, None) for k in objects]
-    return ckpt, FileBacking({k: small_value_repr(source.object(k), VALUE_TEXT) for k in objects})
+    values = {k: source.object(k) for k in objects}
+    return ckpt, FileBacking({k: small_value_repr(v, VALUE_TEXT) for k, v in values.items()}, objects=values)
 
 
 def _torch_checkpoint(source: TorchFileSource, path: str) -> tuple[Checkpoint, FileBacking]:
@@ -202,8 +237,9 @@ def _torch_checkpoint(source: TorchFileSource, path: str) -> tuple[Checkpoint, F
                                      "(not a zip torch.save archive torch maps as expected): values are read "
                                      "without their CRC32 checked.", file=name))
     ckpt.reindex()
-    backing = FileBacking({k: small_value_repr(source.object(k), VALUE_TEXT) for k in objects}, source,
-                          {r[0]: r[2] for r in records.values()})
+    values = {k: source.object(k) for k in objects}
+    backing = FileBacking({k: small_value_repr(v, VALUE_TEXT) for k, v in values.items()}, source,
+                          {r[0]: r[2] for r in records.values()}, values)
     return ckpt, backing
 
 
