@@ -1,7 +1,8 @@
 """The one place an output comes into existence: a temporary name in the destination folder,
 fsync of file and folder, then a rename. On failure, cancel, SIGINT or SIGTERM the temporary is
 removed and the destination is untouched; leftovers of a ``kill -9`` are recognised by their
-name (``.shardscope-tmp-<pid>-<hex>``) and removed by the next run into that folder.
+name (``.shardscope-tmp-<pid>-<hex>``) and removed by the next run into that folder. The destination
+is checked first by :func:`~.destination.check_destination` (never the source, never inside it).
 
 A URL destination (``s3://bucket/out/model.safetensors``) is staged in a temporary name in the
 local temp folder, written and verified there, and uploaded in ``commit()`` by
@@ -20,6 +21,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
@@ -28,6 +30,7 @@ from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
 from ..format import human_bytes
 from ..procs import orphaned
+from .destination import check_destination
 from .plan import ExportError as OutputError
 
 TMP_PREFIX = ".shardscope-tmp-"
@@ -115,12 +118,13 @@ class AtomicOutput:
     """Context manager: write into ``path`` (a file or a folder), then ``commit()``.
 
     ``need_bytes`` is checked against the free space of the destination's file system first.
-    Signal handlers for SIGINT/SIGTERM are installed for the duration when running on the main
+    ``sources`` are the paths or URLs the job reads (the destination may not be one, lie inside one or
+    hold one). Signal handlers for SIGINT/SIGTERM are installed for the duration when running on the main
     thread and restored on exit.
     """
 
     def __init__(self, dst: str, kind: str = "file", force: bool = False, need_bytes: int = 0,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, sources: Iterable[str] = ()) -> None:
         self.remote = RemoteTarget(dst, storage_options) if is_url(dst) else None
         self.dst = self.remote.url if self.remote else os.path.abspath(dst.rstrip("/") if kind == "dir" else dst)
         self.kind = kind
@@ -132,6 +136,7 @@ class AtomicOutput:
         self.committed = False
         self.kept: list[str] = []  # --force over a folder: its entries the export kept (it does not write them)
         self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
+        self.sources = [str(s) for s in sources]
         self._old_handlers: dict[int, Any] = {}
         # NOTE: during an upload a signal is only noted, and acted on between requests (see commit()): raised
         # in the middle of one, it would leave fsspec's event loop finishing that request after our clean-up.
@@ -140,10 +145,9 @@ class AtomicOutput:
 
     # ------------------------------------------------------------------ checks
     def _check(self) -> None:
+        check_destination(self.dst, self.kind, self.force, self.sources, self.storage_options)
         if self.remote:
             self.remote.check(self.force)
-        elif os.path.lexists(self.dst) and not self.force:
-            raise OutputError(f"{self.dst} exists; give --force to overwrite it.")
         if not os.path.isdir(self.folder):
             raise OutputError(f"{self.folder}: the destination folder does not exist.")
         if not os.access(self.folder, os.W_OK):
@@ -155,8 +159,8 @@ class AtomicOutput:
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> AtomicOutput:
+        self._check()  # first: a refused destination is refused before anything is touched
         clean_leftovers(self.folder)
-        self._check()
         with _active_lock:
             _active.add(self.path)
         self._install_handlers()
@@ -207,10 +211,9 @@ class AtomicOutput:
             return
         self.sync()  # cheap when sync() already ran: nothing is dirty
         try:
-            if os.path.lexists(self.dst):
-                if os.path.isdir(self.dst) and not os.path.islink(self.dst):
-                    if self.kind == "dir":
-                        self.kept = self._carry_over()
+            if os.path.lexists(self.dst):  # --force, and check_destination saw a folder for a folder
+                if self.kind == "dir":
+                    self.kept = self._carry_over()
                     # a folder cannot be replaced in one step: move it aside under a temporary name first
                     aside = f"{self.path}-old"
                     os.rename(self.dst, aside)

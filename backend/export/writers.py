@@ -41,8 +41,8 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     total = plan.total_bytes
     left_out = list(plan.left_out)
     kind = "dir" if plan.max_shard_size else "file"
-    with AtomicOutput(dst, kind=kind, force=force, need_bytes=plan.need_bytes(),
-                      storage_options=storage_options) as out:
+    with AtomicOutput(dst, kind=kind, force=force, need_bytes=plan.need_bytes(), storage_options=storage_options,
+                      sources=[plan.ckpt.path]) as out:
         progress.start(2 * total, "exporting")  # writing, then re-reading
         with ChunkReader(plan.ckpt) as reader:
             source = TensorSource(reader, list(plan.items), kernel_copy=True)
