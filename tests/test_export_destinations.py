@@ -1,18 +1,23 @@
 """Where export, import and reshard may write (issue 19, items 1 and 2): never over what they did not write,
-never onto or into their source, nor over a folder that holds it. The CLI runs in real subprocesses on real
-checkpoints."""
+never onto or into their source, nor over a folder that holds it; and SIGINT/SIGTERM at a known moment of
+the work (item 8) leaves no temporary and exits 130. The CLI runs in real subprocesses on real checkpoints."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
 from safetensors.torch import save_file
+from shardscope.backend.export.atomic import HOLD_ENV
+from shardscope.backend.export.dcp_writer import import_file
 from shardscope.backend.export.destination import check_destination
 from shardscope.backend.export.plan import ExportError
 
@@ -145,3 +150,75 @@ def test_the_dialog_refuses_in_the_same_words(qtbot, copy_of):
     dlg.start()
     assert "is the source" in dlg.message.text() and dlg._worker is None
     assert _tree(ck) == before
+
+
+# ------------------------------------------------------------------ item 8: signals at a known moment
+def _start_held(point: str, announce: Path, *args: object) -> subprocess.Popen:
+    """The CLI, held by the writer at ``point`` (SHARDSCOPE_TEST_HOLD) until a signal comes."""
+    env = {**os.environ, HOLD_ENV: f"{point}:{announce}"}
+    return subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_held(proc: subprocess.Popen, announce: Path) -> str:
+    """The temporary's path, once the process is held there."""
+    end = time.monotonic() + 120
+    while not (announce.exists() and announce.read_text()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, "the job never reached its hold point"
+        time.sleep(0.01)
+    return announce.read_text()
+
+
+@pytest.fixture(scope="module")
+def many_entries(tmp_path_factory) -> Path:
+    """A safetensors file of 3,000 small tensors (the issue's had 30,000)."""
+    path = tmp_path_factory.mktemp("many") / "many.safetensors"
+    save_file({f"layer{i}.w": torch.full((8,), float(i)) for i in range(3000)}, path)
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_import_leaves_no_temporary(many_entries, tmp_path, sig):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start_held("written", tmp_path / "held", "import", many_entries, out / "ck", "--ranks", "2")
+    tmp = _wait_held(proc, tmp_path / "held")
+    assert os.path.isdir(tmp) and os.listdir(tmp)  # mid-work: the temporary exists and holds written pieces
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert time.monotonic() - t0 < 30 and "Traceback" not in stderr
+    assert os.listdir(out) == []
+
+
+def test_signal_mid_export_and_reshard_leaves_no_temporary(fixtures, tmp_path):
+    for args in (("export", fixtures["fsdp2_r2"], tmp_path / "m.safetensors"),
+                 ("reshard", fixtures["fsdp2_r2"], tmp_path / "r4", "--ranks", "4")):
+        held = tmp_path / "held"
+        held.unlink(missing_ok=True)
+        proc = _start_held("written", held, *args)
+        _wait_held(proc, held)
+        held.unlink()
+        proc.send_signal(signal.SIGTERM)
+        _stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "nothing was written" in stderr, stderr
+        assert os.listdir(tmp_path) == []
+
+
+def test_signal_while_the_old_folder_is_swapped_out_keeps_a_whole_checkpoint(many_entries, tmp_path):
+    """--force over an earlier import: the handler used to delete the new folder once the old one had been moved
+    aside, leaving no checkpoint at the destination and the old one as a temporary the next run deletes."""
+    dst = tmp_path / "ck"
+    import_file(str(many_entries), str(dst))
+    (dst / "notes.txt").write_text("kept")
+    proc = _start_held("swap", tmp_path / "held", "import", many_entries, dst, "--ranks", "2", "--force")
+    _wait_held(proc, tmp_path / "held")
+    proc.send_signal(signal.SIGTERM)
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "it is complete" in stderr, stderr
+    assert sorted(os.listdir(tmp_path)) == ["ck", "held"]
+    assert sorted(os.listdir(dst)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "notes.txt"]
+    check = run_cli("verify", dst, "--deep")
+    assert check.returncode == 0, check.stdout + check.stderr

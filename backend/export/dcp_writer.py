@@ -122,19 +122,20 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     if ranks < 1:
         raise ExportError("--ranks must be at least 1.")
     t0 = time.monotonic()
+    progress = progress or Progress()  # its cancel flag is how a signal stops the writing
     names = [f"__{r}_0.distcp" for r in range(ranks)]
     need = total_bytes + sum(len(o.data) for o in objects) + 4096 * ranks + (1 << 20)
     with AtomicOutput(dst, kind="dir", force=force, need_bytes=need, storage_options=storage_options,
-                      sources=sources or []) as out:
+                      sources=sources or [], progress=progress) as out:
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         written: list[_Written] = []
         count = nbytes = 0
-        if progress:
-            progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
+        progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
         files = [open(os.path.join(out.path, n), "wb") for n in names]
         try:
             for obj in objects:
+                progress.check()
                 off = files[0].tell()
                 files[0].write(obj.data)
                 sdm[obj.fqn] = BytesStorageMetadata()
@@ -145,16 +146,19 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
                                                    chunks)
                 count += 1
                 nbytes += value.numel() * value.element_size()
-                if progress:
-                    progress.advance(value.numel() * value.element_size(), t.fqn)
+                progress.advance(value.numel() * value.element_size(), t.fqn)
                 del value
+                if count == 1:
+                    out.hold_for_tests("written")
             for f in files:
                 f.flush()
                 os.fsync(f.fileno())
         finally:
             for f in files:
                 f.close()
+        progress.check()
         _write_metadata(out.path, sdm, storage, planner_data or {}, dst)
+        progress.check()
         mismatches = check_written(_expectations(out.path, written), progress) if verify else []
         if mismatches:
             return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
