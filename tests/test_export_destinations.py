@@ -193,6 +193,16 @@ def test_signal_mid_import_leaves_no_temporary(many_entries, tmp_path, sig):
     assert os.listdir(out) == []
 
 
+def test_sigterm_before_anything_is_written_exits_130(many_entries, tmp_path):
+    """SIGTERM while the source was read killed the process (exit -15) instead of the one line and 130."""
+    proc = _start_held("start", tmp_path / "held", "import", many_entries, tmp_path / "ck")
+    _wait_held(proc, tmp_path / "held")
+    proc.send_signal(signal.SIGTERM)
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and stderr.strip() == "shardscope: interrupted by SIGTERM", stderr
+    assert os.listdir(tmp_path) == ["held"]
+
+
 def test_signal_mid_export_and_reshard_leaves_no_temporary(fixtures, tmp_path):
     for args in (("export", fixtures["fsdp2_r2"], tmp_path / "m.safetensors"),
                  ("reshard", fixtures["fsdp2_r2"], tmp_path / "r4", "--ranks", "4")):

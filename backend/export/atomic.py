@@ -169,6 +169,7 @@ class AtomicOutput:
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> AtomicOutput:
+        self.hold_for_tests("start")  # the source is open, nothing is written yet
         self._install_handlers()  # before anything: a signal from here on is noted, and acted on below
         try:
             self._check()  # a refused destination is refused before anything is touched
