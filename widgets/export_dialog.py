@@ -252,7 +252,7 @@ class ExportDialog(QDialog):
         try:  # the writers' own check, in the same words, before a worker starts
             check_destination(dst, kind, self.force.isChecked(), [self.ckpt.path])
         except ExportError as exc:
-            self.message.setText(f"<span style='color:#d62728'>{html.escape(dialog_words(str(exc)))}</span>")
+            self._failed(str(exc))
             return
         self._set_running(True)
         self.message.setText("Exporting …")
