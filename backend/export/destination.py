@@ -23,28 +23,25 @@ def _local_path(path: str) -> str | None:
     return None if is_url(path) else os.path.abspath(os.path.expanduser(path))
 
 
-def _identities(path: str) -> list[tuple[int, int]]:
-    """(st_dev, st_ino) of ``path`` (when it exists) and of every folder above it."""
-    out = []
-    p = path
-    while True:
-        try:
-            st = os.stat(p)
-            out.append((st.st_dev, st.st_ino))
-        except OSError:
-            pass
-        up = os.path.dirname(p)
-        if up == p:
-            return out
-        p = up
-
-
 def _identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino): the same for one file or folder under every name it has (links, bind mounts)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _identities(path: str) -> list[tuple[int, int]]:
+    """The identity of ``path`` (when it exists) and of every folder above it."""
+    out = []
+    while True:
+        if (ident := _identity(path)) is not None:
+            out.append(ident)
+        up = os.path.dirname(path)
+        if up == path:
+            return out
+        path = up
 
 
 def _check_existing(dst: str, kind: str, force: bool) -> None:
