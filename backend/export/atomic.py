@@ -286,11 +286,12 @@ class AtomicOutput:
     def _discard(self) -> None:
         """Remove the temporary. NOTE: a writer thread that has not yet seen the cancel may still create a file
         in the folder while it is removed (rmtree then fails on the folder, quietly); removal is tried again."""
-        for attempt in range(20):
-            remove_path(self.path)
-            if not os.path.lexists(self.path):
-                break
-            time.sleep(0.01 * (attempt + 1))
+        with self._held():  # a second signal must not stop it half-way
+            for attempt in range(20):
+                remove_path(self.path)
+                if not os.path.lexists(self.path):
+                    break
+                time.sleep(0.01 * (attempt + 1))
 
     # ------------------------------------------------------------------ signals
     @contextlib.contextmanager
