@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 from shardscope.backend.checkpoint.model import Checkpoint
 from shardscope.backend.export import ExportError, ExportPlan, ExportResult, export, format_for, plan_export
 from shardscope.backend.export.dcp_writer import import_file, reshard
+from shardscope.backend.export.destination import check_destination
 from shardscope.backend.format import count, human_bytes, parse_size
 
 from .workers import Worker, run_in_background
@@ -246,6 +247,12 @@ class ExportDialog(QDialog):
             self.message.setText(str(exc))
             return
         if self.plan is None and not self.resharding:
+            return
+        kind = "dir" if self.resharding or (self.plan is not None and self.plan.max_shard_size) else "file"
+        try:  # the writers' own check, in the same words, before a worker starts
+            check_destination(dst, kind, self.force.isChecked(), [self.ckpt.path])
+        except ExportError as exc:
+            self._failed(str(exc))
             return
         self._set_running(True)
         self.message.setText("Exporting …")

@@ -7,7 +7,7 @@ from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 
-from .output import TerminalProgress, add_command
+from .output import TerminalProgress, add_command, sigterm_interrupts
 from .storage_options import add_storage_options, folder, storage_options
 
 
@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
 def run_import(args: argparse.Namespace) -> int:
     from shardscope.backend.export.dcp_writer import import_file
 
-    with TerminalProgress(unit="bytes") as progress:
+    with sigterm_interrupts(), TerminalProgress(unit="bytes") as progress:
         result = import_file(args.file, args.dst_dir, args.ranks, args.prefix, args.force, not args.no_verify,
                              progress, storage_options=storage_options(args))
     print(result.summary())
@@ -45,7 +45,7 @@ def run_import(args: argparse.Namespace) -> int:
 def run_reshard(args: argparse.Namespace) -> int:
     from shardscope.backend.export.dcp_writer import reshard
 
-    with TerminalProgress(unit="bytes") as progress:
+    with sigterm_interrupts(), TerminalProgress(unit="bytes") as progress:
         result = reshard(folder(args, args.src), args.dst, args.ranks, args.force, not args.no_verify, progress,
                          storage_options=storage_options(args))
     print(result.summary())

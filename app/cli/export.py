@@ -8,7 +8,7 @@ from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 
-from .output import TerminalProgress, add_command
+from .output import TerminalProgress, add_command, sigterm_interrupts
 from .storage_options import add_storage_options, folder, storage_options
 
 SINGLE_FILES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
@@ -43,6 +43,11 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with sigterm_interrupts():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.storage import is_url
     from shardscope.backend.export import ExportError, export, format_for, plan_export

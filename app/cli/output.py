@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
+from shardscope.backend.errors import Cancelled
 from shardscope.backend.format import count, escape_name, human_bytes, human_duration
 from shardscope.backend.progress import Progress
 
@@ -65,6 +69,21 @@ class TerminalProgress:
             text = f"[{bar:<30}] {done}/{total} {message[:40]}"
         sys.stderr.write("\r\033[K" + text)
         sys.stderr.flush()
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Cancelled("interrupted by SIGTERM")
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the command as Ctrl-C does (exit 130, one line), also while it reads its source and before
+    its output exists; while the output is written the writer's own handler takes over (backend.export.atomic)."""
+    old = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def add_command(sub: Any, name: str, func: Any, help: str) -> Any:

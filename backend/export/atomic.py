@@ -1,7 +1,15 @@
 """The one place an output comes into existence: a temporary name in the destination folder,
 fsync of file and folder, then a rename. On failure, cancel, SIGINT or SIGTERM the temporary is
 removed and the destination is untouched; leftovers of a ``kill -9`` are recognised by their
-name (``.shardscope-tmp-<pid>-<hex>``) and removed by the next run into that folder.
+name (``.shardscope-tmp-<pid>-<hex>``) and removed by the next run into that folder. The destination
+is checked first by :func:`~.destination.check_destination` (never the source, never inside it).
+
+SIGINT/SIGTERM: the handler only notes the signal and cancels the job's :class:`Progress`; the job stops
+at its next check, and ``__exit__`` removes the temporary once the job's threads have stopped. NOTE: the
+handler used to remove the temporary and raise at whatever line the main thread was on: inside
+``commit()`` between moving the old folder aside and the new one in (the new output deleted, the old one
+left as ``<tmp>-old`` for the next export to delete as a leftover), inside ``with _active_lock`` (a
+deadlock on that lock), or while a thread pool was still writing into the folder it had just removed.
 
 A URL destination (``s3://bucket/out/model.safetensors``) is staged in a temporary name in the
 local temp folder, written and verified there, and uploaded in ``commit()`` by
@@ -11,6 +19,7 @@ whole upload succeeded).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -20,6 +29,8 @@ import signal
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -28,12 +39,14 @@ from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
 from ..format import human_bytes
 from ..procs import orphaned
+from ..progress import Progress
+from .destination import check_destination
 from .plan import ExportError as OutputError
 
 TMP_PREFIX = ".shardscope-tmp-"
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_active: set[str] = set()  # temporaries of this process, removed by the signal handler
-_active_lock = threading.Lock()
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HOLD_ENV = "SHARDSCOPE_TEST_HOLD"  # tests: "<point>:<file>" holds the job at a point until a signal comes
 
 
 def remove_path(path: str) -> None:
@@ -115,12 +128,14 @@ class AtomicOutput:
     """Context manager: write into ``path`` (a file or a folder), then ``commit()``.
 
     ``need_bytes`` is checked against the free space of the destination's file system first.
-    Signal handlers for SIGINT/SIGTERM are installed for the duration when running on the main
-    thread and restored on exit.
+    ``sources`` are the paths or URLs the job reads (the destination may not be one, lie inside one or
+    hold one). Signal handlers for SIGINT/SIGTERM are installed for the duration when running on the main
+    thread and restored on exit; a signal cancels ``progress``.
     """
 
     def __init__(self, dst: str, kind: str = "file", force: bool = False, need_bytes: int = 0,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, sources: Iterable[str] = (),
+                 progress: Progress | None = None) -> None:
         self.remote = RemoteTarget(dst, storage_options) if is_url(dst) else None
         self.dst = self.remote.url if self.remote else os.path.abspath(dst.rstrip("/") if kind == "dir" else dst)
         self.kind = kind
@@ -132,18 +147,17 @@ class AtomicOutput:
         self.committed = False
         self.kept: list[str] = []  # --force over a folder: its entries the export kept (it does not write them)
         self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
+        self.sources = [str(s) for s in sources]
+        self.progress = progress or Progress()
+        self.signalled: int | None = None  # the first SIGINT/SIGTERM received
         self._old_handlers: dict[int, Any] = {}
-        # NOTE: during an upload a signal is only noted, and acted on between requests (see commit()): raised
-        # in the middle of one, it would leave fsspec's event loop finishing that request after our clean-up.
-        self._uploading = False
-        self._pending: list[int] = []
+        self._holding = 0  # inside a step that must finish (creating, the final renames, cleaning up)
 
     # ------------------------------------------------------------------ checks
     def _check(self) -> None:
+        check_destination(self.dst, self.kind, self.force, self.sources, self.storage_options)
         if self.remote:
             self.remote.check(self.force)
-        elif os.path.lexists(self.dst) and not self.force:
-            raise OutputError(f"{self.dst} exists; give --force to overwrite it.")
         if not os.path.isdir(self.folder):
             raise OutputError(f"{self.folder}: the destination folder does not exist.")
         if not os.access(self.folder, os.W_OK):
@@ -155,29 +169,48 @@ class AtomicOutput:
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> AtomicOutput:
-        clean_leftovers(self.folder)
-        self._check()
-        with _active_lock:
-            _active.add(self.path)
-        self._install_handlers()
+        self.hold_for_tests("start")  # the source is open, nothing is written yet
+        self._install_handlers()  # before anything: a signal from here on is noted, and acted on below
         try:
-            if self.kind == "dir":
-                os.mkdir(self.path)
-            else:
-                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except OSError as exc:
+            self._check()  # a refused destination is refused before anything is touched
+            clean_leftovers(self.folder)
+            with self._held():
+                if self.kind == "dir":
+                    os.mkdir(self.path)
+                else:
+                    os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            self._stop_if_asked()
+        except BaseException as exc:
             self._discard()
-            raise write_error(self.dst, exc) from None
+            self._restore_handlers()
+            if isinstance(exc, OSError):
+                raise write_error(self.dst, exc) from None
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            if not self.committed:
-                self._discard()
-        finally:
-            self._restore_handlers()
+        with self._held():
+            try:
+                if not self.committed:
+                    self._discard()
+            finally:
+                self._restore_handlers()
+        if self.signalled is not None and not isinstance(exc, KeyboardInterrupt):
+            raise self._interrupted(self.signalled) from None
         if isinstance(exc, OSError) and not isinstance(exc, ShardscopeError):
             raise write_error(self.dst, exc) from None
+
+    def hold_for_tests(self, point: str) -> None:
+        """Tests: with ``SHARDSCOPE_TEST_HOLD=<point>:<file>``, write the temporary's path into ``file`` and
+        wait here (at most a minute) until a signal came, so that it lands at a known moment of the work."""
+        name, _, announce = os.environ.get(HOLD_ENV, "").partition(":")
+        if name != point or not announce:
+            return
+        with open(announce, "w") as f:
+            f.write(self.path)
+        end = time.monotonic() + 60
+        while self.signalled is None and time.monotonic() < end:
+            time.sleep(0.01)
 
     def sync(self) -> None:
         """fsync the temporary (for a folder, every file in it too); may run on another thread while
@@ -193,43 +226,41 @@ class AtomicOutput:
             raise write_error(self.dst, exc) from None
 
     def commit(self) -> None:
-        """Make the temporary durable and give it the destination's name (replacing it with --force)."""
+        """Make the temporary durable and give it the destination's name (replacing it with --force). Once
+        the renames begin they finish: a signal then is acted on after them (see ``__exit__``)."""
+        self._stop_if_asked()
         if self.remote:  # the upload is the commit
-            self._uploading = True
-            try:
-                self.remote.commit(self.path, self.kind, stop=self._stop_if_asked, owned=export_owned)
-            finally:
-                self._uploading = False
+            self.remote.commit(self.path, self.kind, stop=self._stop_if_asked, owned=export_owned)
             self.uploaded = self.remote.report.describe()
             self.kept = self.remote.kept
             self._discard()
             self.committed = True
             return
         self.sync()  # cheap when sync() already ran: nothing is dirty
-        try:
-            if os.path.lexists(self.dst):
-                if os.path.isdir(self.dst) and not os.path.islink(self.dst):
+        with self._held():
+            self._stop_if_asked()
+            try:
+                if os.path.lexists(self.dst):  # --force, and check_destination saw a folder for a folder
                     if self.kind == "dir":
                         self.kept = self._carry_over()
-                    # a folder cannot be replaced in one step: move it aside under a temporary name first
-                    aside = f"{self.path}-old"
-                    os.rename(self.dst, aside)
-                    try:
-                        os.rename(self.path, self.dst)
-                    except OSError:
-                        os.rename(aside, self.dst)  # the old folder back under its name
-                        raise
-                    remove_path(aside)
+                        # a folder cannot be replaced in one step: move it aside under a temporary name first
+                        aside = f"{self.path}-old"
+                        os.rename(self.dst, aside)
+                        self.hold_for_tests("swap")
+                        try:
+                            os.rename(self.path, self.dst)
+                        except OSError:
+                            os.rename(aside, self.dst)  # the old folder back under its name
+                            raise
+                        remove_path(aside)
+                    else:
+                        os.replace(self.path, self.dst)
                 else:
-                    os.replace(self.path, self.dst)
-            else:
-                os.rename(self.path, self.dst)
-            fsync_path(self.folder)
-        except OSError as exc:
-            raise write_error(self.dst, exc) from None
-        self.committed = True
-        with _active_lock:
-            _active.discard(self.path)
+                    os.rename(self.path, self.dst)
+                fsync_path(self.folder)
+            except OSError as exc:
+                raise write_error(self.dst, exc) from None
+            self.committed = True
 
     def _carry_over(self) -> list[str]:
         """Hard links (copies across file systems) in the new folder of the old folder's entries the export
@@ -253,15 +284,29 @@ class AtomicOutput:
         return kept
 
     def _discard(self) -> None:
-        remove_path(self.path)
-        with _active_lock:
-            _active.discard(self.path)
+        """Remove the temporary. NOTE: a writer thread that has not yet seen the cancel may still create a file
+        in the folder while it is removed (rmtree then fails on the folder, quietly); removal is tried again."""
+        with self._held():  # a second signal must not stop it half-way
+            for attempt in range(20):
+                remove_path(self.path)
+                if not os.path.lexists(self.path):
+                    break
+                time.sleep(0.01 * (attempt + 1))
 
     # ------------------------------------------------------------------ signals
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """A step that must finish once begun: a signal during it is only noted."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal.signal works on the main thread only; the GUI cancels through Progress
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _SIGNALS:
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _restore_handlers(self) -> None:
@@ -270,27 +315,28 @@ class AtomicOutput:
         self._old_handlers.clear()
 
     def _stop_if_asked(self) -> None:
-        """Raise for a signal noted during the upload (called by the upload between its requests)."""
-        if self._pending:
-            self._raise_for(self._pending[0], None)
+        """Raise for a signal noted earlier (called before the final renames and by the upload between its
+        requests, so what is at the destination is known when it raises)."""
+        if self.signalled is not None:
+            raise self._interrupted(self.signalled)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._uploading and not self._pending:  # a second Ctrl-C does not wait for the request
-            self._pending.append(signum)
+        if self.signalled is None:
+            # NOTE: only noted: the job stops at its next progress check, its threads too, and __exit__ then
+            # removes the temporary; raising here would land on any line (see the module's docstring)
+            self.signalled = signum
+            self.progress.cancel()
             return
-        with _active_lock:
-            paths = list(_active)
-        for p in paths:  # at once: whatever happens next, no temporary stays behind
-            remove_path(p)
-        self._raise_for(signum, frame)
+        if not self._holding:  # a second one does not wait for the job to notice the first
+            raise self._interrupted(signum)
 
-    def _raise_for(self, signum: int, frame: FrameType | None) -> None:
-        old = self._old_handlers.get(signum)
-        if callable(old):
-            old(signum, frame)
+    def _interrupted(self, signum: int) -> BaseException:
+        if self.committed:
+            return Cancelled(f"interrupted by {signal.Signals(signum).name} after {self.dst} was written "
+                             "(it is complete)")
         if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Cancelled(f"interrupted by {signal.Signals(signum).name}; nothing was written to {self.dst}")
+            return KeyboardInterrupt()
+        return Cancelled(f"interrupted by {signal.Signals(signum).name}; nothing was written to {self.dst}")
 
 
 __all__ = ["TMP_PREFIX", "AtomicOutput", "clean_leftovers", "fsync_path", "remove_path", "start_writeback",

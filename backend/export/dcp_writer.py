@@ -107,8 +107,9 @@ def _write_metadata(folder: str, sdm: dict, storage: dict, planner_data: dict, d
 def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ranks: int,
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
               progress: Progress | None = None, total_bytes: int = 0,
-              storage_options: dict | None = None) -> ExportResult:
-    """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last."""
+              storage_options: dict | None = None, sources: list[str] | None = None) -> ExportResult:
+    """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last.
+    ``sources``: what the tensors are read from (the destination may not overlap them)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -121,18 +122,20 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     if ranks < 1:
         raise ExportError("--ranks must be at least 1.")
     t0 = time.monotonic()
+    progress = progress or Progress()  # its cancel flag is how a signal stops the writing
     names = [f"__{r}_0.distcp" for r in range(ranks)]
     need = total_bytes + sum(len(o.data) for o in objects) + 4096 * ranks + (1 << 20)
-    with AtomicOutput(dst, kind="dir", force=force, need_bytes=need, storage_options=storage_options) as out:
+    with AtomicOutput(dst, kind="dir", force=force, need_bytes=need, storage_options=storage_options,
+                      sources=sources or [], progress=progress) as out:
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         written: list[_Written] = []
         count = nbytes = 0
-        if progress:
-            progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
+        progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
         files = [open(os.path.join(out.path, n), "wb") for n in names]
         try:
             for obj in objects:
+                progress.check()
                 off = files[0].tell()
                 files[0].write(obj.data)
                 sdm[obj.fqn] = BytesStorageMetadata()
@@ -143,16 +146,19 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
                                                    chunks)
                 count += 1
                 nbytes += value.numel() * value.element_size()
-                if progress:
-                    progress.advance(value.numel() * value.element_size(), t.fqn)
+                progress.advance(value.numel() * value.element_size(), t.fqn)
                 del value
+                if count == 1:
+                    out.hold_for_tests("written")
             for f in files:
                 f.flush()
                 os.fsync(f.fileno())
         finally:
             for f in files:
                 f.close()
+        progress.check()
         _write_metadata(out.path, sdm, storage, planner_data or {}, dst)
+        progress.check()
         mismatches = check_written(_expectations(out.path, written), progress) if verify else []
         if mismatches:
             return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
@@ -210,7 +216,8 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
         path = source.nested_path(k) or (k,)
         planner[key(k)] = ((pre, *map(_key_part, path)) if pre else tuple(map(_key_part, path)))
     total = sum(math.prod(t.shape) * torch.empty((), dtype=getattr(torch, t.dtype)).element_size() for t in tensors)
-    return write_dcp(tensors, objects, dst, ranks, planner, force, verify, progress, total, storage_options)
+    return write_dcp(tensors, objects, dst, ranks, planner, force, verify, progress, total, storage_options,
+                     sources=[src])
 
 
 def _key_part(p: Any) -> Any:
@@ -240,6 +247,6 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
         tensors = [TensorIn(t.fqn, t.dtype, t.shape, lambda t=t: reader.read_tensor(t)) for t in ckpt.tensors]
         objects = [ObjectIn(o.fqn, reader.read_object_bytes(o)) for o in ckpt.objects if o.file]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,
-                         ckpt.total_bytes, storage_options)
+                         ckpt.total_bytes, storage_options, sources=[ckpt.path])
     finally:
         reader.close()

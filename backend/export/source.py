@@ -185,8 +185,9 @@ def run_parallel(calls: list[tuple[Callable, tuple]], progress: Progress | None,
                  budget: ByteBudget | None = None) -> list[Any]:
     """Run calls on the export thread pool; the first error cancels the rest and is raised."""
     with ThreadPoolExecutor(io_threads(), thread_name_prefix="export") as pool:
-        futures = [pool.submit(fn, *args) for fn, args in calls]
-        try:
+        futures = []
+        try:  # NOTE: submitting is inside: stopped half-way (Ctrl-C), what was queued is cancelled, not run
+            futures.extend(pool.submit(fn, *args) for fn, args in calls)
             return [f.result() for f in futures]
         except BaseException:
             if progress:

@@ -41,8 +41,8 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     total = plan.total_bytes
     left_out = list(plan.left_out)
     kind = "dir" if plan.max_shard_size else "file"
-    with AtomicOutput(dst, kind=kind, force=force, need_bytes=plan.need_bytes(),
-                      storage_options=storage_options) as out:
+    with AtomicOutput(dst, kind=kind, force=force, need_bytes=plan.need_bytes(), storage_options=storage_options,
+                      sources=[plan.ckpt.path], progress=progress) as out:
         progress.start(2 * total, "exporting")  # writing, then re-reading
         with ChunkReader(plan.ckpt) as reader:
             source = TensorSource(reader, list(plan.items), kernel_copy=True)
@@ -50,6 +50,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
                 names, expect = safetensors_writer.write(plan, out.path, source, progress, left_out)
             else:
                 names, expect = torch_writer.write(plan, out.path, dst, source, progress, left_out)
+            out.hold_for_tests("written")
             # The data goes to disk (fsync) while it is re-read from the page cache and checked.
             with ThreadPoolExecutor(1, thread_name_prefix="export-fsync") as syncer:
                 synced = syncer.submit(out.sync)

@@ -1,0 +1,115 @@
+"""The one check of an output's destination, before anything is written: what is there already (a file
+export never replaces a folder, a folder export never a file), and that the destination and what the job
+reads do not overlap (the source itself, a folder inside it, or a folder that holds it), by real path and
+by file identity (the same folder by a symbolic link, a bind mount or another spelling), and for URLs by
+storage and key prefix. Every writer goes through :class:`~.atomic.AtomicOutput`, which calls it; the
+Export dialog calls it too, so it refuses in the same words."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from typing import Any
+
+from ..checkpoint.remote import fs_for
+from ..checkpoint.storage import is_url
+from ..library.scan import within
+from .plan import ExportError
+
+
+def _local_path(path: str) -> str | None:
+    """The absolute path of a local path; None for a URL."""
+    return None if is_url(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino): the same for one file or folder under every name it has (links, bind mounts)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _identities(path: str) -> list[tuple[int, int]]:
+    """The identity of ``path`` (when it exists) and of every folder above it."""
+    out = []
+    while True:
+        if (ident := _identity(path)) is not None:
+            out.append(ident)
+        up = os.path.dirname(path)
+        if up == path:
+            return out
+        path = up
+
+
+def _check_existing(dst: str, kind: str, force: bool) -> None:
+    if not os.path.lexists(dst):
+        return
+    if kind == "file" and os.path.isdir(dst):  # a folder, or a link to one: never replaced by a file
+        raise ExportError(f"{dst} is a folder; an export to a single file never replaces a folder (name a file, "
+                          "e.g. inside it, or a folder export with --max-shard-size).")
+    if kind == "dir" and os.path.islink(dst):
+        raise ExportError(f"{dst} is a symbolic link; give the folder it leads to, or another name.")
+    if kind == "dir" and not os.path.isdir(dst):
+        raise ExportError(f"{dst} is a file, not a folder; this writes a folder and never replaces a file.")
+    if kind == "file" and not os.path.islink(dst) and not stat.S_ISREG(os.lstat(dst).st_mode):
+        raise ExportError(f"{dst} is not a regular file; it is never replaced.")
+    if not force:
+        raise ExportError(f"{dst} exists; give --force to overwrite it.")
+
+
+def _overlap_local(dst: str, src: str) -> str | None:
+    real_dst, real_src = os.path.realpath(dst), os.path.realpath(src)
+    if within(real_dst, real_src):
+        return "is the source" if real_dst == real_src else "lies inside the source"
+    if within(real_src, real_dst):
+        return "holds the source"
+    # the same file or folder under another name (a bind mount, a hard link, another spelling)
+    src_id, dst_id = _identity(real_src), _identity(real_dst)
+    if src_id is not None and src_id in _identities(real_dst):
+        return "is the source" if src_id == dst_id else "lies inside the source"
+    if dst_id is not None and dst_id in _identities(real_src):
+        return "holds the source"
+    return None
+
+
+def _overlap_remote(dst: str, src: str, storage_options: dict[str, Any] | None) -> str | None:
+    dst_fs, dst_root = fs_for(dst.rstrip("/"), storage_options)
+    src_fs, src_root = fs_for(src.rstrip("/"), storage_options)
+    if type(dst_fs) is not type(src_fs):  # s3:// and s3a:// are one storage; s3:// and gs:// are not
+        return None
+    d, s = dst_root.strip("/"), src_root.strip("/")  # keys: "/" is os.sep wherever Shardscope runs (Linux)
+    if within(d, s):
+        return "is the source" if d == s else "lies inside the source"
+    if within(s, d):
+        return "holds the source"
+    return None
+
+
+def check_destination(dst: str, kind: str, force: bool = False, sources: Iterable[str] = (),
+                      storage_options: dict[str, Any] | None = None) -> None:
+    """Raise :class:`ExportError` (one line, exit 2) when writing ``dst`` (a ``"file"`` or a ``"dir"``) could
+    remove or overwrite what the job did not write: an existing entry of the other kind, an existing one
+    without ``force``, or a destination that is a source (``sources``: the paths or URLs the job reads), lies
+    inside one, or holds one (--force over it would replace the source's files)."""
+    local_dst = _local_path(dst)
+    for src in sources:
+        if not src:
+            continue
+        local_src = _local_path(src)
+        if local_dst is not None and local_src is not None:
+            why = _overlap_local(local_dst, local_src)
+        elif local_dst is None and local_src is None:
+            why = _overlap_remote(dst, src, storage_options)
+        else:
+            why = None
+        if why:
+            raise ExportError(f"{dst} {why}, {local_src or src}; write the output somewhere else (nothing was "
+                              "written).")
+    if local_dst is not None:
+        _check_existing((local_dst.rstrip(os.sep) or os.sep) if kind == "dir" else local_dst, kind, force)
+
+
+__all__ = ["check_destination"]
