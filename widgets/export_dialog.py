@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 from shardscope.backend.checkpoint.model import Checkpoint
 from shardscope.backend.export import ExportError, ExportPlan, ExportResult, export, format_for, plan_export
 from shardscope.backend.export.dcp_writer import import_file, reshard
-from shardscope.backend.export.destination import check_destination
+from shardscope.backend.export.destination import check_destination, default_export_path, write_into_new_folders
 from shardscope.backend.format import count, human_bytes, parse_size
 
 from .workers import Worker, run_in_background
@@ -118,8 +118,8 @@ class ExportDialog(QDialog):
         """The options, as the CLI has them."""
         form = QFormLayout()
         dst_row = QHBoxLayout()
-        self.dst = QLineEdit(os.path.join(os.path.dirname(ckpt.path.rstrip("/")),
-                                          (prefix or os.path.basename(ckpt.path.rstrip("/"))) + ".safetensors"))
+        stem = prefix or os.path.splitext(os.path.basename(ckpt.path.rstrip("/")))[0]
+        self.dst = QLineEdit(default_export_path(ckpt.path, stem))
         browse = self.browse_button = QPushButton("Browse…")
         browse.clicked.connect(self._browse)
         dst_row.addWidget(self.dst, 1)
@@ -259,13 +259,16 @@ class ExportDialog(QDialog):
         if self.resharding:
             # a single safetensors file is no DCP folder to reshard: it is imported (the same DCP writer)
             job = import_file if self.ckpt.path.endswith(".safetensors") else reshard
-            self._worker = run_in_background(job, self.ckpt.path, dst, self.ranks.value(),
+            # the destination's folder is made when missing (the default, RUN/exports/, often is), and removed
+            # again if the export fails
+            self._worker = run_in_background(write_into_new_folders, job, self.ckpt.path, dst, self.ranks.value(),
                                              force=self.force.isChecked(), verify=self.verify.isChecked(), owner=self,
                                              on_result=self._done, on_error=self._failed,
                                              on_progress=self._on_progress, on_cancelled=self._cancelled)
         else:
-            self._worker = run_in_background(export, self.plan, dst, force=self.force.isChecked(),
-                                             verify=self.verify.isChecked(), owner=self, on_result=self._done,
+            self._worker = run_in_background(write_into_new_folders, export, self.plan, dst,
+                                             force=self.force.isChecked(), verify=self.verify.isChecked(),
+                                             owner=self, on_result=self._done,
                                              on_error=self._failed, on_progress=self._on_progress,
                                              on_cancelled=self._cancelled)
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..checkpoint.remote import fs_for
 from ..checkpoint.storage import is_url
-from ..library.scan import within
+from ..library.scan import CHECKPOINT_HOLDERS, within
 from .plan import ExportError
+
+EXPORTS_FOLDER = "exports"  # where the Export dialog proposes to write: beside checkpoints/, never inside it
 
 
 def _local_path(path: str) -> str | None:
@@ -113,3 +115,46 @@ def check_destination(dst: str, kind: str, force: bool = False, sources: Iterabl
 
 
 __all__ = ["check_destination"]
+
+
+def default_export_path(ckpt_path: str, stem: str, suffix: str = ".safetensors") -> str:
+    """The Export dialog's proposal: ``RUN/exports/<stem><suffix>`` for a checkpoint in ``RUN/checkpoints/``,
+    else ``exports/`` beside the checkpoint. NOTE: it once proposed ``RUN/checkpoints/<name>.safetensors``,
+    and a weights file among a run's checkpoints is easily taken for one of them."""
+    parent = os.path.dirname(ckpt_path.rstrip("/"))
+    if os.path.basename(parent).lower() in CHECKPOINT_HOLDERS:
+        parent = os.path.dirname(parent)
+    return os.path.join(parent, EXPORTS_FOLDER, stem + suffix)
+
+
+def missing_folders(dst: str) -> list[str]:
+    """The folders above a local destination that do not exist yet, outermost first ([] for a URL)."""
+    if is_url(dst):
+        return []
+    out = []
+    folder = os.path.dirname(os.path.abspath(dst))
+    while folder and not os.path.lexists(folder):
+        out.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return out[::-1]
+
+
+def write_into_new_folders(job: Callable[..., Any], src: str, dst: str, *args: Any, **kw: Any) -> Any:
+    """Run writer ``job(src, dst, ...)`` after making the folders ``dst`` needs; if the job fails, the folders it
+    made are removed again (those still empty), so a failed export leaves nothing behind."""
+    made = []
+    try:
+        for folder in missing_folders(dst):
+            os.mkdir(folder)
+            made.append(folder)
+        return job(src, dst, *args, **kw)
+    except BaseException:
+        for folder in reversed(made):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+        raise
