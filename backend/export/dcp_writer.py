@@ -235,6 +235,9 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
     missing = [f.name for f in ckpt.files if f.kind == "data" and f.bytes is None]
     if missing:
         raise ExportError(f"{ckpt.path}: missing {', '.join(missing)}; cannot reshard an incomplete checkpoint.")
+    unnestable = ckpt.nesting_problem()
+    if unnestable:  # its planner_data would be copied, or lost, into the new .metadata
+        raise ExportError(os.path.join(ckpt.path, unnestable.message))
     reader = ChunkReader(ckpt)
     try:
         tensors = [TensorIn(t.fqn, t.dtype, t.shape, lambda t=t: reader.read_tensor(t)) for t in ckpt.tensors]

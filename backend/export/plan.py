@@ -223,11 +223,15 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
         raise ExportError(f"{ckpt.path}: nothing to export by default (layout: {layout.name}; "
                           f"{'; '.join(sel.left_out) or 'no entries'}); choose entries with --only PREFIX, or "
                           "export everything to a .pt file.")
+    renamed = bool(strip) or bool(rules) or bool(unwrapped)
+    unnestable = ckpt.nesting_problem() if fmt == "torch" and not renamed else None
+    if unnestable:
+        raise ExportError(os.path.join(ckpt.path, unnestable.message))  # the message starts with the file's name
     notes = [f"layout: {layout.name}" + (f"; keys without the '{strip}' prefix" if strip else "")
              + (f"; wrapper key parts removed: {', '.join(sorted(unwrapped))}" if unwrapped else "")]
     return ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
                       max_shard_size, fmt == "torch" and bool(ckpt.extra_files.get("meta.pt")) and not only,
-                      bool(strip) or bool(rules) or bool(unwrapped), _read_config(config, max_shard_size),
+                      renamed, _read_config(config, max_shard_size),
                       record_source)
 
 
