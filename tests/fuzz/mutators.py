@@ -232,14 +232,23 @@ def planner_paths(data: bytes, rng: random.Random) -> bytes:
         path = [*path[:-1], rng.choice([10**12, 10**6, len(names) + 1, 2**40]), *path[-1:]]
     else:  # the field itself
         md.planner_data = rng.choice([None, [], "per-rank-data", {name: 5}, {5: (name,)}])
-        return pickle.dumps(md, protocol=rng.choice([2, 4]))
+        return _pickled(md, data, rng)
     planner[name] = rng.choice([tuple(path), tuple(path), path, "x"])
     if rng.random() < 0.7:  # spell it, as a hostile writer would
         try:
             rename_entry(md, name, ".".join(map(str, path)))
         except (TypeError, ValueError):  # an unhashable or unprintable key: keep the name
             pass
-    return pickle.dumps(md, protocol=rng.choice([2, 4]))
+    return _pickled(md, data, rng)
+
+
+def _pickled(md: object, data: bytes, rng: random.Random) -> bytes:
+    """``md`` pickled again; a Metadata an earlier mutation made unpicklable (a nest deeper than the
+    recursion limit) falls back to the opcode-level mutation of ``data``."""
+    try:
+        return pickle.dumps(md, protocol=rng.choice([2, 4]))
+    except (RecursionError, pickle.PicklingError, TypeError, ValueError, AttributeError):
+        return pickle_arg(data, rng)
 
 
 METADATA_MUTATORS.append(planner_paths)
