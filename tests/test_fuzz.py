@@ -9,12 +9,14 @@ from collections import Counter
 import pytest
 from conftest import run_cli
 from fuzz.harness import corpus, make_case, mutated, run_case
+from fuzz.mutators import planner_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 CHECKPOINTS = ["fsdp2_r2", "fsdp_safetensors_r2", "fsdp_nocoll_r2", "lightning_r2"]
 METADATA_CASES = 600
 DISTCP_CASES = 250
+PLANNER_CASES = 150
 CASE_TIMEOUT = 30.0
 
 
@@ -23,7 +25,7 @@ def seeds(fixtures):
     return corpus([fixtures[n] for n in CHECKPOINTS])
 
 
-def _fuzz(seed_list, examples: int, tmp_path) -> Counter:
+def _fuzz(seed_list, examples: int, tmp_path, mutators=None) -> Counter:
     outcomes: Counter = Counter()
 
     @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
@@ -31,7 +33,7 @@ def _fuzz(seed_list, examples: int, tmp_path) -> Counter:
     @given(st.integers(0, len(seed_list) - 1), st.integers(0, 2**31))
     def check(i: int, case: int) -> None:
         seed = seed_list[i]
-        folder = make_case(seed.checkpoint, seed.target, mutated(seed, case), tmp_path / "case")
+        folder = make_case(seed.checkpoint, seed.target, mutated(seed, case, mutators), tmp_path / "case")
         out = run_case(folder, CASE_TIMEOUT)
         outcomes[out.kind] += 1
         assert out.kind not in ("crash", "hang", "memory"), f"{seed.checkpoint.name}/{seed.target} #{case}: " \
@@ -51,6 +53,14 @@ def test_mutated_distcp_gives_answers_or_clean_errors(seeds, tmp_path):
     _, data = seeds
     outcomes = _fuzz(data, DISTCP_CASES, tmp_path)
     assert outcomes["problems"] > 0, outcomes  # damaged items are found by deep verify
+
+
+def test_mutated_planner_data_gives_answers_or_clean_errors(seeds, tmp_path):
+    """Key paths alone (huge, negative and bool indices, prefixes, dict/list clashes, renamed entries that spell
+    them), through the nesting a .pt export builds: a problem or a valid nesting, never a crash or a 10**12 list."""
+    meta, _ = seeds
+    outcomes = _fuzz(meta, PLANNER_CASES, tmp_path, [planner_paths])
+    assert outcomes["problems"] > 0 and outcomes["ok"] > 0, outcomes
 
 
 @pytest.mark.parametrize("n", range(6))

@@ -19,7 +19,7 @@ from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, Tenso
 from .storage import Folder
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # 2: written only after the metadata passed validate.py
+FORMAT = 3  # 2: written only after the metadata passed validate.py; 3: planner_data checked as a tree
 ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
 
 

@@ -196,7 +196,7 @@ class Checkpoint:
     objects: list[ObjectEntry]
     chunk_table: ChunkTable
     save_id: str | None = None
-    planner_data: dict[str, tuple] = field(default_factory=dict)  # flattened FQN -> nested key path
+    planner_data: dict[str, tuple] = field(default_factory=dict)  # flattened FQN -> nested key path (validated)
     problems: list[Problem] = field(default_factory=list)  # found while reading (more come from verify)
     extra_files: dict[str, str] = field(default_factory=dict)  # e.g. {"meta.pt": "meta.pt"}
     metadata_files: list[str] = field(default_factory=list)
@@ -243,6 +243,10 @@ class Checkpoint:
             out.append(Chunk(tuple(d[:nd]), tuple(d[nd:]), info.name if info else "",
                              int(t.byte_offset[j]), int(t.length[j]), info.rank if info else None))
         return out
+
+    def nesting_problem(self) -> Problem | None:
+        """Why ``planner_data`` cannot rebuild the nested state dict (what a .pt export and reshard need), or None."""
+        return next((p for p in self.problems if p.kind == "planner_data"), None)
 
     @property
     def ranks(self) -> list[int]:

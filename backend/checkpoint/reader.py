@@ -286,8 +286,9 @@ def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], st
         where = os.path.join(ckpt.path, meta_names[0])
         ckpt.save_id = validate.optional_str(validate.record(storage_meta, where, "storage_meta").get("save_id"),
                                              where, "save_id")
-    ckpt.planner_data = validate.planner_data(planner_data)
-    ckpt.problems = problems
+    names = [t.fqn for t in ckpt.tensors] + [o.fqn for o in ckpt.objects]
+    ckpt.planner_data, problem = validate.planner_data(planner_data, names, os.path.join(ckpt.path, meta_names[0]))
+    ckpt.problems = problems + ([problem] if problem else [])
     ckpt.reindex()
 
 
@@ -371,8 +372,14 @@ def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],
     """The checkpoint model from unpickled metadata object graphs (one or several per-rank files)."""
     where = os.path.join(folder, meta_names[0])
     sdm, ev = _graph_events(parsed, where, max_dims(sum(listing.get(n) or 0 for n in meta_names)))
-    planner: dict = {}
+    planner: Any = {}  # each per-rank file holds its own rank's paths
     for m in parsed:
-        planner.update(validate.mapping(m.get("planner_data"), where, "planner_data"))
+        mine = m.get("planner_data")
+        if mine is None or not isinstance(planner, dict):
+            continue
+        if isinstance(mine, dict):
+            planner.update(mine)
+        else:
+            planner = mine  # not a mapping: validate.planner_data records the problem
     version = validate.optional_str(parsed[0].get("version"), where, "version")
     return _build(folder, sdm, ev, version, parsed[0].get("storage_meta"), planner, listing, meta_names)

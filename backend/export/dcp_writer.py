@@ -19,7 +19,7 @@ from typing import Any
 from ..checkpoint.chunks import ChunkReader
 from ..progress import Progress
 from .atomic import AtomicOutput
-from .plan import ExportError
+from .plan import ExportError, require_nesting
 from .result import ExportResult
 from .source import tensor_bytes
 from .verify import WHAT, Expectation, check_written
@@ -242,6 +242,7 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
     missing = [f.name for f in ckpt.files if f.kind == "data" and f.bytes is None]
     if missing:
         raise ExportError(f"{ckpt.path}: missing {', '.join(missing)}; cannot reshard an incomplete checkpoint.")
+    require_nesting(ckpt)  # its planner_data would be copied, or lost, into the new .metadata
     reader = ChunkReader(ckpt)
     try:
         tensors = [TensorIn(t.fqn, t.dtype, t.shape, lambda t=t: reader.read_tensor(t)) for t in ckpt.tensors]

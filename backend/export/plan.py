@@ -165,6 +165,14 @@ def _select(ckpt: Checkpoint, fmt: str, layout: Layout, only: list[str], exclude
     return _Selection(frozenset(wanted), tuple(notes), container)
 
 
+def require_nesting(ckpt: Checkpoint) -> None:
+    """Refuse (one line naming the file and the entry) a checkpoint whose planner_data cannot rebuild the nested
+    state dict that a .pt export writes and a reshard copies."""
+    problem = ckpt.nesting_problem()
+    if problem:
+        raise ExportError(os.path.join(ckpt.path, problem.message))  # the message starts with the file's name
+
+
 def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip_prefix: str | None = None,
                 dtype: str | None = None, max_shard_size: int | None = None, exclude: list[str] | None = None,
                 rename: list[str] | None = None, config: str | None = None,
@@ -223,13 +231,16 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
         raise ExportError(f"{ckpt.path}: nothing to export by default (layout: {layout.name}; "
                           f"{'; '.join(sel.left_out) or 'no entries'}); choose entries with --only PREFIX, or "
                           "export everything to a .pt file.")
+    renamed = bool(strip) or bool(rules) or bool(unwrapped)
+    if fmt == "torch" and not renamed:
+        require_nesting(ckpt)
     notes = [f"layout: {layout.name}" + (f"; keys without the '{strip}' prefix" if strip else "")
              + (f"; wrapper key parts removed: {', '.join(sorted(unwrapped))}" if unwrapped else "")]
     return ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
                       max_shard_size, fmt == "torch" and bool(ckpt.extra_files.get("meta.pt")) and not only,
-                      bool(strip) or bool(rules) or bool(unwrapped), _read_config(config, max_shard_size),
+                      renamed, _read_config(config, max_shard_size),
                       record_source)
 
 
 __all__ = ["DTYPE_ALIASES", "FORMATS", "ExportError", "ExportItem", "ExportPlan", "format_for",
-           "parse_rename", "plan_export"]
+           "parse_rename", "plan_export", "require_nesting"]

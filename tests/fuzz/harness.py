@@ -1,8 +1,8 @@
 """Run Shardscope's read side on one mutated checkpoint and classify what happened.
 
-The contract: opening, verifying (deep) and reading values either works or raises a ShardscopeError;
-anything else escaping is a bug (``crash``), as is taking longer than the per-case limit (``hang``) or
-a peak RSS above twice the checkpoint's size plus 300 MB (``memory``)."""
+The contract: opening, verifying (deep), reading values and nesting the entries as a ``.pt`` export does
+either works or raises a ShardscopeError; anything else escaping is a bug (``crash``), as is taking longer
+than the per-case limit (``hang``) or a peak RSS above twice the checkpoint's size plus 300 MB (``memory``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import ShardscopeError
+from shardscope.backend.export.plan import plan_export
+from shardscope.backend.export.torch_writer import nested_state, pickle_state
 
 from fuzz.mutators import DISTCP_MUTATORS, METADATA_MUTATORS, mutate
 
@@ -70,7 +72,18 @@ def exercise(folder: Path) -> str:
                 reader.read_object(o)
             except ShardscopeError:
                 pass
+        nest_for_torch_export(ckpt, reader)
     return "problems" if problems else "ok"
+
+
+def nest_for_torch_export(ckpt: object, reader: ChunkReader) -> None:
+    """What a ``.pt`` export does with ``planner_data`` before it writes a byte: the nested state dict
+    (``set_element`` along every key path) and its pickle; refused plans and unreadable entries are answers."""
+    try:
+        plan = plan_export(ckpt, "torch")
+        pickle_state(nested_state(plan, reader), plan.items)
+    except ShardscopeError:
+        pass
 
 
 def _on_alarm(signum: int, frame: object) -> None:
@@ -161,7 +174,7 @@ def corpus(checkpoints: list[Path]) -> tuple[list[Seed], list[Seed]]:
     return meta, data
 
 
-def mutated(seed: Seed, case: int) -> bytes:
-    """The mutation number ``case`` of a seed (reproducible)."""
+def mutated(seed: Seed, case: int, mutators: list[Callable] | None = None) -> bytes:
+    """The mutation number ``case`` of a seed (reproducible), by the seed's mutators or those given."""
     rng = random.Random(f"{seed.checkpoint.name}/{seed.target}/{case}")
-    return mutate(seed.data, rng, seed.mutators)
+    return mutate(seed.data, rng, mutators or seed.mutators)

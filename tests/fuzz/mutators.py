@@ -5,6 +5,8 @@ changes (ints, strings, memo references) and zip-header field changes. Every mut
 from __future__ import annotations
 
 import functools
+import io
+import pickle
 import pickletools
 import random
 import struct
@@ -163,6 +165,93 @@ BYTE_MUTATORS: list[Callable[[bytes, random.Random], bytes]] = [flip_bits, trunc
 METADATA_MUTATORS = [*BYTE_MUTATORS, pickle_arg, pickle_arg, pickle_arg, pickle_splice]
 DISTCP_MUTATORS = [*BYTE_MUTATORS, zip_field, zip_field, zip_field]
 
+
+
+# ---------------------------------------------------------------- planner_data-aware (.metadata)
+# The nested key paths ``dcp_to_torch_save`` unflattens: mutated on the unpickled Metadata (torch's own classes,
+# which only the tests unpickle) and pickled again, so each case is a file torch itself could have written.
+BAD_KEYS = [10**12, 2**62, 2**63, 2**70, -1, True, False, 1.5, None, b"x", ("a",), ""]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only what a DCP ``.metadata`` names (a mutated file may name anything else)."""
+
+    def find_class(self, module: str, name: str) -> object:
+        import torch
+
+        if module.startswith("torch.distributed.checkpoint") or (module, name) in {
+                ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("collections", "OrderedDict")} or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                      torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not in a .metadata")
+
+
+def rename_entry(md: object, old: str, new: str) -> None:
+    """Entry ``old`` becomes ``new`` everywhere (records, storage keys, planner_data), order kept."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    md.state_dict_metadata = {new if k == old else k: v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {(MetadataIndex(new, k.offset, k.index) if k.fqn == old else k): v
+                       for k, v in md.storage_data.items()}
+    md.planner_data = {new if k == old else k: v for k, v in md.planner_data.items()}
+
+
+def planner_paths(data: bytes, rng: random.Random) -> bytes:
+    """Change ``planner_data``: a key to a huge, negative, bool or non-int/str value; a path cut to a prefix of
+    others, lengthened, made another's, emptied or deepened; a dict key where a list index is (or the reverse);
+    or the whole field replaced. Usually the entry is renamed to spell its new path, so the case gets past
+    the name check to the tree and list-length checks."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            md = _MetadataUnpickler(io.BytesIO(data)).load()
+        planner = md.planner_data
+        if not isinstance(planner, dict) or not planner:
+            raise ValueError("no planner_data to change")
+        names = list(planner)
+    except Exception:  # an earlier mutation broke the pickle: fall back to the opcode-level one
+        return pickle_arg(data, rng)
+    name = rng.choice(names)
+    path, other = ([*p] if isinstance(p, tuple | list) else [name] for p in (planner[name], planner[rng.choice(names)]))
+    pick = rng.randrange(8)
+    if pick == 0:  # one key to something no list or dict holds
+        path[rng.randrange(len(path))] = rng.choice(BAD_KEYS)
+    elif pick == 1:  # a prefix of other paths (issue 19, item 4)
+        path = path[:rng.randrange(1, len(path))] if len(path) > 1 else [*path, "x"]
+    elif pick == 2:  # under another entry's path, which becomes a container
+        path = other + rng.choice([["x"], [0], [10**12]])
+    elif pick == 3:  # the same path as another entry
+        path = other
+    elif pick == 4:  # dict vs list at one level
+        i = rng.randrange(len(path))
+        path[i] = str(path[i]) if type(path[i]) is int else rng.choice([0, 1, 7])
+    elif pick == 5:
+        path = rng.choice([[], ["x"] * rng.choice([257, 10_000]), [0, *path], [*path, 2**31]])
+    elif pick == 6:  # a list index past what the paths can fill (issue 19, item 3)
+        path = [*path[:-1], rng.choice([10**12, 10**6, len(names) + 1, 2**40]), *path[-1:]]
+    else:  # the field itself
+        md.planner_data = rng.choice([None, [], "per-rank-data", {name: 5}, {5: (name,)}])
+        return _pickled(md, data, rng)
+    planner[name] = rng.choice([tuple(path), tuple(path), path, "x"])
+    if rng.random() < 0.7:  # spell it, as a hostile writer would
+        try:
+            rename_entry(md, name, ".".join(map(str, path)))
+        except (TypeError, ValueError):  # an unhashable or unprintable key: keep the name
+            pass
+    return _pickled(md, data, rng)
+
+
+def _pickled(md: object, data: bytes, rng: random.Random) -> bytes:
+    """``md`` pickled again; a Metadata an earlier mutation made unpicklable (a nest deeper than the
+    recursion limit) falls back to the opcode-level mutation of ``data``."""
+    try:
+        return pickle.dumps(md, protocol=rng.choice([2, 4]))
+    except (RecursionError, pickle.PicklingError, TypeError, ValueError, AttributeError):
+        return pickle_arg(data, rng)
+
+
+METADATA_MUTATORS.append(planner_paths)
 
 def mutate(data: bytes, rng: random.Random, mutators: list[Callable[[bytes, random.Random], bytes]],
            rounds: int | None = None) -> bytes:
