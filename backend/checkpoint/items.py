@@ -347,17 +347,18 @@ def _check_records(src: ByteSource, name: str, offset: int, length: int, records
 
 
 def _check_item_pickle(data: bytes) -> None:
-    """Refuse a data.pkl with opcodes torch.save's protocol 2 never writes, or a memo slot past its size,
-    before the C unpickler runs. NOTE: CPython 3.11's C unpickler allocates a BYTEARRAY8's length before
-    reading it, and when that malloc fails it frees the half-made bytearray before setting its export
-    count: the dealloc then prints "SystemError: deallocated bytearray object has exported buffers" on
-    stderr by itself; and a LONG_BINPUT index sizes (and zero-fills) the memo table."""
+    """Refuse a data.pkl with opcodes of pickle protocols above 3 (torch.save writes protocol 2), or a memo
+    slot past its size, before the C unpickler runs. NOTE: CPython 3.11's C unpickler allocates a
+    BYTEARRAY8's length before reading it, and when that malloc fails it frees the half-made bytearray
+    before setting its export count: the dealloc then prints "SystemError: deallocated bytearray object
+    has exported buffers" on stderr by itself; and a LONG_BINPUT index sizes (and zero-fills) the memo
+    table."""
     try:
         for op, arg, _ in pickletools.genops(data):
             if op.proto > 3 or (op.name.endswith("PUT") and not 0 <= arg < len(data)):
                 raise ItemFormatError(f"data.pkl holds opcode {op.name} (argument {str(arg)[:20]}), which "
                                       "torch.save does not write")
-    except (ValueError, UnicodeDecodeError, struct.error) as exc:
+    except (ValueError, UnicodeDecodeError, struct.error, OverflowError, IndexError) as exc:
         if isinstance(exc, ItemFormatError):
             raise
         raise ItemFormatError(f"data.pkl does not unpickle ({type(exc).__name__})") from None
