@@ -222,3 +222,18 @@ def test_bytearray_bomb_in_a_tensor_pickle_is_one_line(saved, tmp_path, crc):
         assert DATA in proc.stderr or "failed" in proc.stderr, proc.stderr
     ver = run_cli("verify", "--deep", folder, "--no-cache")
     assert ver.returncode == 1 and "tensor w" in ver.stdout and not ver.stderr, ver
+
+
+def test_object_pickle_cut_short_is_one_line(saved, tmp_path):
+    """A non-tensor entry whose data.pkl (CRC32 updated to match) ends inside a BINFLOAT's argument: torch's
+    weights-only unpickler raises struct.error, which is one line naming the file and entry (found by the
+    fuzzer's torch oracle), not a traceback."""
+    data = (saved / DATA).read_bytes()
+    rec = _records(data, _items(saved)["f"])["data.pkl"]
+    assert rec[1] == 12
+    folder = _with(saved, tmp_path / "short", _fresh_crc(data, rec, b"\x80\x02K\x01K\x01K\x01K\x01G."))
+    show = run_cli("show", folder, "f", "--no-cache")
+    assert show.returncode == 2 and len(show.stderr.splitlines()) == 1, show
+    assert "entry f" in show.stderr and "Traceback" not in show.stderr and "internal error" not in show.stderr
+    ver = run_cli("verify", "--deep", folder, "--no-cache")
+    assert ver.returncode == 1 and "entry f" in ver.stdout and not ver.stderr, ver

@@ -397,6 +397,7 @@ def allow_safe_globals() -> None:
 def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str | None = None) -> Any:
     """``torch.load(weights_only=True)`` of untrusted bytes; any failure is a CheckpointError."""
     import pickle
+    import struct
 
     import torch
 
@@ -405,8 +406,9 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, KeyError,
             IndexError, OverflowError, UnicodeDecodeError, RecursionError, MemoryError, NotImplementedError,
-            AssertionError, ImportError, OSError) as exc:
-        # torch.load's zip reader and weights-only unpickler raise all of these on damaged input.
+            AssertionError, ImportError, OSError, struct.error) as exc:
+        # torch.load's zip reader and weights-only unpickler raise all of these on damaged input (struct.error:
+        # an opcode's argument cut short by the end of data.pkl).
         log.debug("torch.load failed on %s", where, exc_info=True)
         lines = str(exc).splitlines() or [""]
         # torch's weights-only message starts with advice; the line that says what was refused is further down
