@@ -237,3 +237,18 @@ def test_object_pickle_cut_short_is_one_line(saved, tmp_path):
     assert "entry f" in show.stderr and "Traceback" not in show.stderr and "internal error" not in show.stderr
     ver = run_cli("verify", "--deep", folder, "--no-cache")
     assert ver.returncode == 1 and "entry f" in ver.stdout and not ver.stderr, ver
+
+
+def test_object_pickle_of_an_unknown_protocol_is_not_healthy(saved, tmp_path):
+    """A non-tensor entry whose data.pkl (CRC32 updated to match) names pickle protocol 130: torch's DCP loader
+    (Python's pickle) refuses it while the weights-only unpickler would not; found by the fuzzer's torch oracle."""
+    data = (saved / DATA).read_bytes()
+    rec = _records(data, _items(saved)["f"])["data.pkl"]
+    pkl = data[rec[0]:rec[0] + rec[1]]
+    assert pkl[:2] == b"\x80\x02"
+    folder = _with(saved, tmp_path / "proto", _fresh_crc(data, rec, b"\x80\x82" + pkl[2:]))
+    assert not _torch_loads(folder)
+    ver = run_cli("verify", "--deep", folder, "--no-cache")
+    assert ver.returncode == 1 and "entry f" in ver.stdout and "protocol 130" in ver.stdout and not ver.stderr, ver
+    show = run_cli("show", folder, "f", "--no-cache")
+    assert show.returncode == 2 and len(show.stderr.splitlines()) == 1 and "entry f" in show.stderr, show

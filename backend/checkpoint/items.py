@@ -416,6 +416,10 @@ def check_object_archive(data: bytes) -> None:
             if key not in SMALL_RECORDS:  # data.pkl and the storages; the small ones were checked above
                 start = _record_start(src, "", 0, len(data), rec)
                 _check_crc(rec, zlib.crc32(view[start:start + rec.size]))
+    start = _record_start(src, "", 0, len(data), records["data.pkl"])
+    if data[start:start + 1] == pickle.PROTO and records["data.pkl"].size >= 2 and \
+            data[start + 1] > pickle.HIGHEST_PROTOCOL:  # torch's DCP loader unpickles it with Python's pickle
+        raise ItemFormatError(f"data.pkl names pickle protocol {data[start + 1]}, which Python's pickle refuses")
 
 
 def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, int, int]]:
