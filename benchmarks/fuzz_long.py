@@ -1,6 +1,8 @@
 """The long mutation-fuzzing run: N mutated ``.metadata`` and M mutated ``.distcp`` files from real
 ``dcp.save`` checkpoints, each opened, verified deep and read in worker processes; counts tracebacks,
-hangs (over the per-case limit) and peaks above 2x the checkpoint's size + 300 MB.
+hangs (over the per-case limit), peaks above 2x the checkpoint's size + 300 MB, and (``.distcp`` cases,
+torch's own DCP loader as the oracle) "healthy" verdicts on folders torch cannot load or values that differ
+from torch's.
 
     python benchmarks/fuzz_long.py --metadata 100000 --distcp 20000 --workers 1 [--minutes M]
     python benchmarks/fuzz_long.py ... --start-metadata 26750 --start-distcp 5250   # continue case numbers
@@ -51,7 +53,7 @@ def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
     import faulthandler
     import tempfile
 
-    from fuzz.harness import make_case, mutated, run_case
+    from fuzz.harness import make_case, mutated, run_case, torch_reads
 
     fixtures, kind, cases, timeout, out = args
     if not _SEEDS:
@@ -69,12 +71,13 @@ def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
             # prints every thread's stack and ends the worker, which the parent reports with the batch.
             faulthandler.dump_traceback_later(2 * timeout + 60, exit=True)
             try:
-                result = run_case(folder, timeout)
+                oracle = kind == "distcp" and torch_reads(seed.checkpoint)  # torch's loader as the oracle
+                result = run_case(folder, timeout, oracle=oracle)
             finally:
                 faulthandler.cancel_dump_traceback_later()
             counts[result.kind] += 1
             worst = max(worst, result.peak)
-            if result.kind in ("crash", "hang", "memory"):
+            if result.kind in ("crash", "hang", "memory", "unsound"):
                 dst = Path(out) / f"{kind}-{case}"
                 dst.mkdir(parents=True, exist_ok=True)
                 (dst / seed.target).write_bytes(blob)
@@ -131,11 +134,11 @@ class Run:
 
     def report(self, timeout: float) -> None:
         print("\n| kind | cases | ok | problems found | clean error (exit 2) | tracebacks | hangs > "
-              f"{timeout:.0f} s | memory over 2x+300 MB |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+              f"{timeout:.0f} s | memory over 2x+300 MB | healthy or wrong values where torch disagrees |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for kind, c in self.totals.items():
             print(f"| {kind} | {sum(c.values())} | {c['ok']} | {c['problems']} | {c['error']} | {c['crash']} | "
-                  f"{c['hang']} | {c['memory']} |")
+                  f"{c['hang']} | {c['memory']} | {c['unsound']} |")
         for kind, cases in self.done.items():
             span = sorted(cases)
             whole = bool(span) and span == list(range(span[0], span[-1] + 1))

@@ -23,8 +23,10 @@ from ..progress import Progress
 from .items import (
     ZIP_LOCAL,
     ItemFormatError,
+    RecordCrcError,
     SafetensorsHeader,
     StoredTensor,
+    check_object_archive,
     parse_safetensors_header,
     parse_torch_item,
 )
@@ -172,6 +174,8 @@ class ChunkReader:
         self._check_range(chunk.file, chunk.offset, chunk.length, "the item")
         try:
             st = self._stored(fqn, chunk, dtype)
+        except RecordCrcError as exc:
+            raise self._error(fqn, chunk, f"{exc}: the bytes changed on disk.", CorruptChunkError) from None
         except ItemFormatError as exc:
             raise self._error(fqn, chunk, f"item cannot be decoded ({exc}).") from None
         if st.dtype != dtype:
@@ -341,7 +345,8 @@ class ChunkReader:
 
     # ------------------------------------------------------------ non-tensor entries
     def read_object_bytes(self, obj: ObjectEntry) -> bytes:
-        """The raw stored bytes of a non-tensor entry (a torch.save pickle), range checked."""
+        """The raw stored bytes of a non-tensor entry (a torch.save archive), range checked; an archive's
+        records are checked against the zip directory and their stored CRC32 (torch.load checks neither)."""
         if obj.file is None:
             raise CheckpointError(f"{obj.fqn}: no storage entry in the metadata.", fqn=obj.fqn)
         try:
@@ -349,9 +354,20 @@ class ChunkReader:
                 raise CheckpointError(f"{self.handles.where(obj.file)}: a {obj.length}-byte non-tensor entry is "
                                       "implausible.", path=self.handles.where(obj.file))
             self._check_range(obj.file, obj.offset, obj.length, "the entry")
-            return self.handles.read(obj.file, obj.offset, obj.length)
+            data = self.handles.read(obj.file, obj.offset, obj.length)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (entry {obj.fqn})", path=exc.path, fqn=obj.fqn) from None
+        if data[:4] == ZIP_LOCAL:
+            where = self.handles.where(obj.file)
+            try:
+                check_object_archive(data)
+            except RecordCrcError as exc:
+                raise CorruptChunkError(f"{where} (entry {obj.fqn}): {exc}: the bytes changed on disk.",
+                                        path=where, fqn=obj.fqn) from None
+            except ItemFormatError as exc:
+                raise CheckpointError(f"{where} (entry {obj.fqn}): the stored archive cannot be decoded ({exc}).",
+                                      path=where, fqn=obj.fqn) from None
+        return data
 
     def read_file(self, name: str) -> bytes:
         """A whole small file of the folder (``meta.pt``), size checked."""
@@ -381,6 +397,7 @@ def allow_safe_globals() -> None:
 def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str | None = None) -> Any:
     """``torch.load(weights_only=True)`` of untrusted bytes; any failure is a CheckpointError."""
     import pickle
+    import struct
 
     import torch
 
@@ -389,8 +406,9 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, KeyError,
             IndexError, OverflowError, UnicodeDecodeError, RecursionError, MemoryError, NotImplementedError,
-            AssertionError, ImportError, OSError) as exc:
-        # torch.load's zip reader and weights-only unpickler raise all of these on damaged input.
+            AssertionError, ImportError, OSError, struct.error) as exc:
+        # torch.load's zip reader and weights-only unpickler raise all of these on damaged input (struct.error:
+        # an opcode's argument cut short by the end of data.pkl).
         log.debug("torch.load failed on %s", where, exc_info=True)
         lines = str(exc).splitlines() or [""]
         # torch's weights-only message starts with advice; the line that says what was refused is further down

@@ -10,7 +10,10 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import pickletools
+import re
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +27,13 @@ _EOCD64 = b"PK\x06\x06"
 _CENTRAL = b"PK\x01\x02"
 MAX_CENTRAL_DIRECTORY = 1 << 20  # a one-tensor torch.save archive has ~6 records (~500 bytes)
 MAX_DATA_PKL = 1 << 20  # the data.pkl of one tensor is ~200 bytes
+MAX_SMALL_RECORD = 4096  # .format_version, byteorder, version, ...: a few bytes each
+# The records torch.save writes beside data.pkl and data/<key> (torch 2.13; older releases write fewer),
+# and the range of file-format versions its zip reader accepts (caffe2/serialize/versions.h).
+SMALL_RECORDS = (".format_version", ".storage_alignment", "byteorder", "version", ".data/version",
+                 ".data/serialization_id")
+FILE_FORMAT_VERSIONS = range(1, 11)
+_STORAGE_RECORD = re.compile(r"data/[0-9]+")
 MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
 
 STORAGE_DTYPES = {
@@ -49,6 +59,10 @@ class ByteSource(Protocol):
 
 class ItemFormatError(ValueError):
     """An item's bytes do not parse; the chunk reader turns it into a CheckpointError naming file and tensor."""
+
+
+class RecordCrcError(ItemFormatError):
+    """A zip record's bytes do not match the CRC32 stored for them in the central directory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +189,8 @@ class _ZipRecord:
     size: int
     method: int
     crc: int
+    flags: int
+    raw: bytes  # the name as stored: the local header must repeat it
 
 
 def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
@@ -197,24 +213,34 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, i
 
 
 def _end_record(src: ByteSource, name: str, offset: int, length: int) -> tuple[int, int, int]:
-    """(record count, central directory size, its offset in the item), all checked against ``length``."""
-    tail_len = min(length, 65536 + 22)
+    """(record count, central directory size, its offset in the item), all checked against ``length``. As in
+    torch's zip reader (miniz), a zip64 locator right before the end record makes the zip64 end record's
+    values the ones that count: they must agree with the end record's (torch.save writes both)."""
+    tail_len = min(length, 65536 + 22 + 20)
     tail = src.read(name, offset + length - tail_len, tail_len)
     pos = tail.rfind(_EOCD)
     if pos < 0 or pos + 22 > len(tail):
         raise ItemFormatError("no end-of-central-directory record")
-    (_, _, _, _, count, cd_size, cd_offset, _) = struct.unpack_from("<4sHHHHIIH", tail, pos)
-    if cd_offset == 0xFFFFFFFF or count == 0xFFFF or cd_size == 0xFFFFFFFF:
-        loc = tail.rfind(_EOCD64_LOC, 0, pos)
-        if loc < 0 or loc + 16 > len(tail):
-            raise ItemFormatError("zip64 locator missing")
-        (eocd64_off,) = struct.unpack_from("<Q", tail, loc + 8)
+    (_, disk, cd_disk, on_disk, count, cd_size, cd_offset, comment) = struct.unpack_from("<4sHHHHIIH", tail, pos)
+    if pos + 22 + comment != len(tail):
+        raise ItemFormatError("the end-of-central-directory record does not end the item")
+    if pos >= 20 and tail[pos - 20:pos - 16] == _EOCD64_LOC:
+        loc_disk, eocd64_off, disks = struct.unpack_from("<IQI", tail, pos - 16)
         if eocd64_off + 56 > length:
             raise ItemFormatError(f"zip64 end record at {eocd64_off} lies outside the {length}-byte item")
         rec = src.read(name, offset + eocd64_off, 56)
-        if rec[:4] != _EOCD64:
+        size64, disk, cd_disk, on_disk, count64, cd_size64, cd_offset64 = struct.unpack_from("<Q4xIIQQQQ", rec, 4)
+        if rec[:4] != _EOCD64 or size64 < 44 or loc_disk or disks != 1:
             raise ItemFormatError("bad zip64 end record")
-        count, cd_size, cd_offset = struct.unpack_from("<QQQ", rec, 32)
+        for short, full, sat in ((count, count64, 0xFFFF), (cd_size, cd_size64, 0xFFFFFFFF),
+                                 (cd_offset, cd_offset64, 0xFFFFFFFF)):
+            if short not in (sat, full):
+                raise ItemFormatError("the zip64 end record disagrees with the end-of-central-directory record")
+        count, cd_size, cd_offset = count64, cd_size64, cd_offset64
+    elif cd_offset == 0xFFFFFFFF or count == 0xFFFF or cd_size == 0xFFFFFFFF:
+        raise ItemFormatError("zip64 locator missing")
+    if disk or cd_disk or on_disk != count:
+        raise ItemFormatError("the end-of-central-directory record names other disks")
     if cd_size > MAX_CENTRAL_DIRECTORY or cd_offset + cd_size > length or count > cd_size // 46:
         raise ItemFormatError(f"zip central directory ({count} records, {cd_size} bytes at {cd_offset}) does not "
                               f"fit the {length}-byte item")
@@ -222,54 +248,130 @@ def _end_record(src: ByteSource, name: str, offset: int, length: int) -> tuple[i
 
 
 def _zip_directory(src: ByteSource, name: str, offset: int, length: int) -> dict[str, _ZipRecord]:
-    """The records of an item zip by name without the archive folder (``data.pkl``, ``data/0``)."""
+    """The records of an item zip by name without the archive folder (``data.pkl``, ``data/0``). As torch's
+    zip reader needs them: every name valid UTF-8 and in the one archive folder the first names, stored
+    (not compressed, not encrypted) on disk 0; and, beyond what torch checks, no name twice."""
     count, cd_size, cd_offset = _end_record(src, name, offset, length)
     cd = src.read(name, offset + cd_offset, cd_size)
     out: dict[str, _ZipRecord] = {}
+    folder = None
     p = 0
     for _ in range(count):
         if cd[p:p + 4] != _CENTRAL or p + 46 > len(cd):
             raise ItemFormatError("bad central directory entry")
-        (method, _, _, crc, csize, usize, nlen, xlen, clen, _, _, _, lho) = struct.unpack_from(
-            "<HHHIIIHHHHHII", cd, p + 10)
+        (flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk, _, _, lho) = struct.unpack_from(
+            "<HHHHIIIHHHHHII", cd, p + 8)
         if p + 46 + nlen + xlen + clen > len(cd):
             raise ItemFormatError("central directory entry runs past the directory")
-        fname = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
+        raw = cd[p + 46:p + 46 + nlen]
+        try:
+            fname = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ItemFormatError(f"zip record name {raw[:80]!r} is not UTF-8") from None
         if 0xFFFFFFFF in (csize, usize, lho):
             usize, csize, lho = _zip64_sizes(cd[p + 46 + nlen:p + 46 + nlen + xlen], usize, csize, lho)
         if lho + 30 + csize > length:
             raise ItemFormatError(f"zip record {fname!r} ({csize} bytes at {lho}) lies outside the item")
-        slash = fname.find("/")
-        out[fname[slash + 1:] if slash >= 0 else fname] = _ZipRecord(fname, lho, csize, method, crc)
+        if method != 0 or csize != usize or flags & 0x41 or disk:
+            raise ItemFormatError(f"zip record {fname!r} is compressed, encrypted or on another disk")
+        top, slash, key = fname.partition("/")
+        folder = top if folder is None else folder
+        if not slash or top != folder:
+            raise ItemFormatError(f"zip record {fname!r} is not in the archive folder {folder + '/'!r}")
+        if key in out:
+            raise ItemFormatError(f"zip record {fname!r} appears twice")
+        out[key] = _ZipRecord(fname, lho, csize, method, crc, flags, raw)
         p += 46 + nlen + xlen + clen
     return out
 
 
 def _record_start(src: ByteSource, name: str, offset: int, length: int, rec: _ZipRecord) -> int:
-    """Absolute offset of a stored record's bytes (after its local header), checked to fit the item."""
-    if rec.method != 0:
-        raise ItemFormatError(f"zip record {rec.name!r} is compressed")
-    head = src.read(name, offset + rec.header, 30)
+    """Absolute offset of a stored record's bytes (after its local header), checked to fit the item; the
+    local header must agree with the central directory (name, flags, method; CRC32 and sizes unless a data
+    descriptor carries them)."""
+    if rec.header + 30 + len(rec.raw) > length:
+        raise ItemFormatError(f"zip record {rec.name!r} runs past the item")
+    head = src.read(name, offset + rec.header, 30 + len(rec.raw))
     if head[:4] != ZIP_LOCAL:
         raise ItemFormatError(f"bad local header for {rec.name!r}")
-    nlen, xlen = struct.unpack_from("<HH", head, 26)
+    flags, method, crc, csize, usize, nlen, xlen = struct.unpack_from("<HH4xIIIHH", head, 6)
+    sizes = (crc, csize, usize) if 0xFFFFFFFF not in (csize, usize) else (crc,)
+    if (flags, method, head[30:]) != (rec.flags, rec.method, rec.raw) or nlen != len(rec.raw) or \
+            (not flags & 8 and sizes != (rec.crc, rec.size, rec.size)[:len(sizes)]):
+        raise ItemFormatError(f"the local header of zip record {rec.name!r} disagrees with the central directory")
     start = rec.header + 30 + nlen + xlen
     if start + rec.size > length:
         raise ItemFormatError(f"zip record {rec.name!r} runs past the item")
     return offset + start
 
 
+def _check_crc(rec: _ZipRecord, crc: int) -> None:
+    if crc != rec.crc:
+        raise RecordCrcError(f"zip record {rec.name!r} fails its CRC32 check (stored {rec.crc:08x}, read {crc:08x})")
+
+
+def _record_bytes(src: ByteSource, name: str, offset: int, length: int, rec: _ZipRecord, limit: int) -> bytes:
+    """A whole record of at most ``limit`` bytes, its CRC32 checked."""
+    if rec.size > limit:
+        raise ItemFormatError(f"zip record {rec.name!r} claims {rec.size} bytes; at most {limit} are plausible")
+    data = src.read(name, _record_start(src, name, offset, length, rec), rec.size)
+    _check_crc(rec, zlib.crc32(data))
+    return data
+
+
+def _check_records(src: ByteSource, name: str, offset: int, length: int, records: dict[str, _ZipRecord]) -> None:
+    """The records torch's loader reads besides the pickle and the storages: only names torch.save writes,
+    data.pkl and a version present, each small record's CRC32 checked and its value one torch accepts."""
+    odd = next((r.name for k, r in records.items()
+                if k != "data.pkl" and k not in SMALL_RECORDS and not _STORAGE_RECORD.fullmatch(k)), None)
+    if odd is not None:
+        raise ItemFormatError(f"unexpected zip record {odd!r}")
+    if "data.pkl" not in records:
+        raise ItemFormatError("no data.pkl record")
+    if "version" not in records and ".data/version" not in records:
+        raise ItemFormatError("no version record")
+    values = {k: _record_bytes(src, name, offset, length, records[k], MAX_SMALL_RECORD)
+              for k in SMALL_RECORDS if k in records}
+    version = values.get(".data/version", values.get("version", b""))
+    if not re.fullmatch(rb"[0-9]{1,6}\n?", version) or int(version) not in FILE_FORMAT_VERSIONS:
+        raise ItemFormatError(f"archive version {version[:20]!r} is not one torch reads")
+    order = values.get("byteorder", b"little")
+    if order != b"little":  # torch would byte-swap a big-endian item; Shardscope reads values as stored
+        raise ItemFormatError(f"byteorder record holds {order[:20]!r}; only little-endian items are read")
+    if not re.fullmatch(rb"[1-9][0-9]{0,5}", values.get(".storage_alignment", b"64")):
+        raise ItemFormatError("storage alignment record is not a number")
+    try:
+        values.get(".data/serialization_id", b"").decode("utf-8")  # torch logs it as a string
+    except UnicodeDecodeError:
+        raise ItemFormatError("serialization id record is not UTF-8") from None
+
+
+def _check_item_pickle(data: bytes) -> None:
+    """Refuse a data.pkl with opcodes of pickle protocols above 3 (torch.save writes protocol 2), or a memo
+    slot past its size, before the C unpickler runs. NOTE: CPython 3.11's C unpickler allocates a
+    BYTEARRAY8's length before reading it, and when that malloc fails it frees the half-made bytearray
+    before setting its export count: the dealloc then prints "SystemError: deallocated bytearray object
+    has exported buffers" on stderr by itself; and a LONG_BINPUT index sizes (and zero-fills) the memo
+    table."""
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.proto > 3 or (op.name.endswith("PUT") and not 0 <= arg < len(data)):
+                raise ItemFormatError(f"data.pkl holds opcode {op.name} (argument {str(arg)[:20]}), which "
+                                      "torch.save does not write")
+    except (ValueError, UnicodeDecodeError, struct.error, OverflowError, IndexError) as exc:
+        if isinstance(exc, ItemFormatError):
+            raise
+        raise ItemFormatError(f"data.pkl does not unpickle ({type(exc).__name__})") from None
+
+
 def parse_torch_item(src: ByteSource, name: str, offset: int, length: int) -> StoredTensor:
     """Locate the tensor inside a torch.save zip item without loading its values."""
     records = _zip_directory(src, name, offset, length)
-    pkl = records.get("data.pkl")
-    if pkl is None:
-        raise ItemFormatError("no data.pkl record")
-    if pkl.size > MAX_DATA_PKL:
-        raise ItemFormatError(f"data.pkl claims {pkl.size} bytes; one tensor's is a few hundred")
-    start = _record_start(src, name, offset, length, pkl)
+    _check_records(src, name, offset, length, records)
+    data = _record_bytes(src, name, offset, length, records["data.pkl"], MAX_DATA_PKL)
+    _check_item_pickle(data)
     try:
-        ref = _ItemUnpickler(io.BytesIO(src.read(name, start, pkl.size))).load()
+        ref = _ItemUnpickler(io.BytesIO(data)).load()
     except ItemFormatError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
@@ -280,9 +382,44 @@ def parse_torch_item(src: ByteSource, name: str, offset: int, length: int) -> St
     rec = records.get(f"data/{ref.storage.key}")
     if rec is None:
         raise ItemFormatError(f"storage record data/{ref.storage.key} missing")
+    if sum(1 for k in records if k.startswith("data/")) != 1:
+        raise ItemFormatError("the archive holds storage records the tensor does not use")
     data_start = _record_start(src, name, offset, length, rec)
     return StoredTensor(ref.storage.dtype, ref.shape, ref.stride, ref.storage_offset, data_start, rec.size,
                         rec.crc)
+
+
+class _InMemory:
+    """A ByteSource over bytes already read (a non-tensor entry); a read past them is an ItemFormatError."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > len(self.data):
+            raise ItemFormatError(f"the archive needs bytes {offset}..{offset + length} of {len(self.data)}")
+        return self.data[offset:offset + length]
+
+    def where(self, name: str) -> str:
+        return name
+
+
+def check_object_archive(data: bytes) -> None:
+    """A non-tensor entry stored as a ``torch.save`` archive, checked as :func:`parse_torch_item` checks a
+    tensor item's, and every record's CRC32 too (``torch.load`` checks none): ItemFormatError (RecordCrcError
+    for a CRC32 mismatch) when any record is damaged. ``torch.load`` then unpickles it."""
+    src = _InMemory(data)
+    records = _zip_directory(src, "", 0, len(data))
+    _check_records(src, "", 0, len(data), records)
+    with memoryview(data) as view:
+        for key, rec in records.items():
+            if key not in SMALL_RECORDS:  # data.pkl and the storages; the small ones were checked above
+                start = _record_start(src, "", 0, len(data), rec)
+                _check_crc(rec, zlib.crc32(view[start:start + rec.size]))
+    start = _record_start(src, "", 0, len(data), records["data.pkl"])
+    if data[start:start + 1] == pickle.PROTO and records["data.pkl"].size >= 2 and \
+            data[start + 1] > pickle.HIGHEST_PROTOCOL:  # torch's DCP loader unpickles it with Python's pickle
+        raise ItemFormatError(f"data.pkl names pickle protocol {data[start + 1]}, which Python's pickle refuses")
 
 
 def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, int, int]]:
@@ -357,5 +494,6 @@ def parse_safetensors_file(src: ByteSource, name: str, size: int) -> Safetensors
         raise CheckpointError(f"{where}: not a readable safetensors file ({exc}).", path=where) from None
 
 
-__all__ = ["ItemFormatError", "SafetensorsHeader", "StorageRef", "StoredTensor", "parse_safetensors_file",
-           "parse_safetensors_header", "parse_torch_item", "zip_records"]
+__all__ = ["ItemFormatError", "RecordCrcError", "SafetensorsHeader", "StorageRef", "StoredTensor",
+           "check_object_archive", "parse_safetensors_file", "parse_safetensors_header", "parse_torch_item",
+           "zip_records"]

@@ -2,10 +2,15 @@
 
 The contract: opening, verifying (deep), reading values and nesting the entries as a ``.pt`` export does
 either works or raises a ShardscopeError; anything else escaping is a bug (``crash``), as is taking longer
-than the per-case limit (``hang``) or a peak RSS above twice the checkpoint's size plus 300 MB (``memory``)."""
+than the per-case limit (``hang``) or a peak RSS above twice the checkpoint's size plus 300 MB (``memory``).
+With torch's own DCP loader as the oracle (``.distcp`` cases of a checkpoint it reads: the ``.metadata`` is
+then the trusted one it unpickles), a "healthy" verdict on a folder torch cannot load, or a value that differs
+from the one torch loads, is a bug too (``unsound``)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import os
 import random
@@ -36,7 +41,7 @@ class Hang(BaseException):
 
 @dataclass
 class Outcome:
-    kind: str  # ok, problems, error (a ShardscopeError), crash, hang, memory
+    kind: str  # ok, problems, error (a ShardscopeError), crash, hang, memory, unsound
     detail: str = ""
     peak: int = 0  # bytes above the RSS before the case
 
@@ -57,21 +62,67 @@ def _reset_peak() -> None:
         pass
 
 
-def exercise(folder: Path) -> str:
-    """Open, verify deep and read values of one folder: "ok" or "problems"; raises what escapes."""
+def torch_state(folder: Path) -> dict | str:
+    """What torch's own DCP loader reads from a folder, flattened to DCP's names; or why it cannot (the
+    exception's type). Unpickles the folder's ``.metadata``: only for a trusted one."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    try:  # torch's own messages (a rank-local metadata fallback logs a traceback) are not Shardscope's output
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            _load_state_dict(state, storage_reader=FileSystemReader(str(folder)),
+                             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        return type(exc).__name__
+    return flatten_state_dict(state)[0]
+
+
+@functools.cache
+def torch_reads(checkpoint: Path) -> bool:
+    """torch's loader reads this (unmutated) checkpoint, so it can be the oracle for its mutations (it cannot
+    read a safetensors-serialised ``.distcp`` folder). Only with one ``.metadata``: without it, torch in one
+    process falls back to rank 0's ``__0.metadata`` and reads its own copies of replicated entries, which
+    are not the ones Shardscope (merging every rank's file) reads."""
+    return (checkpoint / ".metadata").is_file() and isinstance(torch_state(checkpoint), dict)
+
+
+def _same(a: object, b: object) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
+            a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and
+                                        torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+    if isinstance(a, io.BytesIO) and isinstance(b, io.BytesIO):
+        return a.getvalue() == b.getvalue()
+    return type(a) is type(b) and a == b
+
+
+def exercise(folder: Path, oracle: bool = False) -> str:
+    """Open, verify deep and read values of one folder: "ok" or "problems" (with ``oracle``: "unsound ..."
+    when torch's loader disagrees with a healthy verdict or a value); raises what escapes."""
     ckpt = open_checkpoint(folder, use_cache=False)
     problems = verify(ckpt, deep=True)
+    reference = torch_state(folder) if oracle and not problems else None
+    if isinstance(reference, str):
+        return f"unsound: verify --deep says healthy; torch's loader fails ({reference})"
     with ChunkReader(ckpt) as reader:
-        for t in ckpt.tensors[:MAX_VALUES_READ]:
+        entries = [(t.fqn, functools.partial(reader.read_tensor, t)) for t in ckpt.tensors[:MAX_VALUES_READ]]
+        entries += [(o.fqn, functools.partial(reader.read_object, o)) for o in ckpt.objects[:MAX_VALUES_READ]]
+        for fqn, read in entries:
             try:
-                reader.read_tensor(t)
+                value = read()
             except ShardscopeError:
-                pass
-        for o in ckpt.objects[:MAX_VALUES_READ]:
-            try:
-                reader.read_object(o)
-            except ShardscopeError:
-                pass
+                continue
+            if reference is not None and not _same(value, reference.get(fqn)):
+                return f"unsound: {fqn} reads {str(value)[:80]}; torch's loader gives {str(reference.get(fqn))[:80]}"
         nest_for_torch_export(ckpt, reader)
     return "problems" if problems else "ok"
 
@@ -93,10 +144,10 @@ def _on_alarm(signum: int, frame: object) -> None:
 STRAY = ("Traceback (most recent call last)", "Exception ignored", "SystemError")
 
 
-def run_case(folder: Path, timeout: float = 30.0) -> Outcome:
+def run_case(folder: Path, timeout: float = 30.0, oracle: bool = False) -> Outcome:
     """Exercise one checkpoint folder with a time limit (main thread only) and peak-memory accounting.
     A traceback or error that C code prints on its way (an unraisable exception) counts as a crash too:
-    the user would see it."""
+    the user would see it. ``oracle``: check the verdict and values against torch's loader."""
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     base = _status("VmRSS")
     _reset_peak()
@@ -105,7 +156,9 @@ def run_case(folder: Path, timeout: float = 30.0) -> Outcome:
     sys.stderr = printed
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        kind, detail = exercise(folder), ""
+        kind, detail = exercise(folder, oracle), ""
+        if kind.startswith("unsound"):
+            kind, detail = "unsound", kind
     except ShardscopeError as exc:
         kind, detail = "error", str(exc)[:300]
     except Hang:

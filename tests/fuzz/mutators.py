@@ -11,6 +11,7 @@ import pickletools
 import random
 import struct
 import warnings
+import zlib
 from collections.abc import Callable
 
 INTERESTING = [0, 1, 2, 7, 0x7F, 0x80, 0xFF, 0x100, 0x7FFF, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**32 - 1,
@@ -142,14 +143,20 @@ _ZIP_FIELDS = {  # signature -> (offset, width) of its numeric fields
 }
 
 
-def zip_field(data: bytes, rng: random.Random) -> bytes:
-    """Set one field of one zip header (local, central, end, zip64 end, zip64 locator) to an interesting value."""
-    sig = rng.choice(list(_ZIP_FIELDS))
+def _spots(data: bytes, sig: bytes) -> list[int]:
+    """Where ``sig`` occurs (the first 4096 places)."""
     spots = []
     i = data.find(sig)
     while i >= 0 and len(spots) < 4096:
         spots.append(i)
         i = data.find(sig, i + 4)
+    return spots
+
+
+def zip_field(data: bytes, rng: random.Random) -> bytes:
+    """Set one field of one zip header (local, central, end, zip64 end, zip64 locator) to an interesting value."""
+    sig = rng.choice(list(_ZIP_FIELDS))
+    spots = _spots(data, sig)
     if not spots:
         return overwrite_int(data, rng)
     at = rng.choice(spots)
@@ -160,10 +167,100 @@ def zip_field(data: bytes, rng: random.Random) -> bytes:
     return data[:at + off] + value.to_bytes(width, "little") + data[at + off + width:]
 
 
+# ---------------------------------------------------------------- zip records (.distcp items)
+_SMALL_RECORDS = (b".format_version", b"byteorder", b"version", b".storage_alignment", b".data/serialization_id")
+
+
+@functools.lru_cache(maxsize=64)
+def _members(data: bytes) -> tuple[tuple[bytes, int, int, int], ...]:
+    """(name, start of its bytes, length, its central directory entry) of every record of every torch.save
+    archive in a ``.distcp``: each local header is paired with the first central directory entry of the same
+    name after it (the archives lie one after another). Cached like :func:`_ops`."""
+    out = []
+    local = data.find(b"PK\x03\x04")
+    while 0 <= local and local + 30 <= len(data):
+        nlen, xlen = struct.unpack_from("<HH", data, local + 26)
+        name = data[local + 30:local + 30 + nlen]
+        entry = data.find(b"PK\x01\x02", local)
+        while entry >= 0 and entry + 46 <= len(data) and data[entry + 46:entry + 46 + nlen] != name:
+            entry = data.find(b"PK\x01\x02", entry + 4)
+        if entry >= 0 and entry + 46 <= len(data) and name:
+            (size,) = struct.unpack_from("<I", data, entry + 20)
+            out.append((name, local + 30 + nlen + xlen, size, entry))
+        local = data.find(b"PK\x03\x04", local + 4)
+    return tuple(out)
+
+
+def _replace(data: bytes, at: int, new: bytes, entry: int | None = None) -> bytes:
+    """``data`` with ``new`` at ``at`` (same length); with ``entry``, that central directory entry's CRC32
+    updated to the new record bytes too (so only the structure checks can tell)."""
+    out = bytearray(data)
+    out[at:at + len(new)] = new
+    if entry is not None:
+        (size,) = struct.unpack_from("<I", out, entry + 20)
+        struct.pack_into("<I", out, entry + 16, zlib.crc32(out[at:at + size]))
+    return bytes(out)
+
+
+def zip_member_name(data: bytes, rng: random.Random) -> bytes:
+    """Change one byte of a record's name in its central directory entry or local header: invalid UTF-8,
+    another letter or case, a slash."""
+    members = _members(data)
+    if not members:
+        return zip_field(data, rng)
+    name, start, _, entry = rng.choice(members)
+    where = entry + 46 if rng.random() < 0.7 else data.rfind(name, 0, start)
+    i = where + rng.randrange(len(name))
+    return _replace(data, i, bytes([rng.choice([0xFF, 0xC3, 0x80, ord("/"), ord("X"), data[i] ^ 0x20])]))
+
+
+def zip_central_directory(data: bytes, rng: random.Random) -> bytes:
+    """Change any byte of one central directory entry (name included) or end record, not only the
+    numeric fields :func:`zip_field` knows."""
+    members = _members(data)
+    ends = [i for sig in (b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07") for i in _spots(data, sig)]
+    if not members:
+        return zip_field(data, rng)
+    if ends and rng.random() < 0.3:
+        at, span = rng.choice(ends), 22
+    else:
+        name, _, _, at = rng.choice(members)
+        span = 46 + len(name)
+    i = min(len(data) - 1, at + rng.randrange(span))
+    return _replace(data, i, bytes([data[i] ^ (1 << rng.randrange(8)) if rng.random() < 0.5 else rng.randrange(256)]))
+
+
+def zip_small_record(data: bytes, rng: random.Random) -> bytes:
+    """Rewrite a ``.format_version``/``byteorder``/``version``/``.storage_alignment``/serialization id
+    record (same length), its CRC32 left stale or updated."""
+    members = [m for m in _members(data) if m[0].split(b"/", 1)[-1] in _SMALL_RECORDS and m[2]]
+    if not members:
+        return zip_member_name(data, rng)
+    _, start, size, entry = rng.choice(members)
+    value = rng.choice([b"0", b"2", b"9", b"11", b"x", b"\xff", b"big", b"-1", b" ", b"\n", b"99999999"])
+    new = (value + data[start + len(value):start + size])[:size]
+    return _replace(data, start, new, entry if rng.random() < 0.5 else None)
+
+
+def zip_pickle_record(data: bytes, rng: random.Random) -> bytes:
+    """Change a ``data.pkl`` record, a non-tensor entry's more often than a tensor's (same length: an
+    opcode-aware change is cut or padded to fit), its CRC32 left stale or updated."""
+    members = [m for m in _members(data) if m[0].endswith(b"/data.pkl") and m[2]]
+    if not members:
+        return zip_field(data, rng)
+    objects = [m for m in members if b"_rebuild_tensor" not in data[m[1]:m[1] + m[2]]]
+    _, start, size, entry = rng.choice(objects if objects and rng.random() < 0.7 else members)
+    pkl = data[start:start + size]
+    new = rng.choice([flip_bits, overwrite_int, pickle_arg, pickle_arg])(pkl, rng)
+    new = (new + pkl[len(new):])[:size]
+    return _replace(data, start, new, entry if rng.random() < 0.5 else None)
+
+
 BYTE_MUTATORS: list[Callable[[bytes, random.Random], bytes]] = [flip_bits, truncate, insert_bytes, delete_bytes,
                                                                 overwrite_int]
 METADATA_MUTATORS = [*BYTE_MUTATORS, pickle_arg, pickle_arg, pickle_arg, pickle_splice]
 DISTCP_MUTATORS = [*BYTE_MUTATORS, zip_field, zip_field, zip_field]
+DISTCP_MUTATORS += [zip_member_name, zip_central_directory, zip_small_record, zip_pickle_record]
 
 
 
