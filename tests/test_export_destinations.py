@@ -232,3 +232,58 @@ def test_signal_while_the_old_folder_is_swapped_out_keeps_a_whole_checkpoint(man
     assert sorted(os.listdir(dst)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "notes.txt"]
     check = run_cli("verify", dst, "--deep")
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+# ---------------------------------------------------------------- the destination class of the fuzzers
+SEGMENTS = ("ck", "inner", "sib", "link_ck", "link_top", "..", ".", "new", "out.safetensors", "out.pt",
+            "__0_0.distcp", ".metadata")
+
+
+def test_fuzzed_destinations_never_change_the_source(fixtures, tmp_path):
+    """A fixed-seed pass over destinations built from the tree around a checkpoint (its own files, its parent,
+    links to it and to its parent, `..` and `.`): every writer with --force either writes elsewhere or refuses
+    in one line, and the source tree is byte for byte what it was, whatever the destination."""
+    import shutil
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.errors import ShardscopeError
+    from shardscope.backend.export import export, plan_export
+    from shardscope.backend.export.dcp_writer import reshard
+
+    top = tmp_path / "top"
+    ck = top / "ck"
+    shutil.copytree(fixtures["fsdp2_r2"], ck)
+    (ck / "inner").mkdir()
+    (top / "sib").mkdir()
+    os.symlink(ck, top / "link_ck")
+    os.symlink(top, top / "sib" / "link_top")
+    before = _tree(top)
+    ckpt = open_checkpoint(ck)
+    outcomes = {"refused": 0, "written": 0}
+
+    @settings(max_examples=40, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=4), st.sampled_from(["st", "pt", "dir", "dcp"]))
+    def check(parts: list[str], how: str) -> None:
+        dst = os.path.join(str(top), *parts)
+        try:
+            if how == "dcp":
+                reshard(str(ck), dst, 1, force=True, verify=False)
+            else:
+                fmt = "torch" if how == "pt" else "safetensors"
+                plan = plan_export(ckpt, fmt, max_shard_size=10**9 if how == "dir" else None)
+                export(plan, dst, force=True, verify=False)
+            outcomes["written"] += 1
+        except ShardscopeError as exc:
+            assert "\n" not in str(exc), str(exc)
+            outcomes["refused"] += 1
+        now = {k: v for k, v in _tree(top).items() if k in before or k.startswith(("ck/", "ck"))}
+        assert {k: v for k, v in now.items() if k.startswith("ck")} == \
+            {k: v for k, v in before.items() if k.startswith("ck")}, (parts, how)
+        assert all(now.get(k) == v for k, v in before.items()), (parts, how)
+        assert not [n for n in os.listdir(top) if n.startswith(".shardscope-tmp-")]
+
+    check()
+    assert outcomes["refused"] > 5 and outcomes["written"] > 5, outcomes

@@ -56,7 +56,7 @@ def remove_path(path: str) -> None:
     else:
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (a file where its folder should be)
             pass
 
 
