@@ -81,3 +81,17 @@ def test_a_file_that_is_no_checkpoint_is_one_line(tmp_path):
     for cmd in ("inspect", "verify"):
         proc = run_cli(cmd, notes)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a checkpoint file" in proc.stderr
+
+
+def test_export_takes_a_safetensors_file(files, tmp_path):
+    """The window exports a .safetensors file it opened; so does the CLI (to a .pt, with its entries)."""
+    out = tmp_path / "m.pt"
+    proc = run_cli("export", files / "m.safetensors", out)
+    assert proc.returncode == 0 and "verified" in proc.stdout, proc.stdout + proc.stderr
+    got = torch.load(out, weights_only=True)
+    assert got["step"] == 7 and torch.equal(got["fc.bias"], torch.arange(4.0)) and set(got) == {
+        "fc.weight", "fc.bias", "step"}
+    proc = run_cli("diff", files / "m.safetensors", out)
+    assert proc.returncode == 0 and "0 changed, 3 unchanged" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_cli("export", files / "w.pt", tmp_path / "w.safetensors")  # a torch file: import it first
+    assert proc.returncode == 2 and "shardscope import" in proc.stderr and proc.stderr.count("\n") == 1

@@ -378,7 +378,10 @@ class ChunkReader:
         return self.handles.read(name, 0, size)
 
     def read_object(self, obj: ObjectEntry) -> Any:
-        """A non-tensor entry, decoded with ``weights_only=True`` (refuses arbitrary objects)."""
+        """A non-tensor entry, decoded with ``weights_only=True`` (refuses arbitrary objects); a consolidated
+        file's entry is the value read with the file."""
+        if obj.inline:
+            return obj.value
         data = self.read_object_bytes(obj)
         where = self.handles.where(obj.file or "")
         return load_weights_only(data, f"{where} (entry {obj.fqn})", fqn=obj.fqn, path=where)

@@ -177,6 +177,10 @@ class ObjectEntry:
     offset: int
     length: int
     rank: int | None
+    # a consolidated file's entry read with the file's header or pickle (a safetensors file's
+    # ``shardscope_objects``, a torch file's scalars): its value, stored nowhere else
+    value: Any = None
+    inline: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """Where the entry's pickled bytes are (file, rank, offset, length) as a JSON-ready dict."""

@@ -210,8 +210,8 @@ def _safetensors_checkpoint(source: SafetensorsSource, path: str) -> tuple[Check
     ckpt = source.ckpt
     ckpt.path = path
     objects = [k for k, e in source.entries().items() if e.kind == "object"]
-    ckpt.objects = [ObjectEntry(k, None, 0, 0, None) for k in objects]
     values = {k: source.object(k) for k in objects}
+    ckpt.objects = [ObjectEntry(k, None, 0, 0, None, v, True) for k, v in values.items()]
     return ckpt, FileBacking({k: small_value_repr(v, VALUE_TEXT) for k, v in values.items()}, objects=values)
 
 
@@ -231,13 +231,13 @@ def _torch_checkpoint(source: TorchFileSource, path: str) -> tuple[Checkpoint, F
     ckpt.tensors = [TensorEntry(k, entries[k].dtype or "", tuple(entries[k].shape or ()), i, 1, ckpt)
                     for i, k in enumerate(tensors)]
     objects = [k for k, e in entries.items() if e.kind == "object"]
-    ckpt.objects = [ObjectEntry(k, None, 0, 0, None) for k in objects]
+    ckpt.objects = [ObjectEntry(k, None, 0, 0, None, source.object(k), True) for k in objects]
     if tensors and not records:
         ckpt.problems.append(Problem("unlocated", f"{name}: the tensors' byte ranges in the file were not located "
                                      "(not a zip torch.save archive torch maps as expected): values are read "
                                      "without their CRC32 checked.", file=name))
     ckpt.reindex()
-    values = {k: source.object(k) for k in objects}
+    values = {o.fqn: o.value for o in ckpt.objects}
     backing = FileBacking({k: small_value_repr(v, VALUE_TEXT) for k, v in values.items()}, source,
                           {r[0]: r[2] for r in records.values()}, values)
     return ckpt, backing
