@@ -20,6 +20,30 @@ atexit.register(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], ignore_errors=True
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
+# Markers (declared in pyproject.toml), given by what a test uses, so none is forgotten: `gui` (a Qt widget or
+# window: qtbot, or a window started with --screenshot), `s3` (the local S3 API server), `slurm` (the one-node
+# cluster), `slow` (a module whose tests each start training runs or writers: torchrun, Lightning, DeepSpeed,
+# the soak and the fuzzers). The fast subset: pytest -m "not slow and not slurm and not s3 and not gui".
+SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_training_panel", "test_follow", "test_library",
+                "test_library_gui", "test_accelerate_writer", "test_export_unseen", "test_slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        uses = set(getattr(item, "fixturenames", ()))
+        source = getattr(item.function, "__code__", None)
+        names = set(source.co_names) if source else set()
+        if "qtbot" in uses or "window" in uses or module.startswith(("test_gui", "test_window")) or \
+                module in ("test_soak", "test_training_panel", "test_library_gui", "test_workers"):
+            item.add_marker(pytest.mark.gui)
+        if "s3" in uses or "S3Server" in names or module == "test_remote":
+            item.add_marker(pytest.mark.s3)
+        if module == "test_slurm":
+            item.add_marker(pytest.mark.slurm)
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
