@@ -10,6 +10,7 @@ half-way leaves every checkpoint whole or gone, and the next ``prune`` or ``ls``
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..atomic_file import fsync_folder
 from ..errors import ShardscopeError
 from ..format import count, human_bytes
 from ..progress import Progress
@@ -280,19 +282,6 @@ class PruneResult:
                 "failed": len(self.failed)}
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _trash_is_a_rename(path: str) -> bool:
     """True when the user's home trash is on the same device as ``path``, so send2trash moves it by one rename
     (elsewhere it may copy across devices, which is not atomic: then we rename it out of the way first)."""
@@ -383,7 +372,8 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str]) -> Outcome:
         os.rename(c.path, hidden)
     except OSError as exc:
         return Outcome(c.path, "failed", 0, f"cannot rename it out of the way ({exc.strerror}); left as it was")
-    _fsync_dir(parent)
+    with contextlib.suppress(OSError):  # the rename is done: a folder that cannot be synced keeps it anyway
+        fsync_folder(parent)
     _pause_for_tests(hidden)
     try:
         _dispose(hidden, mode)

@@ -16,13 +16,14 @@ import json
 import os
 import re
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from ..atomic_file import write_atomic
 
 RUN_NAME_FORMAT = "run-%Y%m%d-%H%M%S"
 ACTIVE_STATES = ("queued", "starting", "running")
@@ -78,18 +79,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
-    """Write atomically: a temporary name in the same folder, fsync, rename."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(name)  # unique: two threads (a poll and a stop) may write the same status at once
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(value, indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Write a JSON object atomically (see :func:`..atomic_file.write_atomic`)."""
+    write_atomic(path, json.dumps(value, indent=2))
 
 
 def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
