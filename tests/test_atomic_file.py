@@ -4,7 +4,6 @@ import os
 import stat
 
 import pytest
-
 from shardscope.backend.atomic_file import write_atomic
 
 

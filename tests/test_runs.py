@@ -144,7 +144,7 @@ def test_a_run_whose_launcher_was_dropped_reads_finished(tmp_path):
     while proc.status() != psutil.STATUS_ZOMBIE:  # ended; nobody called wait() or poll()
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    from shardscope.backend.library.scan import run_state
+    from shardscope.backend.runs.rundir import run_state
 
     assert run_state(str(tmp_path / "orphan")) == "ended"  # the Library (read-only) sees it ended too
     status = run_status(tmp_path / "orphan")

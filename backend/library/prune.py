@@ -24,7 +24,7 @@ from ..atomic_file import fsync_folder
 from ..errors import ShardscopeError
 from ..format import count, human_bytes
 from ..progress import Progress
-from ..runs.rundir import ACTIVE_STATES
+from ..runs.rundir import ACTIVE_STATES, run_state
 from .metrics import checkpoint_metrics
 from .scan import (
     PRUNE_PREFIX,
@@ -39,7 +39,6 @@ from .scan import (
     leftover_of,
     order_key,
     resolve_root,
-    run_state,
     scan,
     within,
 )

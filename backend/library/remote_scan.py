@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, ShardscopeError
+from ..runs.rundir import state_of
 from .scan import (
     CHECKPOINT_HOLDERS,
     RUN_SKIP_DIRS,
@@ -88,8 +89,7 @@ def _run_state(fs: Any, path: str) -> str | None:
         status = json.loads(call(path, fs.cat_file, f"{path}/status.json"))
     except (CheckpointError, ValueError):  # missing or half-written: the state is unknown
         return None
-    state = status.get("state") if isinstance(status, dict) else None
-    return state if isinstance(state, str) else None
+    return state_of(status, local=False) if isinstance(status, dict) else None
 
 
 class RemoteScanner:

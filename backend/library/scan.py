@@ -22,9 +22,8 @@ from ..checkpoint.model import MAX_INDEX
 from ..checkpoint.storage import LocalHandles
 from ..errors import ShardscopeError
 from ..format import ranks_text  # noqa: F401  (re-exported: the Library's column)
-from ..procs import pid_alive
 from ..progress import Progress
-from ..runs.rundir import ACTIVE_STATES, is_zombie, read_status
+from ..runs.rundir import ACTIVE_STATES, run_state
 
 STATES = ("complete", "incomplete", "writing", "unreadable")
 WRITING_SECONDS = 5.0  # files changed this recently are still being written
@@ -349,17 +348,6 @@ def is_checkpoint_file(name: str) -> bool:
 def is_shardscope_run(path: str) -> bool:
     """A run directory Shardscope launched (see :mod:`..runs.rundir`): config.json and status.json."""
     return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "status.json"))
-
-
-def run_state(path: str) -> str | None:
-    """A Shardscope run's state, read-only: an active state whose local torchrun is gone reads "ended"
-    (``shardscope train``/the Training panel record the final state; a listing never writes)."""
-    status = read_status(path)
-    state = status.get("state")
-    if state in ACTIVE_STATES and status.get("scheduler") != "slurm" and "pid" in status and \
-            (not pid_alive(status.get("pid")) or is_zombie(status.get("pid"))):
-        return "ended"
-    return state if isinstance(state, str) else None
 
 
 def is_url(path: str) -> bool:

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic_file import write_atomic
+from ..procs import pid_alive
 
 RUN_NAME_FORMAT = "run-%Y%m%d-%H%M%S"
 ACTIVE_STATES = ("queued", "starting", "running")
 FINAL_STATES = ("finished", "failed", "stopped")
+ENDED = "ended"  # read-only view of an active run whose torchrun is gone (see run_state)
 SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files match EVENT_FILE_MARK
 EVENT_FILE_MARK = "tfevents"
 SKIP_DIRS = {"exit", "__pycache__", "node_modules"}
@@ -86,6 +88,33 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
 def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
     """status.json as written (see :func:`shardscope.backend.runs.launcher.run_status` for the live state)."""
     return read_json(Path(run_dir) / "status.json")
+
+
+def torchrun_ended(status: dict[str, Any]) -> bool:
+    """True when the local torchrun a status names (its ``pid``) has ended: gone, or a zombie nobody reaped
+    (its launcher went with a closed Training tab). Never for a SLURM run (the scheduler says) or an
+    unknown pid. The one rule both the launcher (which then settles the final state) and a read-only
+    listing (:func:`run_state`) go by."""
+    pid = status.get("pid")
+    return status.get("scheduler") != "slurm" and isinstance(pid, int) and (not pid_alive(pid) or is_zombie(pid))
+
+
+def run_state(run_dir: str | os.PathLike) -> str | None:
+    """A run's state, read-only (see :func:`state_of`)."""
+    return state_of(read_status(run_dir))
+
+
+def state_of(status: dict[str, Any], local: bool = True) -> str | None:
+    """A run's state from its status.json, read-only: the state written, except that an active state whose
+    torchrun has ended reads ``ENDED`` (``local``: the pid is one of this machine's; a run listed under a
+    URL is taken as written). NOTE: "ended" is not a state of status.json: the run is over but its final
+    state (finished, failed, stopped) is not written yet; :func:`.launcher.run_status` writes it (from the
+    ranks' exit records) the next time ``shardscope train``, ``stop`` or the Training panel looks, and a
+    listing (``ls``, the Library, prune) never writes to a run."""
+    state = status.get("state")
+    if local and state in ACTIVE_STATES and torchrun_ended(status):
+        return ENDED
+    return state if isinstance(state, str) else None
 
 
 STATUS_LOCK_NAME = ".status.lock"
