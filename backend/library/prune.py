@@ -25,7 +25,6 @@ from ..errors import ShardscopeError
 from ..format import count, human_bytes
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, run_state
-from .metrics import checkpoint_metrics
 from .scan import (
     PRUNE_PREFIX,
     RESUMABLE,
@@ -42,6 +41,7 @@ from .scan import (
     scan,
     within,
 )
+from .step_metrics import checkpoint_metrics
 
 PAUSE_ENV = "SHARDSCOPE_TEST_PAUSE_AFTER_RENAME"  # tests: seconds to wait after each rename (to kill us there)
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

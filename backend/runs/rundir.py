@@ -25,13 +25,13 @@ from typing import Any
 
 from ..atomic_file import write_atomic
 from ..procs import pid_alive
+from .metric_logs import EVENT_MARK
 
 RUN_NAME_FORMAT = "run-%Y%m%d-%H%M%S"
 ACTIVE_STATES = ("queued", "starting", "running")
 FINAL_STATES = ("finished", "failed", "stopped")
 ENDED = "ended"  # read-only view of an active run whose torchrun is gone (see run_state)
-SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files match EVENT_FILE_MARK
-EVENT_FILE_MARK = "tfevents"
+SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files have EVENT_MARK in their name
 SKIP_DIRS = {"exit", "__pycache__", "node_modules"}
 SEARCH_DEPTH = 4
 # The built-in trainer's model and optimiser settings when the user names none (config.json records the
@@ -190,33 +190,6 @@ def rank_exits(run_dir: str | os.PathLike) -> dict[int, dict]:
     return out
 
 
-def read_metrics(run_dir: str | os.PathLike, offsets: dict[int, int] | None = None
-                 ) -> dict[int, list[dict[str, Any]]]:
-    """New metric records per rank since ``offsets`` (byte positions, updated in place)."""
-    offsets = offsets if offsets is not None else {}
-    out: dict[int, list[dict]] = {}
-    for p in sorted((Path(run_dir) / "metrics").glob("rank_*.jsonl")):
-        try:
-            rank = int(p.stem.split("_")[1])
-            with open(p, "rb") as f:
-                f.seek(offsets.get(rank, 0))
-                data = f.read()
-        except (OSError, ValueError):
-            continue
-        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
-        offsets[rank] = offsets.get(rank, 0) + end
-        recs = []
-        for line in data[:end].splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                recs.append(rec)
-        out[rank] = recs
-    return out
-
-
 def log_tail(run_dir: str | os.PathLike, rank: int, lines: int = 30) -> str:
     """The last ``lines`` lines of a rank's log (-1: the launcher's)."""
     p = Path(run_dir) / "logs" / ("launcher.log" if rank == -1 else f"rank_{rank}.log")
@@ -295,7 +268,7 @@ def scan(run_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
                     stack.append((p, depth + 1))
             elif e.name.endswith(".ckpt"):
                 found.append(p)
-            elif EVENT_FILE_MARK in e.name or e.name in SCALAR_LOG_NAMES:
+            elif EVENT_MARK in e.name or e.name in SCALAR_LOG_NAMES:
                 logs.append(p)
     return sorted(found, key=lambda p: (str(p.parent), p.name)), sorted(logs)
 
