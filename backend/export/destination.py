@@ -14,7 +14,7 @@ from typing import Any
 
 from ..checkpoint.remote import fs_for
 from ..checkpoint.storage import is_url
-from ..library.scan import within
+from ..library.names import within
 from .plan import ExportError
 
 

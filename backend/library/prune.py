@@ -25,7 +25,8 @@ from ..errors import ShardscopeError
 from ..format import count, human_bytes
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, run_state
-from .scan import (
+from .names import is_url, within
+from .records import (
     PRUNE_PREFIX,
     RESUMABLE,
     WEIGHTS,
@@ -33,14 +34,10 @@ from .scan import (
     Leftover,
     Listing,
     RunRecord,
-    is_shardscope_run,
-    is_url,
     leftover_of,
     order_key,
-    resolve_root,
-    scan,
-    within,
 )
+from .scan import is_shardscope_run, resolve_root, scan
 from .step_metrics import checkpoint_metrics
 
 PAUSE_ENV = "SHARDSCOPE_TEST_PAUSE_AFTER_RENAME"  # tests: seconds to wait after each rename (to kill us there)

@@ -26,7 +26,7 @@ from ..runs.metric_logs import (
     summary_values,
     trainer_log_history,
 )
-from .scan import RunRecord
+from .records import RunRecord
 
 log = logging.getLogger(__name__)
 
