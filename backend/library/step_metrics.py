@@ -55,15 +55,20 @@ def _jsonl_values(path: str) -> dict[str, dict[int, float]]:
         if st.st_size > state.offset:
             records, used = read_new_records(path, state.offset, st.st_size)
             state.offset += used
-            for rec in records:
-                step = rec.get("step")
-                if not isinstance(step, int):
-                    continue
-                for key, v in rec.items():
-                    num = number(v)
-                    if num is not None and key != "step":
-                        state.values.setdefault(key, {})[step] = num
+            _add_by_step(records, state.values)
         return state.values
+
+
+def _add_by_step(records: list, out: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """Every numeric field of records that have an integer ``step`` into ``out`` (a later record of a step wins)."""
+    for rec in records:
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if isinstance(step, int):
+            for key, v in rec.items():
+                num = number(v)
+                if num is not None and key != "step":
+                    out.setdefault(key, {})[step] = num
+    return out
 
 
 def _whole_file_cached(read):
@@ -129,15 +134,7 @@ def _event_values(path: str) -> dict[str, dict[int, float]]:
 
 @_whole_file_cached
 def _trainer_state_values(path: str) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    for rec in trainer_log_history(path):
-        step = rec.get("step") if isinstance(rec, dict) else None
-        if isinstance(step, int):
-            for key, v in rec.items():
-                num = number(v)
-                if num is not None and key != "step":
-                    out.setdefault(key, {})[step] = num
-    return out
+    return _add_by_step(trainer_log_history(path), {})
 
 
 def run_metric(run: RunRecord, metric: str) -> dict[int, float]:
