@@ -9,7 +9,6 @@ from typing import Any
 
 from ..runs.rundir import ACTIVE_STATES
 
-STATES = ("complete", "incomplete", "writing", "unreadable")
 PRUNE_PREFIX = ".shardscope-prune-"  # a checkpoint renamed out of the way by an unfinished prune
 RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
 WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
