@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from shardscope.backend.runs.follow import EXTERNAL_BASE, RunFollower
+from shardscope.backend.runs.metric_logs import field_for
 from shardscope.backend.runs.rundir import checkpoints, is_run_dir, scalar_logs
-from shardscope.backend.runs.scalars import field_for
 from torch.utils.tensorboard import SummaryWriter
 
 

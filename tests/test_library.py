@@ -22,8 +22,9 @@ import torch
 from conftest import run_cli
 from safetensors.torch import save_file
 from shardscope.backend.library import Rules, execute, make_plan, scan
+from shardscope.backend.library.names import step_from_name
 from shardscope.backend.library.prune import PAUSE_ENV
-from shardscope.backend.library.scan import PRUNE_PREFIX, step_from_name
+from shardscope.backend.library.records import PRUNE_PREFIX
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher
 
 SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
@@ -498,6 +499,54 @@ def test_ls_on_s3_lists_and_prune_only_plans(tmp_path, fixtures):
         server.stop()
 
 
+def test_s3_listing_walks_as_a_local_disk_does(tmp_path):
+    """The remote walk is the local one over another listing: step folders of parts are one checkpoint (it
+    listed each part), a leftover of an interrupted prune is found (it was skipped), runs are named alike."""
+    import s3fs
+    from s3_server import S3Server
+
+    root = tmp_path.resolve() / "tree"
+    for tp in (0, 1):  # Megatron-LM's legacy layout: iter_N/mp_rank_NN/model_optim_rng.pt
+        part = root / "mega" / "checkpoints" / "iter_0000100" / f"mp_rank_{tp:02d}"
+        part.mkdir(parents=True)
+        torch.save({"model": {"w": torch.ones(4)}}, part / "model_optim_rng.pt")
+    plain = root / "plain" / "step_200"  # two parts side by side
+    plain.mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, plain / "model.pt")
+    torch.save({"b": torch.ones(2)}, plain / "head.pt")
+    hidden = root / "plain" / f"{PRUNE_PREFIX}trash-step_100"
+    hidden.mkdir()
+    torch.save({"w": torch.ones(2)}, hidden / "model.pt")
+    _age(root)
+    local = scan([root])
+
+    def view(paths: list[tuple[str, str, int | None, str, list[int], str]], base: str) -> list[tuple]:
+        return sorted((p[len(base):], run[len(base):], *rest) for p, run, *rest in paths)
+
+    want = view([(c.path, c.run, c.step, c.format, c.ranks, c.state) for c in local.checkpoints], str(root))
+    assert [w[0] for w in want] == ["/mega/checkpoints/iter_0000100", "/plain/step_200"]
+    server = S3Server()
+    try:
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": server.endpoint})
+        fs.mkdir("lib")
+        fs.put(f"{root}/", "lib/tree/", recursive=True)
+        deadline = time.monotonic() + 120
+        while True:  # objects uploaded seconds ago read as being written; wait until they settle
+            proc = _cli_env("ls", "s3://lib/tree", "--json", env=server.env())
+            assert proc.returncode == 0, proc.stderr
+            got = json.loads(proc.stdout)["checkpoints"]
+            if all(c["state"] != "writing" for c in got) or time.monotonic() > deadline:
+                break
+        assert view([(c["path"], c["run"], c["step"], c["format"], c["ranks"], c["state"]) for c in got],
+                    "s3://lib/tree") == want
+        plan = _cli_env("prune", "s3://lib/tree", "--keep-last", "1", "--json", env=server.env())
+        assert plan.returncode == 0, plan.stderr
+        assert [x[len("s3://lib/tree"):] for x in json.loads(plan.stdout)["leftovers"]] == \
+            [x.original[len(str(root)):] for x in local.leftovers] == ["/plain/step_100"]
+    finally:
+        server.stop()
+
+
 def test_unreadable_is_listed_and_never_pruned(tmp_path, fixtures):
     root = tmp_path.resolve() / "r"
     for s in (1, 2, 3):
@@ -514,7 +563,7 @@ def test_unreadable_is_listed_and_never_pruned(tmp_path, fixtures):
 
 def test_safetensors_file_states(tmp_path):
     """A consolidated safetensors file is whole, cut short, or not safetensors at all."""
-    from shardscope.backend.library.scan import file_state
+    from shardscope.backend.library.probe import file_state
 
     whole = tmp_path / "whole.safetensors"
     save_file({"w": torch.arange(1000, dtype=torch.float32)}, whole)

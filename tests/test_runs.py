@@ -13,14 +13,15 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher
-from shardscope.backend.runs.rundir import checkpoints, read_metrics, read_status
+from shardscope.backend.runs.metric_logs import read_rank_metrics
+from shardscope.backend.runs.rundir import checkpoints, read_status
 from torch.distributed.checkpoint import FileSystemReader
 
 SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
 
 
 def losses(run_dir, rank=0):
-    return [r["loss"] for r in read_metrics(run_dir)[rank]]
+    return [r["loss"] for r in read_rank_metrics(run_dir)[rank]]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_run_writes_metrics_and_learns(strategy, fsdp_run, tmp_path):
         run_dir = tmp_path / "ddp"
         cfg = RunConfig(strategy="ddp", nproc=2, steps=40, checkpoint_every=20, model=dict(SMALL, lr=1e-2))
         assert RunLauncher(run_dir, cfg).start().wait(300)["state"] == "finished"
-    metrics = read_metrics(run_dir)
+    metrics = read_rank_metrics(run_dir)
     assert sorted(metrics) == [0, 1]
     for rank, recs in metrics.items():
         assert [r["step"] for r in recs] == list(range(1, 41))
@@ -71,9 +72,9 @@ def test_resume_at_another_world_size(fsdp_run, tmp_path, world):
                     model=dict(SMALL, lr=1e-2))
     launcher = RunLauncher(run_dir, cfg).start()
     assert launcher.wait(300)["state"] == "finished", (run_dir / "logs" / "rank_0.log").read_text()
-    resumed = read_metrics(run_dir)
+    resumed = read_rank_metrics(run_dir)
     assert [r["step"] for r in resumed[0]] == [21]  # step numbers continue from the checkpoint
-    straight = read_metrics(fsdp_run)
+    straight = read_rank_metrics(fsdp_run)
     global_batch = 2 * SMALL["batch_size"]
     per = -(-global_batch // world)
     sizes = [max(0, min(per, global_batch - r * per)) for r in range(world)]
@@ -89,8 +90,8 @@ def test_resume_at_another_world_size(fsdp_run, tmp_path, world):
 def test_runs_are_deterministic(fsdp_run, tmp_path):
     cfg = RunConfig(strategy="fsdp", nproc=2, steps=8, checkpoint_every=0, model=dict(SMALL, lr=1e-2))
     assert RunLauncher(tmp_path / "again", cfg).start().wait(300)["state"] == "finished"
-    again = [r["loss"] for r in read_metrics(tmp_path / "again")[0]]
-    assert again == [r["loss"] for r in read_metrics(fsdp_run)[0][:8]]
+    again = [r["loss"] for r in read_rank_metrics(tmp_path / "again")[0]]
+    assert again == [r["loss"] for r in read_rank_metrics(fsdp_run)[0][:8]]
 
 
 def test_stop_leaves_no_process(tmp_path):
@@ -144,7 +145,7 @@ def test_a_run_whose_launcher_was_dropped_reads_finished(tmp_path):
     while proc.status() != psutil.STATUS_ZOMBIE:  # ended; nobody called wait() or poll()
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    from shardscope.backend.library.scan import run_state
+    from shardscope.backend.runs.rundir import run_state
 
     assert run_state(str(tmp_path / "orphan")) == "ended"  # the Library (read-only) sees it ended too
     status = run_status(tmp_path / "orphan")
@@ -251,7 +252,7 @@ def test_resume_into_the_same_run_directory(tmp_path):
     assert again.returncode == 2 and "already holds a run" in again.stderr
     proc = run_cli(*base, "--steps", "10", "--resume", run_dir / "checkpoints" / "step_000004")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = [r["step"] for r in read_metrics(run_dir)[0]]
+    steps = [r["step"] for r in read_rank_metrics(run_dir)[0]]
     assert steps == [*range(1, 9), *range(5, 11)]
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["resume"].endswith("step_000004") and len(cfg["history"]) == 1

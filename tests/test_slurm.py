@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from shardscope.backend.runs import slurm
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher, run_status
-from shardscope.backend.runs.rundir import checkpoints, log_tail, read_config, read_metrics, read_status
+from shardscope.backend.runs.metric_logs import read_rank_metrics
+from shardscope.backend.runs.rundir import checkpoints, log_tail, read_config, read_status
 from slurm_cluster import SlurmCluster
 
 SMALL = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
@@ -99,7 +100,7 @@ def test_two_process_job_finishes_with_metrics_and_checkpoints(finished_run):
     status = read_status(finished_run)
     assert status["state"] == "finished" and status["scheduler"] == "slurm"
     assert status["job_id"].isdigit() and status["slurm_state"] == "COMPLETED"
-    metrics = read_metrics(finished_run)
+    metrics = read_rank_metrics(finished_run)
     assert sorted(metrics) == [0, 1]
     assert [r["step"] for r in metrics[1]] == list(range(1, 7))
     assert [c.name for c in checkpoints(finished_run)] == ["step_000003", "step_000006"]
@@ -121,7 +122,7 @@ def test_resume_from_a_checkpoint_on_slurm(finished_run):
     ck = checkpoints(finished_run)[0]
     status = RunLauncher(finished_run, slurm_config(steps=8, resume=str(ck))).start().wait(DEADLINE)
     assert status["state"] == "finished", log_tail(finished_run, 0) + log_tail(finished_run, -1)
-    steps = [r["step"] for r in read_metrics(finished_run)[0]]
+    steps = [r["step"] for r in read_rank_metrics(finished_run)[0]]
     assert steps == [*range(1, 7), *range(4, 9)]
     assert len(read_config(finished_run)["history"]) == 1
     assert checkpoints(finished_run)[-1].name == "step_000008"

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from PySide6.QtCore import Qt, QThreadPool
-from shardscope.backend.runs import launcher as launcher_module
+from shardscope.backend.runs import rundir as rundir_module
 from shardscope.backend.runs.follow import RunFollower
 from shardscope.backend.runs.launcher import STOP_NOTE, RunConfig, RunLauncher, run_status
 from shardscope.backend.runs.rundir import checkpoints, read_config, torchrun_root_cause, update_status
@@ -390,7 +390,7 @@ def test_a_status_read_before_a_stop_does_not_end_the_run_as_failed(monkeypatch,
     run.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     (run / "status.json").write_text(json.dumps({"state": "running", "pid": proc.pid, "scheduler": "local"}))
-    real_pid_alive = launcher_module.pid_alive
+    real_pid_alive = rundir_module.pid_alive  # the liveness check is rundir.torchrun_ended's
 
     def stop_meanwhile(pid, group=False):
         if pid == proc.pid and proc.returncode is None:
@@ -399,7 +399,7 @@ def test_a_status_read_before_a_stop_does_not_end_the_run_as_failed(monkeypatch,
             proc.wait(60)
         return real_pid_alive(pid, group)
 
-    monkeypatch.setattr(launcher_module, "pid_alive", stop_meanwhile)
+    monkeypatch.setattr(rundir_module, "pid_alive", stop_meanwhile)
     try:
         status = run_status(run)
     finally:

@@ -47,9 +47,10 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.format import count, human_bytes
+from shardscope.backend.format import count, human_bytes, ranks_text
+from shardscope.backend.library.names import is_url
 from shardscope.backend.library.prune import Plan, Rules
-from shardscope.backend.library.scan import CheckpointRecord, RunRecord, is_url, ranks_text
+from shardscope.backend.library.records import CheckpointRecord, RunRecord
 from shardscope.backend.library.snapshot import LibrarySnapshot, take_snapshot
 
 from .workers import Worker, run_in_background

@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 from shardscope.backend.errors import ShardscopeError
 from shardscope.backend.format import count, human_bytes
 from shardscope.backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
-from shardscope.backend.library.scan import Listing
+from shardscope.backend.library.records import Listing
 
 from .library_view import RowsTableModel
 from .workers import Worker, run_in_background

@@ -28,12 +28,13 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+from shardscope.backend.atomic_file import write_atomic
 from shardscope.backend.errors import ShardscopeError
 from shardscope.backend.runs import slurm
 from shardscope.backend.runs.follow import RunFollower, RunSnapshot, is_rank
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher, stop_run
 from shardscope.backend.runs.rundir import ACTIVE_STATES, FINAL_STATES, default_runs_root, new_run_dir, read_config
-from shardscope.backend.runs.store import RunInfo, list_runs, write_text
+from shardscope.backend.runs.store import RunInfo, list_runs
 
 from .run_form import RunForm
 from .run_plots import RunPlots
@@ -577,7 +578,7 @@ class TrainingPanel(QWidget):
         path, _ = QFileDialog.getSaveFileName(self, "Save metrics", "metrics.csv", "CSV (*.csv)")
         if path:
             text = self.follower.csv()
-            run_in_background(lambda progress=None: write_text(path, text), owner=self,
+            run_in_background(lambda progress=None: write_atomic(path, text), owner=self,
                               on_error=lambda m: self.status.setText(_escape(m)))
 
     def shutdown(self) -> None:

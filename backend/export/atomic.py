@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any
 
+from ..atomic_file import fsync_path
 from ..checkpoint.remote import RemoteTarget
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
@@ -66,15 +67,6 @@ def clean_leftovers(folder: str) -> list[str]:
     for name in removed:
         remove_path(os.path.join(folder, name))
     return removed
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a folder (a folder's entry list: makes a rename durable)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sync_file_range() -> Any:

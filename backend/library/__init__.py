@@ -4,7 +4,8 @@ Qt-free; the ``ls`` and ``prune`` subcommands and the Library window use it.
 """
 
 from .prune import Plan, Rules, execute, finish_leftovers, make_plan, parse_age
-from .scan import CheckpointRecord, Leftover, Listing, RunRecord, scan
+from .records import CheckpointRecord, Leftover, Listing, RunRecord
+from .scan import scan
 
 __all__ = ["CheckpointRecord", "Leftover", "Listing", "Plan", "Rules", "RunRecord", "execute", "finish_leftovers",
            "make_plan", "parse_age", "scan"]

@@ -10,6 +10,7 @@ half-way leaves every checkpoint whole or gone, and the next ``prune`` or ``ls``
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -19,12 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..atomic_file import fsync_folder
 from ..errors import ShardscopeError
 from ..format import count, human_bytes
 from ..progress import Progress
-from ..runs.rundir import ACTIVE_STATES
-from .metrics import checkpoint_metrics
-from .scan import (
+from ..runs.rundir import ACTIVE_STATES, run_state
+from .names import is_url, within
+from .records import (
     PRUNE_PREFIX,
     RESUMABLE,
     WEIGHTS,
@@ -32,15 +34,11 @@ from .scan import (
     Leftover,
     Listing,
     RunRecord,
-    is_shardscope_run,
-    is_url,
     leftover_of,
     order_key,
-    resolve_root,
-    run_state,
-    scan,
-    within,
 )
+from .scan import is_shardscope_run, resolve_root, scan
+from .step_metrics import checkpoint_metrics
 
 PAUSE_ENV = "SHARDSCOPE_TEST_PAUSE_AFTER_RENAME"  # tests: seconds to wait after each rename (to kill us there)
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -280,19 +278,6 @@ class PruneResult:
                 "failed": len(self.failed)}
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _trash_is_a_rename(path: str) -> bool:
     """True when the user's home trash is on the same device as ``path``, so send2trash moves it by one rename
     (elsewhere it may copy across devices, which is not atomic: then we rename it out of the way first)."""
@@ -383,7 +368,8 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str]) -> Outcome:
         os.rename(c.path, hidden)
     except OSError as exc:
         return Outcome(c.path, "failed", 0, f"cannot rename it out of the way ({exc.strerror}); left as it was")
-    _fsync_dir(parent)
+    with contextlib.suppress(OSError):  # the rename is done: a folder that cannot be synced keeps it anyway
+        fsync_folder(parent)
     _pause_for_tests(hidden)
     try:
         _dispose(hidden, mode)

@@ -1,6 +1,6 @@
 """Checkpoints under an fsspec URL (``s3://bucket/runs``, ``gs://...``): one recursive listing of the
-prefix, then the same classification by names as on a local disk. No object is opened except a Shardscope
-run's ``status.json``; sizes are the objects' sizes, times their last-modified stamps."""
+prefix (:class:`RemoteTree`), walked by :mod:`.walk` as a local disk is. No object is opened except a
+Shardscope run's ``status.json``; sizes are the objects' sizes, times their last-modified stamps."""
 
 from __future__ import annotations
 
@@ -11,16 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, ShardscopeError
-from .scan import (
-    CHECKPOINT_HOLDERS,
-    RUN_SKIP_DIRS,
-    SKIP_DIRS,
-    CheckpointRecord,
-    classify_folder,
-    folder_state,
-    is_checkpoint_file,
-    step_from_name,
-)
+from ..runs.rundir import state_of
+from .names import step_from_name
+from .probe import folder_state
+from .walk import RUN_FILES, FileFacts, FolderFacts
 
 
 def _mtime(info: dict[str, Any]) -> float:
@@ -40,11 +34,14 @@ def _mtime(info: dict[str, Any]) -> float:
 
 @dataclass
 class RemoteTree:
-    """A prefix's objects as folders: files (name -> size, mtime) and subfolders per folder."""
+    """A prefix's objects as folders (files: name -> (size, mtime); subfolders), as :class:`.walk.Tree`
+    lists them; paths are the bucket's keys, records carry full URLs."""
 
+    fs: Any
     root: str
     files: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
     dirs: dict[str, set[str]] = field(default_factory=dict)
+    sep = "/"
 
     def add(self, key: str, size: int, mtime: float) -> None:
         """Record object ``key`` (size, mtime) and register each folder above it up to the root."""
@@ -55,7 +52,35 @@ class RemoteTree:
             self.dirs.setdefault(up, set()).add(sub)
             parent = up
 
-    def usage(self, folder: str) -> tuple[int, float, int]:
+    def list(self, path: str) -> tuple[dict[str, tuple[int, float]], list[str]]:
+        return self.files.get(path, {}), sorted(self.dirs.get(path, ()))
+
+    def url(self, path: str) -> str:
+        """The full URL (with protocol) of bucket path ``path``."""
+        return self.fs.unstrip_protocol(path)
+
+    def is_run(self, path: str) -> bool:
+        return all(n in self.files.get(path, {}) for n in RUN_FILES)
+
+    def run_state(self, path: str) -> str | None:
+        from ..checkpoint.remote import call  # imports numpy: only when a URL is listed
+
+        try:
+            status = json.loads(call(path, self.fs.cat_file, f"{path}/status.json"))
+        except (CheckpointError, ValueError):  # missing or half-written: the state is unknown
+            return None
+        return state_of(status, local=False) if isinstance(status, dict) else None
+
+    def file_facts(self, path: str, info: tuple[int, float]) -> FileFacts:
+        size, mtime = info
+        return FileFacts("safetensors" if path.endswith(".safetensors") else "torch",
+                         "complete" if size else "incomplete", "" if size else "an empty object", size, mtime)
+
+    def folder_facts(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+        state, reason, ranks = folder_state(path, fmt, set(files), dirs, probe=False)
+        return FolderFacts(fmt, state, reason, ranks, step_from_name(posixpath.basename(path)))
+
+    def usage(self, folder: str, files: dict[str, Any] | None = None, dirs: Any = None) -> tuple[int, float, int]:
         """Bytes, newest time and object count of everything under ``folder``."""
         total, newest, count = 0, 0.0, 0
         for size, mtime in self.files.get(folder, {}).values():
@@ -66,8 +91,8 @@ class RemoteTree:
         return total, newest, count
 
 
-def list_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, RemoteTree]:
-    """The filesystem and the tree of objects under ``url`` (one recursive listing)."""
+def list_url(url: str, storage_options: dict[str, Any] | None = None) -> RemoteTree:
+    """The tree of objects under ``url`` (one recursive listing)."""
     from ..checkpoint.remote import call, fs_for  # imports numpy: only when a URL is listed
 
     fs, root = fs_for(url, storage_options)
@@ -75,70 +100,7 @@ def list_url(url: str, storage_options: dict[str, Any] | None = None) -> tuple[A
     found = call(url, fs.find, root, withdirs=False, detail=True, doing="cannot list it")
     if not found and not call(url, fs.exists, root):
         raise ShardscopeError(f"{url}: no such file or folder.")
-    tree = RemoteTree(root)
+    tree = RemoteTree(fs, root)
     for key, info in found.items():
         tree.add(key, int(info.get("size") or 0), _mtime(info))
-    return fs, tree
-
-
-def _run_state(fs: Any, path: str) -> str | None:
-    from ..checkpoint.remote import call
-
-    try:
-        status = json.loads(call(path, fs.cat_file, f"{path}/status.json"))
-    except (CheckpointError, ValueError):  # missing or half-written: the state is unknown
-        return None
-    state = status.get("state") if isinstance(status, dict) else None
-    return state if isinstance(state, str) else None
-
-
-class RemoteScanner:
-    """Walks a :class:`RemoteTree` as the local scanner walks a disk; records carry URLs."""
-
-    def __init__(self, fs: Any, tree: RemoteTree) -> None:
-        self.fs, self.tree = fs, tree
-        self.found: list[CheckpointRecord] = []
-        self.run_states: dict[str, str | None] = {}  # URL of a Shardscope run -> its state
-
-    def url(self, path: str) -> str:
-        """The full URL (with protocol) of bucket path ``path``."""
-        return self.fs.unstrip_protocol(path)
-
-    def default_run(self, path: str) -> str:
-        """URL of the run a checkpoint at ``path`` belongs to: its parent, skipping a "checkpoints"-like folder."""
-        parent = posixpath.dirname(path)
-        if posixpath.basename(parent).lower() in CHECKPOINT_HOLDERS and len(parent) > len(self.tree.root):
-            parent = posixpath.dirname(parent)
-        return self.url(parent)
-
-    def walk(self, path: str, run: str | None = None, depth: int = 0) -> None:
-        """Collect checkpoints under ``path`` into ``found``, tracking the run folder; stops inside a checkpoint."""
-        files = self.tree.files.get(path, {})
-        subs = sorted(self.tree.dirs.get(path, ()))
-        fmt = classify_folder(posixpath.basename(path), files, subs)
-        if fmt is not None:
-            self.found.append(self.folder(path, fmt, set(files), subs, run))
-            return
-        if "config.json" in files and "status.json" in files:
-            run = self.url(path)
-            self.run_states[run] = _run_state(self.fs, path)
-        for name, (size, mtime) in files.items():
-            if is_checkpoint_file(name):
-                full = f"{path}/{name}"
-                state = "complete" if size else "incomplete"
-                self.found.append(CheckpointRecord(
-                    self.url(full), run or self.default_run(full), step_from_name(name),
-                    "safetensors" if name.endswith(".safetensors") else "torch", [], size, mtime, state,
-                    "" if size else "an empty object", True, 1))
-        for sub in subs:
-            if not sub.startswith(".") and sub not in SKIP_DIRS and depth < 24 and \
-                    not (run == self.url(path) and sub in RUN_SKIP_DIRS):
-                self.walk(f"{path}/{sub}", run, depth + 1)
-
-    def folder(self, path: str, fmt: str, names: set[str], subs: list[str], run: str | None) -> CheckpointRecord:
-        """A record for checkpoint folder ``path``: size, newest mtime and state from its listing (no reads)."""
-        total, newest, count = self.tree.usage(path)
-        state, reason, ranks = folder_state(path, fmt, names, subs, probe=False)
-        return CheckpointRecord(self.url(path), run or self.default_run(path),
-                                step_from_name(posixpath.basename(path)), fmt, ranks, total, newest, state, reason,
-                                False, count)
+    return tree

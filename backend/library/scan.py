@@ -3,347 +3,25 @@
 A listing never reads a whole ``.metadata`` (writer ranks come from file names, bytes from
 ``st_blocks``), never follows a symlink, and never descends into a checkpoint's own files.
 Checkpoints are grouped by run: a Shardscope run directory (``config.json`` + ``status.json``),
-else the folder that holds them (the one above a ``checkpoints/`` folder).
+else the folder that holds them (the one above a ``checkpoints/`` folder). The walk itself is
+:mod:`.walk`'s, over a local disk here (:class:`LocalTree`) or a URL (:mod:`.remote_scan`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import struct
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.items import MAX_SAFETENSORS_HEADER, ItemFormatError, parse_safetensors_header, zip_records
-from ..checkpoint.model import MAX_INDEX
-from ..checkpoint.storage import LocalHandles
 from ..errors import ShardscopeError
-from ..format import ranks_text  # noqa: F401  (re-exported: the Library's column)
-from ..procs import pid_alive
 from ..progress import Progress
-from ..runs.rundir import ACTIVE_STATES, is_zombie, read_status
-
-STATES = ("complete", "incomplete", "writing", "unreadable")
-WRITING_SECONDS = 5.0  # files changed this recently are still being written
-PRUNE_PREFIX = ".shardscope-prune-"  # a checkpoint renamed out of the way by an unfinished prune
-CONSOLIDATED_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
-CHECKPOINT_HOLDERS = {"checkpoints", "checkpoint", "ckpt", "ckpts"}
-SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "wandb", "tensorboard"}
-RUN_SKIP_DIRS = {"metrics", "logs", "exit"}
-# The names torch's FileSystemWriter gives (as in checkpoint.reader; repeated here so that a listing does not
-# import numpy and the checkpoint model: 0.3 s of the 1 s an `ls` takes).
-DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
-HF_SHARD_RE = re.compile(r"^shard-(\d+)-.*\.safetensors$")
-HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
-MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's per-model-parallel-rank folders
-HF_TRAINER_RE = re.compile(r"^(tmp-)?checkpoint-\d+$")
-STEP_RES = (
-    re.compile(r"(?:^|[^a-z])(?:global_)?step[_=\-]?(\d+)", re.IGNORECASE),  # step_000100 step-100 step=12000
-    re.compile(r"(?:^|[^a-z])checkpoint[_\-](\d+)", re.IGNORECASE),  # checkpoint-500
-    re.compile(r"(?:^|[^a-z])iter(?:ation)?[_\-]?(\d+)", re.IGNORECASE),  # iter_0000100
-    re.compile(r"^(\d+)$"),  # Orbax-style checkpoints/100
-)
-MAX_DEPTH = 24
-
-
-def step_from_name(name: str) -> int | None:
-    """The training step a checkpoint's name states (``epoch=3-step=12000.ckpt`` -> 12000), or None."""
-    stem = name
-    for suffix in CONSOLIDATED_SUFFIXES:
-        if stem.endswith(suffix):
-            stem = stem[: -len(suffix)]
-            break
-    for pattern in STEP_RES:
-        m = pattern.search(stem)
-        if m:
-            return int(m.group(1))
-    return None
-
-
-RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
-WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
-# formats that hold weights only (safetensors cannot hold an optimizer's state); a torch file is weights unless
-# its pickle names an optimizer (torch_file_kind; a remote one is not read, so it stays weights: never removed
-# without --weights, and never taking a resumable checkpoint's place)
-WEIGHTS_FORMATS = frozenset({"hf-safetensors", "hf-sharded", "safetensors", "torch"})
-OPTIMIZER_MARKS = (b"param_groups", b"optimizer_states")  # any torch optimizer's state_dict; Lightning's key
-MAX_KIND_PROBE = 16 << 20  # bytes of a torch file's pickle read to tell its kind
-
-
-@dataclass(slots=True)
-class CheckpointRecord:
-    """One checkpoint found on disk (a folder, or a consolidated file)."""
-
-    path: str
-    run: str
-    step: int | None
-    format: str  # dcp, dcp-safetensors, lightning, hf-safetensors, hf-sharded, hf-trainer, torch, safetensors, empty
-    ranks: list[int]
-    bytes: int  # on disk (st_blocks), all files of the checkpoint
-    mtime: float  # the newest file's modification time
-    state: str  # complete, incomplete, writing, unreadable
-    reason: str = ""  # why it is not complete, in a sentence
-    is_file: bool = False
-    files: int = 0
-    kind: str = ""  # resumable (training state: optimizer or trainer state beside the weights) or weights
-
-    def __post_init__(self) -> None:
-        if not self.kind:
-            self.kind = WEIGHTS if self.format in WEIGHTS_FORMATS else RESUMABLE
-
-    @property
-    def name(self) -> str:
-        """The checkpoint's folder or file name (last part of its path)."""
-        return os.path.basename(self.path)
-
-    def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state)."""
-        return {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
-                "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state}
-
-
-@dataclass(slots=True)
-class RunRecord:
-    """The checkpoints of one run, newest last."""
-
-    path: str
-    kind: str  # "shardscope" (a run directory) or "folder"
-    state: str | None = None  # a Shardscope run's state (status.json, corrected for a dead launcher)
-    checkpoints: list[CheckpointRecord] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        """The folder's name; with its parent for Lightning's ``version_N`` (``my-exp/version_0``)."""
-        base = os.path.basename(self.path.rstrip(os.sep)) or self.path
-        if re.fullmatch(r"version_\d+", base):
-            return f"{os.path.basename(os.path.dirname(self.path))}/{base}"
-        return base
-
-    @property
-    def running(self) -> bool:
-        """True while the run is still active (its state is one of the active states)."""
-        return self.state in ACTIVE_STATES
-
-    @property
-    def bytes(self) -> int:
-        """Total bytes of the run's checkpoints."""
-        return sum(c.bytes for c in self.checkpoints)
-
-    def to_json(self) -> dict[str, Any]:
-        """The run as a JSON-ready dict: path, name, bytes and its checkpoints' paths."""
-        return {"path": self.path, "name": self.name, "bytes": self.bytes,
-                "checkpoints": [c.path for c in self.checkpoints]}
-
-
-@dataclass(frozen=True, slots=True)
-class Leftover:
-    """A checkpoint an interrupted prune renamed out of the way; the next prune (or ls) finishes it."""
-
-    path: str  # the hidden name
-    original: str  # where the checkpoint was
-    mode: str  # "trash" or "delete"
-
-
-@dataclass(slots=True)
-class Listing:
-    """What a scan found under ``roots``: runs with their checkpoints, leftovers of interrupted prunes."""
-
-    roots: list[str]
-    runs: list[RunRecord]
-    leftovers: list[Leftover] = field(default_factory=list)
-    unreachable: list[str] = field(default_factory=list)  # with missing_ok: why a root could not be listed
-
-    @property
-    def checkpoints(self) -> list[CheckpointRecord]:
-        """Every checkpoint of every run, in run order."""
-        return [c for r in self.runs for c in r.checkpoints]
-
-    @property
-    def bytes(self) -> int:
-        """Total bytes of all runs' checkpoints."""
-        return sum(r.bytes for r in self.runs)
-
-    def find(self, path: str) -> CheckpointRecord | None:
-        """The checkpoint at exactly ``path``, or None."""
-        return next((c for c in self.checkpoints if c.path == path), None)
-
-    def to_json(self) -> dict[str, Any]:
-        """The listing as a JSON-ready dict: roots, runs and checkpoints."""
-        return {"roots": list(self.roots), "runs": [r.to_json() for r in self.runs],
-                "checkpoints": [c.to_json() for c in self.checkpoints]}
-
-
-def order_key(c: CheckpointRecord) -> tuple[int, float]:
-    """Newest last: by step where the name states one, then by time."""
-    return (c.step if c.step is not None else -1, c.mtime)
-
-
-def leftover_of(path: str) -> Leftover | None:
-    """The :class:`Leftover` a hidden ``.shardscope-prune-<mode>-<name>`` path stands for."""
-    name = os.path.basename(path)
-    if not name.startswith(PRUNE_PREFIX):
-        return None
-    rest = name[len(PRUNE_PREFIX):]
-    for mode in ("trash", "delete"):
-        if rest.startswith(mode + "-") and len(rest) > len(mode) + 1:
-            return Leftover(path, os.path.join(os.path.dirname(path), rest[len(mode) + 1:]), mode)
-    return None
-
-
-# ---------------------------------------------------------------------------------------------- scanning
-class _Scanner:
-    def __init__(self, now: float, writing_seconds: float, progress: Progress | None) -> None:
-        self.now = now
-        self.writing_seconds = writing_seconds
-        self.progress = progress
-        self.found: list[CheckpointRecord] = []
-        self.run_dirs: dict[str, str] = {}  # path -> kind
-        self.run_states: dict[str, str | None] = {}  # runs under a URL root: their state, read while listing
-        self.unreachable: list[str] = []
-        self.leftovers: list[Leftover] = []
-        self.root = ""
-
-    def scan_root(self, root: str) -> None:
-        self.root = root
-        if os.path.isfile(root):
-            rec = self.file_checkpoint(root, os.lstat(root)) if is_checkpoint_file(os.path.basename(root)) else None
-            if rec is not None:
-                self.found.append(rec)
-            return
-        self.walk(root, 0, None)
-
-    def walk(self, path: str, depth: int, run: str | None) -> None:
-        if self.progress is not None:
-            self.progress.check()
-        try:
-            with os.scandir(path) as it:
-                entries = list(it)
-        except OSError:
-            if step_from_name(os.path.basename(path)) is not None:
-                self.found.append(CheckpointRecord(path, run or self.default_run(path), step_from_name(
-                    os.path.basename(path)), "?", [], 0, 0.0, "unreadable", "the folder cannot be listed"))
-            return
-        files = {e.name: e for e in entries if e.is_file(follow_symlinks=False)}
-        dirs = [e for e in entries if e.is_dir(follow_symlinks=False)]
-        fmt = classify_folder(os.path.basename(path), files, [d.name for d in dirs])
-        if fmt is not None:
-            self.found.append(self.folder_checkpoint(path, fmt, files, dirs, run))
-            return
-        if "config.json" in files and "status.json" in files:
-            run = path
-            self.run_dirs[path] = "shardscope"
-        mark = len(self.found)
-        self.walk_contents(path, files, dirs, depth, run)
-        step = step_from_name(os.path.basename(path))
-        children = self.found[mark:]
-        depth_of = path.count(os.sep)
-        if step is not None and run != path and children and all(
-                step_from_name(c.name) is None and c.path.count(os.sep) - depth_of <= 2 for c in children):
-            # a step folder of parts (model.pt + optim.pt, Megatron's mp_rank_NN/, model/ + optim/ DCP folders)
-            del self.found[mark:]
-            self.found.append(self.composite(path, step, children, files, dirs, run))
-
-    def walk_contents(self, path: str, files: dict[str, os.DirEntry], dirs: list[os.DirEntry], depth: int,
-                      run: str | None) -> None:
-        """Consolidated files in a folder that is not a checkpoint, then its subfolders; leftovers of prunes."""
-        for name, entry in files.items():
-            if is_checkpoint_file(name):
-                rec = self.file_checkpoint(entry.path, entry.stat(follow_symlinks=False), run)
-                if rec is not None:
-                    self.found.append(rec)
-        for d in dirs:
-            leftover = leftover_of(d.path)
-            if leftover is not None:
-                self.leftovers.append(leftover)
-            elif not d.name.startswith(".") and d.name not in SKIP_DIRS and depth < MAX_DEPTH and \
-                    not (run == path and d.name in RUN_SKIP_DIRS):
-                self.walk(d.path, depth + 1, run)
-        for name in files:
-            leftover = leftover_of(os.path.join(path, name))
-            if leftover is not None:
-                self.leftovers.append(leftover)
-
-    def composite(self, path: str, step: int, parts: list[CheckpointRecord], files: dict[str, os.DirEntry],
-                  dirs: list[os.DirEntry], run: str | None) -> CheckpointRecord:
-        """One checkpoint made of the checkpoints found inside a step folder."""
-        total, newest, count = _usage(path, files.values(), dirs)
-        mp_ranks = {int(m.group(1)) for d in dirs if (m := MP_RANK_RE.match(d.name))}
-        formats = {c.format for c in parts}
-        fmt = "megatron" if mp_ranks else formats.pop() if len(formats) == 1 else "mixed"
-        ranks = sorted(set().union(mp_ranks, *(c.ranks for c in parts)))
-        state = next((s for s in ("writing", "incomplete", "unreadable") if any(c.state == s for c in parts)),
-                     "complete")
-        reason = next((f"{os.path.relpath(c.path, path)}: {c.reason}" for c in parts if c.state == state and c.reason),
-                      "")
-        kind = RESUMABLE if any(c.kind == RESUMABLE for c in parts) else WEIGHTS
-        rec = CheckpointRecord(path, run or self.default_run(path), step, fmt, ranks, total, newest, state, reason,
-                               False, count, kind)
-        self.mark_writing(rec)
-        return rec
-
-    def scan_url(self, url: str) -> None:
-        """Checkpoints under an fsspec URL (one listing; see :mod:`.remote_scan`)."""
-        from .remote_scan import RemoteScanner, list_url
-
-        fs, tree = list_url(url)
-        remote = RemoteScanner(fs, tree)
-        remote.walk(tree.root)
-        for rec in remote.found:
-            self.mark_writing(rec)
-            self.found.append(rec)
-        self.run_states.update(remote.run_states)
-        self.run_dirs.update(dict.fromkeys(remote.run_states, "shardscope"))
-
-    def default_run(self, ckpt_path: str) -> str:
-        """The folder holding a checkpoint, or the one above a ``checkpoints/`` folder."""
-        parent = os.path.dirname(ckpt_path)
-        if os.path.basename(parent).lower() in CHECKPOINT_HOLDERS:
-            above = os.path.dirname(parent)
-            if is_shardscope_run(above):
-                self.run_dirs[above] = "shardscope"
-            return above
-        return parent
-
-    def folder_checkpoint(self, path: str, fmt: str, files: dict[str, os.DirEntry], dirs: list[os.DirEntry],
-                          run: str | None) -> CheckpointRecord:
-        total, newest, count = _usage(path, files.values(), dirs)
-        names = set(files)
-        state, reason, ranks = folder_state(path, fmt, names, [d.name for d in dirs])
-        if fmt == "dcp" and state == "complete":
-            fmt = _dcp_serialisation(path, names)
-        step = step_from_name(os.path.basename(path))
-        if step is None and "trainer_state.json" in names:
-            step = _trainer_state_step(os.path.join(path, "trainer_state.json"))
-        rec = CheckpointRecord(path, run or self.default_run(path), step, fmt, ranks, total, newest, state,
-                               reason, False, count)
-        self.mark_writing(rec)
-        return rec
-
-    def file_checkpoint(self, path: str, st: os.stat_result, run: str | None = None) -> CheckpointRecord | None:
-        state, reason, fmt = file_state(path, st.st_size)
-        if fmt is None:
-            return None
-        kind = torch_file_kind(path, st.st_size) if fmt == "torch" and state == "complete" else ""
-        rec = CheckpointRecord(path, run or self.default_run(path), step_from_name(os.path.basename(path)), fmt, [],
-                               disk_bytes(st), st.st_mtime, state, reason, True, 1, kind)
-        self.mark_writing(rec)
-        return rec
-
-    def mark_writing(self, rec: CheckpointRecord) -> None:
-        age = self.now - rec.mtime
-        if -60 < age < self.writing_seconds and rec.state != "unreadable":
-            rec.state, rec.reason = "writing", f"files changed {max(age, 0):.0f} s ago"
-
-
-def is_checkpoint_file(name: str) -> bool:
-    """A consolidated checkpoint's file name (hidden names are temporaries of a writer)."""
-    return not name.startswith(".") and (name.endswith(CONSOLIDATED_SUFFIXES) or
-                                         (name.startswith("pytorch_model") and name.endswith(".bin")))
+from ..runs.rundir import run_state
+from .names import WRITING_SECONDS, is_url, step_from_name
+from .probe import dcp_serialisation, disk_bytes, file_state, folder_state, torch_file_kind, trainer_state_step
+from .records import Listing, RunRecord, order_key
+from .remote_scan import list_url
+from .walk import FileFacts, FolderFacts, Walker
 
 
 def is_shardscope_run(path: str) -> bool:
@@ -351,252 +29,73 @@ def is_shardscope_run(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "status.json"))
 
 
-def run_state(path: str) -> str | None:
-    """A Shardscope run's state, read-only: an active state whose local torchrun is gone reads "ended"
-    (``shardscope train``/the Training panel record the final state; a listing never writes)."""
-    status = read_status(path)
-    state = status.get("state")
-    if state in ACTIVE_STATES and status.get("scheduler") != "slurm" and "pid" in status and \
-            (not pid_alive(status.get("pid")) or is_zombie(status.get("pid"))):
-        return "ended"
-    return state if isinstance(state, str) else None
+class LocalTree:
+    """A local disk as the walk lists it: ``os.scandir``, no symlinks followed; files keep their ``DirEntry``
+    (stat only when needed), and checkpoints are probed by a few header bytes."""
 
+    sep = os.sep
 
-def is_url(path: str) -> bool:
-    """``scheme://...`` other than ``file://`` (as checkpoint.remote decides; here without importing numpy)."""
-    m = URL_RE.match(path)
-    return bool(m) and m.group(1) != "file"
-
-
-def within(path: str, root: str) -> bool:
-    """True when ``path`` is ``root`` itself or lies inside it (whole path parts, not a string prefix)."""
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def disk_bytes(st: os.stat_result) -> int:
-    """Bytes a file takes on disk (``st_blocks``); the size where a file system reports no blocks."""
-    blocks = getattr(st, "st_blocks", None)
-    if blocks is None or (blocks == 0 and st.st_size > 0):
-        return st.st_size
-    return blocks * 512
-
-
-def _usage(path: str, files: Iterable[os.DirEntry], dirs: list[os.DirEntry]) -> tuple[int, float, int]:
-    """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""
-    total, count = 0, 0
-    try:
-        newest = os.lstat(path).st_mtime
-    except OSError:
-        newest = 0.0
-    for e in files:
+    def list(self, path: str) -> tuple[dict[str, os.DirEntry], list[str]] | None:
         try:
-            st = e.stat(follow_symlinks=False)
+            with os.scandir(path) as it:
+                entries = list(it)
         except OSError:
-            continue
-        total += disk_bytes(st)
-        newest = max(newest, st.st_mtime)
-        count += 1
-    for d in dirs:
-        try:
-            with os.scandir(d.path) as it:
-                sub = list(it)
-        except OSError:
-            continue
-        t, n, c = _usage(d.path, [e for e in sub if e.is_file(follow_symlinks=False)],
-                         [e for e in sub if e.is_dir(follow_symlinks=False)])
-        total, newest, count = total + t, max(newest, n), count + c
-    return total, newest, count
-
-
-# ---------------------------------------------------------------------------------------------- classification
-def classify_folder(name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> str | None:
-    """The format of a checkpoint folder from its file names, or None when it is not one."""
-    if any(n.endswith(".distcp") for n in files) or ".metadata" in files or ".metadata.tmp" in files or \
-            any(RANK_METADATA_RE.match(n) for n in files):
-        if "meta.pt" in files:
-            return "lightning"
-        if any(HF_SHARD_RE.match(n) for n in files):
-            return "hf-safetensors"
-        return "dcp"
-    if any(HF_SHARD_RE.match(n) for n in files):
-        return "hf-safetensors"
-    if "trainer_state.json" in files or (HF_TRAINER_RE.match(name) and (files or dirs)):
-        return "hf-trainer"
-    if any(n in files for n in HF_INDEXES):
-        return "hf-sharded"
-    if not files and not dirs and step_from_name(name) is not None:
-        return "empty"
-    return None
-
-
-def folder_state(path: str, fmt: str, names: set[str], dirs: list[str], probe: bool = True
-                 ) -> tuple[str, str, list[int]]:
-    """(state, reason, writer ranks) of a checkpoint folder, from names and (``probe``: a local folder) a few
-    header bytes."""
-    ranks = sorted({int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))})
-    if fmt == "empty":
-        return "incomplete", "an empty folder: a save that never wrote a file", []
-    if fmt == "hf-safetensors":
-        ranks = sorted({int(m.group(1)) - 1 for n in names if (m := HF_SHARD_RE.match(n))})
-        return "complete", "", ranks
-    if fmt == "hf-sharded":
-        return (*_hf_index_state(path, names), []) if probe else ("complete", "", [])
-    if fmt == "hf-trainer":
-        ranks = _nested_ranks(path, dirs) if probe else []
-        if os.path.basename(path).startswith("tmp-"):
-            return "incomplete", "a tmp-checkpoint folder: the Trainer did not finish this save", ranks
-        if "trainer_state.json" not in names:
-            return "incomplete", "no trainer_state.json: the Trainer did not finish this save", ranks
-        return "complete", "", ranks
-    meta_ranks = {int(m.group(1)) for n in names if (m := RANK_METADATA_RE.match(n))}
-    if ".metadata.tmp" in names:
-        return "incomplete", "a .metadata.tmp is left: the save did not finish", ranks
-    if ".metadata" in names and not probe:
-        return "complete", "", ranks
-    if ".metadata" in names:
-        head = _head(os.path.join(path, ".metadata"), 1)
-        if head is None:
-            return "unreadable", ".metadata cannot be read", ranks
-        if head not in (b"\x80", b"{"):
-            return "unreadable", ".metadata is empty or not DCP metadata", ranks
-        return "complete", "", ranks
-    if meta_ranks:
-        missing = sorted(set(ranks) - meta_ranks)
-        if missing:
-            return "incomplete", f"rank(s) {missing} wrote data but no __R.metadata", sorted(set(ranks) | meta_ranks)
-        return "complete", "", sorted(set(ranks) | meta_ranks)
-    return "incomplete", "no .metadata: the save did not finish (the coordinator writes it last)", ranks
-
-
-def _nested_ranks(path: str, dirs: list[str]) -> list[int]:
-    """Writer ranks of DCP folders one level down (HF Trainer's ``pytorch_model_fsdp_0/``)."""
-    ranks: set[int] = set()
-    for d in dirs:
-        try:
-            names = os.listdir(os.path.join(path, d))
-        except OSError:
-            continue
-        ranks.update(int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n)))
-    return sorted(ranks)
-
-
-def _hf_index_state(path: str, names: set[str]) -> tuple[str, str]:
-    index = next(n for n in HF_INDEXES if n in names)
-    try:
-        with open(os.path.join(path, index), "rb") as f:
-            data = json.loads(f.read(64 << 20))
-        wanted = set((data.get("weight_map") or {}).values())
-    except (OSError, ValueError, AttributeError):
-        return "unreadable", f"{index} is not readable JSON"
-    missing = sorted(n for n in wanted if not isinstance(n, str) or n not in names)
-    if missing:
-        return "incomplete", f"{len(missing)} shard file(s) named in {index} are missing (e.g. {missing[0]})"
-    return "complete", ""
-
-
-def _head(path: str, n: int, offset: int = 0) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            if offset < 0:
-                f.seek(offset, os.SEEK_END)
-            elif offset:
-                f.seek(offset)
-            return f.read(n)
-    except OSError:
-        return None
-
-
-def _dcp_serialisation(path: str, names: set[str]) -> str:
-    """``dcp-safetensors`` when the data files are safetensors (torch's SerializationFormat.SAFETENSORS)."""
-    data = sorted(n for n in names if n.endswith(".distcp"))
-    if not data:
-        return "dcp"
-    head = _head(os.path.join(path, data[0]), 9)
-    if head and len(head) == 9 and head[:2] != b"PK" and head[8:9] == b"{":
-        return "dcp-safetensors"
-    return "dcp"
-
-
-def file_state(path: str, size: int) -> tuple[str, str, str | None]:
-    """(state, reason, format) of a consolidated file; format None when it is not a checkpoint at all."""
-    if path.endswith(".safetensors"):
-        return (*_safetensors_state(path, size), "safetensors")
-    head = _head(path, 4)
-    if head is None:
-        return "unreadable", "the file cannot be read", "torch"
-    if size == 0:
-        return "incomplete", "an empty file", "torch"
-    if head[:1] == b"\x80":
-        return "complete", "", "torch"  # torch's legacy (pre-zip) format
-    if head != b"PK\x03\x04":
-        return ("unreadable", "not a torch.save file", "torch") if not path.endswith(".bin") else ("", "", None)
-    # torch.save writes no zip comment, so a whole archive ends with its end-of-central-directory record
-    tail = _head(path, 4, -22) if size >= 22 else None
-    if tail != b"PK\x05\x06":
-        return "incomplete", "truncated: the zip archive has no end record (torch.save did not finish)", "torch"
-    return "complete", "", "torch"
-
-
-def torch_file_kind(path: str, size: int) -> str:
-    """``resumable`` when a torch file's pickle names an optimizer's state (``param_groups``, Lightning's
-    ``optimizer_states``), else ``weights``: read from the archive's ``data.pkl`` record (at most 16 MiB), or
-    the head of a legacy (pre-zip) file. Nothing is unpickled."""
-    data = b""
-    head = _head(path, 4)
-    if head == b"PK\x03\x04":
-        handles = LocalHandles(os.path.dirname(path) or ".")
-        base = os.path.basename(path)
-        try:
-            pkl = zip_records(handles, base, size).get("data.pkl")
-            if pkl and pkl[1] <= MAX_KIND_PROBE:
-                data = handles.read(base, pkl[0], pkl[1])
-        except (ItemFormatError, ShardscopeError):
-            data = b""  # not an archive torch maps: its tensors are not readable, so it resumes nothing either
-        finally:
-            handles.close()
-    elif head and head[:1] == b"\x80":
-        data = _head(path, MAX_KIND_PROBE) or b""
-    return RESUMABLE if any(mark in data for mark in OPTIMIZER_MARKS) else WEIGHTS
-
-
-def _safetensors_state(path: str, size: int) -> tuple[str, str]:
-    """Whether a safetensors file is whole: its header parsed by the one parser (headers over 1 MiB only
-    length-checked, to keep a scan quick), and its data ending within the file."""
-    head = _head(path, 8)
-    if head is None:
-        return "unreadable", "the file cannot be read"
-    if len(head) < 8:
-        return "incomplete", "shorter than a safetensors header"
-    (n,) = struct.unpack("<Q", head)
-    if 8 + n > size:
-        return ("incomplete", "truncated inside its header") if n <= MAX_SAFETENSORS_HEADER else \
-            ("unreadable", f"header length {n} is implausible")
-    if n > 1 << 20:
-        return "complete", ""
-    try:
-        with LocalHandles(os.path.dirname(path) or ".") as handles:
-            end = parse_safetensors_header(handles, os.path.basename(path), 0, size, MAX_INDEX).end
-    except ItemFormatError as exc:
-        return "unreadable", f"the safetensors header does not parse ({exc})"
-    except ShardscopeError:
-        return "unreadable", "the file cannot be read"
-    if end > size:
-        return "incomplete", f"truncated: the header needs {end} bytes, the file has {size}"
-    return "complete", ""
-
-
-def _trainer_state_step(path: str) -> int | None:
-    try:
-        if os.path.getsize(path) > 64 << 20:
             return None
-        with open(path, "rb") as f:
-            step = json.load(f).get("global_step")
-        return int(step) if isinstance(step, int) else None
-    except (OSError, ValueError, AttributeError):
-        return None
+        return ({e.name: e for e in entries if e.is_file(follow_symlinks=False)},
+                [e.name for e in entries if e.is_dir(follow_symlinks=False)])
+
+    def url(self, path: str) -> str:
+        return path
+
+    def is_run(self, path: str) -> bool:
+        return is_shardscope_run(path)
+
+    def run_state(self, path: str) -> str | None:
+        return run_state(path)
+
+    def file_facts(self, path: str, info: os.DirEntry | os.stat_result) -> FileFacts | None:
+        st = info.stat(follow_symlinks=False) if isinstance(info, os.DirEntry) else info
+        state, reason, fmt = file_state(path, st.st_size)
+        if fmt is None:
+            return None
+        kind = torch_file_kind(path, st.st_size) if fmt == "torch" and state == "complete" else ""
+        return FileFacts(fmt, state, reason, disk_bytes(st), st.st_mtime, kind)
+
+    def folder_facts(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+        names = set(files)
+        state, reason, ranks = folder_state(path, fmt, names, dirs)
+        if fmt == "dcp" and state == "complete":
+            fmt = dcp_serialisation(path, names)
+        step = step_from_name(os.path.basename(path))
+        if step is None and "trainer_state.json" in names:
+            step = trainer_state_step(os.path.join(path, "trainer_state.json"))
+        return FolderFacts(fmt, state, reason, ranks, step)
+
+    def usage(self, path: str, files: dict[str, os.DirEntry], dirs: list[str]) -> tuple[int, float, int]:
+        """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""
+        total, count = 0, 0
+        try:
+            newest = os.lstat(path).st_mtime
+        except OSError:
+            newest = 0.0
+        for e in files.values():
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += disk_bytes(st)
+            newest = max(newest, st.st_mtime)
+            count += 1
+        for d in dirs:
+            sub = os.path.join(path, d)
+            listed = self.list(sub)
+            if listed is None:
+                continue
+            t, n, c = self.usage(sub, *listed)
+            total, newest, count = total + t, max(newest, n), count + c
+        return total, newest, count
 
 
-# ---------------------------------------------------------------------------------------------- entry point
 def resolve_root(root: str | os.PathLike) -> str:
     """The absolute, symlink-free path of a root (what every checkpoint path starts with)."""
     return os.path.realpath(os.path.abspath(os.path.expanduser(str(root))))
@@ -609,16 +108,20 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
     A checkpoint is ``writing`` when one of its files changed within ``writing_seconds``, or when it
     is the newest checkpoint of a running Shardscope run and not yet complete."""
     now = time.time() if now is None else now
-    scanner = _Scanner(now, writing_seconds, progress)
+    walkers: list[Walker] = []
+    unreachable: list[str] = []
     resolved = []
     for root in roots:
         if is_url(str(root)):
             try:
-                scanner.scan_url(str(root))
+                tree = list_url(str(root))
             except ShardscopeError as exc:
                 if not missing_ok:
                     raise
-                scanner.unreachable.append(str(exc))
+                unreachable.append(str(exc))
+            else:
+                walkers.append(Walker(tree, now, writing_seconds, progress))
+                walkers[-1].walk(tree.root)
             resolved.append(str(root).rstrip("/"))
             continue
         path = resolve_root(root)
@@ -628,27 +131,32 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
             raise ShardscopeError(f"{root}: no such file or folder.")
         if path not in resolved:
             resolved.append(path)
-            scanner.scan_root(path)
+            walkers.append(Walker(LocalTree(), now, writing_seconds, progress))
+            if os.path.isfile(path):
+                walkers[-1].walk_file(path, os.lstat(path))
+            else:
+                walkers[-1].walk(path)
+    run_states = {p: s for w in walkers for p, s in w.run_states.items()}
     seen: set[str] = set()
     runs: dict[str, RunRecord] = {}
-    for rec in scanner.found:
+    for rec in (c for w in walkers for c in w.found):
         if rec.path in seen:  # overlapping roots
             continue
         seen.add(rec.path)
         run = runs.get(rec.run)
         if run is None:
-            kind = scanner.run_dirs.get(rec.run, "folder")
-            state = scanner.run_states[rec.run] if rec.run in scanner.run_states else \
-                run_state(rec.run) if kind == "shardscope" else None
-            run = runs[rec.run] = RunRecord(rec.run, kind, state)
+            shardscope = rec.run in run_states
+            run = runs[rec.run] = RunRecord(rec.run, "shardscope" if shardscope else "folder",
+                                            run_states[rec.run] if shardscope else None)
         run.checkpoints.append(rec)
-    for path, kind in scanner.run_dirs.items():  # a run that has no checkpoint yet is listed too
+    for path, state in run_states.items():  # a run that has no checkpoint yet is listed too
         if path not in runs:
-            runs[path] = RunRecord(path, kind, run_state(path))
+            runs[path] = RunRecord(path, "shardscope", state)
     for run in runs.values():
         run.checkpoints.sort(key=order_key)
         if run.running and run.checkpoints and run.checkpoints[-1].state == "incomplete":
             last = run.checkpoints[-1]
             last.state, last.reason = "writing", "the run is running and this save has not finished"
     ordered = sorted(runs.values(), key=lambda r: r.path)
-    return Listing(resolved, ordered, sorted(set(scanner.leftovers), key=lambda x: x.path), scanner.unreachable)
+    leftovers = {x for w in walkers for x in w.leftovers}
+    return Listing(resolved, ordered, sorted(leftovers, key=lambda x: x.path), unreachable)

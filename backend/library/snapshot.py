@@ -7,9 +7,11 @@ import os
 from dataclasses import dataclass, field
 
 from ..progress import Progress
-from .metrics import checkpoint_metrics
+from .names import is_url
 from .prune import Plan, Rules, make_plan
-from .scan import Listing, is_url, scan
+from .records import Listing
+from .scan import scan
+from .step_metrics import checkpoint_metrics
 
 
 @dataclass(slots=True)

@@ -15,9 +15,9 @@ import numpy as np
 
 from ..errors import ShardscopeError
 from .launcher import run_status
+from .metric_logs import CsvLogSource, EventFileSource, open_metric_log, read_rank_metrics
 from .metrics import FIELDS, Series, records_to_columns
-from .rundir import log_tail, rank_exits, read_metrics, scan
-from .scalars import CsvLogSource, EventFileSource, open_source
+from .rundir import log_tail, rank_exits, scan
 
 LOG_CHUNK = 1 << 20
 EXTERNAL_BASE = 1000  # series keys from this on are scalar logs (TensorBoard, CSV), not ranks
@@ -61,7 +61,7 @@ class RunFollower:
     def read(self) -> RunSnapshot:
         """The file I/O half (safe on a worker thread; one read at a time): what is new on disk."""
         snap = RunSnapshot()
-        raw = read_metrics(self.run_dir, self._metric_offsets)
+        raw = read_rank_metrics(self.run_dir, self._metric_offsets)
         snap.records = {rank: records_to_columns(recs) for rank, recs in raw.items()}
         snap.new_points = sum(len(r) for r in raw.values())
         snap.checkpoints, logs = scan(self.run_dir)
@@ -92,7 +92,7 @@ class RunFollower:
                 continue
             if path not in self._sources:
                 try:
-                    source = open_source(path)
+                    source = open_metric_log(path)
                 except ShardscopeError as exc:
                     self._broken.add(path)
                     snap.problems.append(str(exc))

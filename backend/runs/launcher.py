@@ -28,6 +28,7 @@ from .rundir import (
     read_config,
     read_status,
     status_lock,
+    torchrun_ended,
     torchrun_root_cause,
     update_status,
     write_json,
@@ -171,7 +172,7 @@ def run_status(run_dir: str | os.PathLike, exit_code: int | None = None, pid: in
     if exit_code is None:
         # NOTE: alive first, then reap: the other order read a torchrun that died between the two checks
         # as gone without a code ("the launcher is gone", for a run killed by a signal)
-        if not isinstance(pid, int) or (pid_alive(pid) and not is_zombie(pid)):
+        if not torchrun_ended(status):
             return status
         exit_code = _reap_ended_child(pid)
     # NOTE: read again, under the status lock, now that torchrun is known to have ended. A stop writes

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,11 +23,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..atomic_file import write_atomic
+from ..procs import pid_alive
+from .metric_logs import EVENT_MARK
+
 RUN_NAME_FORMAT = "run-%Y%m%d-%H%M%S"
 ACTIVE_STATES = ("queued", "starting", "running")
 FINAL_STATES = ("finished", "failed", "stopped")
-SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files match EVENT_FILE_MARK
-EVENT_FILE_MARK = "tfevents"
+ENDED = "ended"  # read-only view of an active run whose torchrun is gone (see run_state)
+SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files have EVENT_MARK in their name
 SKIP_DIRS = {"exit", "__pycache__", "node_modules"}
 SEARCH_DEPTH = 4
 # The built-in trainer's model and optimiser settings when the user names none (config.json records the
@@ -78,23 +81,40 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
-    """Write atomically: a temporary name in the same folder, fsync, rename."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(name)  # unique: two threads (a poll and a stop) may write the same status at once
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(value, indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Write a JSON object atomically (see :func:`..atomic_file.write_atomic`)."""
+    write_atomic(path, json.dumps(value, indent=2))
 
 
 def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
     """status.json as written (see :func:`shardscope.backend.runs.launcher.run_status` for the live state)."""
     return read_json(Path(run_dir) / "status.json")
+
+
+def torchrun_ended(status: dict[str, Any]) -> bool:
+    """True when the local torchrun a status names (its ``pid``) has ended: gone, or a zombie nobody reaped
+    (its launcher went with a closed Training tab). Never for a SLURM run (the scheduler says) or an
+    unknown pid. The one rule both the launcher (which then settles the final state) and a read-only
+    listing (:func:`run_state`) go by."""
+    pid = status.get("pid")
+    return status.get("scheduler") != "slurm" and isinstance(pid, int) and (not pid_alive(pid) or is_zombie(pid))
+
+
+def run_state(run_dir: str | os.PathLike) -> str | None:
+    """A run's state, read-only (see :func:`state_of`)."""
+    return state_of(read_status(run_dir))
+
+
+def state_of(status: dict[str, Any], local: bool = True) -> str | None:
+    """A run's state from its status.json, read-only: the state written, except that an active state whose
+    torchrun has ended reads ``ENDED`` (``local``: the pid is one of this machine's; a run listed under a
+    URL is taken as written). NOTE: "ended" is not a state of status.json: the run is over but its final
+    state (finished, failed, stopped) is not written yet; :func:`.launcher.run_status` writes it (from the
+    ranks' exit records) the next time ``shardscope train``, ``stop`` or the Training panel looks, and a
+    listing (``ls``, the Library, prune) never writes to a run."""
+    state = status.get("state")
+    if local and state in ACTIVE_STATES and torchrun_ended(status):
+        return ENDED
+    return state if isinstance(state, str) else None
 
 
 STATUS_LOCK_NAME = ".status.lock"
@@ -167,33 +187,6 @@ def rank_exits(run_dir: str | os.PathLike) -> dict[int, dict]:
         rec = read_json(p)
         if isinstance(rec.get("rank"), int):
             out[rec["rank"]] = rec
-    return out
-
-
-def read_metrics(run_dir: str | os.PathLike, offsets: dict[int, int] | None = None
-                 ) -> dict[int, list[dict[str, Any]]]:
-    """New metric records per rank since ``offsets`` (byte positions, updated in place)."""
-    offsets = offsets if offsets is not None else {}
-    out: dict[int, list[dict]] = {}
-    for p in sorted((Path(run_dir) / "metrics").glob("rank_*.jsonl")):
-        try:
-            rank = int(p.stem.split("_")[1])
-            with open(p, "rb") as f:
-                f.seek(offsets.get(rank, 0))
-                data = f.read()
-        except (OSError, ValueError):
-            continue
-        end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
-        offsets[rank] = offsets.get(rank, 0) + end
-        recs = []
-        for line in data[:end].splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                recs.append(rec)
-        out[rank] = recs
     return out
 
 
@@ -275,7 +268,7 @@ def scan(run_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
                     stack.append((p, depth + 1))
             elif e.name.endswith(".ckpt"):
                 found.append(p)
-            elif EVENT_FILE_MARK in e.name or e.name in SCALAR_LOG_NAMES:
+            elif EVENT_MARK in e.name or e.name in SCALAR_LOG_NAMES:
                 logs.append(p)
     return sorted(found, key=lambda p: (str(p.parent), p.name)), sorted(logs)
 

@@ -11,7 +11,6 @@ hosted on the job's first node, with the job id as rendezvous id, as torchrun's 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..atomic_file import write_atomic
 from ..errors import ShardscopeError
 from .rundir import FINAL_STATES, rank_exits, read_json, read_status, update_status
 
@@ -295,8 +295,5 @@ def cancel(run_dir: Path, timeout: float = 120.0) -> dict[str, Any]:
 def write_script(run_dir: Path, text: str) -> Path:
     """Write RUN/job.sbatch (executable, so it can also be looked at and run by hand)."""
     path = Path(run_dir) / "job.sbatch"
-    tmp = path.with_name(".job.sbatch.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, path)
+    write_atomic(path, text, mode=0o755)
     return path

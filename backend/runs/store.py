@@ -1,9 +1,8 @@
-"""Run directories on disk: listing them, and small atomic writes for exports of run data."""
+"""Run directories on disk: listing them."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,15 +39,3 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
     return sorted(out, key=lambda r: r.mtime, reverse=True)
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write atomically: a temporary file in the same folder, renamed at the end."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

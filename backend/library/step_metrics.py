@@ -1,7 +1,7 @@
 """A metric at a checkpoint's step, from whatever the run logged: Shardscope's ``metrics/rank_N.jsonl``
 (mean over ranks), Lightning's CSVLogger ``metrics.csv``, TensorBoard event files (Lightning's default
-logger), or an HF Trainer checkpoint's ``trainer_state.json``. Files are read incrementally or cached by
-size and time, so polling a live run stays cheap."""
+logger), or an HF Trainer checkpoint's ``trainer_state.json``, each read by :mod:`..runs.metric_logs`.
+Files are read incrementally or cached by size and time, so polling a live run stays cheap."""
 
 from __future__ import annotations
 
@@ -9,16 +9,25 @@ import bisect
 import csv
 import glob
 import io
-import json
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass, field
 
-from .scan import RunRecord
+from ..errors import ShardscopeError
+from ..runs.metric_logs import (
+    EVENT_MARK,
+    MAX_STATE_BYTES,
+    event_loader,
+    number,
+    rank_metric_files,
+    read_new_records,
+    scalar_of,
+    summary_values,
+    trainer_log_history,
+)
+from .records import RunRecord
 
-MAX_STATE_BYTES = 64 << 20
 log = logging.getLogger(__name__)
 
 
@@ -33,20 +42,6 @@ _cache: dict[str, _FileState] = {}
 _lock = threading.Lock()
 
 
-def _number(v: object) -> float | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int | float):
-        return float(v) if math.isfinite(v) else None
-    if isinstance(v, str) and v.strip():
-        try:
-            f = float(v)
-        except ValueError:
-            return None
-        return f if math.isfinite(f) else None
-    return None
-
-
 def _jsonl_values(path: str) -> dict[str, dict[int, float]]:
     """Every numeric field of a metrics JSONL file by step (the last record of a step wins: a resumed run)."""
     try:
@@ -58,24 +53,22 @@ def _jsonl_values(path: str) -> dict[str, dict[int, float]]:
         if state is None or state.ident != (st.st_dev, st.st_ino) or st.st_size < state.offset:
             state = _cache[path] = _FileState((st.st_dev, st.st_ino))
         if st.st_size > state.offset:
-            with open(path, "rb") as f:
-                f.seek(state.offset)
-                data = f.read(st.st_size - state.offset)
-            end = data.rfind(b"\n") + 1  # a line still being written waits for the next read
-            state.offset += end
-            for line in data[:end].splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                step = rec.get("step") if isinstance(rec, dict) else None
-                if not isinstance(step, int):
-                    continue
-                for key, v in rec.items():
-                    num = _number(v)
-                    if num is not None and key != "step":
-                        state.values.setdefault(key, {})[step] = num
+            records, used = read_new_records(path, state.offset, st.st_size)
+            state.offset += used
+            _add_by_step(records, state.values)
         return state.values
+
+
+def _add_by_step(records: list, out: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """Every numeric field of records that have an integer ``step`` into ``out`` (a later record of a step wins)."""
+    for rec in records:
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if isinstance(step, int):
+            for key, v in rec.items():
+                num = number(v)
+                if num is not None and key != "step":
+                    out.setdefault(key, {})[step] = num
+    return out
 
 
 def _whole_file_cached(read):
@@ -108,11 +101,11 @@ def _csv_values(path: str) -> dict[str, dict[int, float]]:
             rows = csv.DictReader(io.StringIO(f.read(MAX_STATE_BYTES)))
             out: dict[str, dict[int, float]] = {}
             for row in rows:
-                step = _number(row.get("step"))
+                step = number(row.get("step"))
                 if step is None:
                     continue
                 for key, v in row.items():
-                    num = _number(v)
+                    num = number(v)
                     if num is not None and key not in ("step", "epoch"):
                         out.setdefault(str(key), {})[int(step)] = num
             return out
@@ -124,26 +117,16 @@ def _csv_values(path: str) -> dict[str, dict[int, float]]:
 def _event_values(path: str) -> dict[str, dict[int, float]]:
     """Scalars of a TensorBoard event file by tag (Lightning's default logger), with TensorBoard's own reader."""
     try:
-        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-        from tensorboard.util import tensor_util
-    except ImportError:
-        log.warning("%s: reading TensorBoard event files needs `pip install shardscope[tensorboard]`", path)
+        loader = event_loader(path)
+    except ShardscopeError as exc:
+        log.warning("%s", exc)
         return {}
     out: dict[str, dict[int, float]] = {}
     try:
-        for event in EventFileLoader(path).Load():
-            if not event.HasField("summary"):
-                continue
-            for value in event.summary.value:
-                kind = value.WhichOneof("value")
-                num: float | None = None
-                if kind == "simple_value":
-                    num = _number(float(value.simple_value))
-                elif kind == "tensor":
-                    arr = tensor_util.make_ndarray(value.tensor)
-                    num = _number(float(arr.reshape(()))) if arr.size == 1 and arr.dtype.kind in "fiu" else None
-                if num is not None:
-                    out.setdefault(value.tag, {})[int(event.step)] = num
+        for event, value in summary_values(loader):
+            num = number(scalar_of(value))
+            if num is not None:
+                out.setdefault(value.tag, {})[int(event.step)] = num
     except Exception:  # a damaged event file: what was read so far counts; the rest is logged
         log.warning("%s: stopped reading the event file", path, exc_info=True)
     return out
@@ -151,28 +134,12 @@ def _event_values(path: str) -> dict[str, dict[int, float]]:
 
 @_whole_file_cached
 def _trainer_state_values(path: str) -> dict[str, dict[int, float]]:
-    try:
-        if os.path.getsize(path) > MAX_STATE_BYTES:
-            return {}
-        with open(path, "rb") as f:
-            history = json.load(f).get("log_history") or []
-    except (OSError, ValueError, AttributeError):
-        return {}
-    out: dict[str, dict[int, float]] = {}
-    for rec in history:
-        step = rec.get("step") if isinstance(rec, dict) else None
-        if isinstance(step, int):
-            for key, v in rec.items():
-                num = _number(v)
-                if num is not None and key != "step":
-                    out.setdefault(key, {})[step] = num
-    return out
+    return _add_by_step(trainer_log_history(path), {})
 
 
 def run_metric(run: RunRecord, metric: str) -> dict[int, float]:
     """``step -> value`` of ``metric`` for a run (Shardscope: the mean over ranks at each step)."""
-    per_rank = [_jsonl_values(p).get(metric, {}) for p in sorted(glob.glob(os.path.join(run.path, "metrics",
-                                                                                       "rank_*.jsonl")))]
+    per_rank = [_jsonl_values(str(p)).get(metric, {}) for _rank, p in rank_metric_files(run.path)]
     per_rank = [v for v in per_rank if v]
     if per_rank:
         steps = set().union(*per_rank)
@@ -182,8 +149,8 @@ def run_metric(run: RunRecord, metric: str) -> dict[int, float]:
         values = _csv_values(csv_path).get(metric)
         if values:
             return values
-    events = sorted(glob.glob(os.path.join(run.path, "*tfevents*")) +
-                    glob.glob(os.path.join(run.path, "*", "*tfevents*")))
+    events = sorted(glob.glob(os.path.join(run.path, f"*{EVENT_MARK}*")) +
+                    glob.glob(os.path.join(run.path, "*", f"*{EVENT_MARK}*")))
     merged: dict[int, float] = {}
     for path in events:  # oldest first: a resumed run's later file wins
         merged.update(_event_values(path).get(metric, {}))

@@ -1,0 +1,139 @@
+"""What a listing finds: checkpoints (:class:`CheckpointRecord`), runs, leftovers of interrupted prunes."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..runs.rundir import ACTIVE_STATES
+
+PRUNE_PREFIX = ".shardscope-prune-"  # a checkpoint renamed out of the way by an unfinished prune
+RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
+WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
+# formats that hold weights only (safetensors cannot hold an optimizer's state); a torch file is weights unless
+# its pickle names an optimizer (torch_file_kind; a remote one is not read, so it stays weights: never removed
+# without --weights, and never taking a resumable checkpoint's place)
+WEIGHTS_FORMATS = frozenset({"hf-safetensors", "hf-sharded", "safetensors", "torch"})
+
+
+@dataclass(slots=True)
+class CheckpointRecord:
+    """One checkpoint found on disk (a folder, or a consolidated file)."""
+
+    path: str
+    run: str
+    step: int | None
+    format: str  # dcp, dcp-safetensors, lightning, hf-safetensors, hf-sharded, hf-trainer, torch, safetensors, empty
+    ranks: list[int]
+    bytes: int  # on disk (st_blocks), all files of the checkpoint
+    mtime: float  # the newest file's modification time
+    state: str  # complete, incomplete, writing, unreadable
+    reason: str = ""  # why it is not complete, in a sentence
+    is_file: bool = False
+    files: int = 0
+    kind: str = ""  # resumable (training state: optimizer or trainer state beside the weights) or weights
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            self.kind = WEIGHTS if self.format in WEIGHTS_FORMATS else RESUMABLE
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's folder or file name (last part of its path)."""
+        return os.path.basename(self.path)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state)."""
+        return {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
+                "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state}
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """The checkpoints of one run, newest last."""
+
+    path: str
+    kind: str  # "shardscope" (a run directory) or "folder"
+    state: str | None = None  # a Shardscope run's state (status.json, corrected for a dead launcher)
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """The folder's name; with its parent for Lightning's ``version_N`` (``my-exp/version_0``)."""
+        base = os.path.basename(self.path.rstrip(os.sep)) or self.path
+        if re.fullmatch(r"version_\d+", base):
+            return f"{os.path.basename(os.path.dirname(self.path))}/{base}"
+        return base
+
+    @property
+    def running(self) -> bool:
+        """True while the run is still active (its state is one of the active states)."""
+        return self.state in ACTIVE_STATES
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of the run's checkpoints."""
+        return sum(c.bytes for c in self.checkpoints)
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as a JSON-ready dict: path, name, bytes and its checkpoints' paths."""
+        return {"path": self.path, "name": self.name, "bytes": self.bytes,
+                "checkpoints": [c.path for c in self.checkpoints]}
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """A checkpoint an interrupted prune renamed out of the way; the next prune (or ls) finishes it."""
+
+    path: str  # the hidden name
+    original: str  # where the checkpoint was
+    mode: str  # "trash" or "delete"
+
+
+@dataclass(slots=True)
+class Listing:
+    """What a scan found under ``roots``: runs with their checkpoints, leftovers of interrupted prunes."""
+
+    roots: list[str]
+    runs: list[RunRecord]
+    leftovers: list[Leftover] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)  # with missing_ok: why a root could not be listed
+
+    @property
+    def checkpoints(self) -> list[CheckpointRecord]:
+        """Every checkpoint of every run, in run order."""
+        return [c for r in self.runs for c in r.checkpoints]
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes of all runs' checkpoints."""
+        return sum(r.bytes for r in self.runs)
+
+    def find(self, path: str) -> CheckpointRecord | None:
+        """The checkpoint at exactly ``path``, or None."""
+        return next((c for c in self.checkpoints if c.path == path), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """The listing as a JSON-ready dict: roots, runs and checkpoints."""
+        return {"roots": list(self.roots), "runs": [r.to_json() for r in self.runs],
+                "checkpoints": [c.to_json() for c in self.checkpoints]}
+
+
+def order_key(c: CheckpointRecord) -> tuple[int, float]:
+    """Newest last: by step where the name states one, then by time."""
+    return (c.step if c.step is not None else -1, c.mtime)
+
+
+def leftover_of(path: str) -> Leftover | None:
+    """The :class:`Leftover` a hidden ``.shardscope-prune-<mode>-<name>`` path stands for."""
+    name = os.path.basename(path)
+    if not name.startswith(PRUNE_PREFIX):
+        return None
+    rest = name[len(PRUNE_PREFIX):]
+    for mode in ("trash", "delete"):
+        if rest.startswith(mode + "-") and len(rest) > len(mode) + 1:
+            return Leftover(path, os.path.join(os.path.dirname(path), rest[len(mode) + 1:]), mode)
+    return None
+

@@ -1,0 +1,216 @@
+"""The one walk of a library root, over a :class:`Tree`: a local disk (:class:`.scan.LocalTree`, ``os.scandir``)
+or the objects under a URL (:class:`.remote_scan.RemoteTree`, one fsspec listing). Both therefore find the
+same things: checkpoint folders and files, step folders of parts (one composite checkpoint), Shardscope run
+directories, leftovers of interrupted prunes, down to the same depth. The walk never descends into a
+checkpoint's own files, nor into hidden or skipped folders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..progress import Progress
+from .names import (
+    CHECKPOINT_HOLDERS,
+    MAX_DEPTH,
+    MP_RANK_RE,
+    RUN_SKIP_DIRS,
+    SKIP_DIRS,
+    WRITING_SECONDS,
+    classify_folder,
+    is_checkpoint_file,
+    step_from_name,
+)
+from .records import RESUMABLE, WEIGHTS, CheckpointRecord, Leftover, leftover_of
+
+RUN_FILES = ("config.json", "status.json")  # a Shardscope run directory (see runs.rundir)
+
+
+@dataclass(frozen=True, slots=True)
+class FileFacts:
+    """A consolidated checkpoint file as its tree sees it."""
+
+    format: str
+    state: str
+    reason: str
+    bytes: int
+    mtime: float
+    kind: str = ""  # "" lets the record decide from its format
+
+
+@dataclass(frozen=True, slots=True)
+class FolderFacts:
+    """A checkpoint folder as its tree sees it."""
+
+    format: str
+    state: str
+    reason: str
+    ranks: list[int]
+    step: int | None
+
+
+class Tree(Protocol):
+    """Where a walk lists folders: paths are the tree's own (a local path, a bucket key); records carry
+    :meth:`url` of them. ``files`` maps a folder's file names to whatever the tree needs to look at them."""
+
+    sep: str
+
+    def list(self, path: str) -> tuple[dict[str, Any], list[str]] | None:
+        """(files by name, subfolder names) of a folder; None when it cannot be listed."""
+
+    def url(self, path: str) -> str:
+        """The path a record carries."""
+
+    def is_run(self, path: str) -> bool:
+        """True for a Shardscope run directory (config.json and status.json)."""
+
+    def run_state(self, path: str) -> str | None:
+        """A Shardscope run's state, read-only."""
+
+    def file_facts(self, path: str, info: Any) -> FileFacts | None:
+        """A consolidated file's format and state; None when it is not a checkpoint."""
+
+    def folder_facts(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+        """A checkpoint folder's state, ranks and step (and its format made precise)."""
+
+    def usage(self, path: str, files: dict[str, Any], dirs: list[str]) -> tuple[int, float, int]:
+        """Bytes, newest modification time and file count of everything in a folder."""
+
+
+def join(tree: Tree, path: str, name: str) -> str:
+    """``path/name`` in the tree's own separator."""
+    return f"{path.rstrip(tree.sep)}{tree.sep}{name}"
+
+
+def split(tree: Tree, path: str) -> tuple[str, str]:
+    """(parent, name) of a path in the tree."""
+    parent, _, name = path.rstrip(tree.sep).rpartition(tree.sep)
+    return parent or tree.sep, name
+
+
+class Walker:
+    """Collects what a walk of a :class:`Tree` finds: ``found`` checkpoints, ``run_states`` (every Shardscope
+    run directory's URL and state), ``leftovers`` of interrupted prunes."""
+
+    def __init__(self, tree: Tree, now: float, writing_seconds: float = WRITING_SECONDS,
+                 progress: Progress | None = None) -> None:
+        self.tree = tree
+        self.now = now
+        self.writing_seconds = writing_seconds
+        self.progress = progress
+        self.found: list[CheckpointRecord] = []
+        self.run_states: dict[str, str | None] = {}
+        self.leftovers: list[Leftover] = []
+
+    def walk_file(self, path: str, info: Any) -> None:
+        """A root that is a file: a record when it is a consolidated checkpoint."""
+        if is_checkpoint_file(split(self.tree, path)[1]):
+            self.add_file(path, info, None)
+
+    def walk(self, path: str, depth: int = 0, run: str | None = None) -> None:
+        """Collect checkpoints under ``path``; ``run``: the URL of the Shardscope run it lies in."""
+        if self.progress is not None:
+            self.progress.check()
+        tree = self.tree
+        name = split(tree, path)[1]
+        listed = tree.list(path)
+        if listed is None:
+            step = step_from_name(name)
+            if step is not None:
+                self.found.append(CheckpointRecord(tree.url(path), run or self.default_run(path), step, "?", [], 0,
+                                                   0.0, "unreadable", "the folder cannot be listed"))
+            return
+        files, dirs = listed
+        fmt = classify_folder(name, files, dirs)
+        if fmt is not None:
+            self.add_folder(path, fmt, files, dirs, run)
+            return
+        if all(n in files for n in RUN_FILES):
+            run = self.add_run(path)
+        mark = len(self.found)
+        self.walk_contents(path, files, dirs, depth, run)
+        step = step_from_name(name)
+        children = self.found[mark:]
+        here = tree.url(path)
+        levels = here.count(tree.sep)
+        if step is not None and run != here and children and all(
+                step_from_name(c.name) is None and c.path.count(tree.sep) - levels <= 2 for c in children):
+            # a step folder of parts (model.pt + optim.pt, Megatron's mp_rank_NN/, model/ + optim/ DCP folders)
+            del self.found[mark:]
+            self.found.append(self.composite(path, step, children, files, dirs, run))
+
+    def walk_contents(self, path: str, files: dict[str, Any], dirs: list[str], depth: int, run: str | None) -> None:
+        """Consolidated files in a folder that is not a checkpoint, then its subfolders; leftovers of prunes."""
+        tree = self.tree
+        for name, info in files.items():
+            if is_checkpoint_file(name):
+                self.add_file(join(tree, path, name), info, run)
+        for d in dirs:
+            leftover = leftover_of(tree.url(join(tree, path, d)))
+            if leftover is not None:
+                self.leftovers.append(leftover)
+            elif not d.startswith(".") and d not in SKIP_DIRS and depth < MAX_DEPTH and \
+                    not (run == tree.url(path) and d in RUN_SKIP_DIRS):
+                self.walk(join(tree, path, d), depth + 1, run)
+        for name in files:
+            leftover = leftover_of(tree.url(join(tree, path, name)))
+            if leftover is not None:
+                self.leftovers.append(leftover)
+
+    def add_run(self, path: str) -> str:
+        """Record a Shardscope run directory; its URL."""
+        url = self.tree.url(path)
+        if url not in self.run_states:
+            self.run_states[url] = self.tree.run_state(path)
+        return url
+
+    def add_file(self, path: str, info: Any, run: str | None) -> None:
+        facts = self.tree.file_facts(path, info)
+        if facts is not None:
+            self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path),
+                                      step_from_name(split(self.tree, path)[1]), facts.format, [], facts.bytes,
+                                      facts.mtime, facts.state, facts.reason, True, 1, facts.kind))
+
+    def add_folder(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str], run: str | None) -> None:
+        total, newest, count = self.tree.usage(path, files, dirs)
+        f = self.tree.folder_facts(path, fmt, files, dirs)
+        self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path), f.step, f.format, f.ranks,
+                                  total, newest, f.state, f.reason, False, count))
+
+    def composite(self, path: str, step: int, parts: list[CheckpointRecord], files: dict[str, Any],
+                  dirs: list[str], run: str | None) -> CheckpointRecord:
+        """One checkpoint made of the checkpoints found inside a step folder."""
+        total, newest, count = self.tree.usage(path, files, dirs)
+        mp_ranks = {int(m.group(1)) for d in dirs if (m := MP_RANK_RE.match(d))}
+        formats = {c.format for c in parts}
+        fmt = "megatron" if mp_ranks else formats.pop() if len(formats) == 1 else "mixed"
+        ranks = sorted(set().union(mp_ranks, *(c.ranks for c in parts)))
+        state = next((s for s in ("writing", "incomplete", "unreadable") if any(c.state == s for c in parts)),
+                     "complete")
+        here = self.tree.url(path)
+        reason = next((f"{c.path[len(here) + 1:]}: {c.reason}" for c in parts if c.state == state and c.reason), "")
+        kind = RESUMABLE if any(c.kind == RESUMABLE for c in parts) else WEIGHTS
+        rec = CheckpointRecord(here, run or self.default_run(path), step, fmt, ranks, total, newest, state, reason,
+                               False, count, kind)
+        self.mark_writing(rec)
+        return rec
+
+    def default_run(self, path: str) -> str:
+        """URL of the run a checkpoint at ``path`` belongs to: the folder holding it, or the one above a
+        ``checkpoints/`` folder (recorded as a Shardscope run when it is one)."""
+        parent, _ = split(self.tree, path)
+        holder, name = split(self.tree, parent)
+        if name.lower() in CHECKPOINT_HOLDERS:
+            if self.tree.is_run(holder):
+                return self.add_run(holder)
+            return self.tree.url(holder)
+        return self.tree.url(parent)
+
+    def add(self, rec: CheckpointRecord) -> None:
+        self.mark_writing(rec)
+        self.found.append(rec)
+
+    def mark_writing(self, rec: CheckpointRecord) -> None:
+        age = self.now - rec.mtime
+        if -60 < age < self.writing_seconds and rec.state != "unreadable":
+            rec.state, rec.reason = "writing", f"files changed {max(age, 0):.0f} s ago"
