@@ -17,11 +17,11 @@ from typing import Any
 
 from ..checkpoint import open_checkpoint
 from ..checkpoint.chunks import ChunkReader, allow_safe_globals
+from ..checkpoint.download import Download
 from ..checkpoint.flatten import FlattenError, dotted, flatten
 from ..checkpoint.hf_reader import INDEX, index_weight_map, open_hf_folder
 from ..checkpoint.items import ItemFormatError, parse_safetensors_file, zip_records
 from ..checkpoint.model import Checkpoint, Problem
-from ..checkpoint.remote import Download
 from ..checkpoint.storage import Folder, LocalHandles, is_url, open_folder, open_remote_file
 from ..checkpoint.verify import overlap_problems
 from ..errors import CheckpointError
