@@ -15,8 +15,9 @@ from conftest import run_cli
 from make_fixtures import TinyNet
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
+from shardscope.backend.checkpoint.sources import open_source
 from shardscope.backend.checkpoint.verify import verify
-from shardscope.backend.compare import diff, open_source
+from shardscope.backend.compare import diff
 from shardscope.backend.export import export, plan_export
 from torch_reference import flatten, torch_consolidated
 
