@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, ShardscopeError
-from .scan import (
+from .records import (
     CHECKPOINT_HOLDERS,
     RUN_SKIP_DIRS,
     SKIP_DIRS,

@@ -25,86 +25,31 @@ from ..format import ranks_text  # noqa: F401  (re-exported: the Library's colum
 from ..procs import pid_alive
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, is_zombie, read_status
+from .records import (
+    CHECKPOINT_HOLDERS,
+    RESUMABLE,
+    RUN_SKIP_DIRS,
+    SKIP_DIRS,
+    WEIGHTS,
+    CheckpointRecord,
+    classify_folder,
+    folder_state,
+    is_checkpoint_file,
+    read_head,
+    step_from_name,
+)
+from .remote_scan import RemoteScanner, list_url
 
 STATES = ("complete", "incomplete", "writing", "unreadable")
 WRITING_SECONDS = 5.0  # files changed this recently are still being written
 PRUNE_PREFIX = ".shardscope-prune-"  # a checkpoint renamed out of the way by an unfinished prune
-CONSOLIDATED_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
-CHECKPOINT_HOLDERS = {"checkpoints", "checkpoint", "ckpt", "ckpts"}
-SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "wandb", "tensorboard"}
-RUN_SKIP_DIRS = {"metrics", "logs", "exit"}
-# The names torch's FileSystemWriter gives (as in checkpoint.reader; repeated here so that a listing does not
-# import numpy and the checkpoint model: 0.3 s of the 1 s an `ls` takes).
-DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
-HF_SHARD_RE = re.compile(r"^shard-(\d+)-.*\.safetensors$")
-HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's per-model-parallel-rank folders
-HF_TRAINER_RE = re.compile(r"^(tmp-)?checkpoint-\d+$")
-STEP_RES = (
-    re.compile(r"(?:^|[^a-z])(?:global_)?step[_=\-]?(\d+)", re.IGNORECASE),  # step_000100 step-100 step=12000
-    re.compile(r"(?:^|[^a-z])checkpoint[_\-](\d+)", re.IGNORECASE),  # checkpoint-500
-    re.compile(r"(?:^|[^a-z])iter(?:ation)?[_\-]?(\d+)", re.IGNORECASE),  # iter_0000100
-    re.compile(r"^(\d+)$"),  # Orbax-style checkpoints/100
-)
 MAX_DEPTH = 24
 
 
-def step_from_name(name: str) -> int | None:
-    """The training step a checkpoint's name states (``epoch=3-step=12000.ckpt`` -> 12000), or None."""
-    stem = name
-    for suffix in CONSOLIDATED_SUFFIXES:
-        if stem.endswith(suffix):
-            stem = stem[: -len(suffix)]
-            break
-    for pattern in STEP_RES:
-        m = pattern.search(stem)
-        if m:
-            return int(m.group(1))
-    return None
-
-
-RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
-WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
-# formats that hold weights only (safetensors cannot hold an optimizer's state); a torch file is weights unless
-# its pickle names an optimizer (torch_file_kind; a remote one is not read, so it stays weights: never removed
-# without --weights, and never taking a resumable checkpoint's place)
-WEIGHTS_FORMATS = frozenset({"hf-safetensors", "hf-sharded", "safetensors", "torch"})
 OPTIMIZER_MARKS = (b"param_groups", b"optimizer_states")  # any torch optimizer's state_dict; Lightning's key
 MAX_KIND_PROBE = 16 << 20  # bytes of a torch file's pickle read to tell its kind
-
-
-@dataclass(slots=True)
-class CheckpointRecord:
-    """One checkpoint found on disk (a folder, or a consolidated file)."""
-
-    path: str
-    run: str
-    step: int | None
-    format: str  # dcp, dcp-safetensors, lightning, hf-safetensors, hf-sharded, hf-trainer, torch, safetensors, empty
-    ranks: list[int]
-    bytes: int  # on disk (st_blocks), all files of the checkpoint
-    mtime: float  # the newest file's modification time
-    state: str  # complete, incomplete, writing, unreadable
-    reason: str = ""  # why it is not complete, in a sentence
-    is_file: bool = False
-    files: int = 0
-    kind: str = ""  # resumable (training state: optimizer or trainer state beside the weights) or weights
-
-    def __post_init__(self) -> None:
-        if not self.kind:
-            self.kind = WEIGHTS if self.format in WEIGHTS_FORMATS else RESUMABLE
-
-    @property
-    def name(self) -> str:
-        """The checkpoint's folder or file name (last part of its path)."""
-        return os.path.basename(self.path)
-
-    def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state)."""
-        return {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
-                "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state}
 
 
 @dataclass(slots=True)
@@ -288,8 +233,6 @@ class _Scanner:
 
     def scan_url(self, url: str) -> None:
         """Checkpoints under an fsspec URL (one listing; see :mod:`.remote_scan`)."""
-        from .remote_scan import RemoteScanner, list_url
-
         fs, tree = list_url(url)
         remote = RemoteScanner(fs, tree)
         remote.walk(tree.root)
@@ -338,12 +281,6 @@ class _Scanner:
         age = self.now - rec.mtime
         if -60 < age < self.writing_seconds and rec.state != "unreadable":
             rec.state, rec.reason = "writing", f"files changed {max(age, 0):.0f} s ago"
-
-
-def is_checkpoint_file(name: str) -> bool:
-    """A consolidated checkpoint's file name (hidden names are temporaries of a writer)."""
-    return not name.startswith(".") and (name.endswith(CONSOLIDATED_SUFFIXES) or
-                                         (name.startswith("pytorch_model") and name.endswith(".bin")))
 
 
 def is_shardscope_run(path: str) -> bool:
@@ -409,101 +346,6 @@ def _usage(path: str, files: Iterable[os.DirEntry], dirs: list[os.DirEntry]) -> 
 
 
 # ---------------------------------------------------------------------------------------------- classification
-def classify_folder(name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> str | None:
-    """The format of a checkpoint folder from its file names, or None when it is not one."""
-    if any(n.endswith(".distcp") for n in files) or ".metadata" in files or ".metadata.tmp" in files or \
-            any(RANK_METADATA_RE.match(n) for n in files):
-        if "meta.pt" in files:
-            return "lightning"
-        if any(HF_SHARD_RE.match(n) for n in files):
-            return "hf-safetensors"
-        return "dcp"
-    if any(HF_SHARD_RE.match(n) for n in files):
-        return "hf-safetensors"
-    if "trainer_state.json" in files or (HF_TRAINER_RE.match(name) and (files or dirs)):
-        return "hf-trainer"
-    if any(n in files for n in HF_INDEXES):
-        return "hf-sharded"
-    if not files and not dirs and step_from_name(name) is not None:
-        return "empty"
-    return None
-
-
-def folder_state(path: str, fmt: str, names: set[str], dirs: list[str], probe: bool = True
-                 ) -> tuple[str, str, list[int]]:
-    """(state, reason, writer ranks) of a checkpoint folder, from names and (``probe``: a local folder) a few
-    header bytes."""
-    ranks = sorted({int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))})
-    if fmt == "empty":
-        return "incomplete", "an empty folder: a save that never wrote a file", []
-    if fmt == "hf-safetensors":
-        ranks = sorted({int(m.group(1)) - 1 for n in names if (m := HF_SHARD_RE.match(n))})
-        return "complete", "", ranks
-    if fmt == "hf-sharded":
-        return (*_hf_index_state(path, names), []) if probe else ("complete", "", [])
-    if fmt == "hf-trainer":
-        ranks = _nested_ranks(path, dirs) if probe else []
-        if os.path.basename(path).startswith("tmp-"):
-            return "incomplete", "a tmp-checkpoint folder: the Trainer did not finish this save", ranks
-        if "trainer_state.json" not in names:
-            return "incomplete", "no trainer_state.json: the Trainer did not finish this save", ranks
-        return "complete", "", ranks
-    meta_ranks = {int(m.group(1)) for n in names if (m := RANK_METADATA_RE.match(n))}
-    if ".metadata.tmp" in names:
-        return "incomplete", "a .metadata.tmp is left: the save did not finish", ranks
-    if ".metadata" in names and not probe:
-        return "complete", "", ranks
-    if ".metadata" in names:
-        head = _head(os.path.join(path, ".metadata"), 1)
-        if head is None:
-            return "unreadable", ".metadata cannot be read", ranks
-        if head not in (b"\x80", b"{"):
-            return "unreadable", ".metadata is empty or not DCP metadata", ranks
-        return "complete", "", ranks
-    if meta_ranks:
-        missing = sorted(set(ranks) - meta_ranks)
-        if missing:
-            return "incomplete", f"rank(s) {missing} wrote data but no __R.metadata", sorted(set(ranks) | meta_ranks)
-        return "complete", "", sorted(set(ranks) | meta_ranks)
-    return "incomplete", "no .metadata: the save did not finish (the coordinator writes it last)", ranks
-
-
-def _nested_ranks(path: str, dirs: list[str]) -> list[int]:
-    """Writer ranks of DCP folders one level down (HF Trainer's ``pytorch_model_fsdp_0/``)."""
-    ranks: set[int] = set()
-    for d in dirs:
-        try:
-            names = os.listdir(os.path.join(path, d))
-        except OSError:
-            continue
-        ranks.update(int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n)))
-    return sorted(ranks)
-
-
-def _hf_index_state(path: str, names: set[str]) -> tuple[str, str]:
-    index = next(n for n in HF_INDEXES if n in names)
-    try:
-        with open(os.path.join(path, index), "rb") as f:
-            data = json.loads(f.read(64 << 20))
-        wanted = set((data.get("weight_map") or {}).values())
-    except (OSError, ValueError, AttributeError):
-        return "unreadable", f"{index} is not readable JSON"
-    missing = sorted(n for n in wanted if not isinstance(n, str) or n not in names)
-    if missing:
-        return "incomplete", f"{len(missing)} shard file(s) named in {index} are missing (e.g. {missing[0]})"
-    return "complete", ""
-
-
-def _head(path: str, n: int, offset: int = 0) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            if offset < 0:
-                f.seek(offset, os.SEEK_END)
-            elif offset:
-                f.seek(offset)
-            return f.read(n)
-    except OSError:
-        return None
 
 
 def _dcp_serialisation(path: str, names: set[str]) -> str:
@@ -511,7 +353,7 @@ def _dcp_serialisation(path: str, names: set[str]) -> str:
     data = sorted(n for n in names if n.endswith(".distcp"))
     if not data:
         return "dcp"
-    head = _head(os.path.join(path, data[0]), 9)
+    head = read_head(os.path.join(path, data[0]), 9)
     if head and len(head) == 9 and head[:2] != b"PK" and head[8:9] == b"{":
         return "dcp-safetensors"
     return "dcp"
@@ -521,7 +363,7 @@ def file_state(path: str, size: int) -> tuple[str, str, str | None]:
     """(state, reason, format) of a consolidated file; format None when it is not a checkpoint at all."""
     if path.endswith(".safetensors"):
         return (*_safetensors_state(path, size), "safetensors")
-    head = _head(path, 4)
+    head = read_head(path, 4)
     if head is None:
         return "unreadable", "the file cannot be read", "torch"
     if size == 0:
@@ -531,7 +373,7 @@ def file_state(path: str, size: int) -> tuple[str, str, str | None]:
     if head != b"PK\x03\x04":
         return ("unreadable", "not a torch.save file", "torch") if not path.endswith(".bin") else ("", "", None)
     # torch.save writes no zip comment, so a whole archive ends with its end-of-central-directory record
-    tail = _head(path, 4, -22) if size >= 22 else None
+    tail = read_head(path, 4, -22) if size >= 22 else None
     if tail != b"PK\x05\x06":
         return "incomplete", "truncated: the zip archive has no end record (torch.save did not finish)", "torch"
     return "complete", "", "torch"
@@ -542,7 +384,7 @@ def torch_file_kind(path: str, size: int) -> str:
     ``optimizer_states``), else ``weights``: read from the archive's ``data.pkl`` record (at most 16 MiB), or
     the head of a legacy (pre-zip) file. Nothing is unpickled."""
     data = b""
-    head = _head(path, 4)
+    head = read_head(path, 4)
     if head == b"PK\x03\x04":
         handles = LocalHandles(os.path.dirname(path) or ".")
         base = os.path.basename(path)
@@ -555,14 +397,14 @@ def torch_file_kind(path: str, size: int) -> str:
         finally:
             handles.close()
     elif head and head[:1] == b"\x80":
-        data = _head(path, MAX_KIND_PROBE) or b""
+        data = read_head(path, MAX_KIND_PROBE) or b""
     return RESUMABLE if any(mark in data for mark in OPTIMIZER_MARKS) else WEIGHTS
 
 
 def _safetensors_state(path: str, size: int) -> tuple[str, str]:
     """Whether a safetensors file is whole: its header parsed by the one parser (headers over 1 MiB only
     length-checked, to keep a scan quick), and its data ending within the file."""
-    head = _head(path, 8)
+    head = read_head(path, 8)
     if head is None:
         return "unreadable", "the file cannot be read"
     if len(head) < 8:
