@@ -15,8 +15,9 @@ from conftest import run_cli
 from make_fixtures import TinyNet
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
+from shardscope.backend.checkpoint.sources import open_source
 from shardscope.backend.checkpoint.verify import verify
-from shardscope.backend.compare import diff, open_source
+from shardscope.backend.compare import diff
 from shardscope.backend.export import export, plan_export
 from torch_reference import flatten, torch_consolidated
 
@@ -148,7 +149,7 @@ def test_memory_filesystem_inspects_and_exports_like_disk(fixtures, tmp_path, mo
     for key in ("format", "version", "tensors", "objects", "ranks", "problems"):
         assert mem[key] == disk[key], key
     assert verify(mem_ck, deep=True) == []
-    # reading one tensor fetches only from the files that hold it (small files whole: storage.WHOLE_FILE)
+    # reading one tensor fetches only from the files that hold it (small files whole: remote_reads.WHOLE_FILE)
     fetched = []
     fs_cls = type(fsspec.filesystem("memory"))
     orig = fs_cls.cat_file

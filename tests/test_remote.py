@@ -216,7 +216,7 @@ def test_planned_reads_return_exact_bytes_under_threads_and_small_budgets():
     from concurrent.futures import ThreadPoolExecutor
 
     import fsspec
-    from shardscope.backend.checkpoint.remote import RemoteHandles
+    from shardscope.backend.checkpoint.remote_reads import RemoteHandles
     from shardscope.backend.errors import CheckpointError
 
     fs = fsspec.filesystem("memory")
@@ -273,7 +273,7 @@ def test_window_opens_s3_with_storage_options(s3, tmp_path):
 def test_leftover_uploads_of_a_killed_export_are_cleaned_next_time(s3):
     """A kill -9 during an upload leaves a temporary key; the next export into that folder removes it
     when it was this machine's and its process is gone (never another machine's or a live one's)."""
-    from shardscope.backend.checkpoint.remote import _host
+    from shardscope.backend.export.remote_target import _host
 
     server, fs, _ = s3
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -294,7 +294,7 @@ def test_another_machines_stale_leftovers_and_dead_multipart_uploads_are_cleaned
     """Another machine's temporary upload is removed once untouched for the stale age (a day; shortened here
     with the documented variable), and so is an incomplete multipart upload: this machine's at once when
     its process is gone (a local record), anyone's after the stale age. This machine's live one is kept."""
-    from shardscope.backend.checkpoint.remote import _uploads_dir
+    from shardscope.backend.export.remote_target import _uploads_dir
 
     server, fs, _ = s3
     other = ".shardscope-tmp-4242-abcdef-elsewhere.example-model.safetensors"
@@ -544,7 +544,7 @@ def test_upload_to_storage_without_checksums_says_it_checked_sizes_only(tmp_path
     """Other storage (fsspec's real in-memory filesystem here) gets no checksum: the summary line says the
     objects were checked by size only, never more."""
     import fsspec
-    from shardscope.backend.checkpoint.remote import RemoteTarget
+    from shardscope.backend.export.remote_target import RemoteTarget
 
     staged = tmp_path / "staged"
     staged.mkdir()

@@ -37,7 +37,8 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.compare import diff, open_source
+from shardscope.backend.checkpoint.sources import open_source
+from shardscope.backend.compare import diff
 from shardscope.backend.compare.diff import Change, DiffResult, difference_histogram
 from shardscope.backend.format import count
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .remote import RemoteHandles, call, fs_for, is_url
+from .remote import call, fs_for, is_url
+from .remote_reads import RemoteHandles
 
 
 def outside_link(path: str, root: str) -> str | None:

@@ -20,16 +20,17 @@ import numpy as np
 
 from ..checkpoint.browse import BrowseData, analyse, load_tree, value_stats
 from ..checkpoint.chunks import ChunkReader, CorruptChunkError
+from ..checkpoint.hf_reader import INDEX
 from ..checkpoint.items import ItemFormatError, zip_records
 from ..checkpoint.model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from ..checkpoint.reader import open_checkpoint
+from ..checkpoint.sources import TORCH_EXT, SafetensorsSource, TorchFileSource, open_source
 from ..checkpoint.storage import RANK_METADATA_RE, Folder, is_url, open_folder
 from ..checkpoint.tree import build_tree
 from ..checkpoint.values import small_value_repr, tensor_stats
 from ..checkpoint.verify import verify, verify_contents
 from ..errors import CheckpointError
 from ..progress import Progress
-from .sources import INDEX, TORCH_EXT, SafetensorsSource, TorchFileSource, open_source
 
 TORCH_FILE = "torch-file"  # Checkpoint.format of a torch.save file
 BLOCK = 16 << 20

@@ -9,11 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.sources import EntryInfo, Source
 from ..checkpoint.values import finite_histogram
 from ..errors import CheckpointError
 from ..progress import Progress
-from .pairing import Pairing, pair_names
-from .sources import EntryInfo, Source
+from .pairing import Pairing, pair_names, source_layout
 
 BLOCK = 1 << 22
 
@@ -180,7 +180,7 @@ def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bo
     or without a side's container prefix when that pairs more (see :mod:`.pairing`; ``exact_names`` turns
     that off). An entry that cannot be read is listed in ``unreadable`` and the rest is still compared."""
     ea, eb = a.entries(), b.entries()
-    pairing = pair_names(list(ea), list(eb), a.layout(), b.layout(), exact=exact_names)
+    pairing = pair_names(list(ea), list(eb), source_layout(a), source_layout(b), exact=exact_names)
     res = DiffResult(a.name, b.name, pairing.only_a, pairing.only_b, pairing=pairing)
     if progress:
         progress.start(len(pairing.pairs), "comparing")

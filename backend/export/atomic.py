@@ -13,7 +13,7 @@ deadlock on that lock), or while a thread pool was still writing into the folder
 
 A URL destination (``s3://bucket/out/model.safetensors``) is staged in a temporary name in the
 local temp folder, written and verified there, and uploaded in ``commit()`` by
-:class:`~shardscope.backend.checkpoint.remote.RemoteTarget` (nothing at the final key(s) until the
+:class:`~.remote_target.RemoteTarget` (nothing at the final key(s) until the
 whole upload succeeded).
 """
 
@@ -35,7 +35,6 @@ from types import FrameType
 from typing import Any
 
 from ..atomic_file import fsync_path
-from ..checkpoint.remote import RemoteTarget
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
 from ..format import human_bytes
@@ -43,6 +42,7 @@ from ..procs import orphaned
 from ..progress import Progress
 from .destination import check_destination
 from .plan import ExportError as OutputError
+from .remote_target import RemoteTarget
 
 TMP_PREFIX = ".shardscope-tmp-"
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

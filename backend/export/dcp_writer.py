@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.chunks import ChunkReader
+from ..checkpoint.reader import open_checkpoint
+from ..checkpoint.sources import SafetensorsSource, TorchFileSource, open_source
 from ..progress import Progress
 from .atomic import AtomicOutput
 from .plan import ExportError, require_nesting
@@ -173,8 +175,6 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
 def _expectations(folder: str, written: list[_Written]) -> list[Expectation]:
     """Open the written folder with the checkpoint reader and locate every piece's bytes in it, so the
     metadata and the items are proven along with the values."""
-    from ..checkpoint import open_checkpoint
-
     ckpt = open_checkpoint(folder, use_cache=False)
     expect = []
     with ChunkReader(ckpt) as reader:
@@ -196,8 +196,6 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
     folder with an index) becomes a DCP checkpoint. ``prefix`` nests every key (``model``), so
     ``dcp.load({"model": model.state_dict()})`` finds them."""
     import torch
-
-    from ..compare.sources import SafetensorsSource, TorchFileSource, open_source
 
     source = open_source(src, storage_options)
     if not isinstance(source, TorchFileSource | SafetensorsSource):
@@ -236,8 +234,6 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
             progress: Progress | None = None, storage_options: dict | None = None) -> ExportResult:
     """Rewrite a DCP checkpoint as if saved by ``ranks`` ranks; non-tensor entries are copied byte for
     byte (never decoded), tensors one at a time."""
-    from ..checkpoint import open_checkpoint
-
     ckpt = open_checkpoint(src)
     missing = [f.name for f in ckpt.files if f.kind == "data" and f.bytes is None]
     if missing:

@@ -15,17 +15,16 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import open_checkpoint
-from ..checkpoint.chunks import ChunkReader, allow_safe_globals
-from ..checkpoint.flatten import FlattenError, dotted, flatten
-from ..checkpoint.hf_reader import INDEX, index_weight_map, open_hf_folder
-from ..checkpoint.items import ItemFormatError, parse_safetensors_file, zip_records
-from ..checkpoint.model import Checkpoint, Problem
-from ..checkpoint.remote import Download
-from ..checkpoint.storage import Folder, LocalHandles, is_url, open_folder, open_remote_file
-from ..checkpoint.verify import overlap_problems
 from ..errors import CheckpointError
-from ..export.layouts import Layout, layout_of_names, recognise_layout
+from .chunks import ChunkReader, allow_safe_globals
+from .download import Download
+from .flatten import FlattenError, dotted, flatten
+from .hf_reader import INDEX, index_weight_map, open_hf_folder
+from .items import ItemFormatError, parse_safetensors_file, zip_records
+from .model import Checkpoint, Problem
+from .reader import open_checkpoint
+from .storage import Folder, LocalHandles, is_url, open_folder, open_remote_file
+from .verify import overlap_problems
 
 TORCH_EXT = (".pt", ".pth", ".bin", ".ckpt")
 NOT_A_CHECKPOINT = "not a checkpoint file (.pt, .pth, .bin, .ckpt, .safetensors) or folder."
@@ -61,10 +60,6 @@ class Source:
     def nested_path(self, fqn: str) -> tuple | None:
         """The nested key path entry ``fqn`` was flattened from, or None when not known."""
         return None
-
-    def layout(self) -> Layout:
-        """The layout the entries were saved in (which container prefix, if any, holds the model)."""
-        return layout_of_names(n for n, e in self.entries().items() if e.kind == "tensor")
 
     def close(self) -> None:
         """Release open files and readers; the source is not used afterwards."""
@@ -104,10 +99,6 @@ class DcpSource(Source):
     def nested_path(self, fqn: str) -> tuple | None:
         """The nested key path from the checkpoint's planner data, or None."""
         return self.ckpt.planner_data.get(fqn)
-
-    def layout(self) -> Layout:
-        """The layout as export recognises it (keys, folder name, Lightning's meta.pt)."""
-        return recognise_layout(self.ckpt)
 
     def close(self) -> None:
         """Close the DCP reader's files."""

@@ -1,0 +1,446 @@
+"""Planned, cached byte-range reads from a folder on an fsspec URL.
+
+Latency, not bandwidth, is what a remote read costs, so reads are planned: a miss fetches the whole
+item it falls in (when the reader told us the item boundaries), or a whole small file, or reads
+ahead; neighbouring ranges are coalesced into one GET, batches go out concurrently, and the bytes
+stay in a bounded LRU cache so the zip header, pickle, data and tail reads of one item cost one
+request. Errors of the remote backend become one-line :class:`CheckpointError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .remote import call, is_remote_error, remote_error
+
+log = logging.getLogger(__name__)
+
+WHOLE_FILE = 8 << 20  # files up to this size are read whole on the first miss
+READ_AHEAD = 2 << 20  # least bytes fetched on a miss without item boundaries
+COALESCE = 16 << 20  # small items are merged into one request up to this size
+MAX_GAP = 1 << 20  # neighbouring ranges closer than this are fetched as one
+MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
+CACHE_BUDGET = 96 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
+SERVE_SLACK = 4096  # unread gaps this small do not keep a fetch in the cache
+
+
+def merge_ranges(ranges: Iterable[tuple[str, int, int]], max_gap: int = MAX_GAP,
+                 max_request: int = MAX_REQUEST) -> list[tuple[str, int, int]]:
+    """``(name, start, end)`` ranges with neighbours of one file merged when the gap between them is
+    below ``max_gap`` and the merged range stays within ``max_request``."""
+    out: list[tuple[str, int, int]] = []
+    for name, start, end in sorted(r for r in ranges if r[2] > r[1]):
+        if out and out[-1][0] == name and start - out[-1][2] <= max_gap and max(end, out[-1][2]) - out[-1][1] \
+                <= max_request:
+            out[-1] = (name, out[-1][1], max(end, out[-1][2]))
+        else:
+            out.append((name, start, end))
+    return out
+
+
+class _Fetch:
+    """Bytes ``[start, end)`` of one file: being fetched (``done`` not set) or fetched."""
+
+    __slots__ = ("cached", "data", "done", "end", "error", "item_starts", "served", "start", "sticky", "unread")
+
+    def __init__(self, start: int, end: int, cached: bool, sticky: bool = False,
+                 item_starts: np.ndarray | None = None) -> None:
+        self.start, self.end, self.cached = start, end, cached
+        self.sticky = sticky  # part of a small file read whole: its headers are read again, keep it
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.served: list[list[int]] = []  # merged [a, b) ranges handed out so far
+        # where the planned items inside the fetch start, and which of those no read has touched yet: a small
+        # item nobody has read is not slack, however few its bytes
+        self.item_starts = item_starts if item_starts is not None and len(item_starts) else None
+        self.unread = None if self.item_starts is None else np.ones(len(self.item_starts), dtype=bool)
+
+    def serve(self, a: int, b: int) -> bool:
+        """Record that ``[a, b)`` was handed out; True once every byte of the fetch has been, but for
+        gaps below ``SERVE_SLACK`` (zip records nobody reads: byte order, version, ...) that hold no
+        planned item's start."""
+        a, b = max(a, self.start), min(b, self.end)
+        if b > a:
+            if self.unread is not None:
+                self.unread[np.searchsorted(self.item_starts, a):np.searchsorted(self.item_starts, b)] = False
+            merged = []
+            for r in self.served:
+                if r[1] + SERVE_SLACK < a or r[0] > b + SERVE_SLACK:
+                    merged.append(r)
+                else:
+                    a, b = min(a, r[0]), max(b, r[1])
+            merged.append([a, b])
+            self.served = sorted(merged)
+        return (len(self.served) == 1 and self.served[0][0] <= self.start + SERVE_SLACK
+                and self.served[0][1] >= self.end - SERVE_SLACK and (self.unread is None or not self.unread.any()))
+
+
+@dataclass
+class _File:
+    """What the planner knows of one remote file: its fetched extents (sorted, disjoint) and item bounds."""
+
+    size: int | None = None
+    starts: list[int] = field(default_factory=list)
+    fetches: list[_Fetch] = field(default_factory=list)
+    item_start: np.ndarray | None = None  # item bounds, sorted by start
+    item_end: np.ndarray | None = None
+    next_seq: int = -1  # where the last read ended (sequential read-ahead)
+    ahead: int = READ_AHEAD
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """Requests and bytes these handles asked the backend for."""
+
+    requests: int
+    bytes: int
+
+
+class RemoteHandles:
+    """Planned, cached byte-range reads from one folder on an fsspec filesystem; thread-safe."""
+
+    local = False
+
+    def __init__(self, fs: Any, root: str, url: str, sizes: dict[str, int] | None = None,
+                 budget: int = CACHE_BUDGET) -> None:
+        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        self.budget = budget
+        self._files: dict[str, _File] = {}
+        self._sizes = dict(sizes or {})
+        self._lru: OrderedDict[int, tuple[str, _Fetch]] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._requests = 0
+        self._bytes = 0
+
+    # -- public
+    def where(self, name: str) -> str:
+        """The file's full URL, for error messages."""
+        return f"{self.url}/{name}"
+
+    @property
+    def stats(self) -> RequestStats:
+        """Requests and bytes asked of the backend so far."""
+        return RequestStats(self._requests, self._bytes)
+
+    def size(self, name: str) -> int:
+        """Size of file ``name`` in bytes, asked of the backend once and then cached."""
+        size = self._file(name).size
+        if size is None:
+            size = int(call(self.where(name), self.fs.size, f"{self.root}/{name}"))
+            with self._lock:
+                self._file(name).size = size
+        return size
+
+    def plan_items(self, name: str, extents: Iterable[tuple[int, int]] | np.ndarray) -> None:
+        """Item boundaries ``(offset, length)`` of ``name`` (pairs or an (n, 2) array): a miss then
+        fetches the whole item it falls in, merged with small neighbours."""
+        arr = np.asarray(extents if isinstance(extents, np.ndarray) else list(extents), dtype=np.int64)
+        arr = arr.reshape(-1, 2)
+        arr = arr[arr[:, 1] > 0]
+        order = np.argsort(arr[:, 0], kind="stable")
+        with self._lock:
+            f = self._file(name)
+            f.item_start = arr[order, 0]
+            f.item_end = arr[order, 0] + arr[order, 1]
+
+    def plan_table(self, names: Sequence[str], file: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
+        """:meth:`plan_items` for a whole chunk table: item ``i`` is in ``names[file[i]]`` (-1: none)."""
+        file = np.asarray(file)
+        pairs = np.stack([np.asarray(offset, dtype=np.int64), np.asarray(length, dtype=np.int64)], 1)
+        for idx in np.unique(file[file >= 0]).tolist():
+            if 0 <= idx < len(names):
+                self.plan_items(names[idx], pairs[file == idx])
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes of file ``name`` from ``offset``, through the planned range cache."""
+        if length <= 0:
+            return b""
+        pieces = self._acquire([(name, offset, offset + length)])[0]
+        f = pieces[0] if len(pieces) == 1 else None
+        if f is not None and f.start <= offset and f.end >= offset + length:
+            self._served(name, pieces, offset, offset + length)
+            if f.start == offset and f.end == offset + length:
+                return f.data  # type: ignore[return-value]
+            return f.data[offset - f.start:offset - f.start + length]  # type: ignore[index]
+        buf = bytearray(length)
+        self._copy_into(name, offset, memoryview(buf), pieces)
+        return bytes(buf)
+
+    def readinto(self, name: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the bytes of file ``name`` from ``offset``, through the planned range cache."""
+        view = buf.cast("B") if buf.format != "B" else buf
+        if len(view):
+            self._copy_into(name, offset, view, self._acquire([(name, offset, offset + len(view))])[0])
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """The bytes of every ``(name, start, end)``, fetched as one batch: ranges of a file closer
+        than ``MAX_GAP`` merged (up to ``MAX_REQUEST``), all requests in flight at once."""
+        cap = min(MAX_REQUEST, self.budget // 4)  # what stays cached until the copies below
+        self._acquire([r for r in merge_ranges(ranges, max_request=cap) if r[2] - r[1] <= cap])
+        out = []
+        for name, start, end in ranges:
+            buf = bytearray(max(0, end - start))
+            if buf:
+                self.readinto(name, start, memoryview(buf))
+            out.append(bytes(buf))
+        return out
+
+    def prefetch(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        """Start fetching these ranges in the background (bounded by the cache budget)."""
+        with self._lock:
+            room = max(0, self.budget - self._used)
+            todo = []
+            for name, start, end in ranges:
+                for f in self._plan(name, start, end, readahead=False):
+                    if f.end - f.start > room:
+                        self._forget(name, f)
+                        continue
+                    room -= f.end - f.start
+                    todo.append((name, f))
+            if not todo:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="shardscope-prefetch")
+            pool = self._pool
+        pool.submit(self._run, todo)
+
+    def fd(self, name: str) -> int:
+        """Always raises OSError: remote files have no descriptor (kernel copies need a local file)."""
+        raise OSError("remote files have no descriptor")
+
+    def close(self) -> None:
+        """Stop prefetching and drop the cache (the handles stay usable: the next read fetches again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            self._evict(0)
+
+    def __enter__(self) -> RemoteHandles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- planning (under the lock)
+    def _file(self, name: str) -> _File:
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = _File(size=self._sizes.get(name))
+        return f
+
+    def _acquire(self, ranges: list[tuple[str, int, int]]) -> list[list[_Fetch]]:
+        """For each range, the fetches that cover it, after fetching the missing ones (one batch)."""
+        todo: list[tuple[str, _Fetch]] = []
+        covers = []
+        with self._lock:
+            for name, start, end in ranges:
+                new = self._plan(name, start, end, readahead=True)
+                todo.extend((name, f) for f in new)
+                covers.append(self._covering(name, start, end))
+                self._file(name).next_seq = end
+        if todo:
+            self._run(todo)
+        for name, start, end in ranges:
+            self._check_end(name, start, end)
+        for pieces in covers:
+            for f in pieces:
+                f.done.wait()
+                if f.error is not None:
+                    raise f.error
+        return covers
+
+    def _check_end(self, name: str, start: int, end: int) -> None:
+        size = self._file(name).size
+        if size is not None and end > size:
+            raise CheckpointError(f"{self.where(name)}: file ends before byte {end} (read at {start}, {end - start} "
+                                  "bytes): the file is truncated.", path=self.where(name))
+
+    def _covering(self, name: str, start: int, end: int) -> list[_Fetch]:
+        f = self._file(name)
+        i = max(0, bisect.bisect_right(f.starts, start) - 1)
+        out = []
+        while i < len(f.fetches) and f.fetches[i].start < end:
+            if f.fetches[i].end > start:
+                out.append(f.fetches[i])
+                key = id(f.fetches[i])
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+            i += 1
+        return out
+
+    def _gaps(self, name: str, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Uncovered parts of ``[start, end)`` as ``(gap_start, gap_end, lo, hi)``: lo/hi bound a fetch."""
+        f = self._file(name)
+        hi_file = f.size if f.size is not None else 1 << 62
+        end = min(end, hi_file)
+        out = []
+        pos = start
+        i = bisect.bisect_right(f.starts, pos) - 1
+        lo = 0
+        if i >= 0:
+            lo = f.fetches[i].end
+            if f.fetches[i].end > pos:
+                pos = f.fetches[i].end
+        i += 1
+        while pos < end:
+            nxt = f.fetches[i].start if i < len(f.fetches) else hi_file
+            if nxt > pos:
+                out.append((pos, min(end, nxt), max(lo, 0), nxt))
+            if i >= len(f.fetches):
+                break
+            lo = pos = max(pos, f.fetches[i].end)
+            i += 1
+        return out
+
+    def _plan(self, name: str, start: int, end: int, readahead: bool) -> list[_Fetch]:
+        """Register the fetches that will cover ``[start, end)`` and return the new ones."""
+        f = self._file(name)
+        new = []
+        for g0, g1, lo, hi in self._gaps(name, start, end):
+            a, b = self._extent(f, g0, g1, lo, hi, readahead)
+            step = MAX_REQUEST if b - a > MAX_REQUEST else b - a
+            for s in range(a, b, step):
+                e = min(b, s + step)
+                inside = None
+                if f.item_start is not None:
+                    inside = f.item_start[np.searchsorted(f.item_start, s):np.searchsorted(f.item_start, e)]
+                fetch = _Fetch(s, e, cached=(b - a) <= self.budget // 2,
+                               sticky=f.size is not None and f.size <= WHOLE_FILE, item_starts=inside)
+                k = bisect.bisect_left(f.starts, s)
+                f.starts.insert(k, s)
+                f.fetches.insert(k, fetch)
+                new.append(fetch)
+        return new
+
+    def _extent(self, f: _File, g0: int, g1: int, lo: int, hi: int, readahead: bool) -> tuple[int, int]:
+        """What to fetch for the gap ``[g0, g1)`` that must stay within ``[lo, hi)``."""
+        if f.size is not None and f.size <= WHOLE_FILE:
+            return lo, hi  # a small file: all of what is missing, in one request
+        starts, ends = f.item_start, f.item_end
+        if starts is not None and ends is not None and len(starts):
+            k = int(np.searchsorted(starts, g0, side="right")) - 1
+            if k >= 0 and starts[k] <= g0 < ends[k]:
+                a, b = max(lo, int(starts[k])), int(ends[k])
+                if b - a <= min(MAX_REQUEST, self.budget // 4):  # larger items: head, tail and data apart
+                    k += 1  # merge following small items while they are close and the request stays small
+                    while k < len(starts) and starts[k] - b <= MAX_GAP and ends[k] - a <= COALESCE:
+                        b = max(b, int(ends[k]))
+                        k += 1
+                    return a, min(hi, max(b, g1))
+        if not readahead:
+            return g0, g1
+        if g0 == f.next_seq:
+            f.ahead = min(MAX_REQUEST, f.ahead * 2)
+        else:
+            f.ahead = READ_AHEAD
+        return g0, min(hi, max(g1, g0 + f.ahead))
+
+    def _forget(self, name: str, fetch: _Fetch) -> None:
+        f = self._files.get(name)
+        if f is None:
+            return
+        for i, other in enumerate(f.fetches):
+            if other is fetch:
+                del f.fetches[i]
+                del f.starts[i]
+                break
+
+    # -- fetching
+    def _run(self, todo: list[tuple[str, _Fetch]]) -> None:
+        """Fetch all of ``todo`` concurrently, then publish (cache or drop) each result."""
+        paths = [f"{self.root}/{name}" for name, _ in todo]
+        results: list[Any] | None = None
+        try:
+            results = self.fs.cat_ranges(paths, [f.start for _, f in todo], [f.end for _, f in todo],
+                                         on_error="return")
+        except Exception as exc:  # the whole batch failed (e.g. the event loop could not run it)
+            results = [exc] * len(todo)
+        finally:
+            if results is None:  # interrupted (Ctrl-C, SIGTERM): waiting threads must not wait forever
+                results = [CheckpointError(f"{self.url}: reading was interrupted.", path=self.url)] * len(todo)
+                self._publish(todo, results)
+        self._publish(todo, results)
+
+    def _publish(self, todo: list[tuple[str, _Fetch]], results: list[Any]) -> None:
+        with self._lock:
+            self._requests += len(todo)
+            for (name, fetch), data in zip(todo, results, strict=True):
+                if fetch.done.is_set():
+                    continue
+                if isinstance(data, BaseException):
+                    fetch.error = self._error(name, data)
+                    self._forget(name, fetch)
+                else:
+                    self._bytes += len(data)
+                    fetch.data = data
+                    self._settle(name, fetch)
+                fetch.done.set()
+            self._evict()
+
+    def _error(self, name: str, exc: BaseException) -> BaseException:
+        if isinstance(exc, CheckpointError) or not is_remote_error(exc):
+            return exc
+        log.info("%s: %r", self.where(name), exc)
+        return remote_error(self.where(name), exc)
+
+    def _settle(self, name: str, fetch: _Fetch) -> None:
+        """A fetch shorter than asked means the file ends there; keep it if it fits the budget."""
+        got = fetch.start + len(fetch.data)  # type: ignore[arg-type]
+        if got < fetch.end:
+            f = self._file(name)
+            if f.size is None or f.size > got:
+                f.size = got
+            fetch.end = got
+        if fetch.cached:
+            self._lru[id(fetch)] = (name, fetch)
+            self._used += fetch.end - fetch.start
+        else:
+            self._forget(name, fetch)
+
+    def _evict(self, budget: int | None = None) -> None:
+        while self._used > (self.budget if budget is None else budget) and self._lru:
+            _, (name, fetch) = self._lru.popitem(last=False)
+            self._used -= fetch.end - fetch.start
+            self._forget(name, fetch)
+
+    def _copy_into(self, name: str, offset: int, view: memoryview, pieces: list[_Fetch]) -> None:
+        pos, end = offset, offset + len(view)
+        for f in pieces:
+            if f.start > pos:
+                break
+            a, b = pos, min(end, f.end)
+            if b <= a:
+                continue
+            view[a - offset:b - offset] = memoryview(f.data)[a - f.start:b - f.start]  # type: ignore[arg-type]
+            pos = b
+        if pos < end:
+            raise CheckpointError(f"{self.where(name)}: file ends before byte {end} (read at {offset}, "
+                                  f"{len(view)} bytes): the file is truncated.", path=self.where(name))
+        self._served(name, pieces, offset, end)
+
+    def _served(self, name: str, pieces: list[_Fetch], start: int, end: int) -> None:
+        """Drop fetches whose every byte has been handed out: a copy reads each item once, so
+        keeping them would only hold memory (headers and small files stay until evicted)."""
+        with self._lock:
+            for f in pieces:
+                if not f.sticky and f.serve(start, end) and f.cached and self._lru.pop(id(f), None) is not None:
+                    self._used -= f.end - f.start
+                    self._forget(name, f)
+
+
+__all__ = ["RemoteHandles", "RequestStats", "merge_ranges"]
