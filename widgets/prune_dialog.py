@@ -28,7 +28,7 @@ from shardscope.backend.format import count, human_bytes
 from shardscope.backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
 from shardscope.backend.library.scan import Listing
 
-from .library_view import RowsTableModel
+from .rows_table import RowsTableModel
 from .workers import Worker, run_in_background
 
 

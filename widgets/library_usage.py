@@ -1,0 +1,91 @@
+"""The Library's disk-usage side: runs of a root by size with what the prune rules would free, the size bars
+drawn behind sizes, and the rules in one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRectF, Qt
+from PySide6.QtGui import QColor, QPainter
+from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem
+
+from ..backend.format import human_bytes
+from ..backend.library.prune import Plan, Rules
+from ..backend.library.scan import RunRecord
+from .library_model import ObjectRole
+from .rows_table import RowsTableModel
+
+
+class SizeBarDelegate(QStyledItemDelegate):
+    """A bar behind the size, scaled to the largest checkpoint (runs: to the largest run)."""
+
+    def __init__(self, fraction, parent=None) -> None:
+        super().__init__(parent)
+        self.fraction = fraction  # index -> 0..1
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
+              index: QModelIndex | QPersistentModelIndex) -> None:
+        frac = max(0.0, min(1.0, self.fraction(index)))
+        if frac > 0:
+            r = QRectF(option.rect).adjusted(1, 3, -1, -3)
+            r.setWidth(max(1.0, r.width() * frac))
+            painter.fillRect(r, QColor(31, 119, 180, 60))
+        super().paint(painter, option, index)
+
+
+class DiskUsageModel(RowsTableModel):
+    """Runs of one root, largest first, with what the prune rules would free in each."""
+
+    HEADERS = ("run", "checkpoints", "size", "rules free")
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.rows: list[tuple[RunRecord, int]] = []
+        self._max = 1
+
+    def rows_list(self) -> list:
+        return self.rows
+
+    def set_rows(self, runs: list[RunRecord], plan: Plan | None) -> None:
+        freed: dict[str, int] = {}
+        for d in plan.remove if plan is not None else []:
+            freed[d.checkpoint.run] = freed.get(d.checkpoint.run, 0) + d.checkpoint.bytes
+        self.beginResetModel()
+        self.rows = sorted(((r, freed.get(r.path, 0)) for r in runs), key=lambda x: -x[0].bytes)
+        self._max = max((r.bytes for r, _ in self.rows), default=1) or 1
+        self.endResetModel()
+
+    def fraction(self, index: QModelIndex | QPersistentModelIndex) -> float:
+        return self.rows[index.row()][0].bytes / self._max if index.isValid() else 0.0
+
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        run, freed = self.rows[index.row()]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return (run.name, str(len(run.checkpoints)), human_bytes(run.bytes),
+                    human_bytes(freed) if freed else "—")[index.column()]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return run.path
+        if role == ObjectRole:
+            return run
+        if role == Qt.ItemDataRole.TextAlignmentRole and index.column() > 0:
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        return None
+
+
+def describe_rules(rules: Rules) -> str:
+    """The prune rules in one line, as the disk-usage table's note says them."""
+    parts = []
+    if rules.keep_last:
+        parts.append(f"keep last {rules.keep_last}")
+    if rules.keep_every:
+        parts.append(f"every {rules.keep_every} steps")
+    if rules.keep_best:
+        parts.append(f"best {rules.top} by {rules.keep_best} ({rules.mode})")
+    parts += [f"keep {g}" for g in rules.keep]
+    if rules.min_age is not None:
+        parts.append(f"newer than {rules.min_age / 3600:g} h")
+    if rules.incomplete:
+        parts.append("remove failed saves")
+    return ", ".join(parts) or "none"
