@@ -18,11 +18,12 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.errors import ShardscopeError
-from shardscope.backend.format import count
-from shardscope.backend.runs import slurm
-from shardscope.backend.runs.launcher import RunConfig
-from shardscope.backend.runs.slurm import Partition, SlurmOptions
+
+from ..backend.errors import ShardscopeError
+from ..backend.format import count
+from ..backend.runs import slurm
+from ..backend.runs.launcher import RunConfig
+from ..backend.runs.slurm import Partition, SlurmOptions
 
 LOCAL, SLURM = "this machine", "SLURM"
 
