@@ -1,17 +1,29 @@
-"""The Library's disk-usage side: runs of a root by size with what the prune rules would free, the size bars
-drawn behind sizes, and the rules in one line."""
+"""The Library's disk-usage side: runs of a root by size with what the prune rules would free (the panel and its
+table model), the size bars drawn behind sizes, and the rules in one line."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRectF, Qt
+from PySide6.QtCore import QModelIndex, QPersistentModelIndex, QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QPainter
-from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QHeaderView,
+    QLabel,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
 
-from ..backend.format import human_bytes
+from ..backend.format import count, human_bytes
 from ..backend.library.prune import Plan, Rules
-from ..backend.library.scan import RunRecord
+from ..backend.library.scan import RunRecord, is_url
+from ..backend.library.snapshot import LibrarySnapshot
 from .library_model import ObjectRole
 from .rows_table import RowsTableModel
 
@@ -72,6 +84,64 @@ class DiskUsageModel(RowsTableModel):
         if role == Qt.ItemDataRole.TextAlignmentRole and index.column() > 0:
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         return None
+
+
+class DiskUsagePanel(QWidget):
+    """Disk usage by run of the root chosen in its box, and what the prune rules would free there."""
+
+    rootChanged = Signal()  # another root was chosen in the box
+    runActivated = Signal(object)  # a RunRecord, activated in the table (double-click or Enter)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        v = QVBoxLayout(self)
+        v.setContentsMargins(0, 0, 0, 0)
+        v.addWidget(QLabel("<b>Disk usage</b> by run"))
+        self.usage = DiskUsageModel(self)
+        self.root_box = QComboBox()
+        self.root_box.currentIndexChanged.connect(lambda _i: self.rootChanged.emit())
+        v.addWidget(self.root_box)
+        self.usage_table = QTableView()
+        self.usage_table.setModel(self.usage)
+        self.usage_table.verticalHeader().hide()
+        self.usage_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.usage_table.setItemDelegateForColumn(2, SizeBarDelegate(self.usage.fraction, self.usage_table))
+        self.usage_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.usage_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.usage_table.setWordWrap(False)
+        self.usage_table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self.usage_table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
+        self.usage_table.activated.connect(lambda i: self.runActivated.emit(self.usage.data(i, ObjectRole)))
+        v.addWidget(self.usage_table, 1)
+        self.rules_label = QLabel()
+        self.rules_label.setWordWrap(True)
+        v.addWidget(self.rules_label)
+
+    def set_roots(self, roots: list[str], current: str | None) -> None:
+        """Offer ``roots`` in the box, ``current`` chosen (else the first); quietly: the caller fills next."""
+        self.root_box.blockSignals(True)
+        self.root_box.clear()
+        for r in roots:
+            self.root_box.addItem(r, r)
+        i = self.root_box.findData(current)
+        self.root_box.setCurrentIndex(max(i, 0))
+        self.root_box.blockSignals(False)
+
+    def fill(self, snap: LibrarySnapshot | None, rules: Rules) -> None:
+        """The runs of the chosen root in ``snap``, with what ``rules`` (planned in ``snap.plan``) would free."""
+        root = self.root_box.currentData()
+        if snap is None or root is None:
+            self.usage.set_rows([], None)
+            return
+        real = root.rstrip("/") if is_url(root) else os.path.realpath(root)
+        sep = "/" if is_url(root) else os.sep
+        runs = [r for r in snap.listing.runs if any(c.path.startswith(real.rstrip(sep) + sep) or c.path == real
+                                                    for c in r.checkpoints)]
+        self.usage.set_rows(runs, snap.plan)
+        freed = sum(f for _r, f in self.usage.rows)
+        self.rules_label.setText(f"{human_bytes(sum(r.bytes for r in runs))} in {count(len(runs), 'run')}. "
+                                 "The prune rules "
+                                 f"({describe_rules(rules)}) would free {human_bytes(freed)}.")
 
 
 def describe_rules(rules: Rules) -> str:

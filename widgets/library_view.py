@@ -17,7 +17,6 @@ from PySide6.QtCore import QModelIndex, QSortFilterProxyModel, Qt, QTimer, QUrl,
 from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import (
     QAbstractItemView,
-    QComboBox,
     QFileDialog,
     QHBoxLayout,
     QHeaderView,
@@ -27,7 +26,6 @@ from PySide6.QtWidgets import (
     QMenu,
     QPushButton,
     QSplitter,
-    QTableView,
     QTreeView,
     QVBoxLayout,
     QWidget,
@@ -35,10 +33,10 @@ from PySide6.QtWidgets import (
 
 from ..backend.format import count, human_bytes
 from ..backend.library.prune import Rules
-from ..backend.library.scan import CheckpointRecord, is_url
+from ..backend.library.scan import CheckpointRecord, RunRecord, is_url
 from ..backend.library.snapshot import LibrarySnapshot, take_snapshot
-from .library_model import COLUMNS, SIZE_COLUMN, LibraryModel, ObjectRole, SortRole
-from .library_usage import DiskUsageModel, SizeBarDelegate, describe_rules
+from .library_model import COLUMNS, SIZE_COLUMN, LibraryModel, SortRole
+from .library_usage import DiskUsagePanel, SizeBarDelegate
 from .prune_dialog import PruneDialog
 from .workers import Worker, run_in_background
 
@@ -91,7 +89,6 @@ class LibraryView(QWidget):
         self.proxy.setAutoAcceptChildRows(True)
         self.proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
         self.proxy.setFilterKeyColumn(0)
-        self.usage = DiskUsageModel(self)
         lay = QVBoxLayout(self)
         lay.addLayout(self._build_buttons())
         self.empty_hint = QLabel()
@@ -191,29 +188,12 @@ class LibraryView(QWidget):
         return self.tree
 
     def _build_usage(self) -> QWidget:
-        box = QWidget()
-        v = QVBoxLayout(box)
-        v.setContentsMargins(0, 0, 0, 0)
-        v.addWidget(QLabel("<b>Disk usage</b> by run"))
-        self.root_box = QComboBox()
-        self.root_box.currentIndexChanged.connect(lambda _i: self._fill_usage())
-        v.addWidget(self.root_box)
-        self.usage_table = QTableView()
-        self.usage_table.setModel(self.usage)
-        self.usage_table.verticalHeader().hide()
-        self.usage_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.usage_table.setItemDelegateForColumn(2, SizeBarDelegate(self.usage.fraction, self.usage_table))
-        self.usage_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.usage_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        self.usage_table.setWordWrap(False)
-        self.usage_table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
-        self.usage_table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
-        self.usage_table.activated.connect(self._reveal_run)
-        v.addWidget(self.usage_table, 1)
-        self.rules_label = QLabel()
-        self.rules_label.setWordWrap(True)
-        v.addWidget(self.rules_label)
-        return box
+        self.usage_panel = panel = DiskUsagePanel()
+        panel.rootChanged.connect(self._fill_usage)
+        panel.runActivated.connect(self._reveal_run)
+        self.usage, self.usage_table = panel.usage, panel.usage_table
+        self.root_box, self.rules_label = panel.root_box, panel.rules_label
+        return panel
 
     def _fill_recent(self) -> None:
         self.recent_menu.clear()
@@ -308,34 +288,15 @@ class LibraryView(QWidget):
     def _fill_roots(self) -> None:
         current = self._show_root or self.root_box.currentData()
         self._show_root = None
-        self.root_box.blockSignals(True)
-        self.root_box.clear()
-        for r in self.roots():
-            self.root_box.addItem(r, r)
-        i = self.root_box.findData(current)
-        self.root_box.setCurrentIndex(max(i, 0))
-        self.root_box.blockSignals(False)
+        self.usage_panel.set_roots(self.roots(), current)
         self._fill_usage()
 
     def _fill_usage(self) -> None:
-        snap = self.snapshot
-        root = self.root_box.currentData()
-        self.remove_root_button.setEnabled(root in self.user_roots)
-        if snap is None or root is None:
-            self.usage.set_rows([], None)
-            return
-        real = root.rstrip("/") if is_url(root) else os.path.realpath(root)
-        sep = "/" if is_url(root) else os.sep
-        runs = [r for r in snap.listing.runs if any(c.path.startswith(real.rstrip(sep) + sep) or c.path == real
-                                                    for c in r.checkpoints)]
-        self.usage.set_rows(runs, snap.plan)
-        freed = sum(f for _r, f in self.usage.rows)
-        self.rules_label.setText(f"{human_bytes(sum(r.bytes for r in runs))} in {count(len(runs), 'run')}. "
-                                 "The prune rules "
-                                 f"({describe_rules(self.rules)}) would free {human_bytes(freed)}.")
+        self.remove_root_button.setEnabled(self.root_box.currentData() in self.user_roots)
+        self.usage_panel.fill(self.snapshot, self.rules)
 
-    def _reveal_run(self, index: QModelIndex) -> None:
-        run = self.usage.data(index, ObjectRole)
+    def _reveal_run(self, run: RunRecord) -> None:
+        """Show a run of the disk-usage table in the tree."""
         row = next((i for i, r in enumerate(self.model.runs) if r.path == run.path), -1)
         if row >= 0:
             proxy_index = self.proxy.mapFromSource(self.model.index(row, 0))
