@@ -1,7 +1,9 @@
-"""The main window: checkpoints in tabs (two panes side by side), menus, recent list, drag and drop.
+"""The main window: checkpoints in tabs (two panes side by side), opening paths, the Library start page, drag
+and drop.
 
-Starting the application and the --screenshot mode live in ``bootstrap.py`` and ``screenshot.py``;
-what the window remembers lives in ``settings.py``."""
+Starting the application and the --screenshot mode live in ``bootstrap.py`` and ``screenshot.py``; the menu
+bar in ``menus.py``; File › Import in ``import_job.py``; the Compare pickers in ``compare_picker.py``; what the
+window remembers in ``settings.py``."""
 
 from __future__ import annotations
 
@@ -9,35 +11,21 @@ import os
 from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt
-from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
-from PySide6.QtWidgets import (
-    QComboBox,
-    QDialog,
-    QDialogButtonBox,
-    QFileDialog,
-    QFormLayout,
-    QHBoxLayout,
-    QInputDialog,
-    QLabel,
-    QMainWindow,
-    QMessageBox,
-    QProgressDialog,
-    QPushButton,
-    QSplitter,
-    QTabBar,
-    QTabWidget,
-)
-from shardscope.backend.checkpoint.storage import is_url
-from shardscope.backend.compare.browse_file import TORCH_FILE
-from shardscope.backend.export.dcp_writer import import_file
-from shardscope.backend.format import count
-from shardscope.widgets.checkpoint_view import CheckpointView
-from shardscope.widgets.compare_view import CompareView
-from shardscope.widgets.help import help_topics, show_help
-from shardscope.widgets.library_view import LibraryView
-from shardscope.widgets.training_panel import TrainingPanel
-from shardscope.widgets.workers import run_in_background
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QMessageBox, QSplitter, QTabBar, QTabWidget
 
+from ..backend.checkpoint.storage import is_url
+from ..backend.compare.browse_file import TORCH_FILE
+from ..backend.format import count
+from ..backend.runs.rundir import default_runs_root
+from ..widgets.checkpoint_view import CheckpointView
+from ..widgets.compare_view import CompareView
+from ..widgets.export_dialog import ExportDialog
+from ..widgets.library_view import LibraryView
+from ..widgets.training_panel import TrainingPanel
+from .compare_picker import ComparePicker
+from .first_run import start_demo
+from .menus import build_menus
 from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
 
 # What File › Open file offers (an index or a .metadata opens its folder)
@@ -63,7 +51,7 @@ class MainWindow(QMainWindow):
         self.welcome = self.library = self._make_library()  # the start page: every checkpoint of every run
         self.badge = QLabel("")
         self.statusBar().addPermanentWidget(self.badge)
-        self._build_menus()
+        self.recent_menu, self.export_action = build_menus(self)
         self._show_welcome_if_empty()
         self.quiet = False  # True in --screenshot mode: no modal message boxes
         geo = settings().value("window/geometry")
@@ -101,66 +89,6 @@ class MainWindow(QMainWindow):
         self.panes.setSizes([half, half])
         self._activate(dst)
         self._show_welcome_if_empty()
-
-    # ------------------------------------------------------------------ menus
-    def _action(self, menu, text: str, slot, shortcut: QKeySequence | str | None = None, tip: str = "") -> QAction:
-        """One menu entry: text, what it does, its shortcut (shown in Help › Keyboard shortcuts) and tooltip."""
-        act = QAction(text, self)
-        if shortcut is not None:
-            act.setShortcut(QKeySequence(shortcut))
-        if tip:
-            act.setToolTip(tip)
-        act.triggered.connect(slot)
-        menu.addAction(act)
-        return act
-
-    def _build_menus(self) -> None:
-        bar, add = self.menuBar(), self._action
-        file_menu = bar.addMenu("&File")
-        add(file_menu, "&Open folder…", self.open_dialog, QKeySequence.StandardKey.Open,
-            "A DCP or Lightning checkpoint folder, or an HF folder of safetensors files")
-        add(file_menu, "Open &file…", self.open_file_dialog, "Ctrl+Shift+O",
-            "A .safetensors, .pt/.pth/.bin/.ckpt file, an HF model.safetensors.index.json or a DCP .metadata")
-        self.recent_menu = file_menu.addMenu("Open &recent")
-        self.recent_menu.aboutToShow.connect(self._fill_recent)
-        add(file_menu, "&Reload", self.reload_current, "F5")
-        add(file_menu, "&Close tab", self.close_current_tab, QKeySequence.StandardKey.Close,
-            "Close the tab in front (not the Library); its background work is cancelled")
-        add(file_menu, "&Verify contents (read every byte)", self.verify_current, "Ctrl+Shift+V",
-            "Read every stored item once and check its CRC32; findings go to the Health tab")
-        add(file_menu, "&Import .pt / .safetensors as DCP…", self.import_dialog)
-        self.export_action = add(file_menu, "&Export…", lambda: self.export_current(""), "Ctrl+E")
-        file_menu.addSeparator()
-        add(file_menu, "&Quit", self.close, QKeySequence.StandardKey.Quit)
-        view_menu = bar.addMenu("&View")
-        add(view_menu, "Move tab to the &other side", self.move_to_other_side, "Ctrl+Shift+M",
-            "Show two checkpoints side by side")
-        add(view_menu, "&Library", self.show_library, "Ctrl+L", "Every checkpoint of every run under your roots")
-        add(view_menu, "&Compare…", self.compare_action, "Ctrl+D",
-            "Compare the two checkpoints selected in the Library, or pick two")
-        run_menu = bar.addMenu("&Run")
-        add(run_menu, "&Training panel", lambda: self.training_panel(), "Ctrl+T")
-        add(run_menu, "Run the &demo", self.run_demo, None,
-            "Train a tiny model with FSDP on 2 CPU ranks, then open its last checkpoint")
-        add(bar.addMenu("&Edit"), "&Find", self._focus_filter, QKeySequence.StandardKey.Find)
-        help_menu = bar.addMenu("&Help")
-        for topic in help_topics():
-            add(help_menu, topic.title, lambda _c=False, t=topic.key: show_help(self, t), topic.shortcut or None)
-        help_menu.addSeparator()
-        add(help_menu, "&About Shardscope", lambda: show_help(self, "about"))
-
-    def _fill_recent(self) -> None:
-        self.recent_menu.clear()
-        recent = recent_paths()
-        if not recent:
-            self.recent_menu.addAction("(none)").setEnabled(False)
-        for p in recent:
-            self.recent_menu.addAction(p, lambda p=p: self.open_path(p))
-
-    def _focus_filter(self) -> None:
-        view = self.current_view()
-        if view:
-            view.focus_filter()
 
     # ------------------------------------------------------------------ checkpoints
     def current_view(self) -> CheckpointView | None:
@@ -245,8 +173,6 @@ class MainWindow(QMainWindow):
 
     def run_demo(self) -> None:
         """Start the demo run in the Training tab; its last checkpoint opens when it ends."""
-        from .first_run import start_demo
-
         start_demo(self)
 
     def close_tab(self, idx: int, pane: QTabWidget | None = None) -> None:
@@ -310,48 +236,18 @@ class MainWindow(QMainWindow):
         view.start()
         return view
 
-    def compare_dialog(self) -> QDialog:
+    def compare_dialog(self) -> ComparePicker:
         """Two pickers (A, B): open checkpoints first, then the Library's complete checkpoints."""
         opened = [v.path for v in self.all_views()]
         library = [p for p in reversed(self.library.known_paths()[:200]) if p not in opened]
-        paths = opened + library
         # the checkpoints open in the window come first (they used to lose to the Library's last two)
         defaults = ["", "", *library[-2:], *opened][-2:]
-        dlg = self.compare_picker = QDialog(self)
-        dlg.setWindowTitle("Compare two checkpoints")
-        form = QFormLayout(dlg)
-        boxes = []
-        for label, default in zip("AB", defaults, strict=True):
-            box = QComboBox()
-            box.setEditable(True)
-            box.addItems(paths)
-            box.setCurrentText(default)
-            box.setMinimumWidth(480)
-            browse = QPushButton("Browse…")
-            browse.clicked.connect(lambda _c=False, b=box: self._browse_into(b))
-            row = QHBoxLayout()
-            row.addWidget(box, 1)
-            row.addWidget(browse)
-            form.addRow(label, row)
-            boxes.append(box)
-        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
-        buttons.accepted.connect(dlg.accept)
-        buttons.rejected.connect(dlg.reject)
-        form.addRow(buttons)
-        dlg.boxes = boxes
-
-        def accepted() -> None:
-            if boxes[0].currentText() and boxes[1].currentText():
-                self.compare(boxes[0].currentText(), boxes[1].currentText())
-
-        dlg.accepted.connect(accepted)
+        dlg = self.compare_picker = ComparePicker(opened + library, defaults, self.compare, self)
         dlg.open()  # NOTE: not exec(): no nested event loop, and tests can fill the pickers
         return dlg
 
     # ------------------------------------------------------------------ library (start page)
     def _make_library(self) -> LibraryView:
-        from shardscope.backend.runs.rundir import default_runs_root
-
         lib = LibraryView(library_roots(), str(default_runs_root()), recent=recent_paths)
         lib.openRequested.connect(self.open_path)
         lib.exportRequested.connect(self._export_path)
@@ -376,53 +272,6 @@ class MainWindow(QMainWindow):
         view = self.open_path(path)
         view.loaded.connect(lambda _d: self.export_current(""))
 
-    def _browse_into(self, box: QComboBox) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "A consolidated file (or cancel to pick a folder)", "",
-                                              "Checkpoints (*.pt *.pth *.bin *.safetensors);;All files (*)")
-        if not path:
-            path = QFileDialog.getExistingDirectory(self, "A checkpoint folder")
-        if path:
-            box.setCurrentText(path)
-
-    def import_dialog(self) -> None:
-        src, _ = QFileDialog.getOpenFileName(self, "Import a consolidated checkpoint", "",
-                                             "Checkpoints (*.pt *.pth *.bin *.safetensors)")
-        if not src:
-            return
-        dst, _ = QFileDialog.getSaveFileName(self, "New DCP checkpoint folder", str(Path(src).with_suffix("")) + "-dcp")
-        if not dst:
-            return
-        ranks, ok = QInputDialog.getInt(self, "Import", "Write it as if saved by this many ranks:", 1, 1, 4096)
-        if not ok:
-            return
-        prefix, ok = QInputDialog.getText(self, "Import", "Nest every key under (e.g. model; empty: as is):")
-        if ok:
-            self._run_dcp_job(import_file, src, dst, ranks, prefix or None, title=f"Importing {Path(src).name}")
-
-    def _run_dcp_job(self, func, *args, title: str) -> None:
-        progress = QProgressDialog(title, "Cancel", 0, 1000, self)
-        progress.setMinimumDuration(300)
-
-        def done(result) -> None:
-            progress.close()
-            if result.verified is False:
-                QMessageBox.warning(self, title, result.summary())
-                return
-            self.statusBar().showMessage(result.summary().splitlines()[0], 8000)
-            self.open_path(result.dst)
-
-        def failed(message: str) -> None:
-            progress.close()
-            # NOTE: the backend speaks of the CLI's --force, which this window does not offer
-            message = message.replace("give --force to overwrite it", "choose a folder that does not exist yet")
-            QMessageBox.warning(self, title, f"{message}\n\nNothing was written.")
-
-        # the dialog owns the job: its slots are skipped once it is gone; it is deleted when the job ends
-        worker = run_in_background(func, *args, owner=progress, on_result=done, on_error=failed,
-                                   on_progress=lambda d, t, _m: progress.setValue(int(1000 * d / max(t, 1))),
-                                   on_cancelled=progress.close, on_finished=progress.deleteLater)
-        progress.canceled.connect(worker.quit)
-
     def all_views(self) -> list[CheckpointView]:
         return [p.widget(i) for p in (self.tabs, self.side_tabs) for i in range(p.count())
                 if isinstance(p.widget(i), CheckpointView)]
@@ -445,8 +294,6 @@ class MainWindow(QMainWindow):
             QMessageBox.information(self, "Export", f"{view.path} is a torch.save file: File › Import turns it "
                                     "into a DCP checkpoint, `shardscope import` too.")
             return
-        from shardscope.widgets.export_dialog import ExportDialog
-
         dlg = ExportDialog(view.data.ckpt, prefix, self)
         dlg.openRequested.connect(self.open_path)  # Open after an export: the written file or folder in a tab
         dlg.exec()

@@ -250,6 +250,7 @@ def test_import_into_an_existing_folder_does_not_speak_of_force(qtbot, tmp_path)
     """File › Import into a folder that exists said "give --force to overwrite it": the window has no
     --force (and nothing in the folder may be touched)."""
     from PySide6.QtCore import QTimer
+    from shardscope.app.import_job import run_dcp_job
     from shardscope.app.main_window import MainWindow
     from shardscope.backend.export.dcp_writer import import_file
 
@@ -272,7 +273,7 @@ def test_import_into_an_existing_folder_does_not_speak_of_force(qtbot, tmp_path)
     import torch
 
     torch.save({"w": torch.ones(4, 2)}, tmp_path / "m.pt")
-    win._run_dcp_job(import_file, str(tmp_path / "m.pt"), str(dst), 2, None, title="Import")
+    run_dcp_job(win, import_file, str(tmp_path / "m.pt"), str(dst), 2, None, title="Import")
     qtbot.waitUntil(lambda: bool(seen), timeout=120000)
     assert "--force" not in seen[0] and "does not exist yet" in seen[0]
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]

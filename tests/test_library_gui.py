@@ -13,7 +13,8 @@ import pytest
 from PySide6.QtCore import QSettings, QThreadPool
 from shardscope.backend.library import Rules, scan
 from shardscope.backend.library.snapshot import take_snapshot
-from shardscope.widgets.library_view import COLUMNS, LibraryModel, LibraryView
+from shardscope.widgets.library_model import COLUMNS, LibraryModel
+from shardscope.widgets.library_view import LibraryView
 from shardscope.widgets.prune_dialog import PruneDialog
 
 TIMEOUT = 60_000

@@ -19,14 +19,16 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.checkpoint.browse import BrowseData
-from shardscope.backend.checkpoint.model import TensorEntry
-from shardscope.backend.checkpoint.tree import TreeNode
-from shardscope.backend.compare.browse_file import TORCH_FILE, analyse_any, load_any, stats_any, verify_contents_any
-from shardscope.backend.format import count, human_bytes, rich_name
 
+from ..backend.checkpoint.browse import BrowseData
+from ..backend.checkpoint.model import TensorEntry
+from ..backend.checkpoint.tree import TreeNode
+from ..backend.compare.browse_file import TORCH_FILE, analyse_any, load_any, stats_any, verify_contents_any
+from ..backend.format import count, human_bytes, rich_name
+from .health_panel import CHECKSUMS_WHERE_STORED, NO_CHECKSUMS, HealthPanel
+from .inspector_view import InspectorView
 from .overlay import ProgressOverlay
-from .panels import CHECKSUMS_WHERE_STORED, NO_CHECKSUMS, HealthPanel, InspectorView, RanksView
+from .ranks_view import RanksView
 from .shard_map import ShardMapView, grid_shape, legend_html, stacked_entries
 from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
 from .workers import Worker, run_in_background

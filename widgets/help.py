@@ -4,12 +4,19 @@ keys, where runs and logs live, and the README itself."""
 from __future__ import annotations
 
 import html
+import platform
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
-from PySide6.QtCore import QUrl
+import PySide6
+from PySide6.QtCore import QUrl, qVersion
 from PySide6.QtGui import QImageReader, QKeySequence, QTextCursor
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QMainWindow, QTextBrowser, QVBoxLayout, QWidget
-from shardscope.resources import base_dir, readme_text
+
+from ..backend.log import log_file
+from ..backend.runs.rundir import default_runs_root
+from ..backend.version import __version__
+from ..resources import base_dir, readme_text
 
 
 @dataclass(frozen=True)
@@ -122,14 +129,6 @@ a <tt>shardscope</tt> subcommand (<tt>shardscope --help</tt>), for checkpoints o
 
 def about_text() -> str:
     """About, with the versions a bug report needs (Shardscope, torch, Qt, PySide6, Python)."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    import PySide6
-    from PySide6.QtCore import qVersion
-    from shardscope import __version__
-    from shardscope.backend.log import log_file
-
     try:
         torch_version = version("torch")
     except PackageNotFoundError:  # a torch built from source without a distribution record
@@ -194,9 +193,6 @@ def help_text(key: str, window: QMainWindow | None = None) -> tuple[str, str, bo
     if key == "export":
         return "How export chooses keys", EXPORT, False
     if key == "runs":
-        from shardscope.backend.log import log_file
-        from shardscope.backend.runs.rundir import default_runs_root
-
         return "Runs and logs", runs_html(str(default_runs_root()), str(log_file())), False
     if key == "readme":
         return "README", readme_text() or "The README is not available in this installation.", True

@@ -9,28 +9,14 @@ Export, Show in folder, Compare (two selected), Prune.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from PySide6.QtCore import (
-    QAbstractItemModel,
-    QAbstractTableModel,
-    QModelIndex,
-    QPersistentModelIndex,
-    QRectF,
-    QSortFilterProxyModel,
-    Qt,
-    QTimer,
-    QUrl,
-    Signal,
-)
-from PySide6.QtGui import QColor, QDesktopServices, QGuiApplication, QPainter
+from PySide6.QtCore import QModelIndex, QSortFilterProxyModel, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QGuiApplication
 from PySide6.QtWidgets import (
     QAbstractItemView,
-    QComboBox,
     QFileDialog,
     QHBoxLayout,
     QHeaderView,
@@ -40,28 +26,21 @@ from PySide6.QtWidgets import (
     QMenu,
     QPushButton,
     QSplitter,
-    QStyledItemDelegate,
-    QStyleOptionViewItem,
-    QTableView,
     QTreeView,
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.format import count, human_bytes, ranks_text
-from shardscope.backend.library.names import is_url
-from shardscope.backend.library.prune import Plan, Rules
-from shardscope.backend.library.records import CheckpointRecord, RunRecord
-from shardscope.backend.library.snapshot import LibrarySnapshot, take_snapshot
 
+from ..backend.format import count, human_bytes
+from ..backend.library.names import is_url
+from ..backend.library.prune import Rules
+from ..backend.library.records import CheckpointRecord, RunRecord
+from ..backend.library.snapshot import LibrarySnapshot, take_snapshot
+from .library_model import COLUMNS, SIZE_COLUMN, LibraryModel, SortRole
+from .library_usage import DiskUsagePanel, SizeBarDelegate
+from .prune_dialog import PruneDialog
 from .workers import Worker, run_in_background
 
-COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "kind", "format", "state", "loss")
-SIZE_COLUMN = COLUMNS.index("size")
-ObjectRole = Qt.ItemDataRole.UserRole
-SortRole = Qt.ItemDataRole.UserRole + 1
-STATE_COLORS = {"complete": "#2ca02c", "incomplete": "#d62728", "writing": "#ff7f0e", "unreadable": "#9467bd",
-                "running": "#ff7f0e", "failed": "#d62728", "finished": "#2ca02c", "queued": "#1f77b4",
-                "starting": "#ff7f0e"}
 POLL_MS = 2000
 OPENABLE = ("complete",)
 
@@ -76,270 +55,6 @@ def why_not_opened(c: CheckpointRecord) -> str:
         return f"{c.name} is unreadable{reason}; it cannot be opened."
     return f"{c.name} is {c.state}{reason}; it opens once it is complete."
 
-
-def natural(name: str) -> str:
-    """A sort key as text (Qt compares it): numbers zero-padded, so checkpoint-500 sorts before checkpoint-1000."""
-    return re.sub(r"\d+", lambda m: m.group().zfill(20), name.lower())
-
-
-def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "?"
-
-
-class LibraryModel(QAbstractItemModel):
-    """Runs -> checkpoints: an adapter over the runs of a backend ``Listing`` (which stays the source of truth).
-
-    Updates are incremental (insert/remove/changed rows), so a poll every two seconds keeps the selection,
-    the expanded runs and the scroll position."""
-
-    def __init__(self, parent=None) -> None:
-        super().__init__(parent)
-        self.runs: list[RunRecord] = []
-        self.metric: dict[str, float] = {}
-        # NOTE: a checkpoint's index carries a stable integer id of its run (never a Python pointer, which Qt
-        # would hold without a reference, and never the run's row, which moves when runs come and go).
-        self._ids: dict[str, int] = {}
-        self._max_ckpt = 1
-        self._max_run = 1
-
-    # ------------------------------------------------------------------ structure
-    def _run_id(self, run: RunRecord) -> int:
-        return self._ids.setdefault(run.path, len(self._ids) + 1)
-
-    def _run_row(self, run_id: int) -> int:
-        for i, r in enumerate(self.runs):
-            if self._ids.get(r.path) == run_id:
-                return i
-        return -1
-
-    def index(self, row: int, column: int, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> QModelIndex:
-        if not self.hasIndex(row, column, parent):
-            return QModelIndex()
-        if not parent.isValid():
-            return self.createIndex(row, column, 0)
-        if parent.internalId() == 0:
-            return self.createIndex(row, column, self._run_id(self.runs[parent.row()]))
-        return QModelIndex()
-
-    def parent(self, index: QModelIndex | QPersistentModelIndex | None = None) -> Any:  # type: ignore[override]
-        if index is None:
-            return super().parent()
-        if not index.isValid() or index.internalId() == 0:
-            return QModelIndex()
-        row = self._run_row(index.internalId())
-        return self.createIndex(row, 0, 0) if row >= 0 else QModelIndex()
-
-    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        if not parent.isValid():
-            return len(self.runs)
-        if parent.internalId() == 0 and parent.column() == 0:
-            return len(self.runs[parent.row()].checkpoints)
-        return 0
-
-    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        return len(COLUMNS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return COLUMNS[section]
-        return None
-
-    def record(self, index: QModelIndex | QPersistentModelIndex) -> RunRecord | CheckpointRecord | None:
-        if not index.isValid():
-            return None
-        if index.internalId() == 0:
-            return self.runs[index.row()] if index.row() < len(self.runs) else None
-        row = self._run_row(index.internalId())
-        if row < 0 or index.row() >= len(self.runs[row].checkpoints):
-            return None
-        return self.runs[row].checkpoints[index.row()]
-
-    def bar_fraction(self, index: QModelIndex | QPersistentModelIndex) -> float:
-        rec = self.record(index)
-        if isinstance(rec, RunRecord):
-            return rec.bytes / self._max_run
-        return rec.bytes / self._max_ckpt if rec is not None else 0.0
-
-    # ------------------------------------------------------------------ data
-    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        rec = self.record(index)
-        if rec is None:
-            return None
-        if role == ObjectRole:
-            return rec
-        col = COLUMNS[index.column()]
-        if isinstance(rec, RunRecord):
-            return self._run_data(rec, col, role)
-        return self._checkpoint_data(rec, col, role)
-
-    def _run_data(self, run: RunRecord, col: str, role: int) -> Any:
-        newest = max((c.mtime for c in run.checkpoints), default=0.0)
-        if role == Qt.ItemDataRole.DisplayRole:
-            state = ("running" if run.running else run.state or "") if run.kind == "shardscope" else ""
-            return {"checkpoint": run.name, "step": f"{len(run.checkpoints)} ckpt", "modified": _when(newest),
-                    "size": human_bytes(run.bytes), "state": state,
-                    "format": "run" if run.kind == "shardscope" else "folder"}.get(col)
-        if role == SortRole:
-            return {"checkpoint": natural(run.name), "step": len(run.checkpoints), "modified": newest,
-                    "size": run.bytes}.get(col, "")
-        if role == Qt.ItemDataRole.ToolTipRole:
-            return run.path
-        if role == Qt.ItemDataRole.ForegroundRole and col == "state":
-            return QColor(STATE_COLORS.get("running" if run.running else run.state or "", "#777777"))
-        return self._align(col, role)
-
-    def _checkpoint_data(self, c: CheckpointRecord, col: str, role: int) -> Any:
-        loss = self.metric.get(c.path)
-        if role == Qt.ItemDataRole.DisplayRole:
-            return {"checkpoint": c.name, "step": "" if c.step is None else str(c.step), "modified": _when(c.mtime),
-                    "size": human_bytes(c.bytes), "ranks": ranks_text(c.ranks), "kind": c.kind, "format": c.format,
-                    "state": c.state, "loss": "" if loss is None else f"{loss:.4f}"}[col]
-        if role == SortRole:
-            return {"checkpoint": natural(c.name), "step": -1 if c.step is None else c.step, "modified": c.mtime,
-                    "size": c.bytes, "ranks": len(c.ranks), "kind": c.kind, "format": c.format, "state": c.state,
-                    "loss": float("inf") if loss is None else loss}[col]
-        if role == Qt.ItemDataRole.ToolTipRole:
-            return c.path + (f"\n{c.state}: {c.reason}" if c.reason else "")
-        if role == Qt.ItemDataRole.ForegroundRole and col == "state":
-            return QColor(STATE_COLORS.get(c.state, "#777777"))
-        return self._align(col, role)
-
-    @staticmethod
-    def _align(col: str, role: int) -> Any:
-        if role == Qt.ItemDataRole.TextAlignmentRole and col in ("step", "size", "loss"):
-            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-        return None
-
-    # ------------------------------------------------------------------ updates
-    def set_snapshot(self, snap: LibrarySnapshot) -> None:
-        """Bring the rows in line with a new listing: remove what went, insert what came, refresh the rest."""
-        self.metric = dict(snap.metric)
-        new_runs = sorted(snap.listing.runs, key=lambda r: r.path)
-        self._max_ckpt = max((c.bytes for r in new_runs for c in r.checkpoints), default=1) or 1
-        self._max_run = max((r.bytes for r in new_runs), default=1) or 1
-        wanted = {r.path for r in new_runs}
-        for i in reversed(range(len(self.runs))):
-            if self.runs[i].path not in wanted:
-                self.beginRemoveRows(QModelIndex(), i, i)
-                del self.runs[i]
-                self.endRemoveRows()
-        for i, run in enumerate(new_runs):
-            if i < len(self.runs) and self.runs[i].path == run.path:
-                self._sync_run(i, run)
-            else:
-                self.beginInsertRows(QModelIndex(), i, i)
-                # a copy: the rows are synced in place later, and the snapshot's listing stays as it was
-                self.runs.insert(i, RunRecord(run.path, run.kind, run.state, list(run.checkpoints)))
-                self.endInsertRows()
-        if self.runs:
-            self.dataChanged.emit(self.index(0, 0), self.index(len(self.runs) - 1, len(COLUMNS) - 1))
-
-    def _sync_run(self, row: int, new: RunRecord) -> None:
-        old = self.runs[row]
-        parent = self.index(row, 0)
-        wanted = [c.path for c in new.checkpoints]
-        keep = set(wanted)
-        for i in reversed(range(len(old.checkpoints))):
-            if old.checkpoints[i].path not in keep:
-                self.beginRemoveRows(parent, i, i)
-                del old.checkpoints[i]
-                self.endRemoveRows()
-        by_path = {c.path: c for c in new.checkpoints}
-        for i, path in enumerate(wanted):
-            if i < len(old.checkpoints) and old.checkpoints[i].path == path:
-                old.checkpoints[i] = by_path[path]
-            elif path in {c.path for c in old.checkpoints[i:]}:  # reordered (rare): move it here
-                j = next(k for k in range(i, len(old.checkpoints)) if old.checkpoints[k].path == path)
-                self.beginMoveRows(parent, j, j, parent, i)
-                old.checkpoints.insert(i, old.checkpoints.pop(j))
-                self.endMoveRows()
-                old.checkpoints[i] = by_path[path]
-            else:
-                self.beginInsertRows(parent, i, i)
-                old.checkpoints.insert(i, by_path[path])
-                self.endInsertRows()
-        old.kind, old.state = new.kind, new.state
-        if old.checkpoints:
-            self.dataChanged.emit(self.index(0, 0, parent), self.index(len(old.checkpoints) - 1, len(COLUMNS) - 1,
-                                                                        parent))
-
-
-class SizeBarDelegate(QStyledItemDelegate):
-    """A bar behind the size, scaled to the largest checkpoint (runs: to the largest run)."""
-
-    def __init__(self, fraction, parent=None) -> None:
-        super().__init__(parent)
-        self.fraction = fraction  # index -> 0..1
-
-    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
-              index: QModelIndex | QPersistentModelIndex) -> None:
-        frac = max(0.0, min(1.0, self.fraction(index)))
-        if frac > 0:
-            r = QRectF(option.rect).adjusted(1, 3, -1, -3)
-            r.setWidth(max(1.0, r.width() * frac))
-            painter.fillRect(r, QColor(31, 119, 180, 60))
-        super().paint(painter, option, index)
-
-
-class RowsTableModel(QAbstractTableModel):
-    """A flat table over a Python list (``rows_list()``), with ``HEADERS`` as its column titles."""
-
-    HEADERS: tuple[str, ...] = ()
-
-    def rows_list(self) -> list:
-        raise NotImplementedError
-
-    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.rows_list())
-
-    def columnCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.HEADERS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return self.HEADERS[section]
-        return None
-
-
-class DiskUsageModel(RowsTableModel):
-    """Runs of one root, largest first, with what the prune rules would free in each."""
-
-    HEADERS = ("run", "checkpoints", "size", "rules free")
-
-    def __init__(self, parent=None) -> None:
-        super().__init__(parent)
-        self.rows: list[tuple[RunRecord, int]] = []
-        self._max = 1
-
-    def rows_list(self) -> list:
-        return self.rows
-
-    def set_rows(self, runs: list[RunRecord], plan: Plan | None) -> None:
-        freed: dict[str, int] = {}
-        for d in plan.remove if plan is not None else []:
-            freed[d.checkpoint.run] = freed.get(d.checkpoint.run, 0) + d.checkpoint.bytes
-        self.beginResetModel()
-        self.rows = sorted(((r, freed.get(r.path, 0)) for r in runs), key=lambda x: -x[0].bytes)
-        self._max = max((r.bytes for r, _ in self.rows), default=1) or 1
-        self.endResetModel()
-
-    def fraction(self, index: QModelIndex | QPersistentModelIndex) -> float:
-        return self.rows[index.row()][0].bytes / self._max if index.isValid() else 0.0
-
-    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if not index.isValid():
-            return None
-        run, freed = self.rows[index.row()]
-        if role == Qt.ItemDataRole.DisplayRole:
-            return (run.name, str(len(run.checkpoints)), human_bytes(run.bytes),
-                    human_bytes(freed) if freed else "—")[index.column()]
-        if role == Qt.ItemDataRole.ToolTipRole:
-            return run.path
-        if role == ObjectRole:
-            return run
-        if role == Qt.ItemDataRole.TextAlignmentRole and index.column() > 0:
-            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-        return None
 
 
 class LibraryView(QWidget):
@@ -375,7 +90,6 @@ class LibraryView(QWidget):
         self.proxy.setAutoAcceptChildRows(True)
         self.proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
         self.proxy.setFilterKeyColumn(0)
-        self.usage = DiskUsageModel(self)
         lay = QVBoxLayout(self)
         lay.addLayout(self._build_buttons())
         self.empty_hint = QLabel()
@@ -475,29 +189,12 @@ class LibraryView(QWidget):
         return self.tree
 
     def _build_usage(self) -> QWidget:
-        box = QWidget()
-        v = QVBoxLayout(box)
-        v.setContentsMargins(0, 0, 0, 0)
-        v.addWidget(QLabel("<b>Disk usage</b> by run"))
-        self.root_box = QComboBox()
-        self.root_box.currentIndexChanged.connect(lambda _i: self._fill_usage())
-        v.addWidget(self.root_box)
-        self.usage_table = QTableView()
-        self.usage_table.setModel(self.usage)
-        self.usage_table.verticalHeader().hide()
-        self.usage_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.usage_table.setItemDelegateForColumn(2, SizeBarDelegate(self.usage.fraction, self.usage_table))
-        self.usage_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.usage_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        self.usage_table.setWordWrap(False)
-        self.usage_table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
-        self.usage_table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
-        self.usage_table.activated.connect(self._reveal_run)
-        v.addWidget(self.usage_table, 1)
-        self.rules_label = QLabel()
-        self.rules_label.setWordWrap(True)
-        v.addWidget(self.rules_label)
-        return box
+        self.usage_panel = panel = DiskUsagePanel()
+        panel.rootChanged.connect(self._fill_usage)
+        panel.runActivated.connect(self._reveal_run)
+        self.usage, self.usage_table = panel.usage, panel.usage_table
+        self.root_box, self.rules_label = panel.root_box, panel.rules_label
+        return panel
 
     def _fill_recent(self) -> None:
         self.recent_menu.clear()
@@ -592,34 +289,15 @@ class LibraryView(QWidget):
     def _fill_roots(self) -> None:
         current = self._show_root or self.root_box.currentData()
         self._show_root = None
-        self.root_box.blockSignals(True)
-        self.root_box.clear()
-        for r in self.roots():
-            self.root_box.addItem(r, r)
-        i = self.root_box.findData(current)
-        self.root_box.setCurrentIndex(max(i, 0))
-        self.root_box.blockSignals(False)
+        self.usage_panel.set_roots(self.roots(), current)
         self._fill_usage()
 
     def _fill_usage(self) -> None:
-        snap = self.snapshot
-        root = self.root_box.currentData()
-        self.remove_root_button.setEnabled(root in self.user_roots)
-        if snap is None or root is None:
-            self.usage.set_rows([], None)
-            return
-        real = root.rstrip("/") if is_url(root) else os.path.realpath(root)
-        sep = "/" if is_url(root) else os.sep
-        runs = [r for r in snap.listing.runs if any(c.path.startswith(real.rstrip(sep) + sep) or c.path == real
-                                                    for c in r.checkpoints)]
-        self.usage.set_rows(runs, snap.plan)
-        freed = sum(f for _r, f in self.usage.rows)
-        self.rules_label.setText(f"{human_bytes(sum(r.bytes for r in runs))} in {count(len(runs), 'run')}. "
-                                 "The prune rules "
-                                 f"({describe_rules(self.rules)}) would free {human_bytes(freed)}.")
+        self.remove_root_button.setEnabled(self.root_box.currentData() in self.user_roots)
+        self.usage_panel.fill(self.snapshot, self.rules)
 
-    def _reveal_run(self, index: QModelIndex) -> None:
-        run = self.usage.data(index, ObjectRole)
+    def _reveal_run(self, run: RunRecord) -> None:
+        """Show a run of the disk-usage table in the tree."""
         row = next((i for i, r in enumerate(self.model.runs) if r.path == run.path), -1)
         if row >= 0:
             proxy_index = self.proxy.mapFromSource(self.model.index(row, 0))
@@ -704,8 +382,6 @@ class LibraryView(QWidget):
         return [c.path for c in sorted(cks, key=lambda c: -c.mtime) if c.state in OPENABLE]
 
     def prune_dialog(self) -> None:
-        from .prune_dialog import PruneDialog
-
         if self.snapshot is None:
             return
         dlg = PruneDialog(self.snapshot.listing, self.rules, self)
@@ -734,19 +410,3 @@ class LibraryView(QWidget):
     def showEvent(self, event) -> None:
         super().showEvent(event)
         self.poll()
-
-
-def describe_rules(rules: Rules) -> str:
-    parts = []
-    if rules.keep_last:
-        parts.append(f"keep last {rules.keep_last}")
-    if rules.keep_every:
-        parts.append(f"every {rules.keep_every} steps")
-    if rules.keep_best:
-        parts.append(f"best {rules.top} by {rules.keep_best} ({rules.mode})")
-    parts += [f"keep {g}" for g in rules.keep]
-    if rules.min_age is not None:
-        parts.append(f"newer than {rules.min_age / 3600:g} h")
-    if rules.incomplete:
-        parts.append("remove failed saves")
-    return ", ".join(parts) or "none"

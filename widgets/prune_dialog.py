@@ -23,12 +23,12 @@ from PySide6.QtWidgets import (
     QTableView,
     QVBoxLayout,
 )
-from shardscope.backend.errors import ShardscopeError
-from shardscope.backend.format import count, human_bytes
-from shardscope.backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
-from shardscope.backend.library.records import Listing
 
-from .library_view import RowsTableModel
+from ..backend.errors import ShardscopeError
+from ..backend.format import count, human_bytes
+from ..backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
+from ..backend.library.records import Listing
+from .rows_table import RowsTableModel
 from .workers import Worker, run_in_background
 
 

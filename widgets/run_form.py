@@ -18,11 +18,24 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.format import count
-from shardscope.backend.runs.launcher import RunConfig
-from shardscope.backend.runs.slurm import Partition, SlurmOptions
+
+from ..backend.errors import ShardscopeError
+from ..backend.format import count
+from ..backend.runs import slurm
+from ..backend.runs.launcher import RunConfig
+from ..backend.runs.slurm import Partition, SlurmOptions
 
 LOCAL, SLURM = "this machine", "SLURM"
+
+
+def slurm_partitions(progress=None) -> list | str:
+    """Partitions from sinfo, or why SLURM cannot be used here (runs on the pool)."""
+    if not slurm.available():
+        return "sbatch/sinfo are not on PATH on this machine"
+    try:
+        return slurm.partitions()
+    except ShardscopeError as exc:
+        return str(exc)
 
 
 def _spin(lo: int, hi: int, value: int, suffix: str = "") -> QSpinBox:

@@ -15,68 +15,33 @@ from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
     QFrame,
-    QHBoxLayout,
     QLabel,
     QListWidget,
     QListWidgetItem,
-    QPlainTextEdit,
     QPushButton,
     QScrollArea,
     QSplitter,
     QTabWidget,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.atomic_file import write_atomic
-from shardscope.backend.errors import ShardscopeError
-from shardscope.backend.runs import slurm
-from shardscope.backend.runs.follow import RunFollower, RunSnapshot, is_rank
-from shardscope.backend.runs.launcher import RunConfig, RunLauncher, stop_run
-from shardscope.backend.runs.rundir import ACTIVE_STATES, FINAL_STATES, default_runs_root, new_run_dir, read_config
-from shardscope.backend.runs.store import RunInfo, list_runs
 
-from .run_form import RunForm
+from ..backend.atomic_file import write_atomic
+from ..backend.runs.follow import RunFollower, RunSnapshot, is_rank
+from ..backend.runs.launcher import RunConfig, RunLauncher, stop_run
+from ..backend.runs.rundir import ACTIVE_STATES, FINAL_STATES, default_runs_root, new_run_dir, read_config
+from ..backend.runs.store import RunInfo, list_runs
+from .run_checkpoints import RunCheckpoints
+from .run_form import RunForm, slurm_partitions
+from .run_header import escape, failures_of, header_html, stop_how
+from .run_logs import LogTabs, Traceback
 from .run_plots import RunPlots
 from .workers import run_in_background
 
 REDRAW_MS = 100  # 10 Hz: redraw on a timer, never per line read
 POLL_MS = 500
 LIST_EVERY = 4  # the Runs list is refreshed every 4th poll (2 s)
-LOG_LINES = 20000
 LEFT_MIN_WIDTH = 250  # the New run form: below this its fields are cut (it scrolls vertically, not sideways)
-STATE_COLORS = {"failed": "#d62728", "stopped": "#7f7f7f", "finished": "#2ca02c", "queued": "#e6a000"}
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def without_banners(log: str) -> str:
-    """A log tail without torchrun's start-up notices framed by rules of "*" (the OMP_NUM_THREADS one).
-    NOTE: a run whose torchrun was killed (kill -9, a scheduler) leaves only that notice in the launcher's log;
-    the panel used to say "torchrun failed: Setting OMP_NUM_THREADS environment variable ..." as if it were
-    the cause, with the notice as the traceback."""
-    out: list[str] = []
-    notice: list[str] | None = None  # the lines of a notice being read (kept if it never closes)
-    for line in log.splitlines():
-        if line.strip() and not line.strip("*"):  # a rule of stars opens or closes a notice
-            notice = [line] if notice is None else None
-        elif notice is not None:
-            notice.append(line)
-        else:
-            out.append(line)
-    return "\n".join(out + (notice or [])).strip()
-
-
-def _slurm_partitions(progress=None) -> list | str:
-    """Partitions from sinfo, or why SLURM cannot be used here (runs on the pool)."""
-    if not slurm.available():
-        return "sbatch/sinfo are not on PATH on this machine"
-    try:
-        return slurm.partitions()
-    except ShardscopeError as exc:
-        return str(exc)
 
 
 class TrainingPanel(QWidget):
@@ -123,7 +88,7 @@ class TrainingPanel(QWidget):
         self.poll_timer.setInterval(POLL_MS)
         self.poll_timer.timeout.connect(self.poll)
         self.poll_timer.start()
-        run_in_background(_slurm_partitions, owner=self, on_result=self._slurm_found)
+        run_in_background(slurm_partitions, owner=self, on_result=self._slurm_found)
         self.refresh_runs()
 
     # ------------------------------------------------------------------ layout
@@ -160,20 +125,11 @@ class TrainingPanel(QWidget):
         self.status.setWordWrap(True)
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         rv.addWidget(self.status)
-        self.details_button = QToolButton()
-        self.details_button.setCheckable(True)
-        self.details_button.setText("Show the traceback")
-        self.details_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
-        self.details_button.setArrowType(Qt.ArrowType.RightArrow)
-        self.details_button.toggled.connect(self._toggle_details)
-        self.details_button.hide()
+        self.logs = LogTabs()
+        self.log_views = self.logs.views
+        self.traceback = Traceback(self.logs, self)
+        self.details_button, self.details = self.traceback.button, self.traceback.text
         rv.addWidget(self.details_button)
-        # NOTE: a fixed, small height: a long traceback scrolls here instead of squashing the plots
-        self.details = QPlainTextEdit()
-        self.details.setReadOnly(True)
-        self.details.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
-        self.details.setMaximumHeight(160)
-        self.details.hide()
         rv.addWidget(self.details)
         split = QSplitter(Qt.Orientation.Vertical)
         self.plots = RunPlots()
@@ -181,8 +137,6 @@ class TrainingPanel(QWidget):
         self.plots.csv_button.clicked.connect(self._save_csv)
         split.addWidget(self.plots)
         self.bottom = QTabWidget()
-        self.logs = QTabWidget()
-        self.log_views: dict[int, QPlainTextEdit] = {}
         self.bottom.addTab(self.logs, "Logs")
         self.bottom.addTab(self._build_checkpoints(), "Checkpoints")
         split.addWidget(self.bottom)
@@ -192,27 +146,13 @@ class TrainingPanel(QWidget):
         return right
 
     def _build_checkpoints(self) -> QWidget:
-        ck = QWidget()
-        cl = QVBoxLayout(ck)
-        self.ckpt_list = QListWidget()
-        # NOTE: itemActivated (double-click or Enter), not itemDoubleClicked: the keyboard opens a checkpoint too
-        self.ckpt_list.itemActivated.connect(lambda it: self.openCheckpoint.emit(it.data(Qt.ItemDataRole.UserRole)))
-        cl.addWidget(QLabel("Double-click a checkpoint (or press Enter) to open it in the browser."))
-        cl.addWidget(self.ckpt_list, 1)
-        self.ckpt_list.setSelectionMode(QListWidget.SelectionMode.ExtendedSelection)
+        ck = RunCheckpoints()
+        ck.opened.connect(self.openCheckpoint)
+        self.ckpt_list, self.resume_button, self.compare_button = ck.list, ck.resume_button, ck.compare_button
         self.ckpt_list.itemSelectionChanged.connect(self._update_buttons)
-        row = QHBoxLayout()
-        self.resume_button = QPushButton("Resume from selected")
-        self.resume_button.setToolTip("Resume this run from the selected checkpoint (once the run has ended)")
-        self.resume_button.setEnabled(False)
         self.resume_button.clicked.connect(self.resume_run)
-        self.compare_button = QPushButton("Compare two selected")
-        self.compare_button.setToolTip("Compare the two selected checkpoints (Ctrl+click to select two)")
-        self.compare_button.setEnabled(False)
         self.compare_button.clicked.connect(self._compare_selected)
-        row.addWidget(self.resume_button)
-        row.addWidget(self.compare_button)
-        cl.addLayout(row)
+        self.checkpoints = ck
         return ck
 
     def _slurm_found(self, result: list | str) -> None:
@@ -299,11 +239,9 @@ class TrainingPanel(QWidget):
             return
         self.follower = RunFollower(run_dir, stall_seconds=float(self.form.stall.value()))
         self.plots.set_follower(self.follower)
-        for i in reversed(range(self.logs.count())):
-            self.logs.removeTab(i)
-        self.log_views.clear()
+        self.logs.reset()
         self.ckpt_list.clear()
-        self._set_details({})
+        self.traceback.set_failures({})
         self._status = {}
         self._gone = False
         self._update_buttons()  # nothing is known of this run yet: no Stop or Resume for the last one's state
@@ -351,7 +289,7 @@ class TrainingPanel(QWidget):
         self.refresh_runs(select=str(launcher.run_dir))
 
     def _start_failed(self, message: str) -> None:
-        self.status.setText(f"<span style='color:#d62728'>Cannot start: {_escape(message)}</span>")
+        self.status.setText(f"<span style='color:#d62728'>Cannot start: {escape(message)}</span>")
 
     def resume_run(self) -> None:
         """Launch the followed run again from the selected checkpoint, into the same run directory."""
@@ -382,7 +320,7 @@ class TrainingPanel(QWidget):
         launcher = self.launchers.get(run_dir)
         self._stopping.add(run_dir)
         self._update_buttons()
-        self.status.setText(f"Stopping: {self._stop_how()} …")
+        self.status.setText(f"Stopping: {stop_how(self._status)} …")
 
         def stop(progress=None):
             return launcher.stop() if launcher is not None else stop_run(run_dir)
@@ -392,11 +330,7 @@ class TrainingPanel(QWidget):
             self._update_buttons()
 
         run_in_background(stop, owner=self, on_result=lambda _s: self.poll(),
-                          on_error=lambda m: self.status.setText(_escape(m)), on_finished=done)
-
-    def _stop_how(self) -> str:
-        return "scancel" if self._status.get("scheduler") == "slurm" else \
-            "SIGTERM to every process of the run, SIGKILL after 10 s"
+                          on_error=lambda m: self.status.setText(escape(m)), on_finished=done)
 
     def _update_buttons(self) -> None:
         """Start, Stop, Resume and Compare enabled for what the followed run's state allows now."""
@@ -430,7 +364,7 @@ class TrainingPanel(QWidget):
             return snap, (list_runs(root) if root else None), gone
 
         run_in_background(work, owner=self, on_result=lambda r: self._apply(follower, *r),
-                          on_error=lambda m: self.status.setText(_escape(m)),
+                          on_error=lambda m: self.status.setText(escape(m)),
                           on_finished=lambda: setattr(self, "_reading", False))
 
     def _apply(self, follower: RunFollower | None, snap: RunSnapshot | None, runs: list[RunInfo] | None,
@@ -449,16 +383,10 @@ class TrainingPanel(QWidget):
             self.plots.mark_dirty()
         for rank in follower.series:
             if is_rank(rank):
-                self._log_view(rank)  # a tab for every rank that reports, even one that printed nothing yet
+                self.logs.view(rank)  # a tab for every rank that reports, even one that printed nothing yet
         for rank, text in sorted(snap.new_log.items()):
-            self._log_view(rank).appendPlainText(text.rstrip("\n"))
-        names = [self.ckpt_list.item(i).data(Qt.ItemDataRole.UserRole) for i in range(self.ckpt_list.count())]
-        for p in snap.checkpoints:
-            if str(p) not in names:
-                item = QListWidgetItem(str(p.relative_to(follower.run_dir)) if p.is_relative_to(follower.run_dir)
-                                       else p.name)
-                item.setData(Qt.ItemDataRole.UserRole, str(p))
-                self.ckpt_list.addItem(item)
+            self.logs.view(rank).appendPlainText(text.rstrip("\n"))
+        self.checkpoints.add(snap.checkpoints, follower.run_dir)
         self._show_status(follower, snap)
 
     def _show_gone(self, follower: RunFollower) -> None:
@@ -468,22 +396,9 @@ class TrainingPanel(QWidget):
         self.ckpt_list.clear()  # their paths are gone with the folder
         self._update_buttons()
         self._show_runs([r for r in self.runs if r.path != follower.run_dir])  # its blank entry leaves the list
-        self.status.setText(f"<b>{_escape(follower.run_dir.name)}</b>: <span style='color:#d62728'>this run folder "
-                            f"no longer exists</span> (renamed, moved or deleted): {_escape(str(follower.run_dir))}. "
+        self.status.setText(f"<b>{escape(follower.run_dir.name)}</b>: <span style='color:#d62728'>this run folder "
+                            f"no longer exists</span> (renamed, moved or deleted): {escape(str(follower.run_dir))}. "
                             "Pick the run again in the Runs list.")
-
-    def _log_view(self, rank: int) -> QPlainTextEdit:
-        view = self.log_views.get(rank)
-        if view is None:
-            view = QPlainTextEdit()
-            view.setReadOnly(True)
-            view.setMaximumBlockCount(LOG_LINES)
-            view.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
-            self.log_views[rank] = view
-            title = "launcher" if rank == -1 else f"rank {rank}" if rank >= 0 else "other"
-            order = sorted(self.log_views)
-            self.logs.insertTab(order.index(rank), view, title)
-        return view
 
     def _show_status(self, follower: RunFollower, snap: RunSnapshot) -> None:
         st = snap.status
@@ -498,52 +413,10 @@ class TrainingPanel(QWidget):
         if state in FINAL_STATES:
             self._stopping.discard(str(follower.run_dir))
         self._update_buttons()
-        shown = state or "no status.json: a run started outside Shardscope; following its files"
-        color = STATE_COLORS.get(state or "")
-        head = f"<span style='color:{color}'>{shown}</span>" if color else shown
-        nodes = f", {st['nodes']}" if st.get("nodes") else ""
-        where = f" (SLURM job {st['job_id']}{nodes})" if st.get("job_id") else ""
-        parts = [f"<b>{_escape(follower.run_dir.name)}</b>: {head}{where}"]
-        line = follower.progress()
-        if line:
-            parts.append(line.replace("  ", " · "))
-        if state == "queued":
-            parts.append(f"waiting: {_escape(st.get('explanation', ''))}")
-        if state in ACTIVE_STATES and (st.get("stop_requested") or str(follower.run_dir) in self._stopping):
-            parts.append(f"stopping: {self._stop_how()} …")
-        if snap.stalled:
-            parts.append(f"<span style='color:#d62728'><b>stalled</b>: no new step from rank(s) "
-                         f"{', '.join(map(str, snap.stalled))} for {follower.stall_seconds:.0f} s</span>")
-        if state in ("finished", "failed", "stopped") and st.get("explanation"):
-            parts.append(_escape(st["explanation"]))
-        for problem in snap.problems:
-            parts.append(f"<span style='color:#d62728'>{_escape(problem)}</span>")
-        failures = {r: tb for r, tb in ((r, without_banners(tb)) for r, tb in snap.failures.items())
-                    if tb or r != -1}  # the launcher's log with nothing but notices says nothing more
-        self._set_details(failures, st.get("root_cause_rank"))
-        for r, tb in sorted(failures.items()):
-            # the last line that says something (torchrun's summary ends in a rule of "=", its banner of "*")
-            last = next((ln for ln in reversed(tb.splitlines()) if ln.strip(" =-*")), "no traceback recorded")
-            who = "torchrun" if r == -1 else f"rank {r}"
-            parts.append(f"<span style='color:#d62728'>{who} failed: {_escape(last)}</span>")
-        self.status.setText("<br>".join(p for p in parts if p))
-
-    def _set_details(self, failures: dict[int, str], root_cause: int | None = None) -> None:
-        text = "\n\n".join(f"--- {'launcher' if r == -1 else f'rank {r}'}\n{tb}" for r, tb in sorted(failures.items()))
-        if text != self.details.toPlainText():
-            self.details.setPlainText(text)
-            # the rank that failed first (torchrun_root_cause) when it left a traceback (a rank killed by
-            # a signal often printed nothing), else the first failed rank: its log in front
-            first = root_cause if root_cause in failures else min(failures, default=None)
-            if first is not None and first in self.log_views:  # the failed rank's log in front
-                self.logs.setCurrentWidget(self.log_views[first])
-        self.details_button.setVisible(bool(text))
-        self.details.setVisible(bool(text) and self.details_button.isChecked())
-
-    def _toggle_details(self, on: bool) -> None:
-        self.details_button.setArrowType(Qt.ArrowType.DownArrow if on else Qt.ArrowType.RightArrow)
-        self.details_button.setText("Hide the traceback" if on else "Show the traceback")
-        self.details.setVisible(on and bool(self.details.toPlainText()))
+        failures = failures_of(snap)
+        self.traceback.set_failures(failures, st.get("root_cause_rank"))
+        stopping = st.get("stop_requested") or str(follower.run_dir) in self._stopping
+        self.status.setText(header_html(follower, snap, bool(stopping), failures))
 
     def _compare_selected(self) -> None:
         items = self.ckpt_list.selectedItems()
@@ -579,7 +452,7 @@ class TrainingPanel(QWidget):
         if path:
             text = self.follower.csv()
             run_in_background(lambda progress=None: write_atomic(path, text), owner=self,
-                              on_error=lambda m: self.status.setText(_escape(m)))
+                              on_error=lambda m: self.status.setText(escape(m)))
 
     def shutdown(self) -> None:
         self.poll_timer.stop()

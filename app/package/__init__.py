@@ -3,7 +3,7 @@
 ``from shardscope import report`` is the metrics API for training scripts; it needs no Qt.
 """
 
-__version__ = "0.1.0"
+from shardscope.backend.version import __version__
 
 
 def report(**values):

@@ -1,0 +1,62 @@
+"""The Health tab: the problems the quick check or Verify contents found; clicking one selects its tensor."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QListWidget, QListWidgetItem
+
+from ..backend.checkpoint.model import Problem
+from ..backend.format import count
+
+MAX_LISTED = 2000
+# What Verify contents proves about the bytes: torch.save items store a CRC32, safetensors stores none.
+CHECKSUMS_WHERE_STORED = "CRC32 checked where the format stores one: torch.save items do, safetensors does not"
+NO_CHECKSUMS = "safetensors stores no checksum: every byte read, dtype and size checked, no CRC32 to compare"
+
+
+class HealthPanel(QListWidget):
+    """The problems from verify; clicking one selects its tensor."""
+
+    problemActivated = Signal(str)
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.itemClicked.connect(self._clicked)
+        self.problems: list[Problem] = []
+
+    def set_problems_pending(self, message: str = "Checking files and layout …") -> None:
+        self.clear()
+        self.problems = []
+        self.addItem(QListWidgetItem(message))
+
+    def set_problems(self, problems: list[Problem], deep: bool = False, note: str = "",
+                     checksums: str = "") -> None:
+        """``deep``: the list comes from Verify contents (every stored item read, its CRC32 checked where
+        the format stores one); ``checksums`` says which ones do (never claim a CRC safetensors lacks)."""
+        self.clear()
+        self.problems = list(problems)
+        check = " and checks its size" if checksums == NO_CHECKSUMS else " and checks its CRC32"
+        if note:
+            self.addItem(QListWidgetItem(note))
+        if not problems:
+            self.addItem(QListWidgetItem(
+                f"✔ Contents verified: every stored item read once ({checksums or CHECKSUMS_WHERE_STORED}); "
+                "every file present, every tensor tiled exactly." if deep else
+                "✔ Healthy: every file present and long enough, every tensor tiled exactly. (Bytes not read: "
+                f"Verify contents reads every item{check}.)"))
+            return
+        if deep:
+            self.addItem(QListWidgetItem(f"Verify contents read every stored item: {count(len(problems), 'problem')}"))
+        for p in problems[:MAX_LISTED]:
+            item = QListWidgetItem(f"[{p.kind}] {p.message}")
+            item.setData(Qt.ItemDataRole.UserRole, p.fqn)
+            item.setToolTip(p.message)
+            self.addItem(item)
+        if len(problems) > MAX_LISTED:
+            self.addItem(QListWidgetItem(f"… and {len(problems) - MAX_LISTED:,} more (`shardscope verify --json` "
+                                         "lists them all)"))
+
+    def _clicked(self, item: QListWidgetItem) -> None:
+        fqn = item.data(Qt.ItemDataRole.UserRole)
+        if fqn:
+            self.problemActivated.emit(fqn)
