@@ -95,3 +95,14 @@ def test_export_takes_a_safetensors_file(files, tmp_path):
     assert proc.returncode == 0 and "0 changed, 3 unchanged" in proc.stdout, proc.stdout + proc.stderr
     proc = run_cli("export", files / "w.pt", tmp_path / "w.safetensors")  # a torch file: import it first
     assert proc.returncode == 2 and "shardscope import" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_inspect_says_what_kind_a_checkpoint_is(files, fixtures):
+    """A checkpoint says what it is: resumable (optimizer state beside the weights) or weights, as `ls` does."""
+    want = {files / "epoch=0-step=5.ckpt": "resumable", files / "w.pt": "weights", files / "m.safetensors": "weights",
+            files / "hf": "weights", fixtures["fsdp2_r2"]: "resumable", fixtures["lightning_r2"]: "resumable"}
+    for path, kind in want.items():
+        proc = run_cli("inspect", path, "--json")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["kind"] == kind, (path, proc.stderr)
+    text = run_cli("inspect", files / "w.pt")
+    assert "kind       weights (weights only: no optimizer state to resume from)" in text.stdout

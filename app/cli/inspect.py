@@ -13,6 +13,9 @@ from shardscope.backend.format import count, escape_name, human_bytes, ranks_tex
 from .output import add_command, print_problems
 from .storage_options import add_storage_options, storage_options
 
+KIND_TEXT = {"resumable": "optimizer state beside the weights: a run can resume from it",
+             "weights": "weights only: no optimizer state to resume from"}
+
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "inspect", run, "Summarise a checkpoint: format, tensors, ranks, bytes, problems.")
@@ -27,10 +30,12 @@ def inspect_json(ckpt: Any, problems: list) -> dict:
     """The ``--json`` document of ``inspect``."""
     from shardscope.backend.checkpoint.layout import rank_balance
     from shardscope.backend.checkpoint.values import small_value_repr
+    from shardscope.backend.export.layouts import checkpoint_kind
 
     return {
         "path": ckpt.path,
         "format": ckpt.format,
+        "kind": checkpoint_kind(ckpt),
         "version": ckpt.version,
         "save_id": ckpt.save_id,
         "files": [{"name": f.name, "rank": f.rank, "bytes": f.bytes, "kind": f.kind} for f in ckpt.files],
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint.layout import rank_balance
     from shardscope.backend.checkpoint.verify import verify
     from shardscope.backend.compare.browse_file import open_any
+    from shardscope.backend.export.layouts import checkpoint_kind
 
     ckpt, _backing = open_any(args.path, storage_options(args), use_cache=not args.no_cache)
     problems = verify(ckpt)
@@ -70,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     out.write(f"{escape_name(ckpt.path)}\n")
     version = f"  (DCP version {escape_name(ckpt.version)})" if ckpt.version else ""
     out.write(f"  format     {ckpt.format}{version}\n")
+    kind = checkpoint_kind(ckpt)
+    out.write(f"  kind       {kind} ({KIND_TEXT[kind]})\n")
     if ckpt.save_id:
         out.write(f"  save id    {escape_name(ckpt.save_id)}\n")
     out.write(f"  tensors    {len(ckpt.tensors)}  ({human_bytes(ckpt.total_bytes)}, "

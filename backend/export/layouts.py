@@ -23,6 +23,7 @@ TRAINING_STATE_ROOTS = frozenset({
     "num_floating_point_operations_so_far", "extra", "loops", "callbacks", "hparams", "hyper_parameters",
 })
 _OPTIMIZER_N = re.compile(r"optimizer_\d+$")
+OPTIMIZER_ROOTS = frozenset({"optimizer", "optimizers", "optim", "optimizer_states"})  # a run resumes from these
 MEGATRON_ROOTS = frozenset({"decoder", "encoder", "embedding", "output_layer", "language_model"})
 ACCELERATE_MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)$")
 # NOTE: a whole key part only (start of the key or after a dot), so a module named "my_orig_mod" stays.
@@ -123,6 +124,19 @@ def _wrapped_layout(names: list[str], tensor_roots: set[str], folder: str, has_m
                   inner.model_roots, f"{wrap}.{inner.container}", inner.optimizer_roots, f"{wrap}.")
 
 
+def checkpoint_kind(ckpt: Checkpoint) -> str:
+    """``resumable`` when the checkpoint holds training state beside the weights (an optimizer's state under
+    any name, Lightning's ``optimizer_N``, a trainer's state), else ``weights``: what ``inspect`` says, in the
+    words of the library's kinds (``ls``, prune)."""
+    layout = recognise_layout(ckpt)
+    names = [t.fqn for t in ckpt.tensors] + [o.fqn for o in ckpt.objects]
+    if layout.wrapper:
+        names = [n[len(layout.wrapper):] for n in names if n.startswith(layout.wrapper)]
+    roots = {n.split(".", 1)[0] for n in names}
+    optimizer = roots & OPTIMIZER_ROOTS or layout.optimizer_roots or any(_OPTIMIZER_N.match(r) for r in roots)
+    return "resumable" if optimizer else "weights"
+
+
 def optimizer_shaped_roots(tensor_names: Iterable[str]) -> frozenset[str]:
     """First key parts under which every tensor is an optimizer's per-parameter state
     (``<root>.state.<param>.<exp_avg|step|...>``, as ``get_optimizer_state_dict`` writes it): an
@@ -160,5 +174,5 @@ def find_model_folder(path: str) -> tuple[str, str | None]:
     return os.path.join(path, models[0]), note
 
 
-__all__ = ["Layout", "find_model_folder", "is_training_state", "layout_of_names", "optimizer_shaped_roots",
-           "recognise_layout", "unwrap_key"]
+__all__ = ["Layout", "checkpoint_kind", "find_model_folder", "is_training_state", "layout_of_names",
+           "optimizer_shaped_roots", "recognise_layout", "unwrap_key"]
