@@ -252,3 +252,15 @@ def test_object_pickle_of_an_unknown_protocol_is_not_healthy(saved, tmp_path):
     assert ver.returncode == 1 and "entry f" in ver.stdout and "protocol 130" in ver.stdout and not ver.stderr, ver
     show = run_cli("show", folder, "f", "--no-cache")
     assert show.returncode == 2 and len(show.stderr.splitlines()) == 1 and "entry f" in show.stderr, show
+
+
+@pytest.mark.parametrize("entry, record", [("w", "version"), ("w", "data.pkl"), ("f", "data.pkl")])
+def test_a_record_marked_as_a_folder_is_not_healthy(saved, tmp_path, entry, record):
+    """The DOS folder bit in a central directory entry's external attributes: miniz (torch's zip reader) takes
+    the record for a folder and torch's loader fails; verify --deep once said healthy (found by fuzz_long)."""
+    data = (saved / DATA).read_bytes()
+    rec = _records(data, _items(saved)[entry])[record]
+    case = _with(saved, tmp_path / "case", [(rec[2] + 38, struct.pack("<I", 0x10))])
+    assert not _torch_loads(case)
+    healthy, wrong = _shardscope(case)
+    assert not healthy and not wrong

@@ -259,7 +259,7 @@ def _zip_directory(src: ByteSource, name: str, offset: int, length: int) -> dict
     for _ in range(count):
         if cd[p:p + 4] != _CENTRAL or p + 46 > len(cd):
             raise ItemFormatError("bad central directory entry")
-        (flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk, _, _, lho) = struct.unpack_from(
+        (flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk, _, eattr, lho) = struct.unpack_from(
             "<HHHHIIIHHHHHII", cd, p + 8)
         if p + 46 + nlen + xlen + clen > len(cd):
             raise ItemFormatError("central directory entry runs past the directory")
@@ -272,8 +272,8 @@ def _zip_directory(src: ByteSource, name: str, offset: int, length: int) -> dict
             usize, csize, lho = _zip64_sizes(cd[p + 46 + nlen:p + 46 + nlen + xlen], usize, csize, lho)
         if lho + 30 + csize > length:
             raise ItemFormatError(f"zip record {fname!r} ({csize} bytes at {lho}) lies outside the item")
-        if method != 0 or csize != usize or flags & 0x41 or disk:
-            raise ItemFormatError(f"zip record {fname!r} is compressed, encrypted or on another disk")
+        if method != 0 or csize != usize or flags & 0x41 or disk or eattr & 0x10:  # 0x10: miniz reads a folder
+            raise ItemFormatError(f"zip record {fname!r} is compressed, encrypted, on another disk or a folder")
         top, slash, key = fname.partition("/")
         folder = top if folder is None else folder
         if not slash or top != folder:
