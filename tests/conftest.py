@@ -25,7 +25,14 @@ sys.path.insert(0, str(HERE))
 # cluster), `slow` (a module whose tests each start training runs or writers: torchrun, Lightning, DeepSpeed,
 # the soak and the fuzzers). The fast subset: pytest -m "not slow and not slurm and not s3 and not gui".
 SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_training_panel", "test_follow", "test_library",
-                "test_library_gui", "test_accelerate_writer", "test_export_unseen", "test_slurm"}
+                "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm"}
+# modules of window tests: every test in them is `gui`, also one that starts no qtbot (--screenshot, the gui
+# command, the shard map's hover index)
+GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_library_gui", "test_workers",
+               "test_cli_gui", "test_main_window", "test_main_window_files", "test_checkpoint_view",
+               "test_tensor_tree", "test_shard_map", "test_inspector_view", "test_health_panel", "test_ranks_view",
+               "test_compare_view", "test_compare_picker", "test_library_view", "test_import_job",
+               "test_training_tab"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,8 +41,7 @@ def pytest_collection_modifyitems(config, items):
         uses = set(getattr(item, "fixturenames", ()))
         source = getattr(item.function, "__code__", None)
         names = set(source.co_names) if source else set()
-        if "qtbot" in uses or "window" in uses or module.startswith(("test_gui", "test_window")) or \
-                module in ("test_soak", "test_training_panel", "test_library_gui", "test_workers"):
+        if "qtbot" in uses or "window" in uses or module in GUI_MODULES:
             item.add_marker(pytest.mark.gui)
         if "s3" in uses or "S3Server" in names or module == "test_remote":
             item.add_marker(pytest.mark.s3)
@@ -88,6 +94,17 @@ def copy_of(fixtures, tmp_path):
         return dst
 
     return make
+
+
+@pytest.fixture
+def window(qtbot):
+    """A main window, quiet (no modal message boxes) and not shown; a module may define its own."""
+    from shardscope.app.main_window import MainWindow
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True  # no modal message boxes
+    return win
 
 
 # the CLI in a fresh process that prints its own peak RSS last. NOTE: VmHWM, not ru_maxrss: Linux carries

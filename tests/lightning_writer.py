@@ -10,12 +10,12 @@ Lightning re-runs this script for rank 1. Writes OUT_DIR/ckpt (``state_dict.*``,
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+from gloo_retry import RunFailed, retry_gloo, run_ok
 from torch import nn
 
 
@@ -61,13 +61,16 @@ def write(out: Path, attempts: int = 3) -> None:
     """Run this script as the tests do (Lightning starts rank 1 itself), from an empty folder each try: Lightning
     rendezvouses on a TCP port it picked free a moment before, which another process on a busy machine may take
     in between. Fails with the last try's output."""
-    for _ in range(attempts):
+    def empty() -> Path:
         shutil.rmtree(out / "ckpt", ignore_errors=True)
         (out / "reference.pt").unlink(missing_ok=True)
-        proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0:
-            return
-    raise AssertionError(f"tests/lightning_writer.py failed {attempts} times; the last:\n{proc.stderr[-3000:]}")
+        return out
+
+    try:
+        retry_gloo(empty, lambda folder: run_ok([sys.executable, __file__, str(folder)], timeout=600), attempts)
+    except RunFailed as e:
+        last = e.proc.stderr[-3000:]
+        raise AssertionError(f"tests/lightning_writer.py failed {attempts} times; the last:\n{last}") from None
 
 
 if __name__ == "__main__":

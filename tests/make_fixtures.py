@@ -11,13 +11,13 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from gloo_retry import retry_gloo
 from torch import nn
 
 
@@ -175,24 +175,20 @@ FIXTURES = {
 }
 
 
+def empty(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
 def make_all(root: Path) -> dict[str, Path]:
     paths = {}
     for name, (kind, world) in FIXTURES.items():
         target = root / name
         marker = root / f".{name}.done"
-        for attempt in (1, 2, 3):  # a busy machine can fail a gloo run; each try starts from an empty folder
-            if marker.exists():
-                break
-            shutil.rmtree(target, ignore_errors=True)
-            try:
-                make(kind, world, target)
-            except Exception:
-                print(f"make_fixtures: {name} failed (attempt {attempt} of 3):", file=sys.stderr)
-                traceback.print_exc()
-                if attempt == 3:
-                    raise
-            else:
-                marker.write_text("ok")
+        if not marker.exists():
+            retry_gloo(lambda target=target: empty(target), lambda out, kind=kind, world=world: make(kind, world, out),
+                       name=f"make_fixtures: {name}")
+            marker.write_text("ok")
         paths[name] = target
     return paths
 

@@ -1,11 +1,17 @@
-"""The Export dialog's destination: proposed outside the run's checkpoints/ folder, made when missing."""
+"""The Export dialog (widgets/export_dialog.py): its destination (proposed outside the run's checkpoints/
+folder, made when missing), the layout preview, exclude and rename, resharding, progress past 2 GiB, options
+locked while it runs, cancelling (a second export too), overwriting a model folder, and Open after an export."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture)
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
 from safetensors import safe_open
+from shardscope.backend.checkpoint import open_checkpoint
 
 
 def test_default_destination_is_beside_checkpoints_and_made_when_missing(qtbot, fixtures, tmp_path):
@@ -38,3 +44,225 @@ def test_default_destination_is_beside_checkpoints_and_made_when_missing(qtbot, 
         dlg3.export_button.click()
     assert blocker.args[0] is None and "Nothing was written" in dlg3.message.text()
     assert not (tmp_path / "new").exists()
+
+
+def test_progress_sizes_past_2_gib_cross_the_qt_boundary(qtbot, fixtures):
+    from shardscope.widgets.export_dialog import ExportDialog
+    from shardscope.widgets.workers import WorkerSignals
+
+    dlg = ExportDialog(open_checkpoint(fixtures["nopg"]), "")
+    qtbot.addWidget(dlg)
+    signals = WorkerSignals()
+    signals.progress.connect(dlg._on_progress)
+    signals.progress.emit(3 << 30, 5 << 30, "exporting")
+    assert dlg.progress.text().endswith("3.0 GiB of 5.0 GiB"), dlg.progress.text()
+    assert dlg.progress.value() == dlg.progress.maximum() * 3 // 5
+
+
+def test_dialog_shows_layout_and_takes_exclude_and_rename(qtbot, fixtures, tmp_path):
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]), "")
+    qtbot.addWidget(dlg)
+    dlg.dst.setText(str(tmp_path / "m.safetensors"))
+    assert "layout: torch DCP recipe" in dlg.summary.text()
+    n = len(dlg.keys.stringList())
+    dlg.exclude.setText("model.head")
+    assert len(dlg.keys.stringList()) < n
+    dlg.rename.setText(r"^emb\.=embed.")
+    assert any(k.startswith("embed.weight") for k in dlg.keys.stringList())
+    dlg.exclude.setText("model.nosuch")
+    assert not dlg.export_button.isEnabled() and "matches no entry" in dlg.summary.text()
+
+
+def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
+    from safetensors import safe_open
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    ckpt = open_checkpoint(fixtures["fsdp2_r4"])
+    dlg = ExportDialog(ckpt, "model")
+    qtbot.addWidget(dlg)
+    dlg.dst.setText(str(tmp_path / "m.safetensors"))
+    assert dlg.strip.text() == "model."
+    keys = dlg.keys.stringList()
+    assert len(keys) == 15 and all(not k.startswith("model.") for k in keys)
+    assert "15 tensors" in dlg.summary.text()
+    dlg.shard.setText("not a size")
+    assert not dlg.export_button.isEnabled() and "not a size" in dlg.summary.text()
+    dlg.shard.setText("")
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000) as blocker:
+        dlg.export_button.click()
+    result = blocker.args[0]
+    assert result is not None and result.verified is True
+    assert not dlg.show_button.isHidden()
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as h:
+        assert set(h.keys()) == {k.split()[0] for k in keys}
+    assert "verified" in dlg.message.text()
+    dlg.dst.setText(str(tmp_path / "m.pt"))  # another destination: the last result line is stale
+    assert dlg.message.text() == "" and dlg.show_button.isHidden() and dlg.result is None
+    # cancel: the worker stops at its next progress check and nothing is left behind
+    dlg2 = ExportDialog(ckpt, "")
+    qtbot.addWidget(dlg2)
+    dlg2.dst.setText(str(tmp_path / "all.pt"))
+    with qtbot.waitSignal(dlg2.finished_export, timeout=120000) as blocker:  # NOTE: listening before it starts
+        dlg2.start()
+        dlg2._worker.quit()
+    assert blocker.args[0] is None
+    assert not (tmp_path / "all.pt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temporary of any name left
+
+
+def test_export_dialog_reshards(qtbot, fixtures, tmp_path):
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    ckpt = open_checkpoint(fixtures["fsdp2_r2"])
+    dlg = ExportDialog(ckpt, "")
+    qtbot.addWidget(dlg)
+    dlg.format.setCurrentText("DCP (reshard)")
+    dlg.ranks.setValue(3)
+    dlg.dst.setText(str(tmp_path / "r3"))
+    assert "3 ranks" in dlg.summary.text() and not dlg.dtype.isEnabled()
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000) as blocker:
+        dlg.export_button.click()
+    assert blocker.args[0] is not None and blocker.args[0].verified is True
+    assert open_checkpoint(tmp_path / "r3").ranks == [0, 1, 2]
+
+
+def export_dialog(qtbot, fixtures, dst):
+    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]))
+    qtbot.addWidget(dlg)
+    dlg.dst.setText(str(dst))
+    return dlg
+
+
+def test_export_dialog_locks_every_option_while_it_runs(qtbot, fixtures, tmp_path):
+    """Only destination, format, verify and overwrite were locked during an export: typing into Only,
+    Exclude, Rename or Max shard size replaced the plan and the preview while the old plan was written."""
+    dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000) as sig:
+        dlg.export_button.click()
+        assert [w for w in dlg.option_widgets() if w.isEnabled()] == []
+    assert sig.args[0] is not None and (tmp_path / "m.safetensors").exists()
+    assert dlg.only.isEnabled() and dlg.shard.isEnabled() and dlg.dst.isEnabled()
+    assert not dlg.ranks.isEnabled()  # used by DCP (reshard) only
+
+
+def test_export_dialog_speaks_of_its_own_fields(qtbot, fixtures, tmp_path):
+    """A destination that exists said "give --force to overwrite it": the dialog has no --force."""
+    (tmp_path / "m.safetensors").write_bytes(b"keep me")
+    dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000):
+        dlg.export_button.click()
+    assert "--force" not in dlg.message.text() and "Overwrite the destination if it exists" in dlg.message.text()
+    assert (tmp_path / "m.safetensors").read_bytes() == b"keep me"
+    dlg.dst.setText(str(tmp_path / "noext"))
+    assert "--" not in dlg.summary.text() and "Max shard size" in dlg.summary.text()
+    dlg.dst.setText(str(tmp_path / "m2.safetensors"))
+    dlg.only.setText("nothing.here")
+    assert "--" not in dlg.summary.text() and "Only nothing.here matches no entry" in dlg.summary.text()
+
+
+SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine
+
+
+def test_a_second_export_from_the_dialog_can_be_cancelled(qtbot, fixtures, tmp_path):
+    """After one export the dialog swaps Cancel for Close; a second export (another destination) then ran with
+    only Close, which shut the dialog instead of stopping the export, and Show in folder still pointed at the
+    first output."""
+    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]))
+    qtbot.addWidget(dlg)
+    dlg.show()
+    dlg.dst.setText(str(tmp_path / "a.safetensors"))
+    with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as first:
+        dlg.export_button.click()
+    assert first.args[0] is not None
+    assert dlg.close_button.isVisibleTo(dlg) and not dlg.cancel_button.isVisibleTo(dlg)
+    dlg.dst.setText(str(tmp_path / "b.pt"))
+    with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as second:
+        dlg.export_button.click()
+        # the results arrive through the event loop: this is the dialog while the second export runs
+        assert dlg.cancel_button.isVisibleTo(dlg) and dlg.cancel_button.isEnabled()
+        assert not dlg.close_button.isVisibleTo(dlg) and not dlg.show_button.isVisibleTo(dlg)
+    assert second.args[0] is not None and (tmp_path / "b.pt").exists()
+    assert dlg.close_button.isVisibleTo(dlg) and dlg.show_button.isVisibleTo(dlg)
+
+
+def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(qtbot, fixtures, tmp_path):
+    """Export (sharded, Overwrite ticked) into an existing HF model folder replaced the whole folder: its
+    config.json and tokenizer.json were deleted without a word. Now an earlier export's weights go, the
+    folder's other files stay, and the result says which were kept."""
+    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    folder = tmp_path / "llama-hf"
+    (folder / "tokenizer").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer" / "tokenizer.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"old weights")
+    dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]))
+    qtbot.addWidget(dlg)
+    dlg.dst.setText(str(folder))
+    dlg.shard.setText("3KB")
+    dlg.force.setChecked(True)
+    with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as done:
+        dlg.export_button.click()
+    assert done.args[0] is not None, dlg.message.text()
+    names = sorted(p.name for p in folder.iterdir())
+    assert "config.json" in names and "tokenizer" in names and "pytorch_model.bin" not in names
+    assert (folder / "tokenizer" / "tokenizer.json").read_text() == "{}"
+    assert "model.safetensors.index.json" in names
+    assert "kept in the folder (not written by an export): config.json, tokenizer" in dlg.message.text()
+    dlg.shard.setText("5KB")  # over its own earlier export: the old shards go, the kept files stay
+    with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as again:
+        dlg.export_button.click()
+    assert again.args[0] is not None
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert {p.name for p in folder.iterdir()} == {*shards, "model.safetensors.index.json", "config.json", "tokenizer"}
+
+
+def test_open_after_an_export_shows_the_written_file_in_the_window(qtbot, fixtures, tmp_path):
+    """After File › Export the only way to look at the result was File › Open file and typing its path again;
+    Open now brings the written file (or sharded folder) up in a tab and closes the dialog."""
+    from shardscope.app.main_window import MainWindow
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True
+    view = win.open_path(str(fixtures["fsdp2_r2"]))
+    qtbot.waitUntil(lambda: view.data is not None, timeout=SLOW)
+    dst = tmp_path / "sharded"
+    seen: dict[str, bool] = {}
+
+    def drive() -> None:  # runs inside the dialog's exec()
+        dlg = QApplication.activeModalWidget()
+        if not isinstance(dlg, ExportDialog):
+            QTimer.singleShot(50, drive)
+            return
+        try:
+            assert dlg.open_button.isHidden()  # nothing written yet
+            dlg.dst.setText(str(dst))
+            dlg.shard.setText("3KB")
+            with qtbot.waitSignal(dlg.finished_export, timeout=SLOW):
+                dlg.export_button.click()
+            seen["shown"] = dlg.open_button.isVisibleTo(dlg)
+            dlg.open_button.click()
+        finally:
+            dlg.reject()  # a no-op once Open has closed it
+
+    QTimer.singleShot(0, drive)
+    win.export_current("")
+    assert seen == {"shown": True}
+    opened = win.current_view()
+    assert opened is not view and opened.path == str(dst)
+    qtbot.waitUntil(lambda: opened.data is not None, timeout=SLOW)
+    assert len(opened.data.ckpt.tensors) == 15

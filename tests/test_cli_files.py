@@ -1,6 +1,6 @@
-"""inspect, verify and show take every path the window opens: a .safetensors file, a torch file (.pt, a
-Lightning .ckpt), an HF index folder and its index file; they refused every one of them ("is a file, not a
-checkpoint folder") while the window opened them."""
+"""The inspect, verify, show and export commands on every path the window opens besides a DCP folder: a
+.safetensors file, a torch file (.pt, a Lightning .ckpt), an HF index folder and its index file (they once
+refused every one of them: "is a file, not a checkpoint folder")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Hostile single files and HF folders (the entry points besides a DCP folder): real ``torch.save`` and
-``safetensors.torch.save_file`` output, then damaged or oddly built. Each one gives exit 2 with one line
-naming the file (never exit 3, a traceback, a hang or memory driven by a number in the file), and a
-damaged header is never read as good values."""
+"""Hostile single files and HF folders, opened through backend/compare/browse_file.py (the entry points besides
+a DCP folder): real ``torch.save`` and ``safetensors.torch.save_file`` output, then damaged or oddly built.
+Each one gives exit 2 with one line naming the file (never exit 3, a traceback, a hang or memory driven by a
+number in the file), and a damaged header is never read as good values."""
 
 from __future__ import annotations
 

@@ -1,0 +1,92 @@
+"""The health panel (widgets/health_panel.py): hostile and damaged folders, the status badge following
+verify-contents."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+from gui_support import no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
+from shardscope.widgets.checkpoint_view import CheckpointView
+
+
+def test_hostile_folder_shows_error_and_runs_nothing(qtbot, copy_of, tmp_path):
+    ckpt = copy_of("nopg")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    view = CheckpointView(str(ckpt))
+    qtbot.addWidget(view)
+    with qtbot.waitSignal(view.failed, timeout=120000) as blocker:
+        view.load()
+    assert "refused" in blocker.args[0] and "os.system" in blocker.args[0].replace("posix.system", "os.system")
+    assert "Cannot open" in view.header.text()
+    assert not marker.exists()
+
+
+def test_missing_shard_in_health_panel(qtbot, copy_of):
+    ckpt = copy_of("fsdp2_r4")
+    (ckpt / "__3_0.distcp").unlink()
+    view = open_view(qtbot, ckpt)
+    kinds = [p.kind for p in view.health.problems]
+    assert "missing_file" in kinds
+    item = view.health.item(kinds.index("missing_file"))
+    assert "__3_0.distcp" in item.text()
+    fqn = view.health.problems[kinds.index("missing_file")].fqn
+    view.health.itemClicked.emit(item)
+    assert view.selected_node() is not None and view.selected_node().path == fqn
+    qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)
+
+
+def flip_a_value_byte(ckpt_dir, fqn: str) -> None:
+    """Flip one byte inside the stored values of ``fqn``'s first chunk (bit rot only a CRC32 catches)."""
+    from shardscope.backend.checkpoint.chunks import ChunkReader
+    from shardscope.backend.checkpoint.reader import open_checkpoint
+
+    ck = open_checkpoint(ckpt_dir)
+    chunk = ck.tensor(fqn).chunks[0]
+    with ChunkReader(ck) as reader:
+        at = reader.locate(fqn, chunk).data_offset + 8
+    with open(ckpt_dir / chunk.file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_status_badge_follows_verify_contents(qtbot, copy_of):
+    """The window's status badge said "● healthy" in green next to a Health tab listing a corrupt chunk
+    that Verify contents had just found."""
+    from shardscope.app.main_window import MainWindow
+
+    ckpt = copy_of("fsdp2_r2")
+    flip_a_value_byte(ckpt, "model.blocks.0.fc1.weight")
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True
+    view = win.open_path(str(ckpt))
+    qtbot.waitUntil(lambda: view.data is not None and view.data.problems is not None and view.progress.isHidden(),
+                    timeout=120000)
+    assert win.badge.text() == "● healthy"  # the quick check reads no values
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000) as sig:
+        win.verify_current()
+    assert [p.kind for p in sig.args[0]] == ["corrupt"]
+    assert win.badge.text() == "● 1 problem"
+    assert view.health.item(0).text().endswith(": 1 problem")
+
+
+@pytest.mark.parametrize("name", ["hf_r2", "fsdp_safetensors_r2"])
+def test_verify_contents_claims_no_crc32_that_safetensors_lacks(qtbot, fixtures, name):
+    """safetensors stores no checksum, yet the Health tab said "every stored item read once and its CRC32
+    matched" (the CLI says "CRC32 checked where the format stores one")."""
+    view = open_view(qtbot, fixtures[name])
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000):
+        view.verify_contents()
+    text = view.health.item(0).text()
+    assert text.startswith("✔ Contents verified") and "CRC32 matched" not in text
+    assert "safetensors" in text

@@ -1,0 +1,52 @@
+"""Folders written by torch's ``HuggingFaceStorageWriter`` (backend/checkpoint/hf_reader.py): read like any
+checkpoint, and a shard header that claims more than the file holds."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+from conftest import run_cli
+from damaged_metadata import clean, run_measured
+from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.checkpoint.chunks import ChunkReader
+from shardscope.backend.checkpoint.verify import verify
+
+
+def test_huggingface_storage_writer_folder(fixtures):
+    """torch's HuggingFaceStorageWriter(save_distributed=True): per-rank safetensors, JSON headers only."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    ckpt = open_checkpoint(fixtures["hf_r2"])
+    assert ckpt.format == "hf-safetensors"
+    assert ckpt.ranks == [0, 1]
+    assert verify(ckpt, deep=True) == []
+    ref: dict = {}
+    _load_state_dict(ref, storage_reader=HuggingFaceStorageReader(str(fixtures["hf_r2"])),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    assert {t.fqn for t in ckpt.tensors} == set(ref)
+    with ChunkReader(ckpt) as reader:
+        for t in ckpt.tensors:
+            assert torch.equal(reader.read_tensor(t), ref[t.fqn]), t.fqn
+
+
+def test_hf_shard_claiming_more_than_exists(copy_of):
+    ckpt = copy_of("hf_r2")
+    name = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".safetensors")[0]
+    path = ckpt / name
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    a = header[key]["data_offsets"][0]
+    header[key]["data_offsets"][1] = a + 5_000_000_000
+    raw = json.dumps(header).encode()
+    raw += b" " * (n - len(raw)) if len(raw) <= n else b""
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    proc, mb = run_measured("verify", "--deep", ckpt)
+    clean(proc, (1,))
+    assert "short_file" in proc.stdout and name in proc.stdout and key in proc.stdout and mb < 1500
+    clean(run_cli("show", ckpt, key))

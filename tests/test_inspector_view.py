@@ -1,0 +1,67 @@
+"""The inspector (widgets/inspector_view.py): statistics equal to torch's, and errors, long names and narrow
+panes that must not widen the window or clip the table."""
+
+from __future__ import annotations
+
+import pytest
+from gui_support import min_width, no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
+from torch_reference import flatten, torch_consolidated
+
+
+def test_inspector_stats_equal_torch(qtbot, fixtures):
+    view = open_view(qtbot, fixtures["ddp_r2"])
+    with qtbot.waitSignal(view.statsReady, timeout=120000) as blocker:
+        view.select_path("optimizer.state.head.weight.exp_avg_sq")
+    stats = blocker.args[0]
+    ref = flatten(torch_consolidated(fixtures["ddp_r2"]))["optimizer.state.head.weight.exp_avg_sq"]
+    assert stats.min == pytest.approx(ref.min().item())
+    assert stats.max == pytest.approx(ref.max().item())
+    assert stats.mean == pytest.approx(ref.double().mean().item())
+    assert stats.std == pytest.approx(ref.double().std().item())
+    assert view.inspector.chunks.rowCount() == 1
+    assert "exp_avg_sq" in view.inspector.title.text()
+    text = view.inspector.copy_chunks()
+    assert "__" in text and "offsets" in text
+
+
+def test_value_read_error_does_not_widen_the_window(qtbot, copy_of):
+    """A chunk in a truncated file: the inspector's one-line error (a long path) used to set the view's
+    minimum width to the whole line (1528 px), so the main window grew past a 1280 px screen."""
+    ckpt = copy_of("fsdp2_r2")
+    data = ckpt / "__1_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(50000)
+    view = open_view(qtbot, ckpt)
+    before = min_width(view)
+    with qtbot.waitSignal(view.valuesDone, timeout=120000):
+        assert view.select_path("optimizer.state.head.weight.exp_avg_sq")
+    assert "truncated" in view.inspector.stats.text()
+    assert min_width(view) <= max(before, 700)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_long_tensor_name_does_not_widen_the_window(qtbot, tmp_path):
+    """A transformers-style optimizer key (long FQN) in the inspector title must not set the minimum width."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    name = "optimizer.state." + ".".join(["model.decoder.layers.31.self_attn.q_proj_with_a_long_name"] * 3)
+    dcp.save({name: torch.zeros(4, 3)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    view = open_view(qtbot, tmp_path / "ck")
+    before = min_width(view)
+    with qtbot.waitSignal(view.valuesDone, timeout=120000):
+        assert view.select_path(name)
+    assert name in view.inspector.title.text()
+    assert min_width(view) <= max(before, 700)
+
+
+def test_statistics_table_is_not_clipped_in_a_narrow_pane(qtbot, fixtures):
+    """Two checkpoints side by side: the statistics table keeps its natural width (the fix that lets
+    error messages wrap must not clip "max 0.30244" to "0.3024")."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    view.resize(620, 700)
+    with qtbot.waitSignal(view.statsReady, timeout=120000):
+        assert view.select_path("model.head.weight")
+    min_width(view)
+    stats = view.inspector.stats
+    assert stats.width() >= stats.sizeHint().width() > 0

@@ -1,0 +1,79 @@
+"""Coverage and rank balance (backend/checkpoint/layout.py): gaps, overlaps and half-missing huge shapes found
+from the metadata alone, every chunk counted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+from conftest import run_cli
+from damaged_metadata import FQN, clean, index_of, save_metadata
+from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.checkpoint.layout import coverage, rank_balance
+from shardscope.backend.checkpoint.verify import verify
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch_reference import torch_metadata
+
+
+def test_rank_balance_counts_every_chunk(fixtures):
+    ckpt = open_checkpoint(fixtures["fsdp2_r4"])
+    bal = rank_balance(ckpt)
+    assert [b.rank for b in bal] == [0, 1, 2, 3]
+    assert sum(b.chunks for b in bal) == len(ckpt.chunk_table)
+    assert sum(b.bytes for b in bal) == ckpt.total_bytes
+
+
+def test_gap_and_overlap_are_found(copy_of):
+    """Rewrite the metadata with torch's own classes so one tensor has a hole and another an overlap."""
+    ckpt = copy_of("fsdp2_r2")
+    script = textwrap.dedent(f"""
+        import pickle, torch
+        from torch.distributed.checkpoint import FileSystemReader
+        md = FileSystemReader({str(ckpt)!r}).read_metadata()
+        w = md.state_dict_metadata["model.emb.weight"]
+        w.chunks = w.chunks[:1]                      # rows 19..37 now belong to no chunk
+        b = md.state_dict_metadata["model.head.weight"]
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        c = b.chunks[1]
+        b.chunks[1] = ChunkStorageMetadata(torch.Size([c.offsets[0] - 2, 0]), torch.Size([c.sizes[0] + 2, c.sizes[1]]))
+        md.storage_meta = None
+        pickle.dump(md, open({str(ckpt / '.metadata')!r}, "wb"))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    problems = verify(open_checkpoint(ckpt, use_cache=False))
+    gap = [p for p in problems if p.kind == "gap"]
+    over = [p for p in problems if p.kind == "overlap"]
+    assert gap and gap[0].fqn == "model.emb.weight" and "[19:37, 0:12]" in gap[0].message
+    assert over and over[0].fqn == "model.head.weight" and "[17:19, 0:12]" in over[0].message
+
+
+def test_huge_shape_with_half_missing_is_reported(copy_of):
+    ckpt = copy_of("nopg")
+    md = torch_metadata(ckpt)
+    fqn = next(k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+               and len(v.size) == 2)
+    tm = md.state_dict_metadata[fqn]
+    old = tm.chunks[0]
+    info = md.storage_data.pop(index_of(md, fqn, old.offsets))
+
+    tm.size = torch.Size([2**40, 2**40])
+    tm.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2**39, 2**40]))]
+    md.storage_data[MetadataIndex(fqn, torch.Size([0, 0]))] = info
+    save_metadata(ckpt, md)
+    ck = open_checkpoint(ckpt, use_cache=False)
+    cov = coverage(ck, ck.tensor(fqn))
+    assert not cov.exact and cov.gap_elements == 2**79
+    gaps = [p for p in verify(ck) if p.kind == "gap"]
+    assert gaps and gaps[0].fqn == fqn
+    clean(run_cli("show", ckpt, fqn, "--no-cache"))  # not 4 TiB of torch.empty: bad input
+
+
+def test_partly_overlapping_ranges_are_found_without_reading(copy_of):
+    ckpt = copy_of("fsdp2_r2")
+    md = torch_metadata(ckpt)
+    a = md.storage_data[index_of(md, FQN, md.state_dict_metadata[FQN].chunks[0].offsets)]
+    a.length += 100  # runs into the next item
+    save_metadata(ckpt, md)
+    assert "storage_overlap" in [p.kind for p in verify(open_checkpoint(ckpt, use_cache=False))]

@@ -1,0 +1,160 @@
+"""The Library (widgets/library_view.py): why a double-click did not open, filtering by run name, the prune
+preview following removals, Enter opening the selected checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture)
+from PySide6.QtCore import QModelIndex, Qt, QTimer
+
+
+def test_library_says_why_a_double_click_did_not_open(qtbot, tmp_path, fixtures):
+    """Double-clicking a consolidated .pt in the Library said "a.pt is complete; it opens once it is
+    complete"; an unreadable checkpoint was also promised to open "once it is complete"."""
+    import shutil
+
+    import torch
+    from shardscope.widgets.library_view import LibraryView
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    torch.save({"w": torch.zeros(2)}, run / "a.pt")
+    broken = run / "broken"
+    shutil.copytree(fixtures["fsdp2_r2"], broken)
+    (broken / ".metadata").write_bytes(b"")
+    old = time.time() - 3600  # files that changed a moment ago are "writing"
+    for p in [run / "a.pt", broken, *broken.iterdir()]:
+        os.utime(p, (old, old))
+    view = LibraryView([str(tmp_path / "runs")], None)
+    qtbot.addWidget(view)
+    view.show()
+    qtbot.waitUntil(lambda: view.snapshot is not None and len(view.snapshot.listing.checkpoints) == 2,
+                    timeout=120000)
+    view.select_paths([str(run / "a.pt")])
+    with qtbot.assertNotEmitted(view.openRequested, wait=100):
+        view.open_selected()
+    assert "consolidated file" in view.status.text() and "once it is complete" not in view.status.text()
+    view.select_paths([str(broken)])
+    with qtbot.assertNotEmitted(view.openRequested, wait=100):
+        view.open_selected()
+    assert "unreadable" in view.status.text() and "cannot be opened" in view.status.text()
+    assert "once it is complete" not in view.open_button.toolTip()
+
+
+SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine
+
+
+def aged_copy(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint folder whose files are an hour old (files that changed a moment ago are "writing")."""
+    shutil.copytree(src, dst)
+    old = time.time() - 3600
+    for p in [dst, *dst.iterdir()]:
+        os.utime(p, (old, old))
+    return dst
+
+
+@pytest.fixture
+def runs_root(tmp_path, fixtures) -> Path:
+    """Two runs: runA with three complete checkpoints, runB with one."""
+    base = tmp_path.resolve() / "root"
+    for i in (1, 2, 3):
+        aged_copy(fixtures["fsdp2_r2"], base / "runA" / "checkpoints" / f"step_{i:06d}")
+    aged_copy(fixtures["ddp_r2"], base / "runB" / "checkpoints" / "step_000010")
+    return base
+
+
+def library(qtbot, root: Path):
+    from shardscope.widgets.library_view import LibraryView
+
+    view = LibraryView([str(root)], None)
+    qtbot.addWidget(view)
+    view.show()
+    qtbot.waitUntil(lambda: view.snapshot is not None and len(view.snapshot.listing.checkpoints) == 4,
+                    timeout=SLOW)
+    return view
+
+
+def test_filtering_the_library_by_a_run_name_keeps_its_checkpoints(qtbot, runs_root):
+    """Typing a run's name into the Library's filter showed the run ("3 ckpt") with nothing under it to open."""
+    view = library(qtbot, runs_root)
+    view.filter.setText("runA")
+    proxy = view.proxy
+    assert proxy.rowCount(QModelIndex()) == 1
+    run = proxy.index(0, 0, QModelIndex())
+    assert proxy.rowCount(run) == 3
+    view.select_paths([str(runs_root / "runA" / "checkpoints" / "step_000002")])
+    assert [c.name for c in view.selected_checkpoints()] == ["step_000002"] and view.open_button.isEnabled()
+    view.filter.setText("step_000010")  # a checkpoint's name still finds it alone, under its run
+    assert proxy.rowCount(QModelIndex()) == 1 and proxy.rowCount(proxy.index(0, 0, QModelIndex())) == 1
+
+
+def test_the_prune_preview_follows_the_library_after_a_removal(qtbot, runs_root, fixtures):
+    """After Move to the trash the preview still listed the removed checkpoints as "remove" with their bytes
+    ("Removes 2 of 4"), whatever rule was changed next, and the button stayed disabled for good: the dialog
+    planned on the listing it was opened with. Now it follows the Library's scans (a run writing new
+    checkpoints too)."""
+    from shardscope.widgets.prune_dialog import PruneDialog
+
+    view = library(qtbot, runs_root)
+    seen: dict[str, object] = {}
+
+    def drive() -> None:  # runs inside the dialog's exec()
+        dlg = view.findChild(PruneDialog)
+        if dlg is None or not dlg.isVisible():
+            QTimer.singleShot(50, drive)
+            return
+        try:
+            dlg.last_n.setValue(1)
+            qtbot.waitUntil(lambda: dlg.plan is not None and len(dlg.plan.remove) == 2, timeout=SLOW)
+            with qtbot.waitSignal(dlg.pruned, timeout=SLOW):
+                dlg.start_removal(delete=True)
+            # the Library rescans; the preview is planned again on what is left
+            qtbot.waitUntil(lambda: dlg.plan is not None and len(dlg.plan.decisions) == 2, timeout=SLOW)
+            seen["after"] = (dlg.summary.text(), dlg.act_button.isEnabled())
+            aged_copy(fixtures["fsdp2_r2"], runs_root / "runA" / "checkpoints" / "step_000004")
+            qtbot.waitUntil(lambda: dlg.plan is not None and len(dlg.plan.decisions) == 3, timeout=SLOW)
+            seen["new"] = ([d.checkpoint.name for d in dlg.plan.remove], dlg.act_button.isEnabled())
+        finally:
+            dlg.reject()
+
+    QTimer.singleShot(0, drive)
+    view.prune_dialog()
+    summary, enabled = seen["after"]
+    assert "2 checkpoints deleted" in summary and "Removes 0 of 2 checkpoints" in summary and not enabled
+    assert seen["new"] == (["step_000003"], True)  # a new checkpoint: the rule has work again, and may act
+    assert sorted(p.name for p in (runs_root / "runA" / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
+
+
+def test_enter_opens_the_selected_checkpoint_in_the_library_and_the_training_panel(qtbot, runs_root, tmp_path):
+    """Keyboard-only use: Enter on a checkpoint did nothing in the Library or in the Training panel's Checkpoints
+    list; only a double-click opened it."""
+    from PySide6.QtTest import QTest
+    from shardscope.widgets.training_panel import TrainingPanel
+    from test_training_panel import SHORT, fake_run
+
+    view = library(qtbot, runs_root)
+    wanted = str(runs_root / "runB" / "checkpoints" / "step_000010")
+    view.select_paths([wanted])
+    view.tree.setCurrentIndex(view.tree.selectionModel().selectedRows(0)[0])
+    view.tree.setFocus()
+    with qtbot.waitSignal(view.openRequested, timeout=5000) as opened:
+        QTest.keyClick(view.tree, Qt.Key.Key_Return)
+    assert opened.args == [wanted]
+
+    panel = TrainingPanel(runs_root=tmp_path / "runs")
+    qtbot.addWidget(panel)
+    try:
+        run = fake_run(tmp_path / "runs" / "r", {"state": "finished", "explanation": "success"})
+        panel.follow(str(run))
+        qtbot.waitUntil(lambda: panel.ckpt_list.count() == 2, timeout=SHORT)
+        panel.ckpt_list.setCurrentRow(1)
+        with qtbot.waitSignal(panel.openCheckpoint, timeout=5000) as opened:
+            QTest.keyClick(panel.ckpt_list, Qt.Key.Key_Return)
+        assert opened.args[0].endswith("step_000001")
+    finally:
+        panel.shutdown()

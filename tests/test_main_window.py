@@ -1,0 +1,138 @@
+"""The main window (app/main_window.py): tabs (opened, dropped, reloaded, closed), two checkpoints side by
+side, a checkpoint on an fsspec URL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gui_support import no_thread_left_running, wait_loaded  # noqa: F401  (an autouse fixture)
+from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
+from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import QApplication
+from shardscope.widgets.checkpoint_view import CheckpointView
+
+
+def test_two_checkpoints_side_by_side(qtbot, fixtures):
+    from shardscope.app.main_window import MainWindow
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True
+    a = win.open_path(str(fixtures["fsdp2_r2"]))
+    wait_loaded(qtbot, a)
+    b = win.open_path(str(fixtures["fsdp2_r4"]))
+    wait_loaded(qtbot, b)
+    def views(pane) -> list:  # the checkpoint tabs of a pane (the window may hold others, e.g. Library)
+        return [pane.widget(i) for i in range(pane.count()) if isinstance(pane.widget(i), CheckpointView)]
+
+    assert views(win.tabs) == [a, b] and win.side_tabs.isHidden()
+    win.move_to_other_side()
+    assert views(win.tabs) == [a] and views(win.side_tabs) == [b] and win.side_tabs.count() == 1
+    assert not win.side_tabs.isHidden()
+    assert win.current_view() is b
+    win.close_tab(0, win.side_tabs)
+    assert win.side_tabs.isHidden() and win.current_view() is a
+
+
+def test_window_opens_a_checkpoint_on_an_fsspec_url(qtbot, fixtures):
+    import fsspec
+    from shardscope.app.main_window import MainWindow
+
+    fs = fsspec.filesystem("memory")
+    for f in fixtures["ddp_r2"].iterdir():
+        fs.pipe(f"/gui-ck/{f.name}", f.read_bytes())
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True
+    view = win.open_path("memory://gui-ck")
+    wait_loaded(qtbot, view)  # a condition, not the signal: it may have fired already on a fast load
+    assert view.path == "memory://gui-ck" and view.data.problems == []
+    with qtbot.waitSignal(view.statsReady, timeout=120000):
+        assert view.select_path("model.emb.weight")
+
+
+SLOW = 120000  # ms: a checkpoint load or a background read on a loaded 2-core machine
+
+
+def hf_folder(path: Path) -> Path:
+    """An HF-style sharded folder as transformers writes it: two safetensors files and the index naming them."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    weight_map = {}
+    for i, names in enumerate((["model.embed.weight"], ["model.head.weight", "model.head.bias"]), start=1):
+        file = f"model-{i:05d}-of-00002.safetensors"
+        save_file({n: torch.randn(4, 3) for n in names}, str(path / file))
+        weight_map.update(dict.fromkeys(names, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def test_an_hf_index_opened_as_a_file_names_its_tab_after_the_folder(qtbot, window, fixtures, tmp_path):
+    """File › Open file… on an HF index named every HF model's tab "model.safetensors.index.json" (and a DCP
+    .metadata ".metadata"): two models open side by side could not be told apart."""
+    index = hf_folder(tmp_path / "llama-hf") / "model.safetensors.index.json"
+    for path, folder in ((index, "llama-hf"), (fixtures["fsdp2_r2"] / ".metadata", "fsdp2_r2")):
+        view = window.open_path(str(path))
+        qtbot.waitUntil(lambda v=view: v.data is not None, timeout=SLOW)
+        tabs = window.tabs
+        assert tabs.tabText(tabs.indexOf(view)) == folder
+        assert tabs.tabToolTip(tabs.indexOf(view)) == str(path)  # the full path is still one hover away
+
+
+def drop_events(data: QMimeData, paths: list[str]) -> tuple[QDragEnterEvent, QDropEvent]:
+    """A drag entering the window and its drop, carrying ``paths``. NOTE: the events keep a pointer to ``data``,
+    not a reference: the caller keeps it alive while they are sent."""
+    data.setUrls([QUrl(p) if "://" in p else QUrl.fromLocalFile(p) for p in paths])
+    copy, none, plain = Qt.DropAction.CopyAction, Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier
+    return (QDragEnterEvent(QPoint(50, 50), copy, data, none, plain),
+            QDropEvent(QPointF(50, 50), copy, data, none, plain))
+
+
+def test_a_drop_that_opens_files_is_accepted(qtbot, window, fixtures):
+    """Dropping a file opened it, but the drop event was never accepted: the application the file came from
+    was told the drop had been refused. A drag of web links only is refused at once (nothing would open)."""
+    data = QMimeData()
+    enter, drop = drop_events(data, [str(fixtures["hf_r2"])])
+    QApplication.sendEvent(window, enter)
+    assert enter.isAccepted()
+    QApplication.sendEvent(window, drop)
+    assert drop.isAccepted()
+    view = window.current_view()
+    assert view is not None and view.path == str(fixtures["hf_r2"])
+    qtbot.waitUntil(lambda: view.data is not None, timeout=SLOW)
+    links = QMimeData()
+    enter, _ = drop_events(links, ["https://example.com/model.safetensors"])
+    QApplication.sendEvent(window, enter)
+    assert not enter.isAccepted()
+
+
+def test_reload_keeps_the_tab_in_its_place_and_the_selection(qtbot, window, fixtures):
+    """File › Reload (F5) reopened the checkpoint as the last tab: with a few open, the tab jumped away."""
+    first, second = (window.open_path(str(fixtures[n])) for n in ("fsdp2_r2", "ddp_r2"))
+    qtbot.waitUntil(lambda: first.data is not None and second.data is not None, timeout=SLOW)
+    where = window.tabs.indexOf(first)
+    window.tabs.setCurrentIndex(where)
+    assert first.select_path("model.blocks.0.fc1.weight")
+    window.reload_current()
+    new = window.current_view()
+    assert new is not first and window.tabs.indexOf(new) == where and window.tabs.indexOf(second) == where + 1
+    qtbot.waitUntil(lambda: new.selected_node() is not None, timeout=SLOW)
+    assert new.selected_node().path == "model.blocks.0.fc1.weight"
+
+
+def test_ctrl_w_closes_the_tab_in_front_but_not_the_library(qtbot, window, fixtures):
+    """There was no way to close a tab from the keyboard (Ctrl+W did nothing); the Library stays."""
+    from PySide6.QtGui import QAction, QKeySequence
+
+    action = next(a for a in window.findChildren(QAction) if a.text() == "&Close tab")
+    assert action.shortcut() == QKeySequence(QKeySequence.StandardKey.Close)
+    view = window.open_path(str(fixtures["fsdp2_r2"]))
+    qtbot.waitUntil(lambda: view.data is not None, timeout=SLOW)
+    assert window.tabs.currentWidget() is view
+    action.trigger()
+    assert window.tabs.indexOf(view) < 0 and window.tabs.currentWidget() is window.library
+    action.trigger()
+    assert window.tabs.indexOf(window.library) == 0

@@ -1,0 +1,139 @@
+"""The shard map (widgets/shard_map.py): one rectangle per chunk, the hover tooltip and its index, the chunk
+budget of a large module stack, wheel zoom kept."""
+
+from __future__ import annotations
+
+import pytest
+from gui_support import min_width, no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
+from shardscope.widgets.palette import rank_color
+
+
+def test_shard_map_draws_one_rect_per_chunk(qtbot, fixtures):
+    view = open_view(qtbot, fixtures["fsdp2_r4"])
+    with qtbot.waitSignal(view.statsReady, timeout=120000):
+        assert view.select_path("model.emb.weight")
+    entry = view.data.ckpt.tensor("model.emb.weight")  # 37 x 12 over 4 ranks: 10, 10, 10, 7 rows
+    items = view.map.chunk_items
+    assert len(items) == entry.chunk_count == 4
+    total_h = sum(i.rect.height() for i in items)
+    for item, chunk in zip(items, entry.chunks, strict=True):
+        assert item.chunk == chunk
+        assert item.item.brush().color() == rank_color(chunk.rank)
+        assert item.rect.width() == pytest.approx(800.0)
+        assert item.rect.height() == pytest.approx(total_h * chunk.sizes[0] / 37)
+    assert not view.map.gap_items and not view.map.overlap_items
+
+
+def hover_tooltip(qtbot, shard_map, scene_point) -> str:
+    """Rest the pointer on a scene point of a shard map as Qt does (a ToolTip event); the tip shown."""
+    from PySide6.QtCore import QEvent
+    from PySide6.QtGui import QHelpEvent
+    from PySide6.QtWidgets import QApplication, QToolTip
+
+    vp = shard_map.viewport()
+    pos = shard_map.mapFromScene(scene_point)
+    QApplication.sendEvent(vp, QHelpEvent(QEvent.Type.ToolTip, pos, vp.mapToGlobal(pos)))
+    return QToolTip.text() if QToolTip.isVisible() else ""
+
+
+def test_shard_map_hover_names_the_chunk_under_the_pointer(qtbot, fixtures):
+    from PySide6.QtCore import QPointF
+    from PySide6.QtWidgets import QToolTip
+
+    view = open_view(qtbot, fixtures["fsdp2_r4"])
+    with qtbot.waitSignal(view.statsReady, timeout=120000):
+        assert view.select_path("model.emb.weight")
+    m = view.map
+    # NOTE: no graphics item carries a tooltip (PySide6 6.12.0 lost a reference to None per call)
+    assert [it for it in m.scene().items() if it.toolTip()] == []
+    for ci in m.chunk_items:
+        text = hover_tooltip(qtbot, m, ci.rect.center())
+        c = ci.chunk
+        assert text.startswith("model.emb.weight\n") and f"rank {c.rank} (writer)" in text, text
+        assert f"offsets {list(c.offsets)}" in text and f"file {c.file}" in text, text
+    hover_tooltip(qtbot, m, m.chunk_items[-1].rect.bottomLeft() + QPointF(1, 50))  # under the tensor: nothing
+    qtbot.waitUntil(lambda: not QToolTip.isVisible(), timeout=60000)
+    # a module: tensors stacked, each chunk found in its own band
+    assert view.select_path("model.blocks.0")
+    qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)
+    assert len({ci.fqn for ci in m.chunk_items}) > 3
+    for ci in m.chunk_items[::3]:
+        assert hover_tooltip(qtbot, m, ci.rect.center()).startswith(ci.fqn + "\n")
+
+
+def test_hover_index_prefers_problems_to_chunks_to_frames(fixtures):
+    from PySide6.QtCore import QRectF
+    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.widgets.shard_map import CHUNK, FRAME, GAP, OVERLAP, HoverIndex
+
+    a, b = open_checkpoint(fixtures["nopg"]).tensors[:2]
+    index = HoverIndex()
+    index.start_band(0, 100)  # tensor a: a frame, one chunk over its left half, a gap across the middle
+    index.add(QRectF(0, 0, 100, 100), FRAME, a)
+    index.add(QRectF(0, 0, 50, 100), CHUNK, a, "c0")
+    index.add(QRectF(40, 0, 20, 10), GAP, a, "gap")
+    index.start_band(120, 200)  # tensor b below it: one chunk and an overlap inside it
+    index.add(QRectF(0, 120, 100, 80), FRAME, b)
+    index.add(QRectF(0, 120, 100, 80), CHUNK, b, "c1")
+    index.add(QRectF(10, 130, 5, 5), OVERLAP, b, "overlap")
+    assert index.lookup(10, 50)[1] == (CHUNK, a, "c0")
+    assert index.lookup(45, 5)[1] == (GAP, a, "gap")
+    assert index.lookup(80, 50)[1] == (FRAME, a, None)
+    assert index.lookup(50, 110) is None  # between the two tensors
+    assert index.lookup(12, 132)[1] == (OVERLAP, b, "overlap")
+    assert index.lookup(50, 150)[1] == (CHUNK, b, "c1")
+    assert index.lookup(150, 150) is None and index.lookup(10, -5) is None
+
+
+def test_large_module_stack_stays_within_a_chunk_budget(qtbot, tmp_path):
+    """Selecting ``model.layers`` of a 512-rank checkpoint stacked 200 tensors, 35,000 chunk rectangles,
+    and froze the window for 3.4 s; now the stack stops at a chunk budget and the caption says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shardscope.widgets.shard_map import MAX_STACKED_CHUNKS
+
+    script = Path(__file__).with_name("scale_checkpoint.py")
+    subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), "--ranks", "512", "--layers", "12"],
+                   check=True, capture_output=True, timeout=600)
+    view = open_view(qtbot, tmp_path / "ck")
+    assert view.select_path("model.layers")
+    tensors = [t for t in view.data.ckpt.tensors if t.fqn.startswith("model.layers.")]
+    assert sum(t.chunk_count for t in tensors) > MAX_STACKED_CHUNKS  # the module is over the budget
+    drawn = {ci.fqn for ci in view.map.chunk_items}
+    assert 0 < len(view.map.chunk_items) <= MAX_STACKED_CHUNKS
+    assert f"the first {len(drawn)} of {len(tensors)} tensors stacked" in view.map_caption.text()
+
+
+def wheel(view, steps: int = 1) -> None:
+    """A real wheel event on the shard map's viewport (one notch per step, up = zoom in)."""
+    from PySide6.QtCore import QPoint, QPointF
+    from PySide6.QtGui import QWheelEvent
+
+    vp = view.map.viewport()
+    pos = QPointF(vp.rect().center())
+    for _ in range(steps):
+        QApplication.sendEvent(vp, QWheelEvent(pos, QPointF(vp.mapToGlobal(pos.toPoint())), QPoint(0, 0),
+                                               QPoint(0, 120), Qt.MouseButton.NoButton,
+                                               Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False))
+
+
+def test_wheel_zoom_on_the_shard_map_is_kept(qtbot, fixtures):
+    """Under Xvfb the wheel did nothing: zooming in brought up the scroll bars, their resize refitted the
+    map, and the zoom was gone before the next paint. Double-click still fits the whole tensor."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    view.select_path("model.blocks.0.fc1.weight")
+    min_width(view)  # let the first layout settle
+    fitted = view.map.transform().m11()
+    wheel(view, 3)
+    min_width(view)  # the scroll bars appear and resize the viewport
+    assert view.map.transform().m11() == pytest.approx(fitted * 1.25 ** 3, rel=1e-6)
+    view.resize(1100, 760)  # the user's zoom survives a window resize too
+    min_width(view)
+    assert view.map.transform().m11() == pytest.approx(fitted * 1.25 ** 3, rel=1e-6)
+    view.map.mouseDoubleClickEvent(None)
+    min_width(view)
+    assert view.map.transform().m11() < fitted * 1.25
