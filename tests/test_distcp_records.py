@@ -264,3 +264,18 @@ def test_a_record_marked_as_a_folder_is_not_healthy(saved, tmp_path, entry, reco
     assert not _torch_loads(case)
     healthy, wrong = _shardscope(case)
     assert not healthy and not wrong
+
+
+def test_a_tensor_rebuilt_with_arguments_torch_refuses_is_not_healthy(saved, tmp_path):
+    """A tensor item's data.pkl without its requires_grad argument (the NEWFALSE opcode dropped, the length kept,
+    the CRC32 updated): torch's _rebuild_tensor_v2 refuses the call; verify --deep once said healthy (found by
+    fuzz_long)."""
+    data = (saved / DATA).read_bytes()
+    rec = _records(data, _items(saved)["w"])["data.pkl"]
+    pkl = data[rec[0]:rec[0] + rec[1]]
+    at = pkl.index(b"\x89ccollections")
+    new = pkl[:at] + pkl[at + 1:] + b"."
+    case = _with(saved, tmp_path / "case", _fresh_crc(data, rec, new))
+    assert not _torch_loads(case)
+    healthy, wrong = _shardscope(case)
+    assert not healthy and not wrong

@@ -24,14 +24,13 @@ from .items import (
     ZIP_LOCAL,
     ItemFormatError,
     RecordCrcError,
-    SafetensorsHeader,
     StoredTensor,
     check_object_archive,
-    parse_safetensors_header,
     parse_torch_item,
 )
 from .layout import coverage
 from .model import ITEMSIZE, Checkpoint, Chunk, ObjectEntry, TensorEntry, contiguous_strides
+from .safetensors_items import SafetensorsHeader, parse_safetensors_header
 from .storage import LocalHandles, RemoteHandles, open_folder
 
 log = logging.getLogger(__name__)

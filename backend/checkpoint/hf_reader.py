@@ -17,8 +17,8 @@ import numpy as np
 from ..errors import CheckpointError
 from ..format import count
 from .chunks import safe_name
-from .items import parse_safetensors_file
 from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize
+from .safetensors_items import parse_safetensors_file
 from .storage import Folder, why_absent
 
 SHARD_RE = re.compile(r"^shard-(\d+)-")

@@ -1,14 +1,12 @@
-"""Parsers for the stored item formats: a ``torch.save`` zip archive of one tensor (DCP's default
-``.distcp`` item, starts with ``PK\\x03\\x04``) and a safetensors blob (``SerializationFormat.SAFETENSORS``
-items and ``HuggingFaceStorageWriter`` files). Pure parsing: every length, offset and count read from the
-bytes is checked against the bytes that exist before anything is allocated or read. Reading values is
-:mod:`.chunks`' job.
+"""The parser of DCP's default item format: a ``torch.save`` zip archive of one tensor (``.distcp`` items
+start with ``PK\\x03\\x04``); safetensors blobs are :mod:`.safetensors_items`' job. Pure parsing: every
+length, offset and count read from the bytes is checked against the bytes that exist before anything is
+allocated or read. Reading values is :mod:`.chunks`' job.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import pickletools
 import re
@@ -17,8 +15,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CheckpointError
-from .model import ITEMSIZE, MAX_INDEX, MAX_NDIM, SAFETENSORS_DTYPES, contiguous_strides
+from .model import ITEMSIZE, MAX_INDEX, MAX_NDIM
 
 ZIP_LOCAL = b"PK\x03\x04"
 _EOCD = b"PK\x05\x06"
@@ -34,7 +31,6 @@ SMALL_RECORDS = (".format_version", ".storage_alignment", "byteorder", "version"
                  ".data/serialization_id")
 FILE_FORMAT_VERSIONS = range(1, 11)
 _STORAGE_RECORD = re.compile(r"data/[0-9]+")
-MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
 
 STORAGE_DTYPES = {
     "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
@@ -114,7 +110,7 @@ class StorageRef:
 
 
 # ---------------------------------------------------------------- torch.save zip items
-def _dims(value: Any, what: str) -> tuple[int, ...]:
+def checked_dims(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or len(value) > MAX_NDIM or \
             not all(type(v) is int and 0 <= v < MAX_INDEX for v in value):
         raise ItemFormatError(f"data.pkl has an implausible {what}")
@@ -128,15 +124,33 @@ class _TensorRef:
         self.storage, self.storage_offset, self.shape, self.stride = storage, storage_offset, shape, stride
 
 
-def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorRef:
-    if not isinstance(storage, StorageRef) or storage.dtype is None:
-        raise ItemFormatError("tensor without storage")
+def _tensor_ref(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                metadata: Any = None) -> _TensorRef:
+    """The checks of torch's own rebuild (its arguments, as ``torch._utils`` takes them), then the reference."""
+    if type(requires_grad) is not bool or not isinstance(hooks, dict) or hooks or \
+            not (metadata is None or isinstance(metadata, dict)):
+        raise ItemFormatError("data.pkl rebuilds its tensor with arguments torch refuses")
     if type(storage_offset) is not int or not 0 <= storage_offset < MAX_INDEX:
         raise ItemFormatError("data.pkl has an implausible storage offset")
-    shape, strides = _dims(size, "shape"), _dims(stride, "stride")
+    shape, strides = checked_dims(size, "shape"), checked_dims(stride, "stride")
     if len(shape) != len(strides):
         raise ItemFormatError("data.pkl shape and stride differ in length")
     return _TensorRef(storage, storage_offset, shape, strides)
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = None,
+                       hooks: Any = None, *rest: Any) -> _TensorRef:
+    if not isinstance(storage, StorageRef) or storage.dtype is None:
+        raise ItemFormatError("tensor without storage")
+    return _tensor_ref(storage, storage_offset, size, stride, requires_grad, hooks, *rest[:1]) if len(rest) <= 1 \
+        else _tensor_ref(storage, storage_offset, size, stride, None, None)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> _TensorRef:
+    """torch's oldest form: four arguments, nothing else."""
+    if not isinstance(storage, StorageRef) or storage.dtype is None:
+        raise ItemFormatError("tensor without storage")
+    return _tensor_ref(storage, storage_offset, size, stride, False, {})
 
 
 def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = None,
@@ -145,7 +159,9 @@ def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any
     storage and the dtype as an argument."""
     if not isinstance(storage, StorageRef) or storage.dtype is not None or not isinstance(dtype, _DType):
         raise ItemFormatError("tensor without an untyped storage and a dtype")
-    return _rebuild_tensor_v2(StorageRef(storage.key, storage.numel, str(dtype)), storage_offset, size, stride)
+    typed = StorageRef(storage.key, storage.numel, str(dtype))
+    return _tensor_ref(typed, storage_offset, size, stride, requires_grad, hooks, *rest[:1]) if len(rest) <= 1 \
+        else _tensor_ref(typed, storage_offset, size, stride, None, None)
 
 
 class _StorageType:
@@ -161,8 +177,10 @@ class _ItemUnpickler(pickle.Unpickler):
     """Reads a torch.save ``data.pkl`` of one plain tensor and nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_tensor_v2
+        if module == "torch._utils" and name == "_rebuild_tensor":
+            return _rebuild_tensor
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
             return _rebuild_tensor_v3
         if module == "torch.storage" and name == "UntypedStorage":
@@ -430,70 +448,5 @@ def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, i
     return {key: (_record_start(src, name, 0, size, rec), rec.size, rec.crc) for key, rec in records.items()}
 
 
-# ---------------------------------------------------------------- safetensors
-@dataclass(frozen=True, slots=True)
-class SafetensorsHeader:
-    """A parsed safetensors header: tensors by name (absolute byte ranges) and the ``__metadata__`` strings."""
-
-    tensors: dict[str, StoredTensor]
-    metadata: dict[str, str]
-    end: int  # absolute offset where the data section ends (the largest data offset)
-
-
-def parse_safetensors_header(src: ByteSource, name: str, start: int, limit: int,
-                             data_limit: int | None = None) -> SafetensorsHeader:
-    """The one safetensors header parser: the blob at ``start`` of ``name``, whose header must end by
-    ``limit`` (the file size, or the end of the item holding it). Every entry is checked to lie before
-    ``data_limit`` (default ``limit``; a folder reader passes a larger one so that a truncated file is
-    reported as short rather than unreadable, and reads are range-checked later)."""
-    if start + 8 > limit:
-        raise ItemFormatError("shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", src.read(name, start, 8))
-    if n > MAX_SAFETENSORS_HEADER or start + 8 + n > limit:
-        raise ItemFormatError(f"header length {n} is implausible for {limit - start} bytes")
-    try:
-        header = json.loads(src.read(name, start + 8, n))
-    except (ValueError, RecursionError) as exc:
-        raise ItemFormatError(f"header is not JSON ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
-        raise ItemFormatError("header is not a JSON object")
-    base = start + 8 + n
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ItemFormatError("__metadata__ is not a map of strings")
-    tensors: dict[str, StoredTensor] = {}
-    end = base
-    for key, info in header.items():
-        tensors[key] = st = _safetensors_entry(key, info, base, limit if data_limit is None else data_limit)
-        end = max(end, st.data_offset + st.nbytes)
-    return SafetensorsHeader(tensors, meta, end)
-
-
-def _safetensors_entry(key: str, info: Any, base: int, limit: int) -> StoredTensor:
-    try:
-        code = info["dtype"]
-        shape = _dims(info["shape"], f"shape for {key!r}")
-        a, b = info["data_offsets"]
-    except (KeyError, TypeError, ValueError, ItemFormatError):
-        raise ItemFormatError(f"header entry {key!r} is malformed") from None
-    dtype = SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
-    if dtype is None:
-        raise ItemFormatError(f"header entry {key!r} has unknown dtype {str(code)[:20]!r}")
-    if type(a) is not int or type(b) is not int or not 0 <= a <= b or base + b > limit:
-        raise ItemFormatError(f"header entry {key!r}: bytes {a}..{b} lie outside the {limit - base}-byte data")
-    return StoredTensor(dtype, shape, contiguous_strides(shape), 0, base + a, b - a, None)
-
-
-def parse_safetensors_file(src: ByteSource, name: str, size: int) -> SafetensorsHeader:
-    """A whole safetensors file's header, as a CheckpointError naming the file when it does not parse.
-    Entries past the end of the file are kept (verify reports the file as short)."""
-    try:
-        return parse_safetensors_header(src, name, 0, size, MAX_INDEX)
-    except ItemFormatError as exc:
-        where = src.where(name)
-        raise CheckpointError(f"{where}: not a readable safetensors file ({exc}).", path=where) from None
-
-
-__all__ = ["ItemFormatError", "RecordCrcError", "SafetensorsHeader", "StorageRef", "StoredTensor",
-           "check_object_archive", "parse_safetensors_file", "parse_safetensors_header", "parse_torch_item",
-           "zip_records"]
+__all__ = ["ItemFormatError", "RecordCrcError", "StorageRef", "StoredTensor", "check_object_archive",
+           "parse_torch_item", "zip_records"]

@@ -20,9 +20,10 @@ from .chunks import ChunkReader, allow_safe_globals
 from .download import Download
 from .flatten import FlattenError, dotted, flatten
 from .hf_reader import INDEX, index_weight_map, open_hf_folder
-from .items import ItemFormatError, parse_safetensors_file, zip_records
+from .items import ItemFormatError, zip_records
 from .model import Checkpoint, Problem
 from .reader import open_checkpoint
+from .safetensors_items import parse_safetensors_file
 from .storage import Folder, LocalHandles, is_url, open_folder, open_remote_file
 from .verify import overlap_problems
 

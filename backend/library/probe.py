@@ -7,8 +7,9 @@ import json
 import os
 import struct
 
-from ..checkpoint.items import MAX_SAFETENSORS_HEADER, ItemFormatError, parse_safetensors_header, zip_records
+from ..checkpoint.items import ItemFormatError, zip_records
 from ..checkpoint.model import MAX_INDEX
+from ..checkpoint.safetensors_items import MAX_SAFETENSORS_HEADER, parse_safetensors_header
 from ..checkpoint.storage import LocalHandles
 from ..errors import ShardscopeError
 from .names import DATA_FILE_RE, HF_INDEXES, HF_SHARD_RE, RANK_METADATA_RE
