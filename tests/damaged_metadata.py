@@ -1,6 +1,7 @@
 """What the tests of hostile and damaged DCP metadata share: the entry they damage, the CLI run in a
 subprocess with its peak memory, the check that a run ended cleanly (an expected exit code, no traceback),
-writing a ``.metadata`` and finding a chunk's index in it, and a memo-table bomb."""
+writing a ``.metadata`` (also one that would run a command) and finding a chunk's index in it, and a memo-table
+bomb."""
 
 from __future__ import annotations
 
@@ -21,6 +22,23 @@ def run_measured(*args: object, timeout: float = 300) -> tuple[subprocess.Comple
 def clean(proc: subprocess.CompletedProcess, codes: tuple[int, ...] = (2,)) -> None:
     assert proc.returncode in codes, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+
+
+class _Touch:
+    """A pickle that, if ever unpickled, runs ``touch <marker>``."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def write_evil_metadata(folder, marker) -> None:
+    """A ``.metadata`` whose pickle calls ``os.system`` (creating ``marker``) when loaded with plain pickle."""
+    (folder / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
 
 
 def save_metadata(folder, md, protocol: int = 2) -> bytes:

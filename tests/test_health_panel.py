@@ -3,10 +3,8 @@ verify-contents."""
 
 from __future__ import annotations
 
-import os
-import pickle
-
 import pytest
+from damaged_metadata import write_evil_metadata
 from gui_support import no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
 from shardscope.widgets.checkpoint_view import CheckpointView
 
@@ -14,12 +12,7 @@ from shardscope.widgets.checkpoint_view import CheckpointView
 def test_hostile_folder_shows_error_and_runs_nothing(qtbot, copy_of, tmp_path):
     ckpt = copy_of("nopg")
     marker = tmp_path / "pwned"
-
-    class Evil:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    write_evil_metadata(ckpt, marker)
     view = CheckpointView(str(ckpt))
     qtbot.addWidget(view)
     with qtbot.waitSignal(view.failed, timeout=120000) as blocker:

@@ -3,14 +3,13 @@ nothing, and bombs (bytearrays, nesting, memo tables) are refused without alloca
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
 
 import pytest
 from conftest import run_cli
-from damaged_metadata import FQN, clean, memo_bomb, run_measured, save_metadata
+from damaged_metadata import FQN, clean, memo_bomb, run_measured, save_metadata, write_evil_metadata
 from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.errors import RefusedPickleError
 from torch_reference import torch_metadata
@@ -19,12 +18,7 @@ from torch_reference import torch_metadata
 def test_hostile_metadata_is_refused_and_never_runs(copy_of, tmp_path):
     ckpt = copy_of("nopg")
     marker = tmp_path / "pwned"
-
-    class Evil:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    write_evil_metadata(ckpt, marker)
     with pytest.raises(RefusedPickleError, match="system"):
         open_checkpoint(ckpt, use_cache=False)
     proc = run_cli("inspect", ckpt)
