@@ -277,7 +277,7 @@ def test_prune_counts_weights_files_apart_and_keeps_the_newest_resumable(tmp_pat
                                "plain/ckpts/step_5_full.pt"}
     assert "the newest resumable checkpoint of its run" in last1["run/checkpoints/step_000030"][1]
     assert last1["run/checkpoints/step_000030.safetensors"] == (
-        "keep", ["weights file (an export): removed only with --weights"])
+        "keep", ["weights file (an export): removed only when the rules apply to weights files"])
     last2 = _plan(root, keep_last=2)
     assert _removed(last2) == {"run/checkpoints/step_000010", "plain/ckpts/step_5_full.pt"}
     # with --weights the rules count weights files among themselves; the resumable ones as before

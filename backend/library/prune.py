@@ -212,7 +212,7 @@ def _decide(c: CheckpointRecord, run: RunRecord, rules: Rules, now: float, roots
             keep.append(f"incomplete but newer than --min-age {_age_text(rules.min_age)}")
         gone = [f"leftover of a failed save: {c.reason}"]
     elif c.state == "complete" and c.kind == WEIGHTS and not rules.weights:
-        keep.append("weights file (an export): removed only with --weights")
+        keep.append("weights file (an export): removed only when the rules apply to weights files")
         gone = []
     elif c.state == "complete":
         if c.step is None:  # e.g. unrelated checkpoints side by side in one folder: no series to order
