@@ -38,12 +38,11 @@ def run(args: argparse.Namespace) -> int:
             hint = f"Did you mean: {', '.join(close)}?" if close else "List them with `shardscope inspect --tensors`."
             raise CheckpointError(f"{escape_name(ckpt.path)}: no entry named {escape_name(args.fqn)!r}.",
                                   path=ckpt.path, hint=hint)
-        if backing is not None:  # a consolidated file: read with the file (a torch pickle, a safetensors header)
-            value = backing.objects[obj.fqn]
+        with ChunkReader(ckpt) as reader:
+            value = reader.read_object(obj)
+        if obj.inline:  # a consolidated file's entry, read with the file (a torch pickle, a safetensors header)
             print(f"{escape_name(obj.fqn)}  (non-tensor entry of {escape_name(ckpt.path)})")
         else:
-            with ChunkReader(ckpt) as reader:
-                value = reader.read_object(obj)
             print(f"{escape_name(obj.fqn)}  (non-tensor entry in {escape_name(obj.file)}, "
                   f"bytes {obj.offset}..{obj.offset + obj.length})")
         text = small_value_repr(value, 2000)

@@ -21,7 +21,7 @@ BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "h
 # Errors raised by the network stacks under fsspec backends that mean "cannot reach / read it".
 REMOTE_ERROR_MODULES = {"botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure",
                         "huggingface_hub", "s3fs", "gcsfs", "adlfs", "fsspec", "paramiko"}
-TMP_PREFIX = ".shardscope-tmp-"  # a temporary's name: <prefix><pid>-... (downloads, uploads; as export.atomic's)
+TMP_PREFIX = ".shardscope-tmp-"  # every temporary's name: <prefix><pid>-... (downloads, uploads, export.atomic)
 
 
 def is_url(path: str | os.PathLike) -> bool:

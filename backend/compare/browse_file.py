@@ -44,7 +44,6 @@ class FileBacking:
     values: dict[str, str]  # the non-tensor entries as short text
     source: TorchFileSource | None = None  # a torch file: its loaded (memory-mapped) tensors
     crc: dict[int, int] = field(default_factory=dict)  # a torch file: record offset -> stored CRC32
-    objects: dict[str, Any] = field(default_factory=dict)  # the non-tensor entries' values (`show`)
 
 
 @dataclass
@@ -213,7 +212,7 @@ def _safetensors_checkpoint(source: SafetensorsSource, path: str) -> tuple[Check
     objects = [k for k, e in source.entries().items() if e.kind == "object"]
     values = {k: source.object(k) for k in objects}
     ckpt.objects = [ObjectEntry(k, None, 0, 0, None, v, True) for k, v in values.items()]
-    return ckpt, FileBacking({k: small_value_repr(v, VALUE_TEXT) for k, v in values.items()}, objects=values)
+    return ckpt, FileBacking({k: small_value_repr(v, VALUE_TEXT) for k, v in values.items()})
 
 
 def _torch_checkpoint(source: TorchFileSource, path: str) -> tuple[Checkpoint, FileBacking]:
@@ -238,9 +237,8 @@ def _torch_checkpoint(source: TorchFileSource, path: str) -> tuple[Checkpoint, F
                                      "(not a zip torch.save archive torch maps as expected): values are read "
                                      "without their CRC32 checked.", file=name))
     ckpt.reindex()
-    values = {o.fqn: o.value for o in ckpt.objects}
-    backing = FileBacking({k: small_value_repr(v, VALUE_TEXT) for k, v in values.items()}, source,
-                          {r[0]: r[2] for r in records.values()}, values)
+    backing = FileBacking({o.fqn: small_value_repr(o.value, VALUE_TEXT) for o in ckpt.objects}, source,
+                          {r[0]: r[2] for r in records.values()})
     return ckpt, backing
 
 

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 from ..atomic_file import fsync_path
+from ..checkpoint.remote import TMP_PREFIX
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
 from ..format import human_bytes
@@ -44,7 +45,6 @@ from .destination import check_destination
 from .plan import ExportError as OutputError
 from .remote_target import RemoteTarget
 
-TMP_PREFIX = ".shardscope-tmp-"
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 HOLD_ENV = "SHARDSCOPE_TEST_HOLD"  # tests: "<point>:<file>" holds the job at a point until a signal comes
