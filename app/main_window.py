@@ -15,7 +15,7 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QMessageBox, QSplitter, QTabBar, QTabWidget
 
 from ..backend.checkpoint.storage import is_url
-from ..backend.compare.browse_file import TORCH_FILE
+from ..backend.filenames import is_index_name, is_metadata_name
 from ..backend.format import count
 from ..backend.runs.rundir import default_runs_root
 from ..widgets.checkpoint_view import CheckpointView
@@ -290,10 +290,6 @@ class MainWindow(QMainWindow):
         if view is None or view.data is None:
             QMessageBox.information(self, "Export", "Open a checkpoint first.")
             return
-        if view.data.ckpt.format == TORCH_FILE:
-            QMessageBox.information(self, "Export", f"{view.path} is a torch.save file: File › Import turns it "
-                                    "into a DCP checkpoint, `shardscope import` too.")
-            return
         dlg = ExportDialog(view.data.ckpt, prefix, self)
         dlg.openRequested.connect(self.open_path)  # Open after an export: the written file or folder in a tab
         dlg.exec()
@@ -344,7 +340,7 @@ def tab_title(path: str) -> str:
     """A tab's name: the file or folder name, but the folder's for a file that only stands for its folder (an
     HF ``*.index.json`` or a DCP ``.metadata``): every HF model's tab used to read model.safetensors.index.json."""
     p = Path(path)
-    if (p.name == ".metadata" or p.name.endswith(".index.json")) and p.parent.name:
+    if (is_metadata_name(p.name) or is_index_name(p.name)) and p.parent.name:
         return p.parent.name
     return p.name or path
 

@@ -9,7 +9,7 @@ import errno
 import os
 import tempfile
 
-TMP_SUFFIX = ".tmp"  # the temporary is ``.<name>.<random>.tmp``: hidden, and recognisable by its end
+from .filenames import SMALL_TMP_SUFFIX  # the temporary is ``.<name>.<random>.tmp``: hidden
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -37,7 +37,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = 
     rename, fsync of the folder. ``mode``: the file's permission bits (default: mkstemp's 0o600)."""
     path = os.fspath(path)
     folder, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TMP_SUFFIX, dir=folder or ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=SMALL_TMP_SUFFIX, dir=folder or ".")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -55,4 +55,4 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, mode: int | None = 
     fsync_folder(folder or ".")
 
 
-__all__ = ["TMP_SUFFIX", "fsync_folder", "fsync_path", "write_atomic"]
+__all__ = ["fsync_folder", "fsync_path", "write_atomic"]

@@ -40,7 +40,7 @@ if __name__ == "__main__":
         emit(seconds, chunks=sum(len(getattr(v, "chunks", ())) for v in md.state_dict_metadata.values()))
     elif what in ("shardscope", "shardscope-cached"):
         import torch  # noqa: F401
-        from shardscope.backend.checkpoint import open_checkpoint
+        from shardscope.backend.formats import open_checkpoint
 
         t0 = time.perf_counter()
         ck = open_checkpoint(path, use_cache=(what == "shardscope-cached"))

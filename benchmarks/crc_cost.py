@@ -16,8 +16,8 @@ import zlib
 def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
-    from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.chunks import ChunkReader
+    from shardscope.backend.formats import open_checkpoint
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=512)

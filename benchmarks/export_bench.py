@@ -70,7 +70,7 @@ def generate(out: Path) -> None:
     mp.start_processes(_worker, args=(4, _port(), str(out)), nprocs=4, start_method="spawn")
 
 
-EXPORT = ("from shardscope.backend.checkpoint import open_checkpoint\n"
+EXPORT = ("from shardscope.backend.formats import open_checkpoint\n"
           "from shardscope.backend.export import export, plan_export\n"
           "ck = open_checkpoint(SRC)\n")
 STEPS = {

@@ -26,7 +26,7 @@ def since_start() -> float:
 
 
 def core(path: str) -> None:
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
 
     ck = open_checkpoint(path)
     print(json.dumps({"seconds": since_start(), "chunks": len(ck.chunk_table)}))

@@ -108,7 +108,7 @@ def test_optimizer_folder_says_where_the_model_is(written, tmp_path):
 
 
 def test_keep_stored_keys_with_an_empty_strip_prefix(written):
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.backend.export import plan_export
 
     ckpt = open_checkpoint(written / "fsdp1_compiled" / "checkpoint" / "pytorch_model_fsdp_0", use_cache=False)

@@ -34,7 +34,7 @@ def test_backend_imports_without_qt(fixtures):
             importlib.import_module(info.name)
             modules.append(info.name)
         from shardscope import report
-        from shardscope.backend.checkpoint import open_checkpoint
+        from shardscope.backend.formats import open_checkpoint
         from shardscope.backend.checkpoint.verify import verify
         problems = verify(open_checkpoint({str(fixtures['nopg'])!r}), deep=True)
         print(json.dumps({{"modules": modules, "tried": tried, "problems": len(problems),

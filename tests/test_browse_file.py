@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import run_cli_peak
 from safetensors.torch import save_file
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.format import escape_name
 

@@ -139,7 +139,7 @@ def test_layouts_match_torchs_own_metadata(unseen, capsys):
 
 
 def ours_of(path: Path, fqn: str) -> list:
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
 
     return [(c.offsets, c.sizes) for c in open_checkpoint(path, use_cache=False).tensor(fqn).chunks]
 

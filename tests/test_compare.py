@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import run_cli
 from make_fixtures import TinyNet
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
-from shardscope.backend.checkpoint.sources import open_source
+from shardscope.backend.formats import open_source
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.compare import diff
 from shardscope.backend.export import export, plan_export

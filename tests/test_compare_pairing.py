@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import run_cli
 from PySide6.QtCore import Qt
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
-from shardscope.backend.checkpoint.sources import open_source
+from shardscope.backend.formats import open_source
 from shardscope.backend.compare import diff
 from shardscope.backend.compare.pairing import pair_names
 from shardscope.backend.export.layouts import Layout, layout_of_names

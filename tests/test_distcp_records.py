@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import ShardscopeError

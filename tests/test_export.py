@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli, run_cli_peak
 from make_fixtures import TinyNet
 from safetensors import safe_open
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.errors import Cancelled, CheckpointError
 from shardscope.backend.export import ExportError, export, plan_export
 from shardscope.backend.progress import Progress

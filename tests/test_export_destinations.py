@@ -137,7 +137,7 @@ def test_urls_on_the_same_storage_and_prefix_overlap(tmp_path):
 
 
 def test_the_dialog_refuses_in_the_same_words(qtbot, copy_of):
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
     ck = copy_of("fsdp2_r2")
@@ -247,7 +247,7 @@ def test_fuzzed_destinations_never_change_the_source(fixtures, tmp_path):
 
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.backend.errors import ShardscopeError
     from shardscope.backend.export import export, plan_export
     from shardscope.backend.export.dcp_writer import reshard

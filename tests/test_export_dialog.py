@@ -11,13 +11,13 @@ from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixtur
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 from safetensors import safe_open
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 
 
 def test_default_destination_is_beside_checkpoints_and_made_when_missing(qtbot, fixtures, tmp_path):
     """It once proposed RUN/checkpoints/step_000030.safetensors, and prune then took that export for the run's
     newest checkpoint. Now RUN/exports/, made by the export (and removed again when the export fails)."""
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
     run = tmp_path / "run"
@@ -77,7 +77,7 @@ def test_dialog_shows_layout_and_takes_exclude_and_rename(qtbot, fixtures, tmp_p
 
 def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
     from safetensors import safe_open
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
     ckpt = open_checkpoint(fixtures["fsdp2_r4"])
@@ -114,7 +114,7 @@ def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
 
 
 def test_export_dialog_reshards(qtbot, fixtures, tmp_path):
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
     ckpt = open_checkpoint(fixtures["fsdp2_r2"])
@@ -131,7 +131,7 @@ def test_export_dialog_reshards(qtbot, fixtures, tmp_path):
 
 
 def export_dialog(qtbot, fixtures, dst):
-    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
     dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]))
@@ -174,7 +174,7 @@ def test_a_second_export_from_the_dialog_can_be_cancelled(qtbot, fixtures, tmp_p
     """After one export the dialog swaps Cancel for Close; a second export (another destination) then ran with
     only Close, which shut the dialog instead of stopping the export, and Show in folder still pointed at the
     first output."""
-    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
     dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]))
@@ -199,7 +199,7 @@ def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(
     """Export (sharded, Overwrite ticked) into an existing HF model folder replaced the whole folder: its
     config.json and tokenizer.json were deleted without a word. Now an earlier export's weights go, the
     folder's other files stay, and the result says which were kept."""
-    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
     folder = tmp_path / "llama-hf"

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from safetensors import safe_open
 from safetensors.torch import load_file
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.export import plan_export
 from shardscope.backend.export.layouts import layout_of_names
 

@@ -4,7 +4,7 @@ not mutated."""
 from __future__ import annotations
 
 import pytest
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.export import ExportError, export, plan_export
 
 

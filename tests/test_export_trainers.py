@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from s3_server import S3Server
 from safetensors import safe_open
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.export import ExportError, export, plan_export
 from shardscope.backend.export.dcp_writer import import_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

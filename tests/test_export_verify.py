@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from conftest import run_cli
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 
 

@@ -39,7 +39,7 @@ def test_missing_shard_in_health_panel(qtbot, copy_of):
 def flip_a_value_byte(ckpt_dir, fqn: str) -> None:
     """Flip one byte inside the stored values of ``fqn``'s first chunk (bit rot only a CRC32 catches)."""
     from shardscope.backend.checkpoint.chunks import ChunkReader
-    from shardscope.backend.checkpoint.reader import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
 
     ck = open_checkpoint(ckpt_dir)
     chunk = ck.tensor(fqn).chunks[0]

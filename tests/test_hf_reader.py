@@ -9,7 +9,7 @@ import struct
 import torch
 from conftest import run_cli
 from damaged_metadata import clean, run_measured
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.verify import verify
 

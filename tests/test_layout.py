@@ -10,7 +10,7 @@ import textwrap
 import torch
 from conftest import run_cli
 from damaged_metadata import FQN, clean, index_of, save_metadata
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.layout import coverage, rank_balance
 from shardscope.backend.checkpoint.verify import verify
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata

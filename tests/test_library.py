@@ -563,7 +563,11 @@ def test_unreadable_is_listed_and_never_pruned(tmp_path, fixtures):
 
 def test_safetensors_file_states(tmp_path):
     """A consolidated safetensors file is whole, cut short, or not safetensors at all."""
-    from shardscope.backend.library.probe import file_state
+    from shardscope.backend.formats import format_named
+
+    def file_state(path, size):
+        f = format_named("safetensors").probe_file(path, size)
+        return f.state, f.reason
 
     whole = tmp_path / "whole.safetensors"
     save_file({"w": torch.arange(1000, dtype=torch.float32)}, whole)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_cli, run_cli_peak
 from fuzz.mutators import rename_entry
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.validate import planner_data as check_planner_data
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import ShardscopeError

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 from conftest import run_cli
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.layout import coverage
 from shardscope.backend.checkpoint.values import read_lightning_meta

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from damaged_metadata import memo_bomb
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.errors import CheckpointError
 from torch_reference import torch_metadata
 

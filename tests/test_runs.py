@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import run_cli
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher
 from shardscope.backend.runs.metric_logs import read_rank_metrics
 from shardscope.backend.runs.rundir import checkpoints, read_status

@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import run_cli
 from damaged_metadata import FQN, clean, memo_bomb, run_measured, save_metadata, write_evil_metadata
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.errors import RefusedPickleError
 from torch_reference import torch_metadata
 

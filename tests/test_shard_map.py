@@ -65,7 +65,7 @@ def test_shard_map_hover_names_the_chunk_under_the_pointer(qtbot, fixtures):
 
 def test_hover_index_prefers_problems_to_chunks_to_frames(fixtures):
     from PySide6.QtCore import QRectF
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.shard_map import CHUNK, FRAME, GAP, OVERLAP, HoverIndex
 
     a, b = open_checkpoint(fixtures["nopg"]).tensors[:2]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from shardscope.backend.checkpoint import open_checkpoint
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.values import tensor_stats
 from torch_reference import flatten, torch_consolidated

@@ -65,7 +65,7 @@ def test_byte_units_need_no_multiplier():
 
 
 def test_header_says_only_what_is_known(fixtures):
-    from shardscope.backend.checkpoint import open_checkpoint
+    from shardscope.backend.formats import open_checkpoint
 
     ck = open_checkpoint(fixtures["fsdp2_r2"])
     assert "?" not in summary_html(ck) and "format version" in summary_html(ck)

@@ -23,9 +23,10 @@ from PySide6.QtWidgets import (
 from ..backend.checkpoint.browse import BrowseData
 from ..backend.checkpoint.model import TensorEntry
 from ..backend.checkpoint.tree import TreeNode
-from ..backend.compare.browse_file import TORCH_FILE, analyse_any, load_any, stats_any, verify_contents_any
+from ..backend.compare.browse_file import analyse_any, load_any, stats_any, verify_contents_any
 from ..backend.format import count, human_bytes, rich_name
-from .health_panel import CHECKSUMS_WHERE_STORED, NO_CHECKSUMS, HealthPanel
+from ..backend.formats import format_named, label_of
+from .health_panel import CHECKSUMS_WHERE_STORED, HealthPanel
 from .inspector_view import InspectorView
 from .overlay import ProgressOverlay
 from .ranks_view import RanksView
@@ -244,8 +245,10 @@ class CheckpointView(QWidget):
         self.loaded.emit(data)
 
     def _show_problems(self, problems: list, deep: bool = False) -> None:
-        fmt = self.data.ckpt.format if self.data is not None else ""
-        checksums = {"hf-safetensors": NO_CHECKSUMS, TORCH_FILE: TORCH_FILE_CHECKSUMS}.get(fmt, CHECKSUMS_WHERE_STORED)
+        try:
+            checksums = format_named(self.data.ckpt.format).checksums if self.data is not None else ""
+        except KeyError:
+            checksums = CHECKSUMS_WHERE_STORED
         self.health.set_problems(problems, deep=deep, checksums=checksums)
         self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems):,})")
 
@@ -440,18 +443,11 @@ class CheckpointView(QWidget):
             self._load_worker.quit()
 
 
-TORCH_FILE_CHECKSUMS = "a torch.save file stores a CRC32 per record: every record's checked"
-KINDS = {"dcp": "PyTorch DCP", "lightning": "Lightning/Fabric (DCP + meta.pt)",
-         "hf-safetensors": "safetensors files (HF layout)", TORCH_FILE: "torch.save file (loaded weights_only)"}
-
-
 def summary_html(ck, path: str | None = None) -> str:
     """The header's two lines: the path opened, then format, version (only when the file records one),
     counts and size."""
-    kind = KINDS.get(ck.format, ck.format)
+    kind = label_of(ck.format)
     files = len(ck.data_files)
-    if ck.format == "hf-safetensors" and files == 1 and not ck.ranks:
-        kind = "safetensors file"
     n = len(ck.ranks)
     if n:
         ranks = count(n, "writer rank")

@@ -37,10 +37,10 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
-from shardscope.backend.checkpoint.sources import open_source
 from shardscope.backend.compare import diff
 from shardscope.backend.compare.diff import Change, DiffResult, difference_histogram
 from shardscope.backend.format import count
+from shardscope.backend.formats import open_source
 
 from .plot_style import themed_plot
 from .shard_map import ShardMapView

@@ -8,10 +8,11 @@ from PySide6.QtWidgets import QListWidget, QListWidgetItem
 from ..backend.checkpoint.model import Problem
 from ..backend.format import count
 
+# What Verify contents proves about the bytes: each format says (torch.save items store a CRC32, safetensors none)
+from ..backend.formats.base import CHECKSUMS_NONE as NO_CHECKSUMS
+from ..backend.formats.base import CHECKSUMS_STORED as CHECKSUMS_WHERE_STORED
+
 MAX_LISTED = 2000
-# What Verify contents proves about the bytes: torch.save items store a CRC32, safetensors stores none.
-CHECKSUMS_WHERE_STORED = "CRC32 checked where the format stores one: torch.save items do, safetensors does not"
-NO_CHECKSUMS = "safetensors stores no checksum: every byte read, dtype and size checked, no CRC32 to compare"
 
 
 class HealthPanel(QListWidget):

@@ -20,8 +20,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..backend.filenames import is_url
 from ..backend.format import count, human_bytes
-from ..backend.library.names import is_url
 from ..backend.library.prune import Plan, Rules
 from ..backend.library.records import RunRecord
 from ..backend.library.snapshot import LibrarySnapshot

@@ -21,8 +21,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardscope.backend.checkpoint import open_checkpoint
     from shardscope.backend.checkpoint.verify import verify
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.backend.runs.rundir import checkpoints
 
     if not args.no_gui and not no_display():

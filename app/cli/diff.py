@@ -30,8 +30,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardscope.backend.checkpoint.sources import open_source
     from shardscope.backend.compare import diff
+    from shardscope.backend.formats import open_source
 
     options = storage_options(args)
     with open_source(args.a, options) as a, open_source(args.b, options) as b, \

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
 
 from .output import TerminalProgress, add_command, sigterm_interrupts
 from .storage_options import add_storage_options, storage_options
-
-TORCH_FILES = (".pt", ".pth", ".bin", ".ckpt")  # read whole by torch.load: `import` turns them into a folder first
 
 
 def register(sub: Any) -> None:
@@ -48,22 +45,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardscope.backend.checkpoint.storage import is_url
-    from shardscope.backend.compare.browse_file import open_any
     from shardscope.backend.export import ExportError, export, format_for, plan_export
     from shardscope.backend.export.layouts import find_model_folder
     from shardscope.backend.format import parse_size
+    from shardscope.backend.formats import open_checkpoint
 
     try:
         limit = parse_size(args.max_shard_size) if args.max_shard_size else None
     except ValueError as exc:
         raise ExportError(str(exc)) from None
-    if not is_url(args.src) and os.path.isfile(args.src) and args.src.lower().endswith(TORCH_FILES):
-        raise ExportError(f"{args.src}: a single checkpoint file (as Lightning's DDP Trainer.save_checkpoint writes "
-                          "it); export reads a sharded checkpoint folder. Turn the file into one first: "
-                          f"`shardscope import {args.src} DIR`, then `shardscope export DIR {args.dst}`.")
     src, note = find_model_folder(args.src)
-    ckpt, _backing = open_any(src, storage_options(args))  # a folder, or a .safetensors file (its header)
+    ckpt = open_checkpoint(src, storage_options(args))  # any checkpoint the window opens
     fmt = format_for(args.dst, args.format, limit)
     if limit and fmt != "safetensors":
         raise ExportError("--max-shard-size makes sharded safetensors; it does not apply to torch files.")

@@ -63,10 +63,10 @@ def lightning_meta(ckpt: Any) -> dict:
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint.layout import rank_balance
     from shardscope.backend.checkpoint.verify import verify
-    from shardscope.backend.compare.browse_file import open_any
     from shardscope.backend.export.layouts import checkpoint_kind
+    from shardscope.backend.formats import open_checkpoint
 
-    ckpt, _backing = open_any(args.path, storage_options(args), use_cache=not args.no_cache)
+    ckpt = open_checkpoint(args.path, storage_options(args), use_cache=not args.no_cache)
     problems = verify(ckpt)
     if args.json:
         json.dump(inspect_json(ckpt, problems), sys.stdout)

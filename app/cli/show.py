@@ -28,9 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint.chunks import ChunkReader
     from shardscope.backend.checkpoint.layout import coverage
     from shardscope.backend.checkpoint.values import small_value_repr, tensor_stats
-    from shardscope.backend.compare.browse_file import open_any, read_tensor_any
+    from shardscope.backend.formats import open_checkpoint
 
-    ckpt, backing = open_any(args.path, storage_options(args), use_cache=not args.no_cache)
+    ckpt = open_checkpoint(args.path, storage_options(args), use_cache=not args.no_cache)
     if not ckpt.has_tensor(args.fqn):
         obj = next((o for o in ckpt.objects if o.fqn == args.fqn), None)
         if obj is None:
@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"tensor": entry.to_json(), "stats": None}))
         return EXIT_OK
-    st = tensor_stats(read_tensor_any(ckpt, backing, entry.fqn))
+    with ChunkReader(ckpt) as reader:
+        st = tensor_stats(reader.read_tensor(entry))
     print("  values")
     if st.min is None:
         print("    no finite values")

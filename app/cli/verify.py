@@ -27,11 +27,11 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardscope.backend.checkpoint.verify import verify
-    from shardscope.backend.compare.browse_file import open_any, verify_contents_any
+    from shardscope.backend.formats import open_checkpoint, verify_contents
 
-    ckpt, _backing = open_any(args.path, storage_options(args), use_cache=not args.no_cache)
+    ckpt = open_checkpoint(args.path, storage_options(args), use_cache=not args.no_cache)
     with TerminalProgress(enabled=args.deep and not args.json) as progress:
-        problems = verify_contents_any(ckpt, progress) if args.deep else verify(ckpt)
+        problems = verify_contents(ckpt, progress) if args.deep else verify(ckpt)
     if args.json:
         json.dump({"path": ckpt.path, "deep": args.deep, "healthy": not problems,
                    "problems": [p.to_json() for p in problems]}, sys.stdout)

@@ -1,6 +1,4 @@
-"""The checkpoint model, its safe reader, layout and health analysis, and the chunk reader."""
-
-from .model import Checkpoint, Chunk, FileInfo, ObjectEntry, Problem, TensorEntry
-from .reader import open_checkpoint
-
-__all__ = ["Checkpoint", "Chunk", "FileInfo", "ObjectEntry", "Problem", "TensorEntry", "open_checkpoint"]
+"""The checkpoint model (:mod:`.model`), the readers the formats use (DCP metadata, safetensors headers, torch
+files), layout and health analysis, and the chunk reader. Opening a path is the formats' job:
+``backend.formats.open_checkpoint``. Nothing is imported here, so a listing's probes can use the plain parsers
+(:mod:`.items`, :mod:`.dtypes`) without numpy."""

@@ -12,8 +12,7 @@ from ..progress import Progress
 from .chunks import ChunkReader
 from .layout import RankBalance, rank_balance, tensor_rank_bytes
 from .model import Checkpoint, Problem
-from .reader import open_checkpoint
-from .tree import TreeNode, build_tree
+from .tree import TreeNode
 from .values import small_value_repr, tensor_stats
 from .verify import verify
 
@@ -23,7 +22,8 @@ MAX_OBJECT_VALUES = 2000
 
 @dataclass
 class BrowseData:
-    """Filled in two steps: the tree as soon as the metadata is read, the analysis after."""
+    """Filled in two steps: the tree as soon as the metadata is read (:func:`..compare.browse_file.load_any`),
+    the analysis after."""
 
     ckpt: Checkpoint
     tree: TreeNode
@@ -31,15 +31,6 @@ class BrowseData:
     balance: list[RankBalance] | None = None
     heat: tuple[list[int], np.ndarray] | None = None
     values: dict[str, str] | None = None  # small non-tensor values as text
-
-
-def load_tree(path: str, progress: Progress | None = None) -> BrowseData:
-    """Step 1: read the metadata and group the entries (what the tree needs)."""
-    progress = progress or Progress()
-    progress.start(2, "reading metadata")
-    ckpt = open_checkpoint(path, progress=None)
-    progress.advance(1, "building the tree")
-    return BrowseData(ckpt, build_tree(ckpt))
 
 
 def analyse(data: BrowseData, progress: Progress | None = None) -> BrowseData:
@@ -62,7 +53,9 @@ def small_values(ckpt: Checkpoint) -> dict[str, str]:
     missing = {f.name for f in ckpt.files if f.bytes is None}
     with ChunkReader(ckpt) as reader:
         for o in ckpt.objects[:MAX_OBJECT_VALUES]:
-            if o.file and o.file not in missing and o.length <= SMALL_OBJECT_BYTES:
+            if o.inline:  # read with the file's header or pickle
+                out[o.fqn] = small_value_repr(o.value, 60)
+            elif o.file and o.file not in missing and o.length <= SMALL_OBJECT_BYTES:
                 try:
                     out[o.fqn] = small_value_repr(reader.read_object(o), 60)
                 except CheckpointError:

@@ -151,7 +151,8 @@ class ChunkReader:
                     raise
                 raise CheckpointError(f"{exc} (tensor {fqn}, chunk at offsets {list(chunk.offsets)})",
                                       path=exc.path, fqn=fqn) from None
-            self._claim(fqn, chunk, st)
+            if self.ckpt.located is None:  # pre-located storages may be shared on purpose (tied weights)
+                self._claim(fqn, chunk, st)
             self._located[key] = st
         return st
 
@@ -167,6 +168,9 @@ class ChunkReader:
                               SharedStorageError)
 
     def _locate(self, fqn: str, chunk: Chunk) -> StoredTensor:
+        located = self.ckpt.located
+        if located is not None:  # the format located every tensor (a torch file's records, which tied weights share)
+            return self._prelocated(fqn, chunk, located)
         if not chunk.file:
             raise CheckpointError(f"{fqn}: chunk at offsets {list(chunk.offsets)} has no storage entry.", fqn=fqn)
         dtype = self.ckpt.tensor(fqn).dtype
@@ -186,9 +190,19 @@ class ChunkReader:
         self._check_range(chunk.file, st.data_offset, st.nbytes, f"tensor {fqn}'s storage")
         return st
 
+    def _prelocated(self, fqn: str, chunk: Chunk, located: dict[str, StoredTensor]) -> StoredTensor:
+        st = located.get(fqn)
+        if st is None:
+            raise self._error(fqn, chunk, "its values were not located in the file (see the checkpoint's problems).")
+        if st.nbytes:
+            self._check_range(chunk.file, st.data_offset, st.nbytes, f"tensor {fqn}'s storage")
+        if (st.storage_offset + st.span()) * ITEMSIZE.get(st.dtype, 1) > st.nbytes and st.numel:
+            raise self._error(fqn, chunk, "item storage is shorter than its view.")
+        return st
+
     def _stored(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
         """The one dispatch over storage variants."""
-        if self.ckpt.format == "hf-safetensors":  # the chunk's byte range is the raw data itself
+        if self.ckpt.raw_values:  # the chunk's byte range is the raw data itself
             need = math.prod(chunk.sizes) * max(1, ITEMSIZE.get(dtype, 1))
             if chunk.length != need:  # the safetensors library refuses such a header: never read a prefix
                 raise ItemFormatError(f"{chunk.length} bytes stored for shape {list(chunk.sizes)} of {dtype}, "

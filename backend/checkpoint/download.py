@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -12,16 +11,16 @@ import threading
 from typing import Any
 
 from ..errors import Cancelled, CheckpointError
+from ..filenames import DOWNLOAD_RE, TMP_PREFIX
 from ..format import human_bytes
 from ..procs import orphaned
-from .remote import TMP_PREFIX, call, fs_for
+from .remote import call, fs_for
 
 log = logging.getLogger(__name__)
 
 DOWNLOAD_BLOCK = 16 << 20  # one ranged GET each
 DOWNLOAD_IN_FLIGHT = 4  # blocks fetched at once: at most this many blocks are in memory
 DOWNLOAD_SPARE = 256 << 20  # left free on the temp folder's disk after a copy
-DOWNLOAD_RE = re.compile(r"^\.shardscope-tmp-(\d+)-dl-")
 
 
 def clean_downloads(folder: str) -> list[str]:

@@ -9,36 +9,23 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from array import array
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ..filenames import MAX_INDEX_BYTES, METADATA, hf_shard_rank, is_safetensors_file
+from ..filenames import SAFETENSORS_INDEX as INDEX
 from ..format import count
 from .chunks import safe_name
 from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize
 from .safetensors_items import parse_safetensors_file
 from .storage import Folder, why_absent
 
-SHARD_RE = re.compile(r"^shard-(\d+)-")
-INDEX = "model.safetensors.index.json"  # save_pretrained's map of tensor -> shard file
-MAX_INDEX_BYTES = 64 << 20  # an index names files and keys; far larger is not one
-
-
-def is_hf_folder(listing: dict[str, int], folder: Folder) -> bool:
-    """True for a folder of safetensors files (with no pickled ``.metadata``)."""
-    if not any(n.endswith(".safetensors") for n in listing):
-        return False
-    if ".metadata" not in listing:
-        return True
-    with folder.open(".metadata") as f:
-        return f.read(1) == b"{"  # the HF writer's .metadata is a JSON weight map, not a pickle
-
 
 def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     """The checkpoint model of a HuggingFaceStorageWriter (or plain safetensors) folder, from its headers."""
-    names = sorted(n for n in listing if n.endswith(".safetensors"))
+    names = sorted(n for n in listing if is_safetensors_file(n))
     files: list[FileInfo] = []
     pieces: dict[str, list[tuple]] = {}
     dtypes: dict[str, str] = {}
@@ -46,8 +33,7 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     version = None
     with folder.handles() as handles:
         for fi, name in enumerate(names):
-            m = SHARD_RE.match(name)
-            files.append(FileInfo(name, int(m.group(1)) - 1 if m else None, listing[name]))
+            files.append(FileInfo(name, hf_shard_rank(name), listing[name]))
             header = parse_safetensors_file(handles, name, listing[name])
             version = version or header.metadata.get("DCP_VERSION")
             sharding = _sharding_info(header.metadata, name, problems)
@@ -59,7 +45,7 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
                 pieces.setdefault(key, []).append((offsets, st.shape, fi, st.data_offset, st.nbytes))
     if not pieces:
         raise CheckpointError(f"{folder.path}: safetensors files hold no tensors.", path=folder.path)
-    ckpt = Checkpoint(folder.path, "hf-safetensors", version, files, [], [], ChunkTable.empty())
+    ckpt = Checkpoint(folder.path, "hf-safetensors", version, files, [], [], ChunkTable.empty(), raw_values=True)
     t_idx, f_idx = array("i"), array("i")
     b_off, b_len, dim_start, dims = array("q"), array("q"), array("q"), array("q")
     for key, parts in pieces.items():
@@ -83,9 +69,9 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
     ckpt.chunk_table = ChunkTable(np.frombuffer(t_idx, np.int32), np.frombuffer(f_idx, np.int32),
                                   np.frombuffer(b_off, np.int64), np.frombuffer(b_len, np.int64),
                                   np.frombuffer(dim_start, np.int64), np.frombuffer(dims, np.int64))
-    if ".metadata" in listing:
-        files.append(FileInfo(".metadata", None, listing[".metadata"], "metadata"))
-        ckpt.metadata_files = [".metadata"]
+    if METADATA in listing:
+        files.append(FileInfo(METADATA, None, listing[METADATA], "metadata"))
+        ckpt.metadata_files = [METADATA]
     if INDEX in listing:
         problems += _index_problems(folder, listing, pieces)
     ckpt.problems = problems

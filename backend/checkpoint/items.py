@@ -15,7 +15,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .model import ITEMSIZE, MAX_INDEX, MAX_NDIM
+from .dtypes import ITEMSIZE, MAX_INDEX, MAX_NDIM
 
 ZIP_LOCAL = b"PK\x03\x04"
 _EOCD = b"PK\x05\x06"

@@ -3,22 +3,22 @@
 Handles torch ``FileSystemWriter`` folders (FSDP2, FSDP1 sharded, DDP, no process group),
 per-rank ``__R.metadata`` files written with ``use_collectives=False`` (merged), the older
 module paths and missing optional fields of torch 2.0 to 2.13, Lightning/Fabric folders with
-``meta.pt``, and leftover ``.metadata.tmp`` files from an interrupted save.
+``meta.pt``, and leftover ``.metadata.tmp`` files from an interrupted save. Which folders are DCP
+folders is the formats' decision (:mod:`..formats`); this is the DCP formats' reader.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ..filenames import DATA_SUFFIX, LIGHTNING_META, METADATA, METADATA_TMP, RANK_METADATA_RE, rank_of_file
 from ..format import count
 from ..progress import Progress
 from . import cache, validate
-from .hf_reader import is_hf_folder, open_hf_folder
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .safe_pickle import (
     BytesStorageRecord,
@@ -29,35 +29,21 @@ from .safe_pickle import (
     gc_paused,
     load_metadata_pickle,
 )
-from .storage import RANK_METADATA_RE, Folder, open_folder, outside_link
+from .storage import Folder, open_folder, outside_link
 from .streaming import Events, NotStreamable, join_storage, max_dims, stream_metadata
-
-DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-LIGHTNING_META = "meta.pt"
-
-
-def rank_of_file(name: str) -> int | None:
-    """The writer rank in a ``__R_N.distcp`` name (None for other names)."""
-    m = DATA_FILE_RE.match(os.path.basename(name))
-    return int(m.group(1)) if m else None
 
 
 def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
                     use_cache: bool = True) -> Checkpoint:
-    """Read a checkpoint folder's metadata (never its tensor data) into a :class:`Checkpoint`."""
+    """Read a DCP checkpoint folder's metadata (never its tensor data) into a :class:`Checkpoint`."""
     folder = open_folder(path)
     listing = folder.listing()
     problems: list[Problem] = []
     for name in sorted(listing):
-        if name.endswith(".metadata.tmp"):
+        if name.endswith(METADATA_TMP):
             problems.append(Problem("leftover_tmp", f"{name} is left from an interrupted save; the save that "
                                     "wrote it did not finish (safe to delete once you know which save).",
                                     file=name))
-    if is_hf_folder(listing, folder):
-        ckpt = open_hf_folder(folder, listing)
-        ckpt.problems[:0] = problems
-        ckpt.folder = folder
-        return ckpt
     meta_names = _metadata_names(folder, listing)
     key = cache.key_for(folder, meta_names) if use_cache else None
     if key is not None:
@@ -83,15 +69,15 @@ def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
 
 def _metadata_names(folder: Folder, listing: dict[str, int]) -> list[str]:
     """``.metadata``, else the per-rank ``__R.metadata`` files in rank order; bad input when there are none."""
-    if ".metadata" in listing:
-        return [".metadata"]
-    if folder.local and os.path.lexists(folder.join(".metadata")):  # there, but left out of the listing
-        where = folder.join(".metadata")
+    if METADATA in listing:
+        return [METADATA]
+    if folder.local and os.path.lexists(folder.join(METADATA)):  # there, but left out of the listing
+        where = folder.join(METADATA)
         raise CheckpointError(f"{where}: not a regular file ({_file_kind(where)}); refused.", path=where)
     ranked = sorted((int(m.group(1)), n) for n in listing if (m := RANK_METADATA_RE.match(n)))
     if ranked:
         return [n for _, n in ranked]
-    data = sorted(n for n in listing if n.endswith(".distcp"))
+    data = sorted(n for n in listing if n.endswith(DATA_SUFFIX))
     if data:
         raise CheckpointError(
             f"{folder.path}: {count(len(data), '.distcp file')} but no .metadata: the save did not finish (the "
@@ -127,7 +113,7 @@ def _checkpoint_subfolders(folder: Folder, limit: int = 8) -> list[str]:
             names = sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
     except OSError:
         return []
-    found = [f"{n}/" for n in names if os.path.isfile(os.path.join(folder.path, n, ".metadata"))]
+    found = [f"{n}/" for n in names if os.path.isfile(os.path.join(folder.path, n, METADATA))]
     return found[:limit] + (["..."] if len(found) > limit else [])
 
 
@@ -274,14 +260,13 @@ def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], st
     files = ckpt.files
     known = {f.name for f in files}
     for name in sorted(listing):
-        if name not in known and name.endswith(".distcp"):
+        if name not in known and name.endswith(DATA_SUFFIX):
             files.append(FileInfo(name, rank_of_file(name), listing[name]))
     for name in meta_names:
         files.append(FileInfo(name, None, listing.get(name), "metadata"))
-    if LIGHTNING_META in listing:
-        ckpt.format = "lightning"
+    if LIGHTNING_META in listing:  # Lightning's trainer state: a file of the checkpoint (see formats.lightning)
         ckpt.extra_files[LIGHTNING_META] = LIGHTNING_META
-        files.append(FileInfo(LIGHTNING_META, None, listing[LIGHTNING_META], "meta.pt"))
+        files.append(FileInfo(LIGHTNING_META, None, listing[LIGHTNING_META], LIGHTNING_META))
     if storage_meta is not None:
         where = os.path.join(ckpt.path, meta_names[0])
         ckpt.save_id = validate.optional_str(validate.record(storage_meta, where, "storage_meta").get("save_id"),

@@ -6,28 +6,19 @@ object to a local file in :mod:`.download`, and uploads in :mod:`..export.remote
 from __future__ import annotations
 
 import logging
-import os
-import re
 from typing import Any
 
 from ..errors import CheckpointError
+from ..filenames import TMP_PREFIX, URL_RE, is_url
 
 log = logging.getLogger(__name__)
 
-URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "hf": "huggingface_hub",
             "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "http": "aiohttp", "https": "aiohttp",
             "hdfs": "pyarrow", "sftp": "paramiko", "ssh": "paramiko"}
 # Errors raised by the network stacks under fsspec backends that mean "cannot reach / read it".
 REMOTE_ERROR_MODULES = {"botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure",
                         "huggingface_hub", "s3fs", "gcsfs", "adlfs", "fsspec", "paramiko"}
-TMP_PREFIX = ".shardscope-tmp-"  # every temporary's name: <prefix><pid>-... (downloads, uploads, export.atomic)
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    """True for ``scheme://...`` other than ``file://``."""
-    m = URL_RE.match(str(path))
-    return bool(m) and m.group(1) != "file"
 
 
 def default_options(protocol: str) -> dict[str, Any]:

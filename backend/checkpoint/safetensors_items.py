@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
+from .dtypes import MAX_INDEX, SAFETENSORS_DTYPES, contiguous_strides
 from .items import ByteSource, ItemFormatError, StoredTensor, checked_dims
-from .model import MAX_INDEX, SAFETENSORS_DTYPES, contiguous_strides
 
 MAX_SAFETENSORS_HEADER = 100 * 2**20  # the safetensors library's own limit
 

@@ -5,7 +5,6 @@ only the byte ranges asked for, so a remote checkpoint is never copied whole."""
 from __future__ import annotations
 
 import os
-import re
 import stat
 import threading
 from collections.abc import Iterable, Sequence
@@ -13,18 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from ..filenames import is_metadata_name
 from .remote import call, fs_for, is_url
 from .remote_reads import RemoteHandles
 
 
 def outside_link(path: str, root: str) -> str | None:
     """Where ``path`` leads when it is a symbolic link out of the folder ``root`` (the checkpoint's own
-    folder), else None: such a file is never opened or counted."""
+    folder), else None: such a file is never opened or counted. The one exception is the Hugging Face hub cache's
+    layout: a snapshot folder (``<repo>/snapshots/<revision>/``) links its files to ``<repo>/blobs/``."""
     if not os.path.islink(path):
         return None
     target = os.path.realpath(path)
     inside = os.path.realpath(root)
-    return None if os.path.commonpath([target, inside]) == inside else target
+    if os.path.commonpath([target, inside]) == inside:
+        return None
+    snapshots = os.path.dirname(inside)
+    if os.path.basename(snapshots) == "snapshots":
+        blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+        if os.path.dirname(target) == blobs:
+            return None
+    return target
 
 
 def why_absent(folder: str, name: str) -> str:
@@ -208,7 +216,6 @@ class Folder:
         return "\0".join(parts)
 
 
-RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")
 
 
 def open_folder(path: str | os.PathLike | Folder, storage_options: dict[str, Any] | None = None) -> Folder:
@@ -225,7 +232,7 @@ def open_folder(path: str | os.PathLike | Folder, storage_options: dict[str, Any
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder.", path=str(p))
     if p.is_file():
-        if p.name == ".metadata" or RANK_METADATA_RE.match(p.name):
+        if is_metadata_name(p.name):
             return Folder(str(p.parent))
         raise CheckpointError(f"{p}: is a file, not a checkpoint folder.", path=str(p),
                               hint="Give the folder that holds .metadata and the __R_N.distcp files.")
@@ -239,7 +246,7 @@ def _open_remote(url: str, storage_options: dict[str, Any] | None) -> Folder:
     entries = call(url, fs.ls, root, detail=True)  # one request: a folder's listing, or the file itself
     if len(entries) == 1 and entries[0].get("type") == "file" and entries[0]["name"].rstrip("/") == root:
         parent, _, base = root.rpartition("/")
-        if base == ".metadata" or RANK_METADATA_RE.match(base):
+        if is_metadata_name(base):
             return Folder(url.rstrip("/").rsplit("/", 1)[0], fs, parent, storage_options)
         raise CheckpointError(f"{url}: is a file, not a checkpoint folder.", path=url)
     folder = Folder(url.rstrip("/"), fs, root, storage_options)

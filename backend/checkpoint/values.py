@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
+from ..filenames import LIGHTNING_META
 from ..progress import Progress
 from .chunks import ChunkReader, load_weights_only
 from .model import Checkpoint
@@ -21,7 +22,7 @@ BLOCK = 1 << 22  # elements per float64 block: statistics stay in bounded memory
 
 def read_lightning_meta(ckpt: Checkpoint) -> dict[str, Any]:
     """The ``meta.pt`` of a Lightning/Fabric folder, loaded with ``weights_only=True``."""
-    name = ckpt.extra_files.get("meta.pt")
+    name = ckpt.extra_files.get(LIGHTNING_META)
     if not name:
         return {}
     with ChunkReader(ckpt) as reader:

@@ -10,6 +10,7 @@ from functools import partial
 import numpy as np
 
 from ..errors import CheckpointError
+from ..filenames import LIGHTNING_META
 from ..format import count
 from ..progress import Progress
 from .chunks import ChunkReader, CorruptChunkError, SharedStorageError, StoredTensor
@@ -156,10 +157,11 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
                     located.append((file, st.data_offset, st.data_offset + st.nbytes, fqn))
     problems += [Problem("unreadable", f"{why}; {count(n, 'entry', 'entries')} stored in it not checked", file=f)
                  for f, (why, n) in unopenable.items()]
-    problems += overlap_problems(located, same_start=True)
-    if ckpt.extra_files.get("meta.pt"):
+    if ckpt.located is None:  # a format that located the values itself shares records on purpose (tied weights)
+        problems += overlap_problems(located, same_start=True)
+    if ckpt.extra_files.get(LIGHTNING_META):
         try:
             read_lightning_meta(ckpt)
         except CheckpointError as exc:
-            problems.append(Problem("unreadable", str(exc), file="meta.pt"))
+            problems.append(Problem("unreadable", str(exc), file=LIGHTNING_META))
     return problems

@@ -12,15 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from ..checkpoint.sources import DcpSource, Source
+from ..checkpoint.sources import Source
 from ..export.layouts import Layout, layout_of_names, recognise_layout, unwrap_key
 
 
 def source_layout(source: Source) -> Layout:
-    """The layout a source's entries were saved in (which container prefix, if any, holds the model): a DCP
-    folder's as export recognises it (keys, folder name, Lightning's meta.pt), else read from tensor names."""
-    if isinstance(source, DcpSource):
-        return recognise_layout(source.ckpt)
+    """The layout a source's entries were saved in (which container prefix, if any, holds the model): an opened
+    checkpoint's as export recognises it (keys, folder name, Lightning's meta.pt), else read from tensor names."""
+    ckpt = getattr(source, "ckpt", None)
+    if ckpt is not None:
+        return recognise_layout(ckpt)
     return layout_of_names(n for n, e in source.entries().items() if e.kind == "tensor")
 
 

@@ -35,9 +35,9 @@ from types import FrameType
 from typing import Any
 
 from ..atomic_file import fsync_path
-from ..checkpoint.remote import TMP_PREFIX
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
+from ..filenames import TMP_PREFIX, export_owned
 from ..format import human_bytes
 from ..procs import orphaned
 from ..progress import Progress
@@ -95,18 +95,6 @@ def write_error(dst: str, exc: OSError) -> OutputError:
     if exc.errno in _FULL:
         return OutputError(f"{dst}: disk full while writing; nothing was written (the destination is untouched).")
     return OutputError(f"{dst}: cannot write ({exc.strerror or exc}).")
-
-
-# what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
-# --force replaces an earlier export's files of these kinds and keeps everything else in the folder
-EXPORT_SUFFIXES = (".safetensors", ".distcp", ".pt", ".pth", ".bin")
-EXPORT_NAMES = ("model.safetensors.index.json", ".metadata")
-
-
-def export_owned(name: str) -> bool:
-    """True for a folder entry an export writes or replaces (see :data:`EXPORT_SUFFIXES`); a --force export
-    over a folder keeps every other entry (an HF model folder's config.json and tokenizer files)."""
-    return name.endswith(EXPORT_SUFFIXES) or name in EXPORT_NAMES
 
 
 def _link_or_copy(src: str, dst: str) -> None:

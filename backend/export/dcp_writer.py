@@ -18,7 +18,9 @@ from typing import Any
 
 from ..checkpoint.chunks import ChunkReader
 from ..checkpoint.reader import open_checkpoint
-from ..checkpoint.sources import SafetensorsSource, TorchFileSource, open_source
+from ..filenames import METADATA
+from ..formats import open_checkpoint as open_any
+from ..formats import open_source
 from ..progress import Progress
 from .atomic import AtomicOutput
 from .plan import ExportError, require_nesting
@@ -100,7 +102,7 @@ def _write_metadata(folder: str, sdm: dict, storage: dict, planner_data: dict, d
                   version=DCP_VERSION)
     buf = io.BytesIO()
     pickle.dump(md, buf)  # writing with torch's classes; Shardscope itself never unpickles this way
-    with open(os.path.join(folder, ".metadata"), "wb") as f:
+    with open(os.path.join(folder, METADATA), "wb") as f:
         f.write(buf.getvalue())
         f.flush()
         os.fsync(f.fileno())
@@ -166,7 +168,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
             return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
                                 verified=False, mismatches=mismatches)
         out.commit()
-    return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, ".metadata"]], count, nbytes,
+    return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, METADATA]], count, nbytes,
                         time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
                         verified_what=WHAT + "; the folder reads back as a DCP checkpoint" if verify else "",
                         uploaded=out.uploaded, kept=out.kept)
@@ -192,30 +194,28 @@ def _expectations(folder: str, written: list[_Written]) -> list[Expectation]:
 def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, force: bool = False,
                 verify: bool = True, progress: Progress | None = None,
                 storage_options: dict | None = None) -> ExportResult:
-    """A ``.pt`` (loaded with ``weights_only=True``, memory-mapped) or ``.safetensors`` (single, or a
-    folder with an index) becomes a DCP checkpoint. ``prefix`` nests every key (``model``), so
-    ``dcp.load({"model": model.state_dict()})`` finds them."""
+    """Any checkpoint the window opens (a ``.pt``, a ``.safetensors`` file or an HF folder, typically) becomes a
+    DCP checkpoint. ``prefix`` nests every key (``model``), so ``dcp.load({"model": model.state_dict()})`` finds
+    them."""
     import torch
 
-    source = open_source(src, storage_options)
-    if not isinstance(source, TorchFileSource | SafetensorsSource):
-        raise ExportError(f"{src}: import takes a .pt/.pth/.bin or .safetensors file; use reshard for a DCP folder.")
-    pre = prefix.strip(".") if prefix else ""
+    with open_source(src, storage_options) as source:
+        pre = prefix.strip(".") if prefix else ""
 
-    def key(fqn: str) -> str:
-        return f"{pre}.{fqn}" if pre else fqn
+        def key(fqn: str) -> str:
+            return f"{pre}.{fqn}" if pre else fqn
 
-    entries = source.entries()
-    tensors = [TensorIn(key(k), e.dtype or "", tuple(e.shape or ()), lambda k=k: source.tensor(k))
-               for k, e in entries.items() if e.kind == "tensor"]
-    objects = [ObjectIn(key(k), _saved(source.object(k))) for k, e in entries.items() if e.kind == "object"]
-    planner = {}
-    for k in entries:
-        path = source.nested_path(k) or (k,)
-        planner[key(k)] = ((pre, *map(_key_part, path)) if pre else tuple(map(_key_part, path)))
-    total = sum(math.prod(t.shape) * torch.empty((), dtype=getattr(torch, t.dtype)).element_size() for t in tensors)
-    return write_dcp(tensors, objects, dst, ranks, planner, force, verify, progress, total, storage_options,
-                     sources=[src])
+        entries = source.entries()
+        tensors = [TensorIn(key(k), e.dtype or "", tuple(e.shape or ()), lambda k=k: source.tensor(k))
+                   for k, e in entries.items() if e.kind == "tensor"]
+        objects = [ObjectIn(key(k), _saved(source.object(k))) for k, e in entries.items() if e.kind == "object"]
+        planner = {}
+        for k in entries:
+            path = source.nested_path(k) or (k,)
+            planner[key(k)] = ((pre, *map(_key_part, path)) if pre else tuple(map(_key_part, path)))
+        total = sum(math.prod(t.shape) * torch.empty((), dtype=getattr(torch, t.dtype)).element_size() for t in tensors)
+        return write_dcp(tensors, objects, dst, ranks, planner, force, verify, progress, total, storage_options,
+                         sources=[src])
 
 
 def _key_part(p: Any) -> Any:
@@ -234,7 +234,7 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
             progress: Progress | None = None, storage_options: dict | None = None) -> ExportResult:
     """Rewrite a DCP checkpoint as if saved by ``ranks`` ranks; non-tensor entries are copied byte for
     byte (never decoded), tensors one at a time."""
-    ckpt = open_checkpoint(src)
+    ckpt = open_any(src, storage_options)
     missing = [f.name for f in ckpt.files if f.kind == "data" and f.bytes is None]
     if missing:
         raise ExportError(f"{ckpt.path}: missing {', '.join(missing)}; cannot reshard an incomplete checkpoint.")
@@ -242,7 +242,8 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
     reader = ChunkReader(ckpt)
     try:
         tensors = [TensorIn(t.fqn, t.dtype, t.shape, lambda t=t: reader.read_tensor(t)) for t in ckpt.tensors]
-        objects = [ObjectIn(o.fqn, reader.read_object_bytes(o)) for o in ckpt.objects if o.file]
+        objects = [ObjectIn(o.fqn, _saved(o.value) if o.inline else reader.read_object_bytes(o))
+                   for o in ckpt.objects if o.file or o.inline]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,
                          ckpt.total_bytes, storage_options, sources=[ckpt.path])
     finally:

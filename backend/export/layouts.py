@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..checkpoint.model import Checkpoint
+from ..filenames import LIGHTNING_META, METADATA
 
 TRAINING_STATE_ROOTS = frozenset({
     "optimizer", "optimizers", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -63,7 +64,7 @@ def is_training_state(root: str) -> bool:
 def recognise_layout(ckpt: Checkpoint) -> Layout:
     """The layout of a checkpoint, from its keys, its folder name and its extra files."""
     return layout_of_names([t.fqn for t in ckpt.tensors], os.path.basename(ckpt.path.rstrip("/")),
-                           bool(ckpt.extra_files.get("meta.pt")))
+                           bool(ckpt.extra_files.get(LIGHTNING_META)))
 
 
 def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: bool = False) -> Layout:
@@ -161,10 +162,10 @@ def unwrap_key(key: str) -> tuple[str, set[str]]:
 def find_model_folder(path: str) -> tuple[str, str | None]:
     """For an HF Trainer/accelerate checkpoint folder (``checkpoint-500/`` holding
     ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; else ``path``."""
-    if "://" in path or os.path.exists(os.path.join(path, ".metadata")) or not os.path.isdir(path):
+    if "://" in path or os.path.exists(os.path.join(path, METADATA)) or not os.path.isdir(path):
         return path, None
     models = sorted(n for n in os.listdir(path) if ACCELERATE_MODEL_DIR.match(n)
-                    and os.path.exists(os.path.join(path, n, ".metadata")))
+                    and os.path.exists(os.path.join(path, n, METADATA)))
     if not models:
         return path, None
     others = sorted(n for n in os.listdir(path) if n not in models and not n.startswith("."))

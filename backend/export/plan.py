@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..checkpoint.model import FLOAT_DTYPES, Checkpoint, ObjectEntry, TensorEntry, itemsize
 from ..errors import ShardscopeError
+from ..filenames import LIGHTNING_META, TORCH_SUFFIXES
 from ..format import count
 from .layouts import Layout, recognise_layout, unwrap_key
 
@@ -80,7 +81,7 @@ def format_for(dst: str, fmt: str | None, max_shard_size: int | None) -> str:
     ext = os.path.splitext(dst)[1].lower()
     if ext == ".safetensors" or max_shard_size:
         return "safetensors"
-    if ext in (".pt", ".pth", ".bin", ".ckpt"):
+    if ext in TORCH_SUFFIXES:
         return "torch"
     raise ExportError(f"{dst}: cannot tell the format from the name; end it in .safetensors or .pt "
                       "(or give --format), or give --max-shard-size for a sharded safetensors folder.")
@@ -237,7 +238,7 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
     notes = [f"layout: {layout.name}" + (f"; keys without the '{strip}' prefix" if strip else "")
              + (f"; wrapper key parts removed: {', '.join(sorted(unwrapped))}" if unwrapped else "")]
     return ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
-                      max_shard_size, fmt == "torch" and bool(ckpt.extra_files.get("meta.pt")) and not only,
+                      max_shard_size, fmt == "torch" and bool(ckpt.extra_files.get(LIGHTNING_META)) and not only,
                       renamed, _read_config(config, max_shard_size),
                       record_source)
 

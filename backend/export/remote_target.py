@@ -18,9 +18,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..checkpoint.remote import TMP_PREFIX, URL_RE, call, fs_for, is_remote_error, remote_error
+from ..checkpoint.remote import call, fs_for, is_remote_error, remote_error
 from ..crc import crc32_b64, crc32_combine
 from ..errors import CheckpointError
+from ..filenames import LEFTOVER_RE, TMP_PREFIX, URL_RE
 from ..procs import pid_alive
 from .upload_check import Sent, UploadCheck
 
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 # Object stores where one PUT (or a multipart upload) appears only when complete: a file goes there directly.
 ATOMIC_PUT = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"}
 OLD_PREFIX = ".shardscope-old-"  # the old files of a --force export over a folder, while it commits
-LEFTOVER_RE = re.compile(r"^\.shardscope-tmp-(\d+)-([0-9a-f]{6})-(.+)$")
 
 
 def _host() -> str:

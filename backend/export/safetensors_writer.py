@@ -12,12 +12,11 @@ from typing import Any
 from ..checkpoint.chunks import ChunkReader
 from ..checkpoint.model import SAFETENSORS_CODES
 from ..errors import CheckpointError
+from ..filenames import SAFETENSORS_INDEX as INDEX_NAME
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
 from .source import TensorSource, pwrite_all
 from .verify import Expectation
-
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def _json_scalar(value: Any) -> Any:

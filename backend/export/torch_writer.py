@@ -20,6 +20,7 @@ from ..checkpoint.chunks import ChunkReader, load_weights_only, torch_dtype
 from ..checkpoint.flatten import dotted, flatten
 from ..checkpoint.items import StorageRef
 from ..checkpoint.model import contiguous_strides
+from ..filenames import LIGHTNING_META
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
 from .source import TensorSource, pwrite_all, run_parallel, tensor_bytes, write_buffer
@@ -75,7 +76,7 @@ def nested_state(plan: ExportPlan, reader: ChunkReader) -> dict:
         place(it.entry.fqn, it.key, _Placeholder(i))
     for key, o in plan.objects:
         place(o.fqn, key, reader.read_object(o))
-    name = plan.ckpt.extra_files.get("meta.pt")
+    name = plan.ckpt.extra_files.get(LIGHTNING_META)
     if plan.include_meta and name:
         where = os.path.join(plan.ckpt.path, name)
         meta = load_weights_only(reader.read_file(name), where, path=where)

@@ -22,14 +22,14 @@ from typing import Any
 
 from ..atomic_file import fsync_folder
 from ..errors import ShardscopeError
+from ..filenames import is_url
 from ..format import count, human_bytes
+from ..formats.base import RESUMABLE, WEIGHTS
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, run_state
-from .names import is_url, within
+from .names import within
 from .records import (
     PRUNE_PREFIX,
-    RESUMABLE,
-    WEIGHTS,
     CheckpointRecord,
     Leftover,
     Listing,

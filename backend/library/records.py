@@ -7,15 +7,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..formats.base import RESUMABLE
 from ..runs.rundir import ACTIVE_STATES
 
 PRUNE_PREFIX = ".shardscope-prune-"  # a checkpoint renamed out of the way by an unfinished prune
-RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
-WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
-# formats that hold weights only (safetensors cannot hold an optimizer's state); a torch file is weights unless
-# its pickle names an optimizer (torch_file_kind; a remote one is not read, so it stays weights: never removed
-# without --weights, and never taking a resumable checkpoint's place)
-WEIGHTS_FORMATS = frozenset({"hf-safetensors", "hf-sharded", "safetensors", "torch"})
 
 
 @dataclass(slots=True)
@@ -25,7 +20,7 @@ class CheckpointRecord:
     path: str
     run: str
     step: int | None
-    format: str  # dcp, dcp-safetensors, lightning, hf-safetensors, hf-sharded, hf-trainer, torch, safetensors, empty
+    format: str  # a format's name (see backend/formats; dcp-safetensors: a DCP variant), empty, megatron, mixed
     ranks: list[int]
     bytes: int  # on disk (st_blocks), all files of the checkpoint
     mtime: float  # the newest file's modification time
@@ -33,11 +28,9 @@ class CheckpointRecord:
     reason: str = ""  # why it is not complete, in a sentence
     is_file: bool = False
     files: int = 0
-    kind: str = ""  # resumable (training state: optimizer or trainer state beside the weights) or weights
-
-    def __post_init__(self) -> None:
-        if not self.kind:
-            self.kind = WEIGHTS if self.format in WEIGHTS_FORMATS else RESUMABLE
+    # resumable (training state: optimizer or trainer state beside the weights) or weights, as the format's probe
+    # says (a torch file or DCP folder by the optimizer keys its pickle names; a file not read: weights)
+    kind: str = RESUMABLE
 
     @property
     def name(self) -> str:

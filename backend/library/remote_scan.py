@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, ShardscopeError
+from ..filenames import step_from_name
+from ..formats import Format
 from ..runs.rundir import state_of
-from .names import step_from_name
-from .probe import folder_state
 from .walk import RUN_FILES, FileFacts, FolderFacts
 
 
@@ -71,14 +71,14 @@ class RemoteTree:
             return None
         return state_of(status, local=False) if isinstance(status, dict) else None
 
-    def file_facts(self, path: str, info: tuple[int, float]) -> FileFacts:
+    def file_facts(self, path: str, info: tuple[int, float], fmt: Format) -> FileFacts | None:
         size, mtime = info
-        return FileFacts("safetensors" if path.endswith(".safetensors") else "torch",
-                         "complete" if size else "incomplete", "" if size else "an empty object", size, mtime)
+        f = fmt.probe_file(path, size, local=False)  # names only: an object's bytes cost a request
+        return None if f is None else FileFacts(f.format, f.state, f.reason, size, mtime, f.kind)
 
-    def folder_facts(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
-        state, reason, ranks = folder_state(path, fmt, set(files), dirs, probe=False)
-        return FolderFacts(fmt, state, reason, ranks, step_from_name(posixpath.basename(path)))
+    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+        f = fmt.probe_folder(path, set(files), dirs, local=False)
+        return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind)
 
     def usage(self, folder: str, files: dict[str, Any] | None = None, dirs: Any = None) -> tuple[int, float, int]:
         """Bytes, newest time and object count of everything under ``folder``."""

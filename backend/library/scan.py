@@ -15,13 +15,22 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ShardscopeError
+from ..filenames import is_url, step_from_name
+from ..formats import Format
 from ..progress import Progress
 from ..runs.rundir import run_state
-from .names import WRITING_SECONDS, is_url, step_from_name
-from .probe import dcp_serialisation, disk_bytes, file_state, folder_state, torch_file_kind, trainer_state_step
+from .names import WRITING_SECONDS
 from .records import Listing, RunRecord, order_key
 from .remote_scan import list_url
 from .walk import FileFacts, FolderFacts, Walker
+
+
+def disk_bytes(st: os.stat_result) -> int:
+    """Bytes a file takes on disk (``st_blocks``); the size where a file system reports no blocks."""
+    blocks = getattr(st, "st_blocks", None)
+    if blocks is None or (blocks == 0 and st.st_size > 0):
+        return st.st_size
+    return blocks * 512
 
 
 def is_shardscope_run(path: str) -> bool:
@@ -53,23 +62,17 @@ class LocalTree:
     def run_state(self, path: str) -> str | None:
         return run_state(path)
 
-    def file_facts(self, path: str, info: os.DirEntry | os.stat_result) -> FileFacts | None:
+    def file_facts(self, path: str, info: os.DirEntry | os.stat_result, fmt: Format) -> FileFacts | None:
         st = info.stat(follow_symlinks=False) if isinstance(info, os.DirEntry) else info
-        state, reason, fmt = file_state(path, st.st_size)
-        if fmt is None:
+        facts = fmt.probe_file(path, st.st_size)
+        if facts is None:
             return None
-        kind = torch_file_kind(path, st.st_size) if fmt == "torch" and state == "complete" else ""
-        return FileFacts(fmt, state, reason, disk_bytes(st), st.st_mtime, kind)
+        return FileFacts(facts.format, facts.state, facts.reason, disk_bytes(st), st.st_mtime, facts.kind)
 
-    def folder_facts(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
-        names = set(files)
-        state, reason, ranks = folder_state(path, fmt, names, dirs)
-        if fmt == "dcp" and state == "complete":
-            fmt = dcp_serialisation(path, names)
+    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+        f = fmt.probe_folder(path, set(files), dirs)
         step = step_from_name(os.path.basename(path))
-        if step is None and "trainer_state.json" in names:
-            step = trainer_state_step(os.path.join(path, "trainer_state.json"))
-        return FolderFacts(fmt, state, reason, ranks, step)
+        return FolderFacts(f.format, f.state, f.reason, f.ranks, step if step is not None else f.step, f.kind)
 
     def usage(self, path: str, files: dict[str, os.DirEntry], dirs: list[str]) -> tuple[int, float, int]:
         """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..filenames import is_url
 from ..progress import Progress
-from .names import is_url
 from .prune import Plan, Rules, make_plan
 from .records import Listing
 from .scan import scan

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..errors import ShardscopeError
+from ..filenames import HF_TRAINER_STATE
 from ..runs.metric_logs import (
     EVENT_MARK,
     MAX_STATE_BYTES,
@@ -158,8 +159,9 @@ def run_metric(run: RunRecord, metric: str) -> dict[int, float]:
         return merged
     out: dict[int, float] = {}
     for c in run.checkpoints:  # HF Trainer: each checkpoint carries the history up to it
-        if c.format == "hf-trainer":
-            out.update(_trainer_state_values(os.path.join(c.path, "trainer_state.json")).get(metric, {}))
+        state = os.path.join(c.path, HF_TRAINER_STATE)
+        if not c.is_file and os.path.isfile(state):
+            out.update(_trainer_state_values(state).get(metric, {}))
     return out
 
 

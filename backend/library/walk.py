@@ -9,19 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..filenames import MP_RANK_RE, step_from_name
+from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder
 from ..progress import Progress
-from .names import (
-    CHECKPOINT_HOLDERS,
-    MAX_DEPTH,
-    MP_RANK_RE,
-    RUN_SKIP_DIRS,
-    SKIP_DIRS,
-    WRITING_SECONDS,
-    classify_folder,
-    is_checkpoint_file,
-    step_from_name,
-)
-from .records import RESUMABLE, WEIGHTS, CheckpointRecord, Leftover, leftover_of
+from .names import CHECKPOINT_HOLDERS, MAX_DEPTH, RUN_SKIP_DIRS, SKIP_DIRS, WRITING_SECONDS
+from .records import CheckpointRecord, Leftover, leftover_of
 
 RUN_FILES = ("config.json", "status.json")  # a Shardscope run directory (see runs.rundir)
 
@@ -35,7 +27,7 @@ class FileFacts:
     reason: str
     bytes: int
     mtime: float
-    kind: str = ""  # "" lets the record decide from its format
+    kind: str = ""  # resumable or weights (see formats.base)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +39,7 @@ class FolderFacts:
     reason: str
     ranks: list[int]
     step: int | None
+    kind: str = ""
 
 
 class Tree(Protocol):
@@ -67,11 +60,11 @@ class Tree(Protocol):
     def run_state(self, path: str) -> str | None:
         """A Shardscope run's state, read-only."""
 
-    def file_facts(self, path: str, info: Any) -> FileFacts | None:
-        """A consolidated file's format and state; None when it is not a checkpoint."""
+    def file_facts(self, path: str, info: Any, fmt: Format) -> FileFacts | None:
+        """A single-file checkpoint's state and kind (its format's probe); None when it is not a checkpoint."""
 
-    def folder_facts(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
-        """A checkpoint folder's state, ranks and step (and its format made precise)."""
+    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+        """A checkpoint folder's state, ranks, kind and step (its format's probe; the format made precise)."""
 
     def usage(self, path: str, files: dict[str, Any], dirs: list[str]) -> tuple[int, float, int]:
         """Bytes, newest modification time and file count of everything in a folder."""
@@ -104,8 +97,9 @@ class Walker:
 
     def walk_file(self, path: str, info: Any) -> None:
         """A root that is a file: a record when it is a consolidated checkpoint."""
-        if is_checkpoint_file(split(self.tree, path)[1]):
-            self.add_file(path, info, None)
+        fmt = detect_file(split(self.tree, path)[1])
+        if fmt is not None:
+            self.add_file(path, info, None, fmt)
 
     def walk(self, path: str, depth: int = 0, run: str | None = None) -> None:
         """Collect checkpoints under ``path``; ``run``: the URL of the Shardscope run it lies in."""
@@ -121,9 +115,14 @@ class Walker:
                                                    0.0, "unreadable", "the folder cannot be listed"))
             return
         files, dirs = listed
-        fmt = classify_folder(name, files, dirs)
+        fmt = detect_folder(name, files, dirs)
         if fmt is not None:
             self.add_folder(path, fmt, files, dirs, run)
+            return
+        if not files and not dirs and step_from_name(name) is not None:
+            self.add(CheckpointRecord(tree.url(path), run or self.default_run(path), step_from_name(name), "empty",
+                                      [], 0, self.tree.usage(path, files, dirs)[1], "incomplete",
+                                      "an empty folder: a save that never wrote a file", kind=RESUMABLE))
             return
         if all(n in files for n in RUN_FILES):
             run = self.add_run(path)
@@ -143,8 +142,9 @@ class Walker:
         """Consolidated files in a folder that is not a checkpoint, then its subfolders; leftovers of prunes."""
         tree = self.tree
         for name, info in files.items():
-            if is_checkpoint_file(name):
-                self.add_file(join(tree, path, name), info, run)
+            fmt = detect_file(name)
+            if fmt is not None:
+                self.add_file(join(tree, path, name), info, run, fmt)
         for d in dirs:
             leftover = leftover_of(tree.url(join(tree, path, d)))
             if leftover is not None:
@@ -164,18 +164,18 @@ class Walker:
             self.run_states[url] = self.tree.run_state(path)
         return url
 
-    def add_file(self, path: str, info: Any, run: str | None) -> None:
-        facts = self.tree.file_facts(path, info)
+    def add_file(self, path: str, info: Any, run: str | None, fmt: Format) -> None:
+        facts = self.tree.file_facts(path, info, fmt)
         if facts is not None:
             self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path),
                                       step_from_name(split(self.tree, path)[1]), facts.format, [], facts.bytes,
                                       facts.mtime, facts.state, facts.reason, True, 1, facts.kind))
 
-    def add_folder(self, path: str, fmt: str, files: dict[str, Any], dirs: list[str], run: str | None) -> None:
+    def add_folder(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str], run: str | None) -> None:
         total, newest, count = self.tree.usage(path, files, dirs)
         f = self.tree.folder_facts(path, fmt, files, dirs)
         self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path), f.step, f.format, f.ranks,
-                                  total, newest, f.state, f.reason, False, count))
+                                  total, newest, f.state, f.reason, False, count, f.kind))
 
     def composite(self, path: str, step: int, parts: list[CheckpointRecord], files: dict[str, Any],
                   dirs: list[str], run: str | None) -> CheckpointRecord:

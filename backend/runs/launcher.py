@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardscopeError
+from ..filenames import METADATA
 from ..procs import pid_alive, terminate_tree
 from . import slurm
 from .report import ENV_RUN_DIR
@@ -82,7 +83,7 @@ class RunConfig:
                 out["checkpoint_every"] = "must be 0 (never) or more"
             if self.strategy not in ("fsdp", "ddp"):
                 out["strategy"] = f"unknown strategy {self.strategy!r} (fsdp or ddp)"
-        if self.resume and not (Path(self.resume) / ".metadata").is_file():
+        if self.resume and not (Path(self.resume) / METADATA).is_file():
             out["resume"] = f"{self.resume}: not a DCP checkpoint (no .metadata)"
         if self.on not in ("local", "slurm"):
             out["on"] = f"unknown place to run {self.on!r} (local or slurm)"

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic_file import write_atomic
+from ..filenames import HF_INDEXES, HF_MODEL_FILES
+from ..formats import RESUMABLE, detect_file, detect_folder
 from ..procs import pid_alive
 from .metric_logs import EVENT_MARK
 
@@ -242,14 +244,35 @@ def torchrun_root_cause(run_dir: str | os.PathLike, start: int = 0) -> tuple[int
     return torchrun_pick
 
 
-def _is_checkpoint_dir(p: Path) -> bool:
-    return (p / ".metadata").is_file() or (p / "meta.pt").is_file()
+def _listing(p: Path) -> tuple[set[str], list[str]] | None:
+    try:
+        with os.scandir(p) as it:
+            entries = list(it)
+    except OSError:
+        return None
+    return ({e.name for e in entries if not e.is_dir(follow_symlinks=False)},
+            [e.name for e in entries if e.is_dir(follow_symlinks=False)])
+
+
+def _resumable_folder(p: Path) -> bool:
+    """A checkpoint folder a run resumes from, as the formats detect it (DCP, Lightning, a Trainer's)."""
+    listed = _listing(p)
+    fmt = detect_folder(p.name, *listed) if listed is not None else None
+    return fmt is not None and fmt.kind == RESUMABLE
+
+
+def _resumable_file(p: Path, size: int) -> bool:
+    """A single-file checkpoint that holds optimizer state (a Lightning ``.ckpt``, a ``.pt`` with an optimizer)."""
+    fmt = detect_file(p.name)
+    facts = fmt.probe_file(str(p), size) if fmt is not None else None
+    return facts is not None and facts.state == "complete" and facts.kind == RESUMABLE
 
 
 def scan(run_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
-    """One walk of a run folder (a few levels down, no symlinks, not into checkpoints): its checkpoints
-    (DCP folders, Lightning/Fabric folders with meta.pt, Lightning ``.ckpt`` files) and its scalar logs
-    (TensorBoard event files, Lightning CSVLogger metrics.csv)."""
+    """One walk of a run folder (a few levels down, no symlinks, not into checkpoints): its checkpoints (what
+    the formats detect as training state: DCP and Lightning folders, Trainer checkpoints, ``.ckpt`` and ``.pt``
+    files with optimizer state; not exported weights) and its scalar logs (TensorBoard event files, Lightning
+    CSVLogger metrics.csv)."""
     found: list[Path] = []
     logs: list[Path] = []
     stack = [(Path(run_dir), 0)]
@@ -262,14 +285,14 @@ def scan(run_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
         for e in entries:
             p = Path(e.path)
             if e.is_dir(follow_symlinks=False):
-                if _is_checkpoint_dir(p):
+                if _resumable_folder(p):
                     found.append(p)
                 elif depth < SEARCH_DEPTH and e.name not in SKIP_DIRS and not e.name.startswith("."):
                     stack.append((p, depth + 1))
-            elif e.name.endswith(".ckpt"):
-                found.append(p)
             elif EVENT_MARK in e.name or e.name in SCALAR_LOG_NAMES:
                 logs.append(p)
+            elif detect_file(e.name) is not None and _resumable_file(p, e.stat(follow_symlinks=False).st_size):
+                found.append(p)
     return sorted(found, key=lambda p: (str(p.parent), p.name)), sorted(logs)
 
 
@@ -285,7 +308,7 @@ def scalar_logs(run_dir: str | os.PathLike) -> list[Path]:
 
 
 # a Hugging Face model folder (an export, a from_pretrained folder): its config.json is the model's
-MODEL_FOLDER_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
+MODEL_FOLDER_FILES = (*HF_INDEXES, *HF_MODEL_FILES)
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
@@ -294,7 +317,8 @@ def is_run_dir(path: str | os.PathLike) -> bool:
     by hand. NOTE: config.json alone made every Hugging Face model folder (an export) a run: ``gui FOLDER``
     opened an empty Training tab instead of the checkpoint."""
     p = Path(path)
-    if not p.is_dir() or _is_checkpoint_dir(p) or any((p / n).is_file() for n in MODEL_FOLDER_FILES):
+    listed = _listing(p) if p.is_dir() else None
+    if listed is None or detect_folder(p.name, *listed) is not None or any(n in listed[0] for n in MODEL_FOLDER_FILES):
         return False
     ours = (p / "config.json").is_file() and (p / "status.json").is_file()
     return ours or (p / "metrics").is_dir() or bool(scalar_logs(p))

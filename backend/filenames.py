@@ -1,0 +1,128 @@
+"""Every file-name rule in one place: what torch's, Hugging Face's, Lightning's and DeepSpeed's writers name their
+files, what a URL is, how a checkpoint's name states its step, and the names Shardscope's own temporaries take.
+
+Names only: this module imports nothing beyond the standard library (``ls`` decides from names before it reads a
+byte, and must not pay for numpy or torch). Readers, listings and writers all ask here; no other module spells a
+checkpoint file name or pattern.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# ------------------------------------------------------------------ torch DCP (FileSystemWriter)
+METADATA = ".metadata"  # the coordinator's pickled Metadata, written last
+METADATA_TMP = ".metadata.tmp"  # left by a save that did not finish
+DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")  # __<rank>_<n>.distcp
+DATA_SUFFIX = ".distcp"
+RANK_METADATA_RE = re.compile(r"^__(\d+)\.metadata$")  # use_collectives=False: one per rank
+LIGHTNING_META = "meta.pt"  # Lightning/Fabric's sharded save: the trainer state beside the DCP files
+
+# ------------------------------------------------------------------ safetensors and Hugging Face
+SAFETENSORS_SUFFIX = ".safetensors"
+HF_SHARD_RE = re.compile(r"^shard-(\d+)-.*\.safetensors$")  # torch's HuggingFaceStorageWriter: shard-0000K-model-…
+SAFETENSORS_INDEX = "model.safetensors.index.json"  # save_pretrained's map of tensor -> shard file
+BIN_INDEX = "pytorch_model.bin.index.json"  # the same for torch .bin shards
+HF_INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
+HF_TRAINER_RE = re.compile(r"^(tmp-)?checkpoint-\d+$")  # transformers Trainer's checkpoint-500 (tmp- while saving)
+HF_TRAINER_STATE = "trainer_state.json"
+MAX_INDEX_BYTES = 64 << 20  # an index names files and keys; far larger is not one
+
+# ------------------------------------------------------------------ torch.save files
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's consolidated checkpoint
+HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")  # save_pretrained's unsharded weights
+FILE_SUFFIXES = (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX)  # every single-file checkpoint
+
+# ------------------------------------------------------------------ other frameworks
+MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's per-model-parallel-rank folders
+
+# ------------------------------------------------------------------ URLs
+URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
+
+# ------------------------------------------------------------------ Shardscope's own temporaries
+TMP_PREFIX = ".shardscope-tmp-"  # every temporary's name: <prefix><pid>-... (downloads, uploads, export outputs)
+LEFTOVER_RE = re.compile(r"^\.shardscope-tmp-(\d+)-([0-9a-f]{6})-(.+)$")  # an export's temporary: pid, tag, name
+DOWNLOAD_RE = re.compile(r"^\.shardscope-tmp-(\d+)-dl-")  # a download's temporary copy
+SMALL_TMP_SUFFIX = ".tmp"  # a small file written atomically: ``.<name>.<random>.tmp``
+# what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
+# --force replaces an earlier export's files of these kinds and keeps everything else in the folder
+EXPORT_SUFFIXES = (SAFETENSORS_SUFFIX, DATA_SUFFIX, ".pt", ".pth", ".bin")
+EXPORT_NAMES = (SAFETENSORS_INDEX, METADATA)
+
+# ------------------------------------------------------------------ steps in names
+STEP_RES = (
+    re.compile(r"(?:^|[^a-z])(?:global_)?step[_=\-]?(\d+)", re.IGNORECASE),  # step_000100 step-100 step=12000
+    re.compile(r"(?:^|[^a-z])checkpoint[_\-](\d+)", re.IGNORECASE),  # checkpoint-500
+    re.compile(r"(?:^|[^a-z])iter(?:ation)?[_\-]?(\d+)", re.IGNORECASE),  # iter_0000100
+    re.compile(r"^(\d+)$"),  # Orbax-style checkpoints/100
+)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """True for ``scheme://...`` other than ``file://``."""
+    m = URL_RE.match(str(path))
+    return bool(m) and m.group(1) != "file"
+
+
+def basename(path: str) -> str:
+    """The last part of a local path or a URL (a trailing separator ignored)."""
+    text = str(path).rstrip("/")
+    return text.rsplit("/", 1)[-1] if is_url(text) else os.path.basename(text.rstrip(os.sep))
+
+
+def rank_of_file(name: str) -> int | None:
+    """The writer rank in a ``__R_N.distcp`` name (None for other names)."""
+    m = DATA_FILE_RE.match(os.path.basename(name))
+    return int(m.group(1)) if m else None
+
+
+def hf_shard_rank(name: str) -> int | None:
+    """The writer rank of a ``shard-0000K-…safetensors`` name (K-1), or None."""
+    m = HF_SHARD_RE.match(name)
+    return int(m.group(1)) - 1 if m else None
+
+
+def is_metadata_name(name: str) -> bool:
+    """A DCP metadata file's name (``.metadata`` or a per-rank ``__R.metadata``)."""
+    return name == METADATA or bool(RANK_METADATA_RE.match(name))
+
+
+def is_index_name(name: str) -> bool:
+    """A file that only maps tensors to the shard files beside it (``model.safetensors.index.json``, a
+    diffusers ``diffusion_pytorch_model.safetensors.index.json``): it stands for its folder."""
+    return name.endswith(".index.json")
+
+
+def is_torch_file(name: str) -> bool:
+    """A torch.save file's name (``.pt``, ``.pth``, ``.bin``, Lightning's ``.ckpt``)."""
+    return name.endswith(TORCH_SUFFIXES)
+
+
+def is_safetensors_file(name: str) -> bool:
+    return name.endswith(SAFETENSORS_SUFFIX)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """A single-file checkpoint's name (hidden names are temporaries of a writer)."""
+    return not name.startswith(".") and name.endswith(FILE_SUFFIXES)
+
+
+def step_from_name(name: str) -> int | None:
+    """The training step a checkpoint's name states (``epoch=3-step=12000.ckpt`` -> 12000), or None."""
+    stem = name
+    for suffix in FILE_SUFFIXES:
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    for pattern in STEP_RES:
+        m = pattern.search(stem)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def export_owned(name: str) -> bool:
+    """True for a folder entry an export writes or replaces (see :data:`EXPORT_SUFFIXES`); a forced export
+    over a folder keeps every other entry (an HF model folder's config.json and tokenizer files)."""
+    return name.endswith(EXPORT_SUFFIXES) or name in EXPORT_NAMES

@@ -1,0 +1,24 @@
+"""Checkpoint formats as plug-ins: one module per format (:mod:`.dcp`, :mod:`.lightning`, :mod:`.hf_folder`,
+:mod:`.hf_index`, :mod:`.hf_trainer`, :mod:`.safetensors_file`, :mod:`.torch_file`), each a
+:class:`~.base.Format` with a cheap ``detect``/``probe`` and an ``open``; :mod:`.registry` orders them and is the
+one door every command, the window and the library go through."""
+
+from .base import RESUMABLE, WEIGHTS, Facts, Format
+from .registry import (
+    FILE_FORMATS,
+    FOLDER_FORMATS,
+    FORMATS,
+    deep_checks,
+    detect_file,
+    detect_folder,
+    format_named,
+    label_of,
+    open_checkpoint,
+    open_source,
+    resolve,
+    verify_contents,
+)
+
+__all__ = ["FILE_FORMATS", "FOLDER_FORMATS", "FORMATS", "RESUMABLE", "WEIGHTS", "Facts", "Format", "deep_checks",
+           "detect_file", "detect_folder", "format_named", "label_of", "open_checkpoint", "open_source", "resolve",
+           "verify_contents"]

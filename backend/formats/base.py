@@ -1,0 +1,154 @@
+"""What a checkpoint format is to the rest of Shardscope: a :class:`Format` with a cheap ``detect`` (names only),
+a cheap ``probe`` for listings (names and a few header bytes: whether a save finished, its writer ranks, its
+kind) and an ``open`` that returns the one :class:`~..checkpoint.model.Checkpoint` model, whose chunks the one
+chunk reader reads with their stored checksums checked.
+
+Detecting and probing import neither numpy nor torch (``ls`` lists thousands of checkpoints); a format's
+``open`` imports its reader when it is called."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the model imports numpy: only for annotations here
+    from ..checkpoint.model import Checkpoint, Problem
+    from ..progress import Progress
+
+RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
+WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
+# what a deep read can prove about the bytes, said in the window and by verify
+CHECKSUMS_STORED = "CRC32 checked where the format stores one: torch.save items do, safetensors does not"
+CHECKSUMS_NONE = "safetensors stores no checksum: every byte read, dtype and size checked, no CRC32 to compare"
+CHECKSUMS_RECORDS = "a torch.save file stores a CRC32 per record: every record's checked"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a listing learns of one checkpoint without reading it: ``state`` is complete, incomplete or
+    unreadable (with ``reason``); ``format`` may name a variant (``dcp-safetensors``)."""
+
+    format: str
+    state: str
+    reason: str = ""
+    ranks: list[int] = field(default_factory=list)
+    kind: str = ""
+    step: int | None = None
+
+
+class Format:
+    """One checkpoint format. Subclasses set the attributes and override what applies to them."""
+
+    name = ""  # Checkpoint.format and the library's format column: one vocabulary
+    label = ""  # the format in words (the window's Checkpoint panel)
+    kind = RESUMABLE  # what a checkpoint of this format is unless its probe says otherwise
+    is_folder = True  # a folder of files, or one file
+    checksums = CHECKSUMS_STORED
+
+    # ------------------------------------------------------------ names only
+    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+        """True when a folder with these file and subfolder names is a checkpoint of this format."""
+        return False
+
+    def detect_file(self, name: str) -> bool:
+        """True when a file of this name is a checkpoint of this format."""
+        return False
+
+    # ------------------------------------------------------------ a few header bytes
+    def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
+        """A folder's state, ranks and kind for a listing (``local=False``: names only, nothing is read)."""
+        return Facts(self.name, "complete", kind=self.kind)
+
+    def probe_file(self, path: str, size: int, local: bool = True) -> Facts | None:
+        """A file's state and kind for a listing; None when the file is not a checkpoint after all."""
+        if not local:
+            return Facts(self.name, "complete" if size else "incomplete", "" if size else "an empty object",
+                         kind=self.kind)
+        return Facts(self.name, "complete", kind=self.kind)
+
+    # ------------------------------------------------------------ reading
+    def open(self, path: str, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
+        """The checkpoint model (metadata or headers only; no tensor values are read)."""
+        raise NotImplementedError
+
+    def deep_checks(self, ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:
+        """Checks of bytes no chunk or entry covers (a torch file's other records), for Verify contents."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}>"
+
+
+class FileBytes:
+    """One local file as the header parsers read it (:class:`..checkpoint.items.ByteSource`), for probes: no
+    folder confinement to set up, no numpy; ``read`` past the end is a CheckpointError like the real handles'."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "rb")
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        from ..errors import CheckpointError
+
+        self._f.seek(offset)
+        data = self._f.read(length)
+        if len(data) != length:
+            raise CheckpointError(f"{self.path}: file ends early (at {offset + len(data)} of {offset + length}).",
+                                  path=self.path)
+        return data
+
+    def where(self, name: str) -> str:
+        return self.path
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> FileBytes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def head(path: str, n: int, offset: int = 0) -> bytes | None:
+    """``n`` bytes of a local file from ``offset`` (negative: from the end); None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            if offset < 0:
+                f.seek(offset, os.SEEK_END)
+            elif offset:
+                f.seek(offset)
+            return f.read(n)
+    except OSError:
+        return None
+
+
+OPTIMIZER_MARKS = (b"param_groups", b"optimizer_states", b"exp_avg", b"momentum_buffer")
+SCAN_BLOCK = 8 << 20
+
+
+def names_optimizer(path: str, start: int = 0, length: int | None = None, limit: int = 256 << 20) -> bool | None:
+    """True when the bytes of a local file (a pickle: a torch file's ``data.pkl``, a DCP ``.metadata``) spell an
+    optimizer's state key; None when they cannot be read or exceed ``limit``. Read in blocks, never unpickled."""
+    try:
+        with open(path, "rb") as f:
+            total = length if length is not None else os.fstat(f.fileno()).st_size - start
+            if total > limit:
+                return None
+            f.seek(start)
+            keep = b""
+            left = total
+            while left > 0:
+                block = f.read(min(SCAN_BLOCK, left))
+                if not block:
+                    break
+                left -= len(block)
+                data = keep + block
+                if any(m in data for m in OPTIMIZER_MARKS):
+                    return True
+                keep = data[-32:]
+    except OSError:
+        return None
+    return False

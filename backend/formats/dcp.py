@@ -1,0 +1,84 @@
+"""torch Distributed Checkpoint folders (``dcp.save`` with ``FileSystemWriter``): FSDP2, FSDP1 sharded, DDP, no
+process group, per-rank ``__R.metadata`` files (``use_collectives=False``), safetensors-serialised items, and
+leftovers of an interrupted save. The reading is :mod:`..checkpoint.reader`'s."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..filenames import (
+    DATA_FILE_RE,
+    DATA_SUFFIX,
+    METADATA,
+    METADATA_TMP,
+    RANK_METADATA_RE,
+)
+from .base import RESUMABLE, WEIGHTS, Facts, Format, head, names_optimizer
+
+
+def has_dcp_files(files: dict[str, Any] | set[str]) -> bool:
+    """Names a DCP save writes (data files, its metadata, or the metadata's temporary)."""
+    return METADATA in files or METADATA_TMP in files or any(n.endswith(DATA_SUFFIX) for n in files) or \
+        any(RANK_METADATA_RE.match(n) for n in files)
+
+
+def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool) -> Facts:
+    """A DCP folder's state and ranks from its names (and, ``local``, the first byte of ``.metadata``); its kind
+    from the metadata's keys (``weights`` when no optimizer state is named: an imported model)."""
+    ranks = sorted({int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))})
+    meta_ranks = {int(m.group(1)) for n in names if (m := RANK_METADATA_RE.match(n))}
+    if METADATA_TMP in names:
+        return Facts(fmt, "incomplete", "a .metadata.tmp is left: the save did not finish", ranks)
+    if METADATA in names:
+        if not local:
+            return Facts(fmt, "complete", "", ranks, RESUMABLE)
+        first = head(os.path.join(path, METADATA), 1)
+        if first is None:
+            return Facts(fmt, "unreadable", ".metadata cannot be read", ranks)
+        if first not in (b"\x80", b"{"):
+            return Facts(fmt, "unreadable", ".metadata is empty or not DCP metadata", ranks)
+        optim = names_optimizer(os.path.join(path, METADATA))
+        kind = WEIGHTS if optim is False else RESUMABLE  # unknown: resumable (never offered for removal as weights)
+        return Facts(_serialisation(fmt, path, names), "complete", "", ranks, kind)
+    if meta_ranks:
+        missing = sorted(set(ranks) - meta_ranks)
+        every = sorted(set(ranks) | meta_ranks)
+        if missing:
+            return Facts(fmt, "incomplete", f"rank(s) {missing} wrote data but no __R.metadata", every)
+        return Facts(fmt, "complete", "", every, RESUMABLE)
+    return Facts(fmt, "incomplete", "no .metadata: the save did not finish (the coordinator writes it last)", ranks)
+
+
+def _serialisation(fmt: str, path: str, names: set[str]) -> str:
+    """``dcp-safetensors`` when the data files are safetensors (torch's SerializationFormat.SAFETENSORS)."""
+    if fmt != "dcp":
+        return fmt
+    data = sorted(n for n in names if n.endswith(DATA_SUFFIX))
+    if not data:
+        return fmt
+    first = head(os.path.join(path, data[0]), 9)
+    if first and len(first) == 9 and first[:2] != b"PK" and first[8:9] == b"{":
+        return "dcp-safetensors"
+    return fmt
+
+
+class DcpFolder(Format):
+    name = "dcp"
+    label = "PyTorch DCP"
+
+    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+        return has_dcp_files(files)
+
+    def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
+        return dcp_folder_facts(self.name, path, names, local)
+
+    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
+             progress: Any = None) -> Any:
+        from ..checkpoint.reader import open_checkpoint
+        from ..checkpoint.storage import open_folder
+
+        return open_checkpoint(open_folder(path, storage_options), progress, use_cache)
+
+
+FORMAT = DcpFolder()

@@ -1,0 +1,79 @@
+"""transformers Trainer checkpoints (``checkpoint-500/``: the model's weights, ``optimizer.pt``, ``scheduler.pt``,
+``rng_state.pth`` and ``trainer_state.json``; with FSDP, DCP folders ``pytorch_model_fsdp_0/`` and ``optimizer_0/``
+inside). Listed as one resumable checkpoint; opened as its weights, or pointed into its DCP folders."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..errors import CheckpointError
+from ..filenames import DATA_FILE_RE, HF_TRAINER_RE, HF_TRAINER_STATE, SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
+from . import hf_folder, hf_index
+from .base import RESUMABLE, Facts, Format
+
+MAX_STATE_BYTES = 64 << 20
+
+
+class HfTrainerFolder(Format):
+    name = "hf-trainer"
+    label = "Hugging Face Trainer checkpoint"
+
+    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+        return HF_TRAINER_STATE in files or bool(HF_TRAINER_RE.match(name) and (files or dirs))
+
+    def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
+        ranks = _nested_ranks(path, dirs) if local else []
+        step = trainer_state_step(os.path.join(path, HF_TRAINER_STATE)) \
+            if local and HF_TRAINER_STATE in names else None
+        if os.path.basename(path.rstrip("/")).startswith("tmp-"):
+            return Facts(self.name, "incomplete", "a tmp-checkpoint folder: the Trainer did not finish this save",
+                         ranks, RESUMABLE, step)
+        if HF_TRAINER_STATE not in names:
+            return Facts(self.name, "incomplete", "no trainer_state.json: the Trainer did not finish this save",
+                         ranks, RESUMABLE, step)
+        return Facts(self.name, "complete", "", ranks, RESUMABLE, step)
+
+    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
+             progress: Any = None) -> Any:
+        from ..checkpoint.storage import open_folder
+
+        folder = open_folder(path, storage_options)
+        listing = folder.listing()
+        if SAFETENSORS_INDEX in listing:
+            ckpt = hf_index.FORMAT.open(folder, storage_options, use_cache, progress)
+        elif any(n.endswith(SAFETENSORS_SUFFIX) for n in listing):
+            ckpt = hf_folder.FORMAT.open(folder, storage_options, use_cache, progress)
+        else:
+            raise CheckpointError(f"{folder.path}: a Trainer checkpoint without safetensors weights here: open "
+                                  "the DCP folder or the file inside it that holds what you want.", path=folder.path)
+        ckpt.format = self.name
+        return ckpt
+
+
+def _nested_ranks(path: str, dirs: list[str]) -> list[int]:
+    """Writer ranks of DCP folders one level down (``pytorch_model_fsdp_0/``)."""
+    ranks: set[int] = set()
+    for d in dirs:
+        try:
+            names = os.listdir(os.path.join(path, d))
+        except OSError:
+            continue
+        ranks.update(int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n)))
+    return sorted(ranks)
+
+
+def trainer_state_step(path: str) -> int | None:
+    """``global_step`` of a Trainer's ``trainer_state.json``, or None."""
+    try:
+        if os.path.getsize(path) > MAX_STATE_BYTES:
+            return None
+        with open(path, "rb") as f:
+            step = json.load(f).get("global_step")
+        return int(step) if isinstance(step, int) else None
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+
+
+FORMAT = HfTrainerFolder()
