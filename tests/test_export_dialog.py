@@ -152,19 +152,20 @@ def test_export_dialog_locks_every_option_while_it_runs(qtbot, fixtures, tmp_pat
     assert not dlg.ranks.isEnabled()  # used by DCP (reshard) only
 
 
-def test_export_dialog_speaks_of_its_own_fields(qtbot, fixtures, tmp_path):
-    """A destination that exists said "give --force to overwrite it": the dialog has no --force."""
+def test_export_dialog_speaks_of_no_command_line_flag(qtbot, fixtures, tmp_path):
+    """A destination that exists said "give --force to overwrite it": the dialog has no --force. The backend's
+    messages now name options in words, and the dialog shows them as they are."""
     (tmp_path / "m.safetensors").write_bytes(b"keep me")
     dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
     with qtbot.waitSignal(dlg.finished_export, timeout=120000):
         dlg.export_button.click()
-    assert "--force" not in dlg.message.text() and "Overwrite the destination if it exists" in dlg.message.text()
+    assert "--" not in dlg.message.text() and "allow overwriting it" in dlg.message.text()
     assert (tmp_path / "m.safetensors").read_bytes() == b"keep me"
     dlg.dst.setText(str(tmp_path / "noext"))
-    assert "--" not in dlg.summary.text() and "Max shard size" in dlg.summary.text()
+    assert "--" not in dlg.summary.text() and "maximum shard size" in dlg.summary.text()
     dlg.dst.setText(str(tmp_path / "m2.safetensors"))
     dlg.only.setText("nothing.here")
-    assert "--" not in dlg.summary.text() and "Only nothing.here matches no entry" in dlg.summary.text()
+    assert "--" not in dlg.summary.text() and "nothing.here (a prefix to export) matches no entry" in dlg.summary.text()
 
 
 SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine

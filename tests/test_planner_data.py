@@ -18,7 +18,7 @@ from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.checkpoint.validate import planner_data as check_planner_data
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import ShardscopeError
-from shardscope.backend.export.plan import plan_export
+from shardscope.backend.export.planner import plan_export
 from torch_reference import flatten, torch_consolidated, torch_metadata
 
 CAPTURABLE = "optimizer.param_groups.0.capturable"

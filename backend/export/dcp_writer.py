@@ -21,7 +21,8 @@ from ..checkpoint.reader import open_checkpoint
 from ..checkpoint.sources import SafetensorsSource, TorchFileSource, open_source
 from ..progress import Progress
 from .atomic import AtomicOutput
-from .plan import ExportError, require_nesting
+from .plan import ExportError
+from .planner import require_nesting
 from .result import ExportResult
 from .source import tensor_bytes
 from .verify import WHAT, Expectation, check_written
@@ -122,7 +123,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     )
 
     if ranks < 1:
-        raise ExportError("--ranks must be at least 1.")
+        raise ExportError("the number of ranks must be at least 1.")
     t0 = time.monotonic()
     progress = progress or Progress()  # its cancel flag is how a signal stops the writing
     names = [f"__{r}_0.distcp" for r in range(ranks)]
