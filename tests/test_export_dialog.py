@@ -168,6 +168,26 @@ def test_export_dialog_speaks_of_no_command_line_flag(qtbot, fixtures, tmp_path)
     assert "--" not in dlg.summary.text() and "nothing.here (a prefix to export) matches no entry" in dlg.summary.text()
 
 
+def test_format_list_is_the_writer_registry(qtbot, fixtures, tmp_path):
+    """The Format list was typed out in the dialog; now it is the registry's labels (after "from the name"), and
+    the fields a format does not take are disabled and not read."""
+    from shardscope.backend.export import WRITERS
+
+    dlg = export_dialog(qtbot, fixtures, tmp_path / "m.pt")
+    items = [(dlg.format.itemText(i), dlg.format.itemData(i)) for i in range(dlg.format.count())]
+    assert items == [("from the name", None), *((w.label, w.name) for w in WRITERS.values())]
+    fields = dlg.option_fields()
+    for i in range(1, dlg.format.count()):
+        dlg.format.setCurrentIndex(i)
+        takes = WRITERS[dlg.format.currentData()].options
+        assert {n for n, f in fields.items() if f.isEnabled()} == set(fields) & takes, dlg.format.currentText()
+    dlg.format.setCurrentText(WRITERS["torch"].label)
+    dlg.shard.setText("5GB")  # not taken by torch: disabled, and no error about it
+    assert not dlg.shard.isEnabled() and dlg.export_button.isEnabled(), dlg.summary.text()
+    dlg.format.setCurrentIndex(0)  # from the name: a maximum shard size makes a sharded safetensors folder
+    assert dlg.shard.isEnabled() and "in shards of at most" in dlg.summary.text()
+
+
 SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine
 
 
