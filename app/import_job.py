@@ -44,8 +44,6 @@ def run_dcp_job(window, func, *args, title: str) -> None:
 
     def failed(message: str) -> None:
         progress.close()
-        # NOTE: the backend speaks of the CLI's --force, which this window does not offer
-        message = message.replace("give --force to overwrite it", "choose a folder that does not exist yet")
         QMessageBox.warning(window, title, f"{message}\n\nNothing was written.")
 
     # the dialog owns the job: its slots are skipped once it is gone; it is deleted when the job ends

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import run_cli_peak
 from safetensors.torch import save_file
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.format import escape_name
+from shardscope.backend.formats import open_checkpoint
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:

@@ -9,10 +9,10 @@ import struct
 import pytest
 from conftest import run_cli
 from damaged_metadata import FQN, clean, index_of, run_measured, save_metadata
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader, CorruptChunkError
 from shardscope.backend.checkpoint.verify import verify, verify_contents
 from shardscope.backend.errors import CheckpointError
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.progress import Progress
 from torch_reference import torch_metadata
 

@@ -13,12 +13,11 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import run_cli
 from make_fixtures import TinyNet
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
-from shardscope.backend.formats import open_source
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.compare import diff
 from shardscope.backend.export import export, plan_export
+from shardscope.backend.formats import open_checkpoint, open_source
 from torch_reference import flatten, torch_consolidated
 
 

@@ -14,12 +14,11 @@ import pytest
 import torch
 from conftest import run_cli
 from PySide6.QtCore import Qt
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
-from shardscope.backend.formats import open_source
 from shardscope.backend.compare import diff
 from shardscope.backend.compare.pairing import pair_names
 from shardscope.backend.export.layouts import Layout, layout_of_names
+from shardscope.backend.formats import open_checkpoint, open_source
 from torch_reference import flatten, torch_consolidated
 
 HERE = Path(__file__).parent

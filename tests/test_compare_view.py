@@ -49,8 +49,8 @@ def test_compare_with_its_own_export_says_why_nothing_paired(qtbot, fixtures, tm
     """A checkpoint compared with its own default safetensors export listed "75 only in A, 15 only in B"
     and "differences found", with no word that the export had dropped ``model.`` from every name.
     Now the names pair without the container prefix, and the view says so."""
-    from shardscope.backend.formats import open_checkpoint
     from shardscope.backend.export import export, plan_export
+    from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.compare_view import CompareView
 
     dst = tmp_path / "m.safetensors"

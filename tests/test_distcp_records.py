@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import ShardscopeError
+from shardscope.backend.formats import open_checkpoint
 
 DATA = "__0_0.distcp"
 SAVED_W = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7

@@ -13,9 +13,9 @@ import torch
 from conftest import run_cli, run_cli_peak
 from make_fixtures import TinyNet
 from safetensors import safe_open
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.errors import Cancelled, CheckpointError
 from shardscope.backend.export import ExportError, export, plan_export
+from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.progress import Progress
 from torch_reference import flatten, torch_consolidated
 
@@ -212,7 +212,7 @@ def test_force_over_a_model_folder_keeps_what_an_export_does_not_write(fixtures,
     (folder / "pytorch_model.bin").write_bytes(b"stale weights")
     inode = (folder / "config.json").stat().st_ino
     proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "4KB")
-    assert proc.returncode == 2 and "--force" in proc.stderr
+    assert proc.returncode == 2 and "allow overwriting it" in proc.stderr
     proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "4KB", "--force")
     assert proc.returncode == 0, proc.stderr
     assert "kept in the folder (not written by an export): config.json, notes.md, tok" in proc.stdout

@@ -247,10 +247,10 @@ def test_fuzzed_destinations_never_change_the_source(fixtures, tmp_path):
 
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from shardscope.backend.formats import open_checkpoint
     from shardscope.backend.errors import ShardscopeError
     from shardscope.backend.export import export, plan_export
     from shardscope.backend.export.dcp_writer import reshard
+    from shardscope.backend.formats import open_checkpoint
 
     top = tmp_path / "top"
     ck = top / "ck"

@@ -152,19 +152,40 @@ def test_export_dialog_locks_every_option_while_it_runs(qtbot, fixtures, tmp_pat
     assert not dlg.ranks.isEnabled()  # used by DCP (reshard) only
 
 
-def test_export_dialog_speaks_of_its_own_fields(qtbot, fixtures, tmp_path):
-    """A destination that exists said "give --force to overwrite it": the dialog has no --force."""
+def test_export_dialog_speaks_of_no_command_line_flag(qtbot, fixtures, tmp_path):
+    """A destination that exists said "give --force to overwrite it": the dialog has no --force. The backend's
+    messages now name options in words, and the dialog shows them as they are."""
     (tmp_path / "m.safetensors").write_bytes(b"keep me")
     dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
     with qtbot.waitSignal(dlg.finished_export, timeout=120000):
         dlg.export_button.click()
-    assert "--force" not in dlg.message.text() and "Overwrite the destination if it exists" in dlg.message.text()
+    assert "--" not in dlg.message.text() and "allow overwriting it" in dlg.message.text()
     assert (tmp_path / "m.safetensors").read_bytes() == b"keep me"
     dlg.dst.setText(str(tmp_path / "noext"))
-    assert "--" not in dlg.summary.text() and "Max shard size" in dlg.summary.text()
+    assert "--" not in dlg.summary.text() and "maximum shard size" in dlg.summary.text()
     dlg.dst.setText(str(tmp_path / "m2.safetensors"))
     dlg.only.setText("nothing.here")
-    assert "--" not in dlg.summary.text() and "Only nothing.here matches no entry" in dlg.summary.text()
+    assert "--" not in dlg.summary.text() and "nothing.here (a prefix to export) matches no entry" in dlg.summary.text()
+
+
+def test_format_list_is_the_writer_registry(qtbot, fixtures, tmp_path):
+    """The Format list was typed out in the dialog; now it is the registry's labels (after "from the name"), and
+    the fields a format does not take are disabled and not read."""
+    from shardscope.backend.export import WRITERS
+
+    dlg = export_dialog(qtbot, fixtures, tmp_path / "m.pt")
+    items = [(dlg.format.itemText(i), dlg.format.itemData(i)) for i in range(dlg.format.count())]
+    assert items == [("from the name", None), *((w.label, w.name) for w in WRITERS.values())]
+    fields = dlg.option_fields()
+    for i in range(1, dlg.format.count()):
+        dlg.format.setCurrentIndex(i)
+        takes = WRITERS[dlg.format.currentData()].options
+        assert {n for n, f in fields.items() if f.isEnabled()} == set(fields) & takes, dlg.format.currentText()
+    dlg.format.setCurrentText(WRITERS["torch"].label)
+    dlg.shard.setText("5GB")  # not taken by torch: disabled, and no error about it
+    assert not dlg.shard.isEnabled() and dlg.export_button.isEnabled(), dlg.summary.text()
+    dlg.format.setCurrentIndex(0)  # from the name: a maximum shard size makes a sharded safetensors folder
+    assert dlg.shard.isEnabled() and "in shards of at most" in dlg.summary.text()
 
 
 SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from conftest import run_cli
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
+from shardscope.backend.formats import open_checkpoint
 
 
 def test_corrupt_source_bytes_fail_the_export(copy_of, tmp_path):

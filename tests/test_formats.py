@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-
 from shardscope.backend import formats
 from shardscope.backend.checkpoint.chunks import ChunkReader, CorruptChunkError
 from shardscope.backend.formats import detect_file, detect_folder, format_named, open_checkpoint, resolve
@@ -97,7 +96,7 @@ def test_registry_order_and_detection(fixtures, paths):
     names = [f.name for f in formats.FORMATS]
     assert len(names) == len(set(names))
     assert all(f.label and f.kind in (formats.RESUMABLE, formats.WEIGHTS) for f in formats.FORMATS)
-    listing = {n: None for n in os.listdir(fixtures["lightning_r2"])}
+    listing = dict.fromkeys(os.listdir(fixtures["lightning_r2"]))
     assert detect_folder("ck", listing, []).name == "lightning"  # a Lightning folder is also a DCP folder
     assert detect_folder("ck", set(os.listdir(fixtures["fsdp2_r2"])), []).name == "dcp"
     assert detect_folder("ck", set(os.listdir(fixtures["hf_r2"])), []).name == "hf-safetensors"
@@ -167,6 +166,7 @@ def test_kinds_of_single_files_and_dcp_by_keys(capsys, tmp_path, paths, fixtures
 
     shutil.copytree(fixtures["fsdp2_r2"], run / "step_5")
     rc, out, _ = cli(capsys, "ls", tmp_path / "run", "--json")
+    assert rc == 0, out
     import json
 
     kinds = {os.path.basename(c["path"]): c["kind"] for c in json.loads(out)["checkpoints"]}

@@ -9,9 +9,9 @@ import struct
 import torch
 from conftest import run_cli
 from damaged_metadata import clean, run_measured
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.verify import verify
+from shardscope.backend.formats import open_checkpoint
 
 
 def test_huggingface_storage_writer_folder(fixtures):

@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import run_cli, run_cli_peak
 from fuzz.mutators import rename_entry
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.validate import planner_data as check_planner_data
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import ShardscopeError
-from shardscope.backend.export.plan import plan_export
+from shardscope.backend.export.planner import plan_export
+from shardscope.backend.formats import open_checkpoint
 from torch_reference import flatten, torch_consolidated, torch_metadata
 
 CAPTURABLE = "optimizer.param_groups.0.capturable"

@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 from conftest import run_cli
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.layout import coverage
 from shardscope.backend.checkpoint.values import read_lightning_meta
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import CheckpointError
+from shardscope.backend.formats import open_checkpoint
 from torch_reference import flatten, torch_consolidated, torch_flat_tensors
 
 TORCH_READABLE = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "nopg", "lightning_r2"]

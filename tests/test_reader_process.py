@@ -8,8 +8,8 @@ import sys
 
 import pytest
 from damaged_metadata import memo_bomb
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.errors import CheckpointError
+from shardscope.backend.formats import open_checkpoint
 from torch_reference import torch_metadata
 
 

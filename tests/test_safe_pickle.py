@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import run_cli
 from damaged_metadata import FQN, clean, memo_bomb, run_measured, save_metadata, write_evil_metadata
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.errors import RefusedPickleError
+from shardscope.backend.formats import open_checkpoint
 from torch_reference import torch_metadata
 
 

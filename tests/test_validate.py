@@ -10,9 +10,9 @@ import time
 import pytest
 from conftest import run_cli
 from damaged_metadata import FQN, clean, index_of, save_metadata
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import CheckpointError
+from shardscope.backend.formats import open_checkpoint
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch_reference import torch_metadata
 

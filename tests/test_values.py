@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.values import tensor_stats
+from shardscope.backend.formats import open_checkpoint
 from torch_reference import flatten, torch_consolidated
 
 

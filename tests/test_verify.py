@@ -8,9 +8,9 @@ import os
 
 from conftest import run_cli
 from damaged_metadata import FQN, clean, index_of, save_metadata
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.verify import verify, verify_contents
+from shardscope.backend.formats import open_checkpoint
 from torch_reference import torch_metadata
 
 

@@ -25,26 +25,25 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 from shardscope.backend.checkpoint.model import Checkpoint
-from shardscope.backend.export import ExportError, ExportPlan, ExportResult, export, format_for, plan_export
+from shardscope.backend.export import (
+    WRITERS,
+    ExportError,
+    ExportPlan,
+    ExportResult,
+    Writer,
+    check_request,
+    export,
+    export_formats,
+    parse_shard_size,
+    plan_export,
+)
 from shardscope.backend.export.dcp_writer import import_file, reshard
 from shardscope.backend.export.destination import check_destination, default_export_path, write_into_new_folders
-from shardscope.backend.format import count, human_bytes, parse_size
+from shardscope.backend.format import count, human_bytes
 
 from .workers import Worker, run_in_background
 
-# The backend speaks the CLI's words; the dialog names its own fields instead.
-CLI_TO_DIALOG = (("give --force to overwrite it", "tick “Overwrite the destination if it exists” to replace it"),
-                 ("(or give --format)", "(or choose a Format)"),
-                 ("give --max-shard-size", "give a Max shard size"),
-                 ("--strip-prefix", "Strip prefix"), ("--max-shard-size", "Max shard size"), ("--only", "Only"),
-                 ("--exclude", "Exclude"), ("--rename", "Rename"), ("--dtype", "Floating-point dtype"))
-
-
-def dialog_words(message: str) -> str:
-    """A backend message with the CLI's option names replaced by this dialog's fields."""
-    for cli, dialog in CLI_TO_DIALOG:
-        message = message.replace(cli, dialog)
-    return message
+FROM_THE_NAME = "from the name"  # the Format entry that is no writer: the backend picks one from the destination
 
 
 class ExportDialog(QDialog):
@@ -126,7 +125,9 @@ class ExportDialog(QDialog):
         dst_row.addWidget(browse)
         form.addRow("Destination", dst_row)
         self.format = QComboBox()
-        self.format.addItems(["from the name", "safetensors", "torch", "DCP (reshard)"])
+        self.format.addItem(FROM_THE_NAME, None)
+        for w in WRITERS.values():
+            self.format.addItem(w.label, w.name)
         form.addRow("Format", self.format)
         self.ranks = QSpinBox()
         self.ranks.setRange(1, 65536)
@@ -165,36 +166,45 @@ class ExportDialog(QDialog):
         return form
 
     # ------------------------------------------------------------------ options and preview
-    def options(self) -> tuple[str, str, dict]:
-        """(destination, format, plan_export keyword arguments); raises ExportError on bad input."""
+    def option_fields(self) -> dict[str, QWidget]:
+        """The field of each option a writer may take (registry.OPTION_WORDS), ``record_source`` aside."""
+        return {"max_shard_size": self.shard, "only": self.only, "exclude": self.exclude, "strip_prefix": self.strip,
+                "rename": self.rename, "dtype": self.dtype, "ranks": self.ranks}
+
+    def taken(self) -> frozenset[str]:
+        """The options the chosen format takes; from the name: what any export writer takes."""
+        name = self.format.currentData()
+        if name is not None:
+            return WRITERS[name].options
+        return frozenset().union(*(WRITERS[n].options for n in export_formats()))
+
+    def options(self) -> tuple[str, Writer, dict]:
+        """(destination, writer, plan_export keyword arguments); raises ExportError on bad input. A field the
+        chosen format does not take (shown disabled) is not read."""
         dst = self.dst.text().strip()
         if not dst:
             raise ExportError("Choose a destination.")
         if self.resharding:
-            return dst, "dcp", {}
-        try:
-            limit = parse_size(self.shard.text()) if self.shard.text().strip() else None
-        except ValueError as exc:
-            raise ExportError(str(exc)) from None
-        fmt_choice = self.format.currentText()
-        fmt = format_for(dst, None if fmt_choice == "from the name" else fmt_choice, limit)
-        if limit and fmt != "safetensors":
-            raise ExportError("A max shard size makes sharded safetensors; it does not apply to torch files.")
-        only = [p.strip() for p in self.only.text().split(",") if p.strip()] or None
-        exclude = [p.strip() for p in self.exclude.text().split(",") if p.strip()] or None
-        rename = [r.strip() for r in self.rename.text().split("  ") if r.strip()] or None
-        dtype = None if self.dtype.currentText() == "keep" else self.dtype.currentText()
-        return dst, fmt, {"only": only, "exclude": exclude, "rename": rename,
-                          "strip_prefix": self.strip.text() or None, "dtype": dtype, "max_shard_size": limit}
+            return dst, WRITERS[self.format.currentData()], {}
+        read = {"max_shard_size": lambda: parse_shard_size(self.shard.text()),
+                "only": lambda: [p.strip() for p in self.only.text().split(",") if p.strip()] or None,
+                "exclude": lambda: [p.strip() for p in self.exclude.text().split(",") if p.strip()] or None,
+                "rename": lambda: [r.strip() for r in self.rename.text().split("  ") if r.strip()] or None,
+                "strip_prefix": lambda: self.strip.text() or None,
+                "dtype": lambda: None if self.dtype.currentText() == "keep" else self.dtype.currentText()}
+        kw = {name: value() for name, value in read.items() if name in self.taken()}
+        return dst, check_request(dst, self.format.currentData(), **kw), kw
 
     @property
     def resharding(self) -> bool:
-        return self.format.currentText() == "DCP (reshard)"
+        """DCP chosen: a whole checkpoint rewritten for a number of ranks (no export plan)."""
+        name = self.format.currentData()
+        return name is not None and WRITERS[name].write is None
 
     def update_preview(self) -> None:
-        self.ranks.setEnabled(self.resharding)
-        for w in (self.shard, self.only, self.exclude, self.strip, self.rename, self.dtype):
-            w.setEnabled(not self.resharding)
+        taken = self.taken()
+        for name, field in self.option_fields().items():
+            field.setEnabled(name in taken)
         if self.resharding:
             ck = self.ckpt
             self.plan = None
@@ -207,12 +217,12 @@ class ExportDialog(QDialog):
             self.export_button.setEnabled(bool(self.dst.text().strip()))
             return
         try:
-            _dst, fmt, kw = self.options()
-            self.plan = plan_export(self.ckpt, fmt, **kw)
+            _dst, writer, kw = self.options()
+            self.plan = plan_export(self.ckpt, writer.name, **kw)
         except ExportError as exc:
             self.plan = None
             self.keys.setStringList([])
-            self.summary.setText(f"<span style='color:#d62728'>{html.escape(dialog_words(str(exc)))}</span>")
+            self.summary.setText(f"<span style='color:#d62728'>{html.escape(str(exc))}</span>")
             self.export_button.setEnabled(False)
             return
         plan = self.plan
@@ -220,35 +230,37 @@ class ExportDialog(QDialog):
                                 + [f"{key}    (non-tensor)" for key, _ in plan.objects])
         notes = "".join(f"<br>{html.escape(n)}" for n in plan.notes)
         notes += "".join(f"<br>left out: {html.escape(n)}" for n in plan.left_out)
-        if fmt == "safetensors" and plan.objects:
+        if writer.weights_only and plan.objects:
             entries = count(len(plan.objects), "non-tensor entry", "non-tensor entries")
             verb = "goes" if len(plan.objects) == 1 else "go"
             notes += (f"<br>{entries} {verb} into the header's metadata where they are "
                       "scalars or strings; the rest are listed as left out after the export.")
-        self.summary.setText(f"<b>{fmt}</b>: {count(len(plan.items), 'tensor')}, {human_bytes(plan.total_bytes)}"
+        self.summary.setText(f"<b>{html.escape(writer.label)}</b>: {count(len(plan.items), 'tensor')}, "
+                             f"{human_bytes(plan.total_bytes)}"
                              + (f" in shards of at most {human_bytes(plan.max_shard_size)}" if plan.max_shard_size
                                 else "") + notes)
         self.export_button.setEnabled(True)
 
     def _browse(self) -> None:
-        if self.shard.text().strip():
+        if self.resharding or (self.shard.isEnabled() and self.shard.text().strip()):  # a folder is written
             path = QFileDialog.getExistingDirectory(self, "Export into folder", os.path.dirname(self.dst.text()))
         else:
-            path, _ = QFileDialog.getSaveFileName(self, "Export to", self.dst.text(),
-                                                  "safetensors (*.safetensors);;torch (*.pt *.pth *.bin)")
+            files = [WRITERS[n] for n in export_formats() if WRITERS[n].output == "file"]
+            path, _ = QFileDialog.getSaveFileName(self, "Export to", self.dst.text(), ";;".join(
+                f"{w.label} ({' '.join('*' + s for s in w.suffixes)})" for w in files))
         if path:
             self.dst.setText(path)
 
     # ------------------------------------------------------------------ running
     def start(self) -> None:
         try:
-            dst, _fmt, _kw = self.options()
+            dst, writer, _kw = self.options()
         except ExportError as exc:
             self.message.setText(str(exc))
             return
         if self.plan is None and not self.resharding:
             return
-        kind = "dir" if self.resharding or (self.plan is not None and self.plan.max_shard_size) else "file"
+        kind = writer.output_kind(self.plan.max_shard_size if self.plan is not None else None)
         try:  # the writers' own check, in the same words, before a worker starts
             check_destination(dst, kind, self.force.isChecked(), [self.ckpt.path])
         except ExportError as exc:
@@ -315,7 +327,7 @@ class ExportDialog(QDialog):
 
     def _failed(self, message: str) -> None:
         self._set_running(False)
-        self.message.setText(f"<span style='color:#d62728'>{html.escape(dialog_words(message))}</span><br>Nothing was "
+        self.message.setText(f"<span style='color:#d62728'>{html.escape(message)}</span><br>Nothing was "
                              "written to the destination.")
         self.finished_export.emit(None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
@@ -11,12 +12,31 @@ from .output import TerminalProgress, add_command, sigterm_interrupts
 from .storage_options import add_storage_options, storage_options
 
 
+class ExportFormats:
+    """The --format choices: the names the backend's writer registry writes, asked for only when argparse checks
+    a given --format or prints help. NOTE: importing the registry imports the writers (numpy, ~0.15 s); every
+    command builds this parser, and none but export needs them."""
+
+    def _names(self) -> tuple[str, ...]:
+        from shardscope.backend.export import export_formats
+
+        return export_formats()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+
 def register(sub: Any) -> None:
     sp = add_command(sub, "export", run, "Consolidate a sharded checkpoint into one .pt or safetensors file "
                      "(or an HF-style sharded safetensors folder), streaming, verified.")
     sp.add_argument("src", help="checkpoint folder")
     sp.add_argument("dst", help="output: X.safetensors, X.pt/.pth/.bin, or a folder with --max-shard-size")
-    sp.add_argument("--format", choices=("safetensors", "torch"), help="default: from the destination's name")
+    # NOTE: with a metavar, argparse reads the choices only to check a value or to print help
+    sp.add_argument("--format", choices=ExportFormats(), metavar="FORMAT",
+                    help="one of %(choices)s; default: from the destination's name")
     sp.add_argument("--only", action="append", metavar="PREFIX",
                     help="export entries under this prefix (repeatable); safetensors default: the model weights of "
                     "the recognised layout (torch DCP, Lightning, torchtitan, accelerate FSDP, Megatron)")
@@ -45,23 +65,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardscope.backend.export import ExportError, export, format_for, plan_export
+    from shardscope.backend.export import check_request, export, parse_shard_size, plan_export
     from shardscope.backend.export.layouts import find_model_folder
-    from shardscope.backend.format import parse_size
+
+    options = {"only": args.only, "strip_prefix": args.strip_prefix, "dtype": args.dtype,
+               "max_shard_size": parse_shard_size(args.max_shard_size), "exclude": args.exclude,
+               "rename": args.rename, "config": args.config, "record_source": args.record_source}
+    writer = check_request(args.dst, args.format, **options)  # before anything is read
+    src, note = find_model_folder(args.src)
     from shardscope.backend.formats import open_checkpoint
 
-    try:
-        limit = parse_size(args.max_shard_size) if args.max_shard_size else None
-    except ValueError as exc:
-        raise ExportError(str(exc)) from None
-    src, note = find_model_folder(args.src)
     ckpt = open_checkpoint(src, storage_options(args))  # any checkpoint the window opens
-    fmt = format_for(args.dst, args.format, limit)
-    if limit and fmt != "safetensors":
-        raise ExportError("--max-shard-size makes sharded safetensors; it does not apply to torch files.")
-    plan = plan_export(ckpt, fmt, only=args.only, strip_prefix=args.strip_prefix, dtype=args.dtype,
-                       max_shard_size=limit, exclude=args.exclude, rename=args.rename, config=args.config,
-                       record_source=args.record_source)
+    plan = plan_export(ckpt, writer.name, **options)
     with TerminalProgress(unit="bytes") as progress:
         result = export(plan, args.dst, force=args.force, verify=not args.no_verify, progress=progress,
                         storage_options=storage_options(args))

@@ -23,7 +23,8 @@ from ..formats import open_checkpoint as open_any
 from ..formats import open_source
 from ..progress import Progress
 from .atomic import AtomicOutput
-from .plan import ExportError, require_nesting
+from .plan import ExportError
+from .planner import require_nesting
 from .result import ExportResult
 from .source import tensor_bytes
 from .verify import WHAT, Expectation, check_written
@@ -124,7 +125,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     )
 
     if ranks < 1:
-        raise ExportError("--ranks must be at least 1.")
+        raise ExportError("the number of ranks must be at least 1.")
     t0 = time.monotonic()
     progress = progress or Progress()  # its cancel flag is how a signal stops the writing
     names = [f"__{r}_0.distcp" for r in range(ranks)]

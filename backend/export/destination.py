@@ -51,7 +51,7 @@ def _check_existing(dst: str, kind: str, force: bool) -> None:
         return
     if kind == "file" and os.path.isdir(dst):  # a folder, or a link to one: never replaced by a file
         raise ExportError(f"{dst} is a folder; an export to a single file never replaces a folder (name a file, "
-                          "e.g. inside it, or a folder export with --max-shard-size).")
+                          "e.g. inside it, or give a maximum shard size for a sharded folder).")
     if kind == "dir" and os.path.islink(dst):
         raise ExportError(f"{dst} is a symbolic link; give the folder it leads to, or another name.")
     if kind == "dir" and not os.path.isdir(dst):
@@ -59,7 +59,7 @@ def _check_existing(dst: str, kind: str, force: bool) -> None:
     if kind == "file" and not os.path.islink(dst) and not stat.S_ISREG(os.lstat(dst).st_mode):
         raise ExportError(f"{dst} is not a regular file; it is never replaced.")
     if not force:
-        raise ExportError(f"{dst} exists; give --force to overwrite it.")
+        raise ExportError(f"{dst} exists; choose a name that does not exist yet, or allow overwriting it.")
 
 
 def _overlap_local(dst: str, src: str) -> str | None:
@@ -95,7 +95,7 @@ def check_destination(dst: str, kind: str, force: bool = False, sources: Iterabl
     """Raise :class:`ExportError` (one line, exit 2) when writing ``dst`` (a ``"file"`` or a ``"dir"``) could
     remove or overwrite what the job did not write: an existing entry of the other kind, an existing one
     without ``force``, or a destination that is a source (``sources``: the paths or URLs the job reads), lies
-    inside one, or holds one (--force over it would replace the source's files)."""
+    inside one, or holds one (overwriting it would replace the source's files)."""
     local_dst = _local_path(dst)
     for src in sources:
         if not src:

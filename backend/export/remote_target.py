@@ -132,7 +132,8 @@ class RemoteTarget:
         """Refuse an existing destination unless ``force``; fails fast on an unreachable endpoint."""
         self.clean_leftovers()
         if self.exists() and not force:
-            raise CheckpointError(f"{self.url}: already exists (use --force to replace it).", path=self.url)
+            raise CheckpointError(f"{self.url}: already exists; choose a name that does not exist yet, or allow "
+                                  "overwriting it.", path=self.url)
         bucket = self.root.split("/", 1)[0]
         if self.protocol in ATOMIC_PUT - {"memory"} and not call(self.url, self.fs.exists, bucket,
                                                                   doing="cannot check the destination"):

@@ -55,7 +55,7 @@ def build_header(items: list[ExportItem], metadata: dict[str, str]) -> tuple[byt
         code = SAFETENSORS_CODES.get(it.dtype)
         if code is None:
             raise ExportError(f"{it.entry.fqn}: dtype {it.dtype} has no safetensors equivalent; export to .pt "
-                              "or leave it out with --exclude.")
+                              "or leave it out.")
         header[it.key] = {"dtype": code, "shape": list(it.shape), "data_offsets": [pos, pos + it.nbytes]}
         offsets.append(pos)
         pos += it.nbytes
@@ -105,10 +105,10 @@ def check_header(path: str, head: bytes) -> None:
         pass
 
 
-def write(plan: ExportPlan, out_path: str, source: TensorSource, progress: Progress | None,
+def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progress: Progress | None,
           left_out: list[str]) -> tuple[list[str], list[Expectation]]:
-    """Write the plan into ``out_path`` (a file, or a folder when sharded); returns the file names
-    (relative to the output) and the verifier's expectations."""
+    """Write the plan into ``out_path`` (a file, or a folder when sharded; ``dst``, its final name, names nothing
+    inside); returns the file names (relative to the output) and the verifier's expectations."""
     meta = header_metadata(plan, source.reader, left_out)
     items = list(plan.items)
     if not plan.max_shard_size:

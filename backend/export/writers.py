@@ -1,5 +1,5 @@
-"""``export()``: a plan written by its format's writer into an atomic output, then verified by
-re-reading what was written, then committed. Nothing is left at the destination on any failure."""
+"""``export()``: a plan written by its format's registered writer (``registry.WRITERS``) into an atomic output,
+then verified by re-reading what was written, then committed. Nothing is left at the destination on any failure."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from ..checkpoint.chunks import ChunkReader
 from ..checkpoint.storage import why_absent
 from ..errors import CheckpointError
 from ..progress import Progress
-from . import safetensors_writer, torch_writer
 from .atomic import AtomicOutput
 from .plan import ExportPlan
+from .registry import writer
 from .result import ExportResult
 from .source import TensorSource
 from .verify import WHAT, check_written
@@ -36,20 +36,17 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     """Write the plan to ``dst`` atomically (a folder when the plan is sharded). With ``verify`` every
     tensor's bytes are re-read from the output and compared with the source's before the rename."""
     t0 = time.monotonic()
+    w = writer(plan.format)  # ExportError for a name no plan writer is registered under
     progress = progress or Progress()  # its cancel flag stops the writer threads when one of them fails
     check_sources(plan)
     total = plan.total_bytes
     left_out = list(plan.left_out)
-    kind = "dir" if plan.max_shard_size else "file"
-    with AtomicOutput(dst, kind=kind, force=force, need_bytes=plan.need_bytes(), storage_options=storage_options,
-                      sources=[plan.ckpt.path], progress=progress) as out:
+    with AtomicOutput(dst, kind=w.output_kind(plan.max_shard_size), force=force, need_bytes=plan.need_bytes(),
+                      storage_options=storage_options, sources=[plan.ckpt.path], progress=progress) as out:
         progress.start(2 * total, "exporting")  # writing, then re-reading
         with ChunkReader(plan.ckpt) as reader:
             source = TensorSource(reader, list(plan.items), kernel_copy=True)
-            if plan.format == "safetensors":
-                names, expect = safetensors_writer.write(plan, out.path, source, progress, left_out)
-            else:
-                names, expect = torch_writer.write(plan, out.path, dst, source, progress, left_out)
+            names, expect = w.write(plan, out.path, dst, source, progress, left_out)
             out.hold_for_tests("written")
             # The data goes to disk (fsync) while it is re-read from the page cache and checked.
             with ThreadPoolExecutor(1, thread_name_prefix="export-fsync") as syncer:

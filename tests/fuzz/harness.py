@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import ShardscopeError
-from shardscope.backend.export.plan import plan_export
+from shardscope.backend.export.planner import plan_export
 from shardscope.backend.export.torch_writer import nested_state, pickle_state
+from shardscope.backend.formats import open_checkpoint
 
 from fuzz.mutators import DISTCP_MUTATORS, METADATA_MUTATORS, mutate
 
