@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from shardscope.backend.checkpoint import open_checkpoint
 from shardscope.backend.export import WRITERS, ExportError, check_request, export, export_formats, plan_export
 from shardscope.backend.export.destination import check_destination
 from shardscope.backend.export.registry import OPTION_WORDS, parse_shard_size
+from shardscope.backend.formats import open_checkpoint
 
 EXPORT_DIR = Path(__file__).resolve().parent.parent / "backend" / "export"
 

@@ -116,5 +116,5 @@ def test_huge_bytearray8_leaves_no_stray_line(monkeypatch):
         garbage = [(object(), object()) for _ in range(50_000)]  # freed 56-byte blocks whose last word is set
         del garbage
         with pytest.raises(RefusedPickleError, match="allocation bomb"):
-            safe_pickle.load_metadata_pickle(bomb, "bomb")
+            safe_pickle.unpickle_metadata(bomb, "bomb")
     assert err.getvalue() == ""

@@ -20,6 +20,7 @@ from ..format import count
 from ..progress import Progress
 from . import cache, validate
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
+from .reader_process import load_metadata_pickle
 from .safe_pickle import (
     BytesStorageRecord,
     ChunkRecord,
@@ -27,7 +28,6 @@ from .safe_pickle import (
     StorageInfoRecord,
     TensorStorageRecord,
     gc_paused,
-    load_metadata_pickle,
 )
 from .storage import Folder, open_folder, outside_link
 from .streaming import Events, NotStreamable, join_storage, max_dims, stream_metadata

@@ -28,11 +28,12 @@ import threading
 from typing import Any
 
 from .. import errors
-from .safe_pickle import Record, gc_paused
+from . import safe_pickle
+from .safe_pickle import NotStreamable, Record, gc_paused, unpickle_metadata
 
 ISOLATE: bool | None = None  # None: decide per call (see must_isolate); True/False: always/never isolate
 _IN_HELPER = False
-_FUNCS = ("shardscope.backend.checkpoint.safe_pickle:load_metadata_pickle",
+_FUNCS = ("shardscope.backend.checkpoint.safe_pickle:unpickle_metadata",
           "shardscope.backend.checkpoint.streaming:stream_metadata")
 _HELPER_MAIN = "from shardscope.backend.checkpoint.reader_process import helper_main; helper_main()"
 RETIRE_RSS = 512 << 20  # a helper that holds more than this after a load ends instead of waiting for the next
@@ -185,8 +186,6 @@ def _reply_value(reply: Any, source: str) -> Any:
     if isinstance(reply, tuple) and len(reply) == 5 and reply[0] == "error":
         _, kind, message, path, fqn = reply
         if kind == "NotStreamable":
-            from .streaming import NotStreamable
-
             raise NotStreamable(message)
         cls = getattr(errors, kind, None)
         if isinstance(cls, type) and issubclass(cls, errors.CheckpointError):
@@ -227,8 +226,6 @@ class _ShipPickler(pickle.Pickler):
 
 
 def _shippable() -> set[tuple[str, str]]:
-    from . import safe_pickle
-
     records = {(safe_pickle.__name__, n) for n, v in vars(safe_pickle).items()
                if isinstance(v, type) and issubclass(v, Record)}
     return records | {(safe_pickle.__name__, "DType"), (__name__, "_rebuild_record"), (__name__, "_gone"),
@@ -314,3 +311,11 @@ def _rss() -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
     except (OSError, StopIteration, ValueError):
         return 0
+
+
+def load_metadata_pickle(data: Any, source: str) -> Any:
+    """Unpickle DCP metadata safely (:func:`.safe_pickle.unpickle_metadata`), in a helper process where an
+    address-space limit could hurt another thread of this one (see :func:`must_isolate`)."""
+    if must_isolate():
+        return run_isolated(unpickle_metadata, data, source)
+    return unpickle_metadata(data, source)

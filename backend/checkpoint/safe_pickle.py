@@ -425,19 +425,17 @@ def _with_deep_stack(func: Any, size: int) -> Any:
     return box["value"]
 
 
-def load_metadata_pickle(data: bytes | io.BufferedIOBase, source: str, overrides: dict[str, Any] | None = None) -> Any:
-    """Unpickle DCP metadata with the allow-list; return the tree of :class:`Record` objects.
+class NotStreamable(Exception):
+    """The file does not have the layout the streaming reader relies on (:mod:`.streaming`)."""
+
+
+def unpickle_metadata(data: bytes | io.BufferedIOBase, source: str, overrides: dict[str, Any] | None = None) -> Any:
+    """Unpickle DCP metadata with the allow-list, in this process; return the tree of :class:`Record` objects.
 
     ``overrides`` replaces the stand-ins of some DCP classes by name (the streaming reader's hooks).
     Memory is bounded by the file's size (sized constructors are charged against it, the rest by an
     address-space limit) and nesting by a stack sized for it. Where another thread could be hurt by that
-    limit, the load runs in a helper process (:mod:`.reader_process`)."""
-    from .reader_process import must_isolate, run_isolated
-
-    if must_isolate():
-        if overrides:
-            raise RuntimeError("a load with overrides must itself run through reader_process.run_isolated()")
-        return run_isolated(load_metadata_pickle, data, source)
+    limit, call :func:`.reader_process.load_metadata_pickle`, which runs this in a helper process."""
     stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
     allowed = ALLOWED
     if overrides:

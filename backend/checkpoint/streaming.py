@@ -17,11 +17,7 @@ from typing import Any
 import numpy as np
 
 from .reader_process import must_isolate, run_isolated
-from .safe_pickle import TensorStorageRecord, load_metadata_pickle, stream_size
-
-
-class NotStreamable(Exception):
-    """The file does not have the layout the streaming reader relies on."""
+from .safe_pickle import NotStreamable, TensorStorageRecord, stream_size, unpickle_metadata
 
 
 class Events:
@@ -143,7 +139,7 @@ def stream_metadata(fh: Any, source: str) -> tuple[Any, Events]:
         return run_isolated(stream_metadata, fh, source)
     ev = Events()
     ev.max_dims = max_dims(stream_size(fh))
-    md = load_metadata_pickle(fh, source, overrides=_hooks(ev))
+    md = unpickle_metadata(fh, source, overrides=_hooks(ev))
     if ev.broken:
         raise NotStreamable(ev.broken)
     if len(ev.index_fqn) != len(ev.info_path) or ev.claimed != len(ev.chunk_ndim):
