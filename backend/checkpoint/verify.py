@@ -128,7 +128,12 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
         progress.start(len(ckpt.chunk_table) + len(ckpt.objects), "reading every item")
     located: list[tuple[str, int, int, str]] = []
     with ChunkReader(ckpt) as reader:
-        items = [(e.fqn, c.file, partial(reader.check_chunk, e.fqn, c)) for e in ckpt.tensors for c in e.chunks]
+        chunks = [(e, c) for e in ckpt.tensors for c in e.chunks]
+        if ckpt.located is not None:  # tied weights share one located record: read and report it once
+            seen: set[tuple[str, int]] = set()
+            chunks = [(e, c) for e, c in chunks if not c.length or not ((c.file, c.offset) in seen
+                                                                         or seen.add((c.file, c.offset)))]
+        items = [(e.fqn, c.file, partial(reader.check_chunk, e.fqn, c)) for e, c in chunks]
         items += [(o.fqn, o.file, partial(reader.read_object, o)) for o in ckpt.objects]
         unopenable: dict[str, list] = {}  # file -> [the error, entries not checked]: one problem per file
         for fqn, file, check in items:

@@ -33,7 +33,7 @@ class Facts:
     state: str
     reason: str = ""
     ranks: list[int] = field(default_factory=list)
-    kind: str = ""
+    kind: str = RESUMABLE  # a save that did not finish is judged as what it was to become: never offered as weights
     step: int | None = None
 
 
