@@ -8,12 +8,12 @@ import re
 from collections.abc import Iterable
 
 # ZeRO-0/1/2: one model file per model-parallel rank; ZeRO-3: one per data-parallel rank too
-MODEL_FILE_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+MODEL_FILE_RE = re.compile(r"(?:zero_pp_rank_([0-9]+)_)?mp_rank_([0-9]+)_model_states\.pt\Z")
 # the optimizer partitions, one per data-parallel rank (bf16_ while bf16 is enabled, fp16_ from old releases)
-OPTIM_FILE_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+OPTIM_FILE_RE = re.compile(r"(bf16_|fp16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
 LATEST = "latest"  # the save folder's file that names the newest tag
 RECOVERY_SCRIPT = "zero_to_fp32.py"  # rank 0 copies it into the save folder
-STEP_TAG_RE = re.compile(r"^global_step\d+$")  # the tag DeepSpeed gives a save by default
+STEP_TAG_RE = re.compile(r"global_step[0-9]+\Z")  # the tag DeepSpeed gives a save by default
 MAX_TAG = 255
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .deepspeed_model import DeepSpeedTensor, Piece, covers, numel_of
-from .torch_archive import StoredArray, TorchArchive
+from .torch_archive import StoredArray, TorchArchive, describe
 
 Report = Callable[..., None]  # problem(kind, message, fqn=None, file=None)
 
@@ -82,7 +82,7 @@ def _state_names(parts: dict[int, Part], report: Report) -> tuple[str, ...]:
             states = part.states[g] if g < len(part.states) else {}
             for key in names:
                 if key not in states or states[key].numel < array.numel:
-                    report("size", f"optimizer state {key!r} of group {g} is missing or shorter than the "
+                    report("size", f"optimizer state {describe(key)} of group {g} is missing or shorter than the "
                            f"{array.numel}-element partition", None, part.archive.file)
     return tuple(names)
 
@@ -145,10 +145,11 @@ def flat_layout(world: int, param_shapes: list[dict[str, tuple[int, ...]]], part
                     got.add(parts[r], g, lo - start, lo - offset, hi - lo)
             tensors[name] = got.tensor(name, "trainable", shape, dtype or "float32", g)
             offset += n + (aligns[i] if aligns else 0)
-        if len(ranges) == world:  # DeepSpeed's own check: both ends aligned to 2 * world agree
+        if len(ranges) == world:
             held = sum(length for _, length in ranges.values())
-            align = 2 * world
-            if -(-offset // align) != -(-held // align):
+            align = 2 * world  # DeepSpeed's own check: both ends aligned to 2 * world agree. With the paddings
+            exact = all(p.paddings is not None for p in parts.values())  # saved, the ends agree exactly
+            if offset != held if exact else -(-offset // align) != -(-held // align):
                 report("size", f"group {g}: the parameters take {offset} elements; the partitions hold {held}")
     return Layout(_report_incomplete(tensors, report), dtype, states)
 
@@ -157,7 +158,7 @@ def _report_incomplete(tensors: dict[str, DeepSpeedTensor], report: Report) -> d
     for t in tensors.values():
         if not t.complete:
             held = sum(p.numel for p in t.pieces)
-            report("incomplete", f"{t.name!r}: the files hold {held} of its {t.numel} elements", t.name)
+            report("incomplete", f"{describe(t.name)}: the files hold {held} of its {t.numel} elements", t.name)
     return tensors
 
 
@@ -222,23 +223,23 @@ def frozen_tensors(world: int, shapes: dict[str, tuple[int, ...]],
         n = numel_of(shape)
         per_rank = -(-n // world)
         pieces, dtype = [], None
-        for r in range(world):
-            frag = fragments.get(r, {}).get(name)
+        for r in sorted(r for r in fragments if r < world):
+            frag = fragments[r].get(name)
             if frag is None:
                 continue
             archive, array = frag
             dtype = dtype or array.dtype
             if array.numel != per_rank:
-                report("size", f"frozen {name!r}: rank {r}'s fragment has {array.numel} elements, not {per_rank}",
-                       name, archive.file)
+                report("size", f"frozen {describe(name)}: rank {r}'s fragment has {array.numel} elements, "
+                       f"not {per_rank}", name, archive.file)
                 continue
             take = max(0, min(per_rank, n - r * per_rank))
             if take:
                 pieces.append(_cut(r, archive, array, 0, r * per_rank, take))
         tensor = DeepSpeedTensor(name, "frozen", shape, dtype or "float32", tuple(pieces))
         if not covers(tensor.pieces, n):
-            report("incomplete", f"frozen {name!r}: its fragments hold {sum(p.numel for p in pieces)} of its {n} "
-                   "elements", name)
+            report("incomplete", f"frozen {describe(name)}: its fragments hold {sum(p.numel for p in pieces)} of "
+                   f"its {n} elements", name)
         out.append((name, tensor))
     return out
 

@@ -12,7 +12,7 @@ from ..progress import Progress
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, covers
 from .model import ITEMSIZE, Problem
 from .storage import LocalHandles
-from .torch_archive import RecordInfo
+from .torch_archive import RecordInfo, describe
 
 CRC_BLOCK = 8 << 20  # bytes read at a time while a record's CRC32 is computed
 MASTER = "fp32"  # the name of the master weights among what read_tensor reads
@@ -22,8 +22,8 @@ def _pieces(tensor: DeepSpeedTensor, which: str) -> tuple[Piece, ...]:
     if which == MASTER:
         return tensor.pieces
     if which not in tensor.optimizer:
-        raise CheckpointError(f"{tensor.name}: no optimizer state {which!r} (a {tensor.kind} tensor has "
-                              f"{sorted(tensor.optimizer) or 'none'}).", fqn=tensor.name)
+        raise CheckpointError(f"{describe(tensor.name)}: no optimizer state {describe(which)} (a {tensor.kind} tensor "
+                              f"has {describe(sorted(tensor.optimizer)) or 'none'}).", fqn=tensor.name)
     return tensor.optimizer[which]
 
 
@@ -39,18 +39,18 @@ def read_tensor(state: DeepSpeedState, name: str, which: str = MASTER, handles: 
     try:
         tensor = state.tensor(name)
     except KeyError:
-        raise CheckpointError(f"{state.folder}: no tensor {name!r} in this checkpoint.", path=state.folder,
+        raise CheckpointError(f"{state.folder}: no tensor {describe(name)} in this checkpoint.", path=state.folder,
                               fqn=name) from None
     pieces, numel = _pieces(tensor, which), tensor.numel
     if not covers(pieces, numel):
         held = sum(p.numel for p in pieces)
-        raise CheckpointError(f"{state.folder}: {name} ({which}): the files hold {held} of its {numel} elements "
-                              "(see the checkpoint's problems).", path=state.folder, fqn=name)
+        raise CheckpointError(f"{state.folder}: {describe(name)} ({describe(which)}): the files hold {held} of its "
+                              f"{numel} elements (see the checkpoint's problems).", path=state.folder, fqn=name)
     dtypes = {p.dtype for p in pieces}
     dtype = dtypes.pop() if len(dtypes) == 1 else tensor.dtype if not dtypes else None
     if dtype is None or dtype not in ITEMSIZE or not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise CheckpointError(f"{state.folder}: {name} ({which}) is stored as {sorted(dtypes)}, not one dtype torch "
-                              "reads.", path=state.folder, fqn=name)
+        raise CheckpointError(f"{state.folder}: {describe(name)} ({describe(which)}) is stored as {sorted(dtypes)}, "
+                              "not one dtype torch reads.", path=state.folder, fqn=name)
     size = ITEMSIZE[dtype]
     own = handles is None
     handles = LocalHandles(state.folder) if own else handles

@@ -22,13 +22,15 @@ from .deepspeed_layout import Layout, Part, flat_layout, zero3_layout
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles, numel_of
 from .model import MAX_INDEX, MAX_NDIM, Problem
 from .storage import LocalHandles
-from .torch_archive import StandIn, StoredArray, TorchArchive, load_torch_archive
+from .torch_archive import StandIn, StoredArray, TorchArchive, describe, load_torch_archive
 
 # The DeepSpeed classes a ZeRO checkpoint pickles (as inert stand-ins; nothing of deepspeed is imported)
 DEEPSPEED_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
                      "deepspeed.utils.tensor_fragment.fragment_address")
 MAX_LATEST = 4096  # bytes of a ``latest`` file read
+MAX_WORLD = 1 << 16  # data-parallel ranks a checkpoint may claim
+MAX_LISTED = 8  # missing ranks named one by one; more are one problem
 
 
 # ---------------------------------------------------------------- where a checkpoint is
@@ -85,19 +87,19 @@ class _Reader:
 
     def get(self, file: str, tree: Any, key: str, types: type | tuple[type, ...], optional: bool = False) -> Any:
         if not isinstance(tree, dict):
-            raise self.fail(file, f"expected a dict holding {key!r}, found {type(tree).__name__}.")
+            raise self.fail(file, f"expected a dict holding {describe(key)}, found {type(tree).__name__}.")
         value = tree.get(key)
         if value is None and optional:
             return None
         if not isinstance(value, types) or (isinstance(value, bool) and types in (int, (int,))):
-            raise self.fail(file, f"{key!r} is {type(value).__name__}, not what DeepSpeed writes there.")
+            raise self.fail(file, f"{describe(key)} is {type(value).__name__}, not what DeepSpeed writes there.")
         return value
 
     def count(self, file: str, value: Any, what: str) -> int:
         if isinstance(value, StandIn):  # ZeroStageEnum
             value = value.value
         if type(value) is not int or not 0 <= value < MAX_INDEX:
-            raise self.fail(file, f"{what} is {str(value)[:40]!r}, not a count.")
+            raise self.fail(file, f"{what} is {describe(value)}, not a count.")
         return value
 
     def shapes(self, file: str, value: Any, what: str) -> dict[str, tuple[int, ...]]:
@@ -108,7 +110,7 @@ class _Reader:
         for name, shape in value.items():
             if not isinstance(shape, tuple | list) or len(shape) > MAX_NDIM or \
                     not all(type(v) is int and 0 <= v < MAX_INDEX for v in shape) or numel_of(shape) >= MAX_INDEX:
-                raise self.fail(file, f"{what}: the shape of {name[:200]!r} is not a plausible shape.")
+                raise self.fail(file, f"{what}: the shape of {describe(name)} is not a plausible shape.")
             out[name] = tuple(shape)
         return out
 
@@ -172,7 +174,7 @@ def _read(reader: _Reader, folder: str, tag: str, names: list[str], mp_rank: int
     counts = osd0.get("partition_count")
     world = max((reader.count(first, c, "partition_count") for c in counts), default=0) \
         if isinstance(counts, list) else reader.count(first, counts, "partition_count")
-    if not 1 <= world <= 1 << 20:
+    if not 1 <= world <= MAX_WORLD:
         raise reader.fail(first, f"partition_count {world} is not a plausible data-parallel world size.")
     if (stage == 3) != (None not in models):
         reader.problem("mixed", f"ZeRO stage {stage} with model files named for stage {'3' if stage < 3 else '1/2'}")
@@ -183,11 +185,9 @@ def _read(reader: _Reader, folder: str, tag: str, names: list[str], mp_rank: int
         if rank >= world:
             reader.problem("extra_file", f"rank {rank}'s files lie beyond the {world} partitions the optimizer names",
                            file=optims.get(rank) or models.get(rank))
-    for rank in range(world):
-        if rank not in optims:
-            reader.problem("missing_file", f"the optimizer file of rank {rank} (of {world}) is missing")
-        if stage == 3 and rank not in models:
-            reader.problem("missing_file", f"the model file of rank {rank} (of {world}) is missing")
+    _missing(reader, world, optims, "optimizer")
+    if stage == 3:
+        _missing(reader, world, models, "model")
     root = reader.archive(model0).root
     if not isinstance(root, dict):
         raise reader.fail(model0, "not a dict: not a DeepSpeed model-states file.")
@@ -199,7 +199,26 @@ def _read(reader: _Reader, folder: str, tag: str, names: list[str], mp_rank: int
         layout = zero3_layout(world, model["param_shapes"], parts, model["frozen_shapes"], frags, reader.problem)
     else:
         layout = flat_layout(world, model["param_shapes"], parts, reader.problem)
-    return _state(reader, folder, tag, stage, world, mp_rank, models, optims, model, layout)
+    return _state(reader, folder, tag, stage, world, mp_rank, models, optims, model, layout, model0)
+
+
+def _missing(reader: _Reader, world: int, present: dict, what: str) -> None:
+    """One problem per missing rank file, or one for them all when many are missing."""
+    missing = world - sum(1 for r in present if r is not None and r < world)
+    if not missing:
+        return
+    named = []
+    for r in range(world):
+        if r not in present:
+            named.append(r)
+            if len(named) > MAX_LISTED:
+                break
+    if missing <= MAX_LISTED:
+        for r in named:
+            reader.problem("missing_file", f"the {what} file of rank {r} (of {world}) is missing")
+    else:
+        reader.problem("missing_file", f"the {what} files of {missing} of the {world} ranks are missing (ranks "
+                       f"{', '.join(map(str, named[:MAX_LISTED]))}, ...)")
 
 
 def _partitions(reader: _Reader, optims: dict[int, str], stage: int) -> dict[int, Part]:
@@ -233,12 +252,13 @@ def _optimizer_states(reader: _Reader, name: str, base: Any, groups: int) -> lis
     else:
         order = [i for g in reader.get(name, base, "param_groups", list) for i in reader.get(name, g, "params", list)]
         state = reader.get(name, base, "state", dict)
-        per_group = [state.get(i) for i in order]
+        per_group = [state.get(i) if isinstance(i, int | str) else None for i in order]
     if len(per_group) != groups:
         reader.problem("size", f"the optimizer state has {len(per_group)} groups; the partitions {groups}", file=name)
     out = []
     for i, states in enumerate(per_group[:groups]):
-        out.append({k: reader.flat(name, v, f"optimizer state {k!r} of group {i}") for k, v in states.items()
+        out.append({k: reader.flat(name, v, f"optimizer state {describe(k)} of group {i}")
+                    for k, v in states.items()
                     if isinstance(k, str) and isinstance(v, StoredArray) and v.shape and len(v.shape) == 1}
                    if isinstance(states, dict) else {})
     return out
@@ -274,8 +294,8 @@ def _model(reader: _Reader, name: str, root: dict, stage: int) -> dict[str, Any]
 
 def _whole(reader: _Reader, file: str, archive: TorchArchive, array: StoredArray, name: str) -> tuple[Piece, ...]:
     if not array.contiguous:
-        reader.problem("unsupported", f"{name!r} is stored strided (not contiguous); its values are not mapped",
-                       name, file)
+        reader.problem("unsupported", f"{describe(name)} is stored strided (not contiguous); its values are not "
+                       "mapped", name, file)
         return ()
     rec = archive.record_of(array)
     return (Piece(0, file, f"data/{array.key}", archive.byte_offset(array, 0), 0, array.numel, array.dtype,
@@ -283,22 +303,22 @@ def _whole(reader: _Reader, file: str, archive: TorchArchive, array: StoredArray
 
 
 def _state(reader: _Reader, folder: str, tag: str, stage: int, world: int, mp_rank: int, models: dict,
-           optims: dict, model: dict, layout: Layout) -> DeepSpeedState:
+           optims: dict, model: dict, layout: Layout, file0: str) -> DeepSpeedState:
     tensors: dict[str, DeepSpeedTensor] = {}
-    module, file0 = model["module"], models.get(0 if stage == 3 else None) or next(iter(models.values()))
-    archive0 = reader.archives[file0]
+    module, archive0 = model["module"], reader.archives[file0]
     for b in model["buffers"]:  # DeepSpeed's order: buffers, frozen, trainable, then the tied names
         if b in module:
             tensors[b] = DeepSpeedTensor(b, "buffer", module[b].shape, module[b].dtype,
                                          _whole(reader, file0, archive0, module[b], b))
         else:
-            reader.problem("missing", f"buffer {b!r} is named but not in the model file's module", b, file0)
+            reader.problem("missing", f"buffer {describe(b)} is named but not in the model file's module", b, file0)
     frozen = model["frozen_shapes"]
     if stage < 3 and frozen is not None:
         for k, shape in frozen.items():
             frag = model["frozen_fragments"].get(k)
             if frag is None or frag[1].numel != numel_of(shape):
-                reader.problem("size", f"frozen parameter {k!r} has no fragment of its shape {shape}", k, file0)
+                reader.problem("size", f"frozen parameter {describe(k)} has no fragment of its shape {shape}", k,
+                               file0)
                 tensors[k] = DeepSpeedTensor(k, "frozen", shape, frag[1].dtype if frag else "float32", ())
             else:
                 tensors[k] = DeepSpeedTensor(k, "frozen", shape, frag[1].dtype,
@@ -315,7 +335,8 @@ def _state(reader: _Reader, folder: str, tag: str, stage: int, world: int, mp_ra
         if source in tensors:
             shared[alias] = source
         else:
-            reader.problem("missing", f"tied parameter {alias!r} names {source!r}, which the checkpoint lacks", alias)
+            reader.problem("missing", f"tied parameter {describe(alias)} names {describe(source)}, which the "
+                           "checkpoint lacks", alias)
     trained = [n for g in model["param_shapes"] for n in g]
     model_dtype = next((module[n].dtype for n in trained if n in module), None)
     ranks = tuple(RankFiles(r, models.get(r if stage == 3 else None), optims.get(r)) for r in range(world))
@@ -335,7 +356,7 @@ def plain(value: Any, depth: int = 0) -> Any:
     if depth > MAX_PLAIN_DEPTH:
         return "<nested too deep>"
     if isinstance(value, dict):
-        return {k if isinstance(k, str | int | float | bool) or k is None else repr(k)[:100]: plain(v, depth + 1)
+        return {k if isinstance(k, str | int | float | bool) or k is None else _short(k): plain(v, depth + 1)
                 for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [plain(v, depth + 1) for v in value]
@@ -347,7 +368,14 @@ def plain(value: Any, depth: int = 0) -> Any:
         return f"<tensor {value.dtype} {list(value.shape)}>"
     if value is None or isinstance(value, str | int | float | bool | bytes):
         return value
-    return repr(value)[:200]
+    return _short(value)
+
+
+def _short(value: Any) -> str:
+    try:
+        return repr(value)[:200]
+    except (RecursionError, ValueError, TypeError):  # a key nested deeper than repr goes
+        return f"<{type(value).__name__}>"
 
 
 __all__ = ["DEEPSPEED_CLASSES", "latest_tag", "plain", "read_deepspeed_state", "step_folder"]

@@ -32,6 +32,16 @@ MAX_ARCHIVE_PICKLE = 64 << 20  # a DeepSpeed model-states data.pkl of a 1,000-pa
 _KEY = re.compile(r"[0-9]{1,18}")
 
 
+def describe(value: Any, limit: int = 80) -> str:
+    """A value read from a file (a name, a count) as short, one-line, printable text for a message, whatever
+    its nesting."""
+    try:
+        text = repr(value[:limit] if isinstance(value, str) else value)
+    except (RecursionError, ValueError, TypeError, MemoryError):
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass(frozen=True, slots=True)
 class StoredArray:
     """A tensor of the archive, located, not read: ``shape``/``stride`` (elements) viewed from element
@@ -299,8 +309,9 @@ class _ArchiveUnpickler(pickle.Unpickler):
             return _DType(name)
         if f"{module}.{name}" in self._classes or key in (("numpy", "dtype"), ("argparse", "Namespace")):
             return stand_in(f"{module}.{name}")
+        what = f"{module}.{name}" if f"{module}.{name}".isprintable() else describe(f"{module}.{name}")
         raise RefusedPickleError(
-            f"{self._source}: refused to load the pickled global {module}.{name}: it is not one a checkpoint of "
+            f"{self._source}: refused to load the pickled global {what[:200]}: it is not one a checkpoint of "
             "this kind holds, so the file is damaged or hostile. Nothing from it was run.", path=self._source)
 
     def persistent_load(self, pid: Any) -> Any:
@@ -363,4 +374,4 @@ def load_torch_archive(src: ByteSource, name: str, size: int, classes: Iterable[
     return TorchArchive(name, size, records, root)
 
 
-__all__ = ["RecordInfo", "StandIn", "StoredArray", "TorchArchive", "load_torch_archive", "stand_in"]
+__all__ = ["RecordInfo", "StandIn", "StoredArray", "TorchArchive", "describe", "load_torch_archive", "stand_in"]
