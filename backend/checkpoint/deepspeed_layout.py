@@ -14,10 +14,11 @@ An optimizer state of a flat group (``exp_avg``, ...) is laid out like the group
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .deepspeed_model import DeepSpeedTensor, Piece, covers, numel_of
+from .deepspeed_model import DeepSpeedTensor, Piece, covers
 from .torch_archive import StoredArray, TorchArchive, describe
 
 Report = Callable[..., None]  # problem(kind, message, fqn=None, file=None)
@@ -137,7 +138,7 @@ def flat_layout(world: int, param_shapes: list[dict[str, tuple[int, ...]]], part
             aligns = None
         offset = 0
         for i, (name, shape) in enumerate(shapes.items()):
-            n = numel_of(shape)
+            n = math.prod(shape)
             got = _Collector(states)
             for r, (start, length) in ranges.items():
                 lo, hi = max(offset, start), min(offset + n, start + length)
@@ -177,7 +178,7 @@ def zero3_layout(world: int, param_shapes: list[dict[str, tuple[int, ...]]], par
     merged = {k: v for d in param_shapes for k, v in d.items()}  # as zero_to_fp32 merges them
     offset = 0
     for name, shape in merged.items():
-        n = numel_of(shape)
+        n = math.prod(shape)
         per_rank = -(-n // world)
         got = _Collector(states)
         for r, part in parts.items():
@@ -220,7 +221,7 @@ def frozen_tensors(world: int, shapes: dict[str, tuple[int, ...]],
     concatenates the fragments in rank order and drops the padding)."""
     out = []
     for name, shape in shapes.items():
-        n = numel_of(shape)
+        n = math.prod(shape)
         per_rank = -(-n // world)
         pieces, dtype = [], None
         for r in sorted(r for r in fragments if r < world):

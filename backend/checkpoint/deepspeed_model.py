@@ -4,6 +4,7 @@ element ranges of zip records (:class:`Piece`) its values lie in. Made by :mod:`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ class DeepSpeedTensor:
     @property
     def numel(self) -> int:
         """Elements of the tensor (1 for a 0-dim one)."""
-        return numel_of(self.shape)
+        return math.prod(self.shape)
 
     @property
     def complete(self) -> bool:
@@ -105,12 +106,4 @@ class DeepSpeedState:
         return [*self.tensors, *(a for a in self.shared if a not in self.tensors)]
 
 
-def numel_of(shape: tuple[int, ...]) -> int:
-    """Elements of a tensor of ``shape`` (1 for a 0-dim one)."""
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-__all__ = ["DeepSpeedState", "DeepSpeedTensor", "Piece", "RankFiles", "covers", "numel_of"]
+__all__ = ["DeepSpeedState", "DeepSpeedTensor", "Piece", "RankFiles", "covers"]

@@ -6,6 +6,7 @@ the others and against what the files hold, and what does not add up is a :class
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..deepspeed_names import (
 )
 from ..errors import CheckpointError
 from .deepspeed_layout import Layout, Part, flat_layout, zero3_layout
-from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles, numel_of
+from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles
 from .model import MAX_INDEX, MAX_NDIM, Problem
 from .storage import LocalHandles
 from .torch_archive import StandIn, StoredArray, TorchArchive, describe, load_torch_archive
@@ -109,7 +110,7 @@ class _Reader:
         out = {}
         for name, shape in value.items():
             if not isinstance(shape, tuple | list) or len(shape) > MAX_NDIM or \
-                    not all(type(v) is int and 0 <= v < MAX_INDEX for v in shape) or numel_of(shape) >= MAX_INDEX:
+                    not all(type(v) is int and 0 <= v < MAX_INDEX for v in shape) or math.prod(shape) >= MAX_INDEX:
                 raise self.fail(file, f"{what}: the shape of {describe(name)} is not a plausible shape.")
             out[name] = tuple(shape)
         return out
@@ -316,7 +317,7 @@ def _state(reader: _Reader, folder: str, tag: str, stage: int, world: int, mp_ra
     if stage < 3 and frozen is not None:
         for k, shape in frozen.items():
             frag = model["frozen_fragments"].get(k)
-            if frag is None or frag[1].numel != numel_of(shape):
+            if frag is None or frag[1].numel != math.prod(shape):
                 reader.problem("size", f"frozen parameter {describe(k)} has no fragment of its shape {shape}", k,
                                file0)
                 tensors[k] = DeepSpeedTensor(k, "frozen", shape, frag[1].dtype if frag else "float32", ())

@@ -7,6 +7,7 @@ allocated or read. Reading values is :mod:`.chunks`' job.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import pickletools
 import re
@@ -61,6 +62,16 @@ class RecordCrcError(ItemFormatError):
     """A zip record's bytes do not match the CRC32 stored for them in the central directory."""
 
 
+def row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when ``stride`` is row-major for ``shape`` (dimensions of size 1 aside): the elements are one run."""
+    expect = 1
+    for size, st in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and st != expect:
+            return False
+        expect *= size
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class StoredTensor:
     """Where one item's tensor values are: ``nbytes`` raw bytes at ``data_offset`` in the file,
@@ -77,20 +88,12 @@ class StoredTensor:
     @property
     def contiguous(self) -> bool:
         """True when the stored strides are row-major for the shape, so the bytes can be read as one run."""
-        expect = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=True):
-            if size != 1 and st != expect:
-                return False
-            expect *= size
-        return True
+        return row_major(self.shape, self.stride)
 
     @property
     def numel(self) -> int:
         """Number of elements (product of the shape; 1 for a scalar)."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def span(self) -> int:
         """Elements of storage the view reaches, from ``storage_offset`` on."""
@@ -457,5 +460,6 @@ def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, i
     return {key: (_record_start(src, name, 0, size, rec), rec.size, rec.crc) for key, rec in records.items()}
 
 
-__all__ = ["STORAGE_DTYPES", "ItemFormatError", "RecordCrcError", "StorageRef", "StoredTensor", "check_object_archive",
-           "check_pickle_opcodes", "checked_dims", "parse_torch_item", "torch_archive_records", "zip_records"]
+__all__ = ["STORAGE_DTYPES", "ItemFormatError", "RecordCrcError", "StorageRef", "StoredTensor",
+           "check_object_archive", "check_pickle_opcodes", "checked_dims", "parse_torch_item", "row_major",
+           "torch_archive_records", "zip_records"]

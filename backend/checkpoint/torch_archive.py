@@ -8,6 +8,7 @@ records (the class name kept, constructor arguments and pickled state kept as pl
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 import struct
@@ -23,6 +24,7 @@ from .items import (
     ItemFormatError,
     check_pickle_opcodes,
     checked_dims,
+    row_major,
     torch_archive_records,
 )
 from .model import ITEMSIZE, MAX_INDEX
@@ -57,20 +59,12 @@ class StoredArray:
     @property
     def numel(self) -> int:
         """Elements of the view (1 for a 0-dim tensor)."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def contiguous(self) -> bool:
         """True when the view is row-major, so its elements are one run of the storage."""
-        expect = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=True):
-            if size != 1 and st != expect:
-                return False
-            expect *= size
-        return True
+        return row_major(self.shape, self.stride)
 
 
 @dataclass(frozen=True, slots=True)
