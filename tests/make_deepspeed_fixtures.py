@@ -23,7 +23,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-# name -> (ZeRO stage, dtype, ranks): the padding rules differ by stage and world size, the files by dtype
+# name -> (ZeRO stage, dtype, ranks): the padding rules differ by stage and world size, the files by dtype; the
+# 3-rank saves have two param groups
 VARIANTS = {
     "z1-fp32-2r": (1, "fp32", 2),
     "z2-bf16-2r": (2, "bf16", 2),
@@ -79,7 +80,7 @@ def train(save_dir: str, stage: int, dtype: str) -> None:
     # compiler) at init; gloo does the collectives here, so the op is not built
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    rank = int(os.environ["RANK"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     model = _model()
     config = {
@@ -93,8 +94,14 @@ def train(save_dir: str, stage: int, dtype: str) -> None:
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                           if p.requires_grad], config=config)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if world == 3:  # two param groups, as trainers make them (no weight decay on biases and norms)
+        groups = [{"params": [p for n, p in trained if n.endswith("weight") and not n.startswith("norm")]},
+                  {"params": [p for n, p in trained if n.endswith("bias") or n.startswith("norm")],
+                   "weight_decay": 0.0}]
+    else:
+        groups = [p for _, p in trained]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(2):
         idx = torch.randint(0, 13, (2, 6), generator=g)

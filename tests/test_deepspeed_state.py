@@ -96,8 +96,11 @@ def test_pieces_are_flat_ranges_of_the_rank_files(deepspeed_checkpoints, name):
         assert [(p.rank, p.start, p.numel) for p in emb.pieces] == [(0, 0, 31), (1, 31, 31), (2, 62, 29)]
         assert all(p.file == f"zero_pp_rank_{p.rank}_mp_rank_00_optim_states.pt".replace("zero", "bf16_zero", 1)
                    for p in emb.pieces)
-    else:  # 169 elements aligned to 2 * 3: partitions of 58; emb.weight's 91 straddle ranks 0 and 1
-        assert [(p.rank, p.start, p.numel) for p in emb.pieces] == [(0, 0, 58), (1, 58, 33)]
+    else:  # group 0 (the weights): 147 elements aligned to 2 * 3, partitions of 50; emb.weight straddles ranks 0-1
+        assert [(p.rank, p.start, p.numel) for p in emb.pieces] == [(0, 0, 50), (1, 50, 41)]
+        # group 1 (biases and norms, no weight decay): 22 elements in partitions of 8
+        assert [(p.rank, p.start, p.numel) for p in state.tensor("up.bias").pieces] == [(1, 0, 1), (2, 1, 6)]
+        assert state.tensor("up.bias").group == 1 and emb.group == 0
     for p in emb.pieces:
         rec = state.records[p.file][p.key]
         assert rec.offset <= p.byte_offset and p.byte_offset + 4 * p.numel <= rec.offset + rec.nbytes
@@ -190,7 +193,10 @@ def test_param_shapes_claiming_more_than_the_partitions_hold(save_copy, name):
     save = save_copy(name)
     model = save / TAG / ("mp_rank_00_model_states.pt" if name.startswith("z2") else
                           "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    edit_model_states(model, lambda sd: sd["param_shapes"][0].update({"up.bias": torch.Size([7000])}))
+    def grow(sd: dict) -> None:
+        next(g for g in sd["param_shapes"] if "up.bias" in g)["up.bias"] = torch.Size([7000])
+
+    edit_model_states(model, grow)
     state = read_deepspeed_state(str(save))
     kinds = {(p.kind, p.fqn) for p in state.problems}
     assert ("incomplete", "up.bias") in kinds and ("size", None) in kinds, state.problems
@@ -215,13 +221,17 @@ def test_a_missing_rank_is_a_problem_and_what_it_held_is_unreadable(save_copy, r
     (save / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     state = read_deepspeed_state(str(save))
     assert any(p.kind == "missing_file" and "rank 1" in p.message for p in state.problems), state.problems
-    assert not state.tensor("emb.weight").complete and not state.tensor("proj.weight").complete
-    with pytest.raises(CheckpointError, match="the files hold 58 of its 91 elements"):
+    incomplete = {p.fqn for p in state.problems if p.kind == "incomplete"}
+    assert incomplete == {"emb.weight", "proj.weight", "norm.weight", "norm.bias", "up.bias"}
+    with pytest.raises(CheckpointError, match="the files hold 50 of its 91 elements"):
         read_tensor(state, "emb.weight")
-    # rank 2's partition is still placed (each partition plus its padding is one size): what it alone holds reads
+    # rank 2's partitions are still placed (each partition plus its padding is one size): what it holds alone, or
+    # with rank 0, reads
     ref = references["z2-fp32-3r"]["fp32"]
-    for key in ("proj.bias", "norm.weight", "up.weight", "up.bias", "frozen.weight", "scale"):
+    for key in ("proj.bias", "up.weight", "frozen.weight", "scale"):
         assert _same(read_tensor(state, key), ref[key]), key
+        assert _same(read_tensor(state, key, "exp_avg"), references["z2-fp32-3r"]["exp_avg"][key]) \
+            if state.tensor(key).kind == "trainable" else True
 
 
 def test_a_partition_count_that_disagrees_with_the_files(save_copy):
@@ -261,3 +271,35 @@ def test_ds_config_and_counters_are_plain_data(deepspeed_checkpoints):
     state = read_deepspeed_state(str(deepspeed_checkpoints["z2-bf16-2r"] / "ckpt"))
     assert json.loads(json.dumps(state.ds_config))["bf16"] == {"enabled": True}
     assert (state.global_samples, state.skipped_steps, state.mp_world_size) == (8, 0, 1)
+
+
+def test_a_training_scripts_extra_state_is_kept_as_plain_data(save_copy, references):
+    """What client_state commonly holds (a script's argparse arguments with a path, numpy's RNG state, a numpy
+    scalar, a device) is kept inert; an unknown class in it still refuses the file."""
+    import argparse
+    import collections
+    import pathlib
+
+    import numpy as np
+    from shardscope.backend.checkpoint.deepspeed_state import plain
+    from shardscope.backend.checkpoint.storage import LocalHandles
+    from shardscope.backend.checkpoint.torch_archive import load_torch_archive
+
+    save = save_copy("z1-fp32-2r")
+    model = save / TAG / "mp_rank_00_model_states.pt"
+    state = torch.load(model, weights_only=True)
+    state.update(args=argparse.Namespace(lr=0.5, out=pathlib.PurePosixPath("/runs/a")), loss=np.float64(1.25),
+                 np_rng_state=np.random.RandomState(3).get_state(), device=torch.device("cpu"))
+    torch.save(state, model)
+    parsed = read_deepspeed_state(str(save))
+    assert parsed.problems == []
+    assert _same(read_tensor(parsed, "up.bias"), references["z1-fp32-2r"]["fp32"]["up.bias"])
+    handles = LocalHandles(str(save / TAG))
+    root = load_torch_archive(handles, model.name, model.stat().st_size).root
+    handles.close()
+    assert root["loss"] == 1.25 and plain(root["args"])["lr"] == 0.5
+    assert plain(root["np_rng_state"])[0] == "MT19937" and plain(root["device"])["__class__"] == "torch.device"
+    state["hook"] = collections.Counter(a=1)
+    torch.save(state, model)
+    with pytest.raises(RefusedPickleError, match=r"collections\.Counter"):
+        read_deepspeed_state(str(save))

@@ -221,6 +221,21 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> St
     return out
 
 
+# Classes any checkpoint's extra state may pickle (a training script's arguments, RNG states, a device), kept
+# as inert stand-ins whatever the caller allows
+PLAIN_CLASSES = frozenset({"numpy.dtype", "numpy.ndarray", "argparse.Namespace", "torch.device", "pathlib.Path",
+                           "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
+                           "pathlib.PureWindowsPath"})
+
+
+def _numpy_array(cls: Any, shape: Any = None, typecode: Any = None) -> StandIn:
+    """``numpy.core.multiarray._reconstruct(numpy.ndarray, (0,), b'b')``: an empty array that BUILD then fills with
+    its shape, dtype and raw bytes (kept as they are)."""
+    if cls is not stand_in("numpy.ndarray"):
+        raise ItemFormatError("a numpy array of another class than numpy.ndarray")
+    return cls(shape, typecode)
+
+
 _NUMPY_CODES = {"f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q", "u4": "I",
                 "u2": "H", "u1": "B", "b1": "?"}
 
@@ -265,6 +280,8 @@ _FUNCTIONS: dict[tuple[str, str], Callable[..., Any]] = {
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("numpy.core.multiarray", "scalar"): _numpy_scalar,
     ("numpy._core.multiarray", "scalar"): _numpy_scalar,
+    ("numpy.core.multiarray", "_reconstruct"): _numpy_array,
+    ("numpy._core.multiarray", "_reconstruct"): _numpy_array,
     ("_codecs", "encode"): _codecs_encode,
 }
 
@@ -301,7 +318,7 @@ class _ArchiveUnpickler(pickle.Unpickler):
             return _StorageType(None)
         if module == "torch" and name in ITEMSIZE:
             return _DType(name)
-        if f"{module}.{name}" in self._classes or key in (("numpy", "dtype"), ("argparse", "Namespace")):
+        if f"{module}.{name}" in self._classes or f"{module}.{name}" in PLAIN_CLASSES:
             return stand_in(f"{module}.{name}")
         what = f"{module}.{name}" if f"{module}.{name}".isprintable() else describe(f"{module}.{name}")
         raise RefusedPickleError(
@@ -340,9 +357,9 @@ def _unpickle(data: bytes, source: str, classes: frozenset[str]) -> tuple[Any, d
 
 def load_torch_archive(src: ByteSource, name: str, size: int, classes: Iterable[str] = ()) -> TorchArchive:
     """Parse file ``name`` (``size`` bytes) of ``src`` as a ``torch.save`` archive; ``classes`` are the
-    ``module.Name`` globals (besides torch's tensor rebuilds, containers and numpy scalars) that become
-    :class:`StandIn` records. CheckpointError naming the file for anything else (RefusedPickleError for a
-    refused global)."""
+    ``module.Name`` globals that become :class:`StandIn` records besides :data:`PLAIN_CLASSES` (torch's tensor
+    rebuilds, containers and numpy scalars are always read). CheckpointError naming the file for anything else
+    (RefusedPickleError for a refused global)."""
     where = src.where(name)
     try:
         if size < 22 or src.read(name, 0, 4) != b"PK\x03\x04":
@@ -368,4 +385,5 @@ def load_torch_archive(src: ByteSource, name: str, size: int, classes: Iterable[
     return TorchArchive(name, size, records, root)
 
 
-__all__ = ["RecordInfo", "StandIn", "StoredArray", "TorchArchive", "describe", "load_torch_archive", "stand_in"]
+__all__ = ["PLAIN_CLASSES", "RecordInfo", "StandIn", "StoredArray", "TorchArchive", "describe", "load_torch_archive",
+           "stand_in"]
