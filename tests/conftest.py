@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE))
 # the soak and the fuzzers). The fast subset: pytest -m "not slow and not slurm and not s3 and not gui".
 SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_training_panel", "test_follow", "test_library",
                 "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm", "test_install",
-                "test_checkpoint_kinds", "test_export_destinations"}
+                "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state"}
 # modules of window tests: every test in them is `gui`, also one that starts no qtbot (--screenshot, the gui
 # command, the shard map's hover index)
 GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_library_gui", "test_workers",
@@ -83,6 +83,22 @@ def fixtures(tmp_path_factory) -> dict[str, Path]:
     from make_fixtures import FIXTURES
 
     return {name: root / name for name in FIXTURES}
+
+
+@pytest.fixture(scope="session")
+def deepspeed_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """DeepSpeed ZeRO saves written by DeepSpeed itself (tests/make_deepspeed_fixtures.py: stages 1-3, fp32 and
+    bf16, 2 and 3 ranks), each ``<name>/ckpt`` (``latest``, ``global_step2/``) beside ``<name>/reference.pt``
+    (DeepSpeed's own consolidation); written once per session (or kept under SHARDSCOPE_FIXTURES/deepspeed)."""
+    root = os.environ.get("SHARDSCOPE_FIXTURES")
+    root = Path(root) / "deepspeed" if root else tmp_path_factory.mktemp("deepspeed")
+    proc = subprocess.run([sys.executable, str(HERE / "make_deepspeed_fixtures.py"), str(root)], capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode != 0:
+        pytest.fail(f"tests/make_deepspeed_fixtures.py exited {proc.returncode}:\n{proc.stderr[-8000:]}", pytrace=False)
+    from make_deepspeed_fixtures import VARIANTS
+
+    return {name: root / name for name in VARIANTS}
 
 
 @pytest.fixture

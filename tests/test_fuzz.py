@@ -1,7 +1,8 @@
 """A short, fixed-seed mutation-fuzzing pass over real dcp.save output (the long run is
 ``benchmarks/fuzz_long.py``): no exception other than a ShardscopeError escapes open/verify/read, no case
 hangs, memory stays bounded by the file's size, a mutated ``.distcp`` that torch's own loader cannot read is
-never healthy and values read equal torch's; and the CLI answers 0/1/2 without a traceback."""
+never healthy and values read equal torch's; and the CLI answers 0/1/2 without a traceback. The same contract
+for the DeepSpeed ZeRO parser on real DeepSpeed saves (their archives and their pickles mutated)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 
 import pytest
 from conftest import run_cli
+from fuzz.deepspeed_files import deepspeed_corpus, exercise_deepspeed, mutated_file
 from fuzz.harness import corpus, make_case, mutated, run_case, torch_reads
 from fuzz.mutators import planner_paths
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +20,8 @@ CHECKPOINTS = ["fsdp2_r2", "fsdp_safetensors_r2", "fsdp_nocoll_r2", "lightning_r
 METADATA_CASES = 600
 DISTCP_CASES = 250
 PLANNER_CASES = 150
+DEEPSPEED_CASES = 400
+DEEPSPEED_SAVES = ["z2-bf16-2r", "z3-bf16-3r", "z1-fp32-2r"]
 CASE_TIMEOUT = 30.0
 
 
@@ -63,6 +67,30 @@ def test_mutated_planner_data_gives_answers_or_clean_errors(seeds, tmp_path):
     meta, _ = seeds
     outcomes = _fuzz(meta, PLANNER_CASES, tmp_path, [planner_paths])
     assert outcomes["problems"] > 0 and outcomes["ok"] > 0, outcomes
+
+
+def test_mutated_deepspeed_files_give_answers_or_clean_errors(deepspeed_checkpoints, tmp_path):
+    """Model and optimizer files of ZeRO-1, 2 and 3 saves, mutated as bytes or through their data.pkl: a
+    description (problems allowed) or one CheckpointError of one line; nothing else, no hang, bounded memory."""
+    from make_deepspeed_fixtures import TAG
+
+    seeds = deepspeed_corpus([deepspeed_checkpoints[n] / "ckpt" / TAG for n in DEEPSPEED_SAVES])
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=DEEPSPEED_CASES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, len(seeds) - 1), st.integers(0, 2**31))
+    def check(i: int, case: int) -> None:
+        seed = seeds[i]
+        folder = make_case(seed.folder, seed.target, mutated_file(seed, case), tmp_path / "case")
+        out = run_case(folder, CASE_TIMEOUT, check=exercise_deepspeed)
+        outcomes[out.kind] += 1
+        assert out.kind in ("ok", "problems", "error"), \
+            f"{seed.folder}/{seed.target} ({seed.part}) #{case}: {out.kind}\n{out.detail}"
+        assert "\n" not in out.detail, out.detail  # one line for the user
+
+    check()
+    assert outcomes["error"] > 0 and outcomes["problems"] > 0 and outcomes["ok"] > 0, outcomes
 
 
 @pytest.mark.parametrize("n", range(6))

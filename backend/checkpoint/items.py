@@ -7,6 +7,7 @@ allocated or read. Reading values is :mod:`.chunks`' job.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import pickletools
 import re
@@ -61,6 +62,16 @@ class RecordCrcError(ItemFormatError):
     """A zip record's bytes do not match the CRC32 stored for them in the central directory."""
 
 
+def row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when ``stride`` is row-major for ``shape`` (dimensions of size 1 aside): the elements are one run."""
+    expect = 1
+    for size, st in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and st != expect:
+            return False
+        expect *= size
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class StoredTensor:
     """Where one item's tensor values are: ``nbytes`` raw bytes at ``data_offset`` in the file,
@@ -77,20 +88,12 @@ class StoredTensor:
     @property
     def contiguous(self) -> bool:
         """True when the stored strides are row-major for the shape, so the bytes can be read as one run."""
-        expect = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=True):
-            if size != 1 and st != expect:
-                return False
-            expect *= size
-        return True
+        return row_major(self.shape, self.stride)
 
     @property
     def numel(self) -> int:
         """Number of elements (product of the shape; 1 for a scalar)."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def span(self) -> int:
         """Elements of storage the view reaches, from ``storage_offset`` on."""
@@ -364,7 +367,7 @@ def _check_records(src: ByteSource, name: str, offset: int, length: int, records
         raise ItemFormatError("serialization id record is not UTF-8") from None
 
 
-def _check_item_pickle(data: bytes) -> None:
+def check_pickle_opcodes(data: bytes) -> None:
     """Refuse a data.pkl with opcodes of pickle protocols above 3 (torch.save writes protocol 2), or a memo
     slot past its size, before the C unpickler runs. NOTE: CPython 3.11's C unpickler allocates a
     BYTEARRAY8's length before reading it, and when that malloc fails it frees the half-made bytearray
@@ -387,7 +390,7 @@ def parse_torch_item(src: ByteSource, name: str, offset: int, length: int) -> St
     records = _zip_directory(src, name, offset, length)
     _check_records(src, name, offset, length, records)
     data = _record_bytes(src, name, offset, length, records["data.pkl"], MAX_DATA_PKL)
-    _check_item_pickle(data)
+    check_pickle_opcodes(data)
     try:
         ref = _ItemUnpickler(io.BytesIO(data)).load()
     except ItemFormatError:
@@ -440,6 +443,15 @@ def check_object_archive(data: bytes) -> None:
         raise ItemFormatError(f"data.pkl names pickle protocol {data[start + 1]}, which Python's pickle refuses")
 
 
+def torch_archive_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, int, int]]:
+    """:func:`zip_records` of a whole ``torch.save`` archive, with the checks :func:`parse_torch_item` makes of an
+    item's records: only names torch.save writes, data.pkl and a version present, each small record's CRC32 and
+    value one torch accepts."""
+    records = _zip_directory(src, name, 0, size)
+    _check_records(src, name, 0, size, records)
+    return {key: (_record_start(src, name, 0, size, rec), rec.size, rec.crc) for key, rec in records.items()}
+
+
 def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, int, int]]:
     """Every stored record of a whole zip file (a ``torch.save`` archive of ``size`` bytes) by its name without
     the archive folder (``data.pkl``, ``data/0``): (absolute offset of its bytes, byte length, stored CRC32).
@@ -448,5 +460,6 @@ def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, i
     return {key: (_record_start(src, name, 0, size, rec), rec.size, rec.crc) for key, rec in records.items()}
 
 
-__all__ = ["ItemFormatError", "RecordCrcError", "StorageRef", "StoredTensor", "check_object_archive",
-           "parse_torch_item", "zip_records"]
+__all__ = ["STORAGE_DTYPES", "ItemFormatError", "RecordCrcError", "StorageRef", "StoredTensor",
+           "check_object_archive", "check_pickle_opcodes", "checked_dims", "parse_torch_item", "row_major",
+           "torch_archive_records", "zip_records"]

@@ -398,7 +398,7 @@ _STACK_LOCK = threading.Lock()
 MAX_STACK = 4 << 30
 
 
-def _with_deep_stack(func: Any, size: int) -> Any:
+def with_deep_stack(func: Any, size: int) -> Any:
     """Run ``func`` in a thread whose C stack fits the deepest nesting a file of ``size`` bytes can hold.
 
     NOTE: CPython hashes a nested tuple recursively in C without a depth check, so a dict key nested
@@ -450,7 +450,7 @@ def unpickle_metadata(data: bytes | io.BufferedIOBase, source: str, overrides: d
             return _Unpickler(stream, source, allowed, size).load()
 
     try:
-        return _with_deep_stack(load, size)
+        return with_deep_stack(load, size)
     except RefusedPickleError:
         raise
     except MemoryError:

@@ -144,10 +144,12 @@ def _on_alarm(signum: int, frame: object) -> None:
 STRAY = ("Traceback (most recent call last)", "Exception ignored", "SystemError")
 
 
-def run_case(folder: Path, timeout: float = 30.0, oracle: bool = False) -> Outcome:
+def run_case(folder: Path, timeout: float = 30.0, oracle: bool = False,
+             check: Callable[[Path, bool], str] | None = None) -> Outcome:
     """Exercise one checkpoint folder with a time limit (main thread only) and peak-memory accounting.
     A traceback or error that C code prints on its way (an unraisable exception) counts as a crash too:
-    the user would see it. ``oracle``: check the verdict and values against torch's loader."""
+    the user would see it. ``oracle``: check the verdict and values against torch's loader. ``check``: what
+    exercises the folder (:func:`exercise` by default; another format's reader)."""
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     base = _status("VmRSS")
     _reset_peak()
@@ -156,7 +158,7 @@ def run_case(folder: Path, timeout: float = 30.0, oracle: bool = False) -> Outco
     sys.stderr = printed
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        kind, detail = exercise(folder, oracle), ""
+        kind, detail = (check or exercise)(folder, oracle), ""
         if kind.startswith("unsound"):
             kind, detail = "unsound", kind
     except ShardscopeError as exc:

@@ -113,6 +113,21 @@ def pickle_arg(data: bytes, rng: random.Random) -> bytes:
     return data[:end] + data[start:end] + data[end:]  # repeat it
 
 
+_INT_OPS = ("BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG")
+
+
+def pickle_int(data: bytes, rng: random.Random) -> bytes:
+    """Change one integer of the pickle (a shape, a count, a padding, an offset) a little or to an interesting
+    value: sizes that almost add up reach the checks between files, not only the parser's."""
+    ints = [op for op in _ops(data) if op[0] in _INT_OPS and type(op[1]) is int]
+    if not ints:
+        return pickle_arg(data, rng)
+    _, arg, start, end = rng.choice(ints)
+    value = rng.choice([arg + 1, arg - 1, arg + rng.randint(2, 64), arg * 2, arg // 2, 0, -arg,
+                        rng.choice(INTERESTING)])
+    return data[:start] + _encode_int(value) + data[end:]
+
+
 def pickle_splice(data: bytes, rng: random.Random) -> bytes:
     """Replace an opcode by a whole sub-pickle: a deep nest, a big constructor call, or another opcode run."""
     ops = _ops(data)
@@ -251,6 +266,8 @@ def zip_pickle_record(data: bytes, rng: random.Random) -> bytes:
     objects = [m for m in members if b"_rebuild_tensor" not in data[m[1]:m[1] + m[2]]]
     _, start, size, entry = rng.choice(objects if objects and rng.random() < 0.7 else members)
     pkl = data[start:start + size]
+    if not pkl:  # the record lies past the end (an earlier mutation cut the file)
+        return zip_field(data, rng)
     new = rng.choice([flip_bits, overwrite_int, pickle_arg, pickle_arg])(pkl, rng)
     new = (new + pkl[len(new):])[:size]
     return _replace(data, start, new, entry if rng.random() < 0.5 else None)
