@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 
 # ------------------------------------------------------------------ torch DCP (FileSystemWriter)
 METADATA = ".metadata"  # the coordinator's pickled Metadata, written last
@@ -35,6 +36,16 @@ HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")  # save_pretrained's
 FILE_SUFFIXES = (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX)  # every single-file checkpoint
 
 # ------------------------------------------------------------------ other frameworks
+# DeepSpeed (engine.save_checkpoint): a save folder with ``latest`` naming a tag folder (``global_step2/``) of rank
+# files; the functions at the end of this module read these names
+# ZeRO-0/1/2: one model file per model-parallel rank; ZeRO-3: one per data-parallel rank too
+DS_MODEL_FILE_RE = re.compile(r"(?:zero_pp_rank_([0-9]+)_)?mp_rank_([0-9]+)_model_states\.pt\Z")
+# the optimizer partitions, one per data-parallel rank (bf16_ while bf16 is enabled, fp16_ from old releases)
+DS_OPTIM_FILE_RE = re.compile(r"(bf16_|fp16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
+DS_LATEST = "latest"  # the save folder's file that names the newest tag
+DS_RECOVERY_SCRIPT = "zero_to_fp32.py"  # rank 0 copies it into the save folder
+DS_STEP_TAG_RE = re.compile(r"global_step[0-9]+\Z")  # the tag DeepSpeed gives a save by default
+DS_MAX_TAG = 255
 MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's per-model-parallel-rank folders
 
 # ------------------------------------------------------------------ URLs
@@ -126,3 +137,42 @@ def export_owned(name: str) -> bool:
     """True for a folder entry an export writes or replaces (see :data:`EXPORT_SUFFIXES`); a forced export
     over a folder keeps every other entry (an HF model folder's config.json and tokenizer files)."""
     return name.endswith(EXPORT_SUFFIXES) or name in EXPORT_NAMES
+
+
+def ds_model_file(name: str) -> tuple[int | None, int] | None:
+    """(data-parallel rank or None below ZeRO-3, model-parallel rank) of a model-states file name, else None."""
+    m = DS_MODEL_FILE_RE.match(name)
+    return None if m is None else (None if m.group(1) is None else int(m.group(1)), int(m.group(2)))
+
+
+def ds_optim_file(name: str) -> tuple[str, int, int] | None:
+    """(prefix: '', 'bf16_' or 'fp16_', data-parallel rank, model-parallel rank) of an optimizer-states file name."""
+    m = DS_OPTIM_FILE_RE.match(name)
+    return None if m is None else (m.group(1) or "", int(m.group(2)), int(m.group(3)))
+
+
+def is_deepspeed_step_folder(file_names: Iterable[str]) -> bool:
+    """A tag folder (``global_step2/``): it holds a model-states file (every DeepSpeed save writes one)."""
+    return any(DS_MODEL_FILE_RE.match(n) for n in file_names)
+
+
+def is_deepspeed_save_dir(file_names: Iterable[str], dir_names: Iterable[str]) -> bool:
+    """The folder ``save_checkpoint`` was given: a ``latest`` file or the recovery script beside tag folders
+    (``global_stepN`` by default; a ``latest`` file with any folder counts too, as tags may be named freely)."""
+    files, dirs = set(file_names), list(dir_names)
+    if DS_LATEST in files and dirs:
+        return True
+    return DS_RECOVERY_SCRIPT in files and any(DS_STEP_TAG_RE.match(d) for d in dirs)
+
+
+def parse_ds_latest(text: bytes) -> str | None:
+    """The tag a ``latest`` file names, or None when it is not one plain folder name (no separator, not ``.``
+    or ``..``, printable, at most 255 characters): a tag never leads outside the save folder."""
+    try:
+        tag = text.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if not tag or len(tag) > DS_MAX_TAG or tag in (".", "..") or not tag.isprintable() or \
+            any(c in tag for c in "/\\\x00"):
+        return None
+    return tag

@@ -21,8 +21,9 @@ from deepspeed_damage import edit_model_states, evil_pickle, flip_tensor_byte, w
 from make_deepspeed_fixtures import TAG, VARIANTS
 from shardscope.backend.checkpoint.deepspeed_read import check_record, read_tensor, verify_records
 from shardscope.backend.checkpoint.deepspeed_state import read_deepspeed_state, step_folder
-from shardscope.backend.deepspeed_names import is_deepspeed_save_dir, is_deepspeed_step_folder, parse_latest
 from shardscope.backend.errors import CheckpointError, RefusedPickleError
+from shardscope.backend.filenames import is_deepspeed_save_dir, is_deepspeed_step_folder
+from shardscope.backend.filenames import parse_ds_latest as parse_latest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,7 +135,7 @@ def test_the_parser_imports_no_deepspeed(deepspeed_checkpoints):
     save = deepspeed_checkpoints["z3-bf16-3r"] / "ckpt"
     script = f"""
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("names", {str(REPO / 'backend' / 'deepspeed_names.py')!r})
+spec = importlib.util.spec_from_file_location("names", {str(REPO / 'backend' / 'filenames.py')!r})
 names = importlib.util.module_from_spec(spec); spec.loader.exec_module(names)
 assert "numpy" not in sys.modules and "torch" not in sys.modules
 from shardscope.backend.checkpoint.deepspeed_state import read_deepspeed_state

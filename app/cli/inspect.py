@@ -43,6 +43,7 @@ def inspect_json(ckpt: Any, problems: list) -> dict:
         "objects": [o.to_json() for o in ckpt.objects],
         "ranks": [r.to_json() for r in rank_balance(ckpt)],
         "problems": [p.to_json() for p in problems],
+        **({"notes": list(ckpt.notes)} if ckpt.notes else {}),
         "lightning_meta": {str(k): v if isinstance(v, (int, float, str, bool, type(None))) else small_value_repr(v)
                            for k, v in lightning_meta(ckpt).items()},
     }
@@ -74,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     out = sys.stdout
     out.write(f"{escape_name(ckpt.path)}\n")
-    version = f"  (DCP version {escape_name(ckpt.version)})" if ckpt.version else ""
+    version = f"  (format version {escape_name(ckpt.version)})" if ckpt.version else ""
     out.write(f"  format     {ckpt.format}{version}\n")
+    for note in ckpt.notes:
+        out.write(f"  note       {escape_name(note)}\n")
     kind = checkpoint_kind(ckpt)
     out.write(f"  kind       {kind} ({KIND_TEXT[kind]})\n")
     if ckpt.save_id:

@@ -99,6 +99,8 @@ class ChunkReader:
         self._blobs: dict[tuple[str, int], SafetensorsHeader] = {}
         self._sizes: dict[str, int] = {}
         self._owners: dict[tuple[str, int], tuple[str, tuple[int, ...]]] = {}
+        self._verified: set[tuple[str, int]] = set()  # records whose whole CRC32 was checked (see _trimmed)
+        self._verify_lock = threading.Lock()
 
     def close(self) -> None:
         """Close the files this reader opened."""
@@ -190,15 +192,32 @@ class ChunkReader:
         self._check_range(chunk.file, st.data_offset, st.nbytes, f"tensor {fqn}'s storage")
         return st
 
-    def _prelocated(self, fqn: str, chunk: Chunk, located: dict[str, StoredTensor]) -> StoredTensor:
-        st = located.get(fqn)
+    def _prelocated(self, fqn: str, chunk: Chunk, located: dict[tuple[str, str, int], StoredTensor]
+                    ) -> StoredTensor:
+        st = located.get((fqn, chunk.file, chunk.offset))
         if st is None:
             raise self._error(fqn, chunk, "its values were not located in the file (see the checkpoint's problems).")
         if st.nbytes:
             self._check_range(chunk.file, st.data_offset, st.nbytes, f"tensor {fqn}'s storage")
         if (st.storage_offset + st.span()) * ITEMSIZE.get(st.dtype, 1) > st.nbytes and st.numel:
             raise self._error(fqn, chunk, "item storage is shorter than its view.")
-        return st
+        return self._trimmed(fqn, chunk, st)
+
+    def _trimmed(self, fqn: str, chunk: Chunk, st: StoredTensor) -> StoredTensor:
+        """A contiguous view of part of a larger record (a parameter's slice of a DeepSpeed flat partition): the
+        whole record's stored CRC32 is checked once for this reader (read in blocks), after which only the view's
+        bytes are read, as bytes without a stored checksum (an export then proves its copy against the CRC32 of
+        those bytes as they were read). Without this every slice would re-read its whole partition."""
+        elem = ITEMSIZE.get(st.dtype, 1)
+        start, count = st.storage_offset * elem, st.numel * elem
+        if st.crc32 is None or not st.contiguous or count >= st.nbytes:
+            return st
+        key = (chunk.file, st.data_offset)
+        with self._verify_lock:
+            if key not in self._verified:
+                self._stream(fqn, chunk, st, None, 0, 0, 0, None)  # raises CorruptChunkError naming the tensor
+                self._verified.add(key)
+        return StoredTensor(st.dtype, st.shape, contiguous_strides(st.shape), 0, st.data_offset + start, count, None)
 
     def _stored(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
         """The one dispatch over storage variants."""

@@ -10,15 +10,12 @@ import math
 import os
 from typing import Any
 
-from ..deepspeed_names import (
-    LATEST,
-    is_deepspeed_save_dir,
-    is_deepspeed_step_folder,
-    model_file,
-    optim_file,
-    parse_latest,
-)
 from ..errors import CheckpointError
+from ..filenames import DS_LATEST as LATEST
+from ..filenames import ds_model_file as model_file
+from ..filenames import ds_optim_file as optim_file
+from ..filenames import is_deepspeed_save_dir, is_deepspeed_step_folder
+from ..filenames import parse_ds_latest as parse_latest
 from .deepspeed_layout import Layout, Part, flat_layout, zero3_layout
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles
 from .model import MAX_INDEX, MAX_NDIM, Problem

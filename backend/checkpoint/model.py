@@ -180,7 +180,9 @@ class Checkpoint:
     # blob) at the chunk's byte range; True, the raw values themselves (a safetensors file's data)
     raw_values: bool = False
     # tensors whose values the format already located (a torch file's storage records): fqn -> StoredTensor
-    located: dict[str, Any] | None = field(default=None, repr=False)
+    located: dict[tuple[str, str, int], Any] | None = field(default=None, repr=False)  # (fqn, file, offset) ->
+    notes: list[str] = field(default_factory=list)  # what the format wants said (which tag of a save folder)
+    format_data: Any = field(default=None, repr=False)  # what the format keeps for its own deep checks
     _by_fqn: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
     file_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..checkpoint.sources import Source
-from ..export.layouts import Layout, layout_of_names, recognise_layout, unwrap_key
+from ..export.layouts import Layout, layout_of_names, model_key, recognise_layout
 
 
 def source_layout(source: Source) -> Layout:
@@ -62,7 +62,7 @@ def _keys(names: list[str], container: str) -> dict[str, str] | None:
     None when two names would get the same key (then this side is only paired as stored)."""
     out: dict[str, str] = {}
     for n in names:
-        key = unwrap_key(n[len(container):])[0] if container and n.startswith(container) else n
+        key = model_key(n, container)[0] if container and n.startswith(container) else n
         if key in out:
             return None
         out[key] = n

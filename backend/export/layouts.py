@@ -22,6 +22,7 @@ TRAINING_STATE_ROOTS = frozenset({
     "schedulers", "dataloader", "train_state", "rng_state", "rng_states", "rng", "trainer_state", "step",
     "epoch", "global_step", "iteration", "args", "checkpoint_version", "opt_param_scheduler",
     "num_floating_point_operations_so_far", "extra", "loops", "callbacks", "hparams", "hyper_parameters",
+    "deepspeed",  # a DeepSpeed save's config, step and versions (formats/deepspeed.py)
 })
 _OPTIMIZER_N = re.compile(r"optimizer_\d+$")
 OPTIMIZER_ROOTS = frozenset({"optimizer", "optimizers", "optim", "optimizer_states"})  # a run resumes from these
@@ -157,6 +158,14 @@ def unwrap_key(key: str) -> tuple[str, set[str]]:
     checkpointing's ``_checkpoint_wrapped_module``; and the parts removed."""
     found = set(_WRAPPER_SEGMENT.findall(key))
     return _WRAPPER_SEGMENT.sub("", key), found
+
+
+def model_key(name: str, container: str, unwrap: bool = True) -> tuple[str, set[str]]:
+    """The key a model entry goes by once out of its checkpoint's layout: ``container`` (``model.``) removed when
+    the name is under it, and (``unwrap``) the wrapper key parts removed; with the wrapper parts found. What
+    export writes and what diff pairs by."""
+    key = name[len(container):] if container and name.startswith(container) else name
+    return unwrap_key(key) if unwrap else (key, set())
 
 
 def find_model_folder(path: str) -> tuple[str, str | None]:

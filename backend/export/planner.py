@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..checkpoint.model import FLOAT_DTYPES, Checkpoint, TensorEntry
 from ..filenames import LIGHTNING_META
 from ..format import count
-from .layouts import Layout, recognise_layout, unwrap_key
+from .layouts import Layout, model_key, recognise_layout
 from .plan import ExportError, ExportItem, ExportPlan
 from .registry import Writer, check_request, output_dtype, parse_rename
 
@@ -106,10 +106,8 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
     unwrapped: set[str] = set()
 
     def out_key(fqn: str) -> str:
-        key = fqn[len(strip):] if strip and fqn.startswith(strip) else fqn
-        if unwrap:
-            key, parts = unwrap_key(key)
-            unwrapped.update(parts)
+        key, parts = model_key(fqn, strip, unwrap)
+        unwrapped.update(parts)
         for i, (pattern, repl) in enumerate(rules):
             new = pattern.sub(repl, key)
             used[i] |= new != key

@@ -35,6 +35,7 @@ class Facts:
     ranks: list[int] = field(default_factory=list)
     kind: str = RESUMABLE  # a save that did not finish is judged as what it was to become: never offered as weights
     step: int | None = None
+    pinned: str = ""  # why no rule may remove it (the checkpoint a framework's "latest" file names), or ""
 
 
 class Format:
@@ -53,6 +54,11 @@ class Format:
 
     def detect_file(self, name: str) -> bool:
         """True when a file of this name is a checkpoint of this format."""
+        return False
+
+    def opens_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+        """True for a folder this format opens when named, though a listing does not list it as a checkpoint
+        (a plain folder of safetensors files; a DeepSpeed save folder, whose ``latest`` tag is opened)."""
         return False
 
     # ------------------------------------------------------------ a few header bytes

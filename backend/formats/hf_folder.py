@@ -19,7 +19,7 @@ class HfSafetensorsFolder(Format):
     def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
         return any(HF_SHARD_RE.match(n) for n in files)
 
-    def opens_folder(self, files: dict[str, Any] | set[str]) -> bool:
+    def opens_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
         """A folder opened by name (not found by a listing): any folder of safetensors files without a pickled
         ``.metadata`` (the storage writer's is JSON; the reader checks)."""
         return self.detect_folder("", files, []) or (METADATA not in files and any(map(is_safetensors_file, files)))

@@ -18,11 +18,11 @@ from ..filenames import (
     is_metadata_name,
     is_url,
 )
-from . import dcp, hf_folder, hf_index, hf_trainer, lightning, safetensors_file, torch_file
+from . import dcp, deepspeed, hf_folder, hf_index, hf_trainer, lightning, safetensors_file, torch_file
 from .base import Format
 
-FOLDER_FORMATS: tuple[Format, ...] = (lightning.FORMAT, hf_folder.FORMAT, dcp.FORMAT, hf_trainer.FORMAT,
-                                      hf_index.FORMAT)
+FOLDER_FORMATS: tuple[Format, ...] = (deepspeed.FORMAT, lightning.FORMAT, hf_folder.FORMAT, dcp.FORMAT,
+                                      hf_trainer.FORMAT, hf_index.FORMAT)
 FILE_FORMATS: tuple[Format, ...] = (safetensors_file.FORMAT, torch_file.FORMAT)
 FORMATS: tuple[Format, ...] = FOLDER_FORMATS + FILE_FORMATS
 NOT_A_CHECKPOINT = f"not a checkpoint file ({', '.join(FILE_SUFFIXES)}) or folder."
@@ -92,9 +92,8 @@ def _resolve_folder(folder: str) -> tuple[Format, str]:
 
 
 def _folder_format(name: str, files: set[str], dirs: list[str]) -> Format:
-    found = detect_folder(name, files, dirs)
-    if found is None and hf_folder.FORMAT.opens_folder(files):
-        found = hf_folder.FORMAT  # a plain folder of safetensors files
+    found = detect_folder(name, files, dirs) or next((f for f in FOLDER_FORMATS if f.opens_folder(name, files, dirs)),
+                                                     None)
     return found or dcp.FORMAT  # the DCP reader says what is missing (and names DCP subfolders)
 
 

@@ -109,7 +109,8 @@ def _open_local(path: str, shown: str) -> Any:
     ckpt.chunk_table = _one_chunk_each([tuple(t.shape) for t in tensors.values()], ranges, np)
     ckpt.tensors = [TensorEntry(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), i, 1, ckpt)
                     for i, (k, t) in enumerate(tensors.items())]
-    ckpt.located = {k: StoredTensor(e.dtype, e.shape, tuple(t.stride()), t.storage_offset(), r[0], r[1], r[2])
+    ckpt.located = {(k, name, r[0]): StoredTensor(e.dtype, e.shape, tuple(t.stride()), t.storage_offset(), r[0],
+                                                  r[1], r[2])
                     for (k, t), e, r in zip(tensors.items(), ckpt.tensors, ranges, strict=True) if records}
     ckpt.objects = [ObjectEntry(k, None, 0, 0, None, v, True) for k, v in loaded.objects().items()]
     ckpt.planner_data = loaded.paths()

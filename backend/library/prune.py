@@ -205,6 +205,8 @@ def _decide(c: CheckpointRecord, run: RunRecord, rules: Rules, now: float, roots
             newest: CheckpointRecord | None, last: set[str], best: dict[str, float], best_kept: set[str]) -> Decision:
     age = max(0.0, now - c.mtime)
     keep = _protections(c, run, newest, roots)
+    if c.pinned:  # a framework resumes from it (DeepSpeed's latest tag): no rule removes it
+        keep.append(f"pinned: {c.pinned}")
     if c.state == "incomplete":
         if not rules.incomplete:
             keep.append(f"incomplete ({c.reason}); --incomplete removes failed saves")

@@ -31,6 +31,7 @@ class CheckpointRecord:
     # resumable (training state: optimizer or trainer state beside the weights) or weights, as the format's probe
     # says (a torch file or DCP folder by the optimizer keys its pickle names; a file not read: weights)
     kind: str = RESUMABLE
+    pinned: str = ""  # why no rule may remove it (the checkpoint a framework's "latest" file names), or ""
 
     @property
     def name(self) -> str:
@@ -40,7 +41,8 @@ class CheckpointRecord:
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state)."""
         return {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
-                "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state}
+                "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state,
+                **({"pinned": self.pinned} if self.pinned else {})}
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ class FolderFacts:
     ranks: list[int]
     step: int | None
     kind: str = ""
+    pinned: str = ""
 
 
 class Tree(Protocol):
@@ -175,7 +176,7 @@ class Walker:
         total, newest, count = self.tree.usage(path, files, dirs)
         f = self.tree.folder_facts(path, fmt, files, dirs)
         self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path), f.step, f.format, f.ranks,
-                                  total, newest, f.state, f.reason, False, count, f.kind))
+                                  total, newest, f.state, f.reason, False, count, f.kind, f.pinned))
 
     def composite(self, path: str, step: int, parts: list[CheckpointRecord], files: dict[str, Any],
                   dirs: list[str], run: str | None) -> CheckpointRecord:
