@@ -12,7 +12,6 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.formats.deepspeed import flat_boxes
@@ -79,14 +78,14 @@ def test_commands_on_a_save_folder(capsys, tmp_path, deepspeed_checkpoints):
     rc, out, _ = cli(capsys, "verify", "--deep", save)
     assert rc == 0 and "healthy" in out, out
     rc, out, _ = cli(capsys, "show", save, "emb.weight")
-    assert rc == 0 and "ranks 0-2" in out or "rank" in out, out
+    assert (rc == 0 and "ranks 0-2" in out) or "rank" in out, out
     pt = tmp_path / "model.pt"
     assert cli(capsys, "export", save, pt)[0] == 0
     ref = reference(deepspeed_checkpoints, "z3-bf16-3r")["fp32"]
     loaded = torch.load(pt, weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in ref.items())
     rc, out, _ = cli(capsys, "diff", save, pt)
-    assert rc == 1 and " 0 changed" in out or "0 changed" in out, out  # the export lacks the optimizer: only in A
+    assert (rc == 1 and " 0 changed" in out) or "0 changed" in out, out  # the export lacks the optimizer: only in A
     run = tmp_path / "saves"
     shutil.copytree(save, run)
     _age(run)
@@ -168,7 +167,7 @@ def test_a_foreign_global_is_one_line(capsys, tmp_path, deepspeed_checkpoints):
     with zipfile.ZipFile(model, "w", zipfile.ZIP_STORED) as z:
         for k, v in items.items():
             z.writestr(k, v)
-    rc, out, err = cli(capsys, "inspect", save)
+    rc, _, err = cli(capsys, "inspect", save)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "os" in err and not marker.exists(), err
 
 

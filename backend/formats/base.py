@@ -135,14 +135,14 @@ OPTIMIZER_MARKS = (b"param_groups", b"optimizer_states", b"exp_avg", b"momentum_
 SCAN_BLOCK = 8 << 20
 
 
-def names_optimizer(path: str, start: int = 0, length: int | None = None, limit: int = 256 << 20) -> bool | None:
+def names_optimizer(path: str, start: int = 0, length: int | None = None, limit: int = 16 << 20) -> bool | None:
     """True when the bytes of a local file (a pickle: a torch file's ``data.pkl``, a DCP ``.metadata``) spell an
-    optimizer's state key; None when they cannot be read or exceed ``limit``. Read in blocks, never unpickled."""
+    optimizer's state key, False when they do not; None when they cannot be read, or when the first ``limit``
+    bytes say nothing and more follow (a listing reads no more than that). Read in blocks, never unpickled."""
     try:
         with open(path, "rb") as f:
-            total = length if length is not None else os.fstat(f.fileno()).st_size - start
-            if total > limit:
-                return None
+            whole = length if length is not None else os.fstat(f.fileno()).st_size - start
+            total = min(whole, limit)
             f.seek(start)
             keep = b""
             left = total
@@ -157,4 +157,4 @@ def names_optimizer(path: str, start: int = 0, length: int | None = None, limit:
                 keep = data[-32:]
     except OSError:
         return None
-    return False
+    return False if whole <= limit else None

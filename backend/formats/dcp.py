@@ -38,8 +38,10 @@ def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool) -> Facts
             return Facts(fmt, "unreadable", ".metadata cannot be read", ranks)
         if first not in (b"\x80", b"{"):
             return Facts(fmt, "unreadable", ".metadata is empty or not DCP metadata", ranks)
+        # a weights-only DCP (an import) names no optimizer state; unknown (its first 16 MiB say nothing, or it
+        # cannot be read): resumable, as every DCP folder was judged before
         optim = names_optimizer(os.path.join(path, METADATA))
-        kind = WEIGHTS if optim is False else RESUMABLE  # unknown: resumable (never offered for removal as weights)
+        kind = WEIGHTS if optim is False else RESUMABLE
         return Facts(_serialisation(fmt, path, names), "complete", "", ranks, kind)
     if meta_ranks:
         missing = sorted(set(ranks) - meta_ranks)
