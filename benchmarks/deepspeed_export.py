@@ -44,7 +44,8 @@ class Layer(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x)))) + self.proj(self.qkv(x)[..., :width])
 torch.manual_seed(0)
 model = nn.Sequential(nn.Embedding(vocab, width), *[Layer() for _ in range(layers)], nn.Linear(width, vocab))
-config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+config = {"train_micro_batch_size_per_gpu": 1,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
           "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 loss = engine(torch.randint(0, vocab, (1, 4))).float().mean()
@@ -112,8 +113,9 @@ def main() -> None:
     for _ in range(args.repeat):
         for name, code in (("deepspeed", DEEPSPEED), ("shardscope", SHARDSCOPE)):
             results[name].append(measure(code, save, work / f"out-{name}"))
+    dropped = all(r["cold"] for v in results.values() for r in v)
     print(f"DeepSpeed ZeRO-3 save, 2 ranks, {size / 2**30:.2f} GiB of files; {args.repeat} runs each, alternating, "
-          f"cache {'dropped before each run' if all(r['cold'] for v in results.values() for r in v) else 'NOT dropped (not root)'}")
+          f"cache {'dropped before each run' if dropped else 'NOT dropped (not root)'}")
     base_t = statistics.median(r["seconds"] for r in results["deepspeed"])
     base_m = statistics.median(r["peak_rss"] for r in results["deepspeed"])
     print(f"{'tool':<12} {'median s':>9} {'x ds':>6} {'peak RSS MiB':>13} {'x ds':>6}   runs (s)")
