@@ -460,8 +460,8 @@ def summary_html(ck, path: str | None = None) -> str:
         parts.insert(2, count(len(ck.objects), "non-tensor entry", "non-tensor entries"))
     if ck.save_id:
         parts.append(f"save id <tt>{rich_name(ck.save_id)}</tt>")
-    notes = "".join(f"<br><i>{rich_name(n)}</i>" for n in ck.notes)
-    return f"<b>{rich_name(path or ck.path)}</b><br>" + " · ".join(parts) + notes
+    parts += [f"<i>{rich_name(n)}</i>" for n in ck.notes]  # on the second line: the header keeps two lines
+    return f"<b>{rich_name(path or ck.path)}</b><br>" + " · ".join(parts)
 
 
 def unsharded_note(ck) -> str:

@@ -196,7 +196,7 @@ def to_checkpoint(state: Any, opened: str) -> Any:
                     if v is not None]
     ckpt.problems = list(state.problems)
     if os.path.abspath(opened) != os.path.abspath(state.folder):
-        ckpt.notes.append(f"the save folder's {DS_LATEST} file names {state.tag}: that tag is what is shown")
+        ckpt.notes.append(f"tag {state.tag}, as the save folder's {DS_LATEST} file names it")
     ckpt.reindex()
     return ckpt
 
