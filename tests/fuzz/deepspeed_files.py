@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepspeed_damage import archive_records, rezip
-from shardscope.backend.checkpoint.deepspeed_read import MASTER, read_tensor, verify_records
-from shardscope.backend.checkpoint.deepspeed_state import plain, read_deepspeed_state
+from shardscope.backend.checkpoint.deepspeed_state import plain
 from shardscope.backend.errors import CheckpointError
 
 from fuzz.mutators import BYTE_MUTATORS, DISTCP_MUTATORS, mutate, pickle_arg, pickle_int, pickle_splice
@@ -50,24 +49,29 @@ def mutated_file(seed: DeepSpeedSeed, case: int) -> bytes:
 
 
 def exercise_deepspeed(folder: Path, oracle: bool = False) -> str:
-    """Parse the tag folder, read every tensor's master weights and optimizer states (an unreadable one is an
-    answer), check every record: "ok" or "problems"; raises what escapes. Every CheckpointError met says one
-    line."""
-    state = read_deepspeed_state(str(folder))
-    plain(state.ds_config)
-    problems = list(state.problems)
-    for name in state.names():
-        tensor = state.tensor(name)
-        for which in (MASTER, *tensor.optimizer):
+    """Open the tag folder through the formats door (the parser, then the boxes and located records), read every
+    tensor (master weights and optimizer states) and every value through the one chunk reader (an unreadable one
+    is an answer), then Verify contents: "ok" or "problems"; raises what escapes. Every CheckpointError met says
+    one line."""
+    from shardscope.backend.checkpoint.chunks import ChunkReader
+    from shardscope.backend.formats import open_checkpoint, verify_contents
+
+    ckpt = open_checkpoint(folder)
+    plain(ckpt.format_data["state"].ds_config)
+    problems = list(ckpt.problems)
+    with ChunkReader(ckpt) as reader:
+        for t in ckpt.tensors:
             try:
-                value = read_tensor(state, name, which)
+                value = reader.read_tensor(t)
             except CheckpointError as exc:
                 if "\n" in str(exc):
                     raise AssertionError(f"a message of several lines: {exc}") from None
                 problems.append(exc)
                 continue
-            assert tuple(value.shape) == tensor.shape
-    problems += verify_records(state)
+            assert tuple(value.shape) == t.shape
+        for o in ckpt.objects:
+            reader.read_object(o)
+    problems += verify_contents(ckpt)
     return "problems" if problems else "ok"
 
 
