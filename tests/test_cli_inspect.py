@@ -1,0 +1,40 @@
+"""``shardscope inspect --json`` writes its document in large pieces (json's C encoder for the frame, the tensors
+from the chunk table's columns); the text must stay exactly what ``json.dump`` of the document gives."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from shardscope.app.cli.inspect import inspect_json, write_inspect_json
+from shardscope.backend.checkpoint.verify import verify
+from shardscope.backend.formats import open_checkpoint
+
+
+@pytest.mark.parametrize("name", ["fsdp2_r4", "ddp_r2", "nopg", "lightning_r2", "fsdp_nocoll_r2",
+                                  "fsdp_safetensors_r2", "hf_r2"])
+def test_streamed_json_is_json_dump_text(fixtures, name):
+    ckpt = open_checkpoint(fixtures[name], use_cache=False)
+    problems = verify(ckpt)
+    want, got = io.StringIO(), io.StringIO()
+    json.dump(inspect_json(ckpt, problems), want)
+    write_inspect_json(ckpt, problems, got)
+    assert got.getvalue() == want.getvalue()
+
+
+def test_streamed_json_escapes_names_and_unstored_chunks(tmp_path, copy_of):
+    """Non-ASCII and quoting in names, a 0-d tensor, an empty tensor, and (a damaged folder) a file missing."""
+    pt = tmp_path / "ü \"odd\".pt"
+    torch.save({"wé\\ight": torch.ones(2, 3), "scalar": torch.tensor(3.0), "empty": torch.zeros(0, 4)}, pt)
+    folder = copy_of("fsdp2_r2")
+    next(folder.glob("*.distcp")).unlink()
+    for path in (pt, folder):
+        ckpt = open_checkpoint(path, use_cache=False)
+        problems = verify(ckpt)
+        want, got = io.StringIO(), io.StringIO()
+        json.dump(inspect_json(ckpt, problems), want)
+        write_inspect_json(ckpt, problems, got)
+        assert got.getvalue() == want.getvalue()
