@@ -45,3 +45,14 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         ck = open_checkpoint(path, use_cache=(what == "shardscope-cached"))
         emit(time.perf_counter() - t0, chunks=len(ck.chunk_table))
+    elif what == "inspect-json":  # the whole command, first open without the cache, its JSON to /dev/null
+        import os
+
+        from shardscope.app.cli.main import main
+
+        t0 = time.perf_counter()
+        out, sys.stdout = sys.stdout, open(os.devnull, "w")
+        rc = main(["--no-cache", "inspect", "--json", path])
+        sys.stdout.close()
+        sys.stdout = out
+        emit(time.perf_counter() - t0, rc=rc)
