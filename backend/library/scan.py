@@ -67,12 +67,14 @@ class LocalTree:
         facts = fmt.probe_file(path, st.st_size)
         if facts is None:
             return None
-        return FileFacts(facts.format, facts.state, facts.reason, disk_bytes(st), st.st_mtime, facts.kind)
+        return FileFacts(facts.format, facts.state, facts.reason, disk_bytes(st), st.st_mtime, facts.kind,
+                         facts.pinned)
 
     def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
         f = fmt.probe_folder(path, set(files), dirs)
         step = step_from_name(os.path.basename(path))
-        return FolderFacts(f.format, f.state, f.reason, f.ranks, step if step is not None else f.step, f.kind)
+        return FolderFacts(f.format, f.state, f.reason, f.ranks, step if step is not None else f.step, f.kind,
+                           f.pinned)
 
     def usage(self, path: str, files: dict[str, os.DirEntry], dirs: list[str]) -> tuple[int, float, int]:
         """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""
