@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import math
+import ntpath
 import pickle
+import posixpath
 import re
 import struct
 import zlib
@@ -383,7 +385,7 @@ def plain(value: Any, depth: int = 0) -> Any:
 def _plain_stand_in(value: StandIn, depth: int) -> Any:
     args, state = value.args, value.state
     if value.qualname.startswith("pathlib.") and args and all(isinstance(a, str) for a in args):
-        return "/".join(args)
+        return (ntpath if "Windows" in value.qualname else posixpath).join(*args)  # its parts: ("/", "runs", "a")
     if value.qualname == "numpy.dtype" and args and isinstance(args[0], str):
         return f"numpy.dtype({args[0][:16]!r})"
     if value.qualname == "numpy.ndarray" and isinstance(state, tuple) and len(state) == 5:

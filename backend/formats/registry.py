@@ -1,8 +1,8 @@
 """The one door: which format a path is, and the checkpoint model of it.
 
-Formats are asked in :data:`FORMATS` order, most specific first (a Lightning folder is also a DCP folder; a
-Trainer checkpoint may hold safetensors files). A new format is a module with a :class:`~.base.Format` and one
-line here; nothing else in Shardscope decides what a path is."""
+Formats are asked in :data:`FORMATS` order, most specific first (a Lightning or Megatron folder is also a DCP
+folder; a Trainer checkpoint may hold safetensors files). A new format is a module with a :class:`~.base.Format`
+and one line here; nothing else in Shardscope decides what a path is."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from ..filenames import (
     is_metadata_name,
     is_url,
 )
-from . import dcp, hf_folder, hf_index, hf_trainer, lightning, safetensors_file, torch_file
+from . import dcp, hf_folder, hf_index, hf_trainer, lightning, megatron, safetensors_file, torch_file
 from .base import Format
 
-FOLDER_FORMATS: tuple[Format, ...] = (lightning.FORMAT, hf_folder.FORMAT, dcp.FORMAT, hf_trainer.FORMAT,
-                                      hf_index.FORMAT)
+FOLDER_FORMATS: tuple[Format, ...] = (lightning.FORMAT, megatron.FORMAT, hf_folder.FORMAT, dcp.FORMAT,
+                                      hf_trainer.FORMAT, hf_index.FORMAT)
 FILE_FORMATS: tuple[Format, ...] = (safetensors_file.FORMAT, torch_file.FORMAT)
 FORMATS: tuple[Format, ...] = FOLDER_FORMATS + FILE_FORMATS
 NOT_A_CHECKPOINT = f"not a checkpoint file ({', '.join(FILE_SUFFIXES)}) or folder."
