@@ -115,6 +115,18 @@ def test_export_equals_the_tensors_torch_dcp_assembles(megatron_run, tmp_path):
     assert torch.equal(everything[state], reference[state]) and everything["common.iteration"] == 100
 
 
+def test_reshard_keeps_every_entry_and_diff_compares_them(megatron_run, tmp_path):
+    """A reshard to 3 ranks equals the save entry by entry, the numpy RNG states of Megatron's rng_state entries
+    and the common.* values included; two iterations differ in values."""
+    ckpt = megatron_run / ITER
+    proc = run_cli("reshard", ckpt, tmp_path / "r3", "--ranks", "3")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("diff", ckpt, tmp_path / "r3")
+    assert proc.returncode == 0 and "only the layout differs" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_cli("diff", ckpt, megatron_run / "iter_0000200")
+    assert proc.returncode == 1 and "common.iteration" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_ls_lists_each_iteration_and_the_save_dir_is_the_run(megatron_run):
     listing = _json(run_cli("ls", megatron_run, "--json"))
     cks = sorted(listing["checkpoints"], key=lambda c: c["step"])
