@@ -223,17 +223,22 @@ def test_another_sharded_backend_is_listed_and_refused_in_one_line(run_copy):
     assert (rec["format"], rec["state"], rec["step"]) == ("megatron-zarr", "complete", 100), rec
 
 
-def test_missing_common_pt_or_metadata_json(run_copy):
+def test_missing_or_damaged_common_pt_or_metadata_json(run_copy):
     """metadata.json is written last: without it the save did not finish; without common.pt there is nothing to
-    resume with. Both are named by health (the tensors still read) and by ls."""
+    resume with; a metadata.json that is not Megatron's config is unreadable. Each is named by health (the tensors
+    still read) and by ls."""
     (run_copy / "iter_0000100" / "metadata.json").unlink()
     (run_copy / "iter_0000200" / "common.pt").unlink()
-    for name, gone in (("iter_0000100", "metadata.json"), ("iter_0000200", "common.pt")):
+    (run_copy / "iter_0000300" / "metadata.json").write_text('{"backend": "torch_dist"}')
+    for name, problem in (("iter_0000100", "[missing_file] metadata.json is missing"),
+                          ("iter_0000200", "[missing_file] common.pt is missing"),
+                          ("iter_0000300", "[unreadable] metadata.json: does not name a sharded_backend")):
         proc = run_cli("verify", run_copy / name)
-        assert proc.returncode == 1 and f"[missing_file] {gone} is missing" in proc.stdout, proc.stdout
-    states = {Path(c["path"]).name: (c["state"], c.get("format")) for c in
+        assert proc.returncode == 1 and problem in proc.stdout, proc.stdout
+    states = {Path(c["path"]).name: (c["state"], c["format"]) for c in
               _json(run_cli("ls", _aged(run_copy), "--json"))["checkpoints"]}
-    assert states["iter_0000100"] == ("incomplete", "megatron") and states["iter_0000200"][0] == "incomplete"
+    assert states == {"iter_0000100": ("incomplete", "megatron"), "iter_0000200": ("incomplete", "megatron"),
+                      "iter_0000300": ("unreadable", "megatron")}, states
 
 
 def test_detect_and_probe_read_names_and_small_files_only(megatron_run):

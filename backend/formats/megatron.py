@@ -50,15 +50,15 @@ class MegatronFolder(Format):
     def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
         step = iteration_of(basename(path))
         pinned = _pinned(path, step) if local else ""
+        facts = dcp_folder_facts(self.name, path, names, local, RESUMABLE)
+        state, reason = facts.state, facts.reason
         if local and MEGATRON_CONFIG in names:
             backend, why = read_backend(os.path.join(path, MEGATRON_CONFIG))
             if why:
-                return Facts(self.name, "unreadable", why, [], RESUMABLE, step, pinned)
-            if backend != TORCH_DIST:  # listed by its backend; open refuses it
+                state, reason = "unreadable", why
+            elif backend != TORCH_DIST:  # listed by its backend (its tensors are no DCP files); open refuses it
                 variant = backend if BACKEND_RE.fullmatch(backend) else "other"
                 return Facts(f"{self.name}-{variant}", "complete", "", [], RESUMABLE, step, pinned)
-        facts = dcp_folder_facts(self.name, path, names, local)
-        state, reason = facts.state, facts.reason
         if state == "complete" and MEGATRON_CONFIG not in names:
             state, reason = "incomplete", "no metadata.json: Megatron writes it last, once every rank's data is saved"
         elif state == "complete" and MEGATRON_COMMON not in names:
