@@ -1,4 +1,4 @@
-"""Every file-name rule in one place: what torch's, Hugging Face's, Lightning's and DeepSpeed's writers name their
+"""Every file-name rule in one place: what torch's, Hugging Face's, Lightning's and Megatron's writers name their
 files, what a URL is, how a checkpoint's name states its step, and the names Shardscope's own temporaries take.
 
 Names only: this module imports nothing beyond the standard library (``ls`` decides from names before it reads a
@@ -46,7 +46,13 @@ DS_LATEST = "latest"  # the save folder's file that names the newest tag
 DS_RECOVERY_SCRIPT = "zero_to_fp32.py"  # rank 0 copies it into the save folder
 DS_STEP_TAG_RE = re.compile(r"global_step[0-9]+\Z")  # the tag DeepSpeed gives a save by default
 DS_MAX_TAG = 255
-MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's per-model-parallel-rank folders
+
+# ------------------------------------------------------------------ Megatron-Core (dist_checkpointing)
+MEGATRON_CONFIG = "metadata.json"  # CheckpointingConfig: sharded_backend (torch_dist, zarr), versions; written last
+MEGATRON_COMMON = "common.pt"  # rank 0's torch.save of the non-sharded state (args, iteration, ...); written first
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"  # in the save dir: the iteration a resume loads
+MEGATRON_ITER_RE = re.compile(r"^iter_(\d{1,18})$")  # the save dir's iter_0000100/
+MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's legacy per-model-parallel-rank folders (torch format)
 
 # ------------------------------------------------------------------ URLs
 URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")

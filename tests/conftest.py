@@ -26,7 +26,8 @@ sys.path.insert(0, str(HERE))
 # the soak and the fuzzers). The fast subset: pytest -m "not slow and not slurm and not s3 and not gui".
 SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_training_panel", "test_follow", "test_library",
                 "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm", "test_install",
-                "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state", "test_deepspeed"}
+                "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state", "test_deepspeed",
+                "test_megatron"}
 # modules of window tests: every test in them is `gui`, also one that starts no qtbot (--screenshot, the gui
 # command, the shard map's hover index)
 GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_library_gui", "test_workers",
@@ -99,6 +100,20 @@ def deepspeed_checkpoints(tmp_path_factory) -> dict[str, Path]:
     from make_deepspeed_fixtures import VARIANTS
 
     return {name: root / name for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def megatron_run(tmp_path_factory) -> Path:
+    """A Megatron-Core torch_dist save dir written by Megatron-Core itself (tests/make_megatron_fixtures.py: tensor
+    parallel 2 over 2 gloo ranks, ``iter_0000100/`` to ``iter_0000300/`` and ``latest_checkpointed_iteration.txt``);
+    written once per session (or kept under SHARDSCOPE_FIXTURES/megatron)."""
+    root = os.environ.get("SHARDSCOPE_FIXTURES")
+    root = Path(root) / "megatron" if root else tmp_path_factory.mktemp("megatron")
+    proc = subprocess.run([sys.executable, str(HERE / "make_megatron_fixtures.py"), str(root)], capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"tests/make_megatron_fixtures.py exited {proc.returncode}:\n{proc.stderr[-8000:]}", pytrace=False)
+    return root / "run"
 
 
 @pytest.fixture

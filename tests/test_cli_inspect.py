@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-
 from shardscope.app.cli.inspect import inspect_json, write_inspect_json
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.formats import open_checkpoint

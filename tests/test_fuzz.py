@@ -2,7 +2,8 @@
 ``benchmarks/fuzz_long.py``): no exception other than a ShardscopeError escapes open/verify/read, no case
 hangs, memory stays bounded by the file's size, a mutated ``.distcp`` that torch's own loader cannot read is
 never healthy and values read equal torch's; and the CLI answers 0/1/2 without a traceback. The same contract
-for the DeepSpeed ZeRO parser on real DeepSpeed saves (their archives and their pickles mutated)."""
+for the DeepSpeed ZeRO parser on real DeepSpeed saves (their archives and their pickles mutated), and for the
+Megatron format on a real Megatron-Core save (its common.pt and metadata.json mutated)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from conftest import run_cli
 from fuzz.deepspeed_files import deepspeed_corpus, exercise_deepspeed, mutated_file
 from fuzz.harness import corpus, make_case, mutated, run_case, torch_reads
+from fuzz.megatron_files import exercise_megatron, megatron_corpus
+from fuzz.megatron_files import mutated_file as mutated_megatron_file
 from fuzz.mutators import planner_paths
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +25,7 @@ DISTCP_CASES = 250
 PLANNER_CASES = 150
 DEEPSPEED_CASES = 400
 DEEPSPEED_SAVES = ["z2-bf16-2r", "z3-bf16-3r", "z1-fp32-2r"]
+MEGATRON_CASES = 200
 CASE_TIMEOUT = 30.0
 
 
@@ -91,6 +95,30 @@ def test_mutated_deepspeed_files_give_answers_or_clean_errors(deepspeed_checkpoi
 
     check()
     assert outcomes["error"] > 0 and outcomes["problems"] > 0 and outcomes["ok"] > 0, outcomes
+
+
+def test_mutated_megatron_files_give_answers_or_clean_errors(megatron_run, tmp_path):
+    """A Megatron-Core iter folder with its common.pt (bytes, zip, data.pkl) or metadata.json (bytes, JSON) mutated:
+    a description or one one-line CheckpointError; a mutated common.pt never refuses the checkpoint (a problem of
+    it: the tensors still read); nothing else, no hang, bounded memory."""
+    seeds = megatron_corpus([megatron_run / "iter_0000100"])
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=MEGATRON_CASES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, len(seeds) - 1), st.integers(0, 2**31))
+    def check(i: int, case: int) -> None:
+        seed = seeds[i]
+        folder = make_case(seed.folder, seed.target, mutated_megatron_file(seed, case), tmp_path / "case")
+        out = run_case(folder, CASE_TIMEOUT, check=exercise_megatron)
+        outcomes[(seed.target, out.kind)] += 1
+        allowed = ("ok", "problems") if seed.target == "common.pt" else ("ok", "problems", "error")
+        assert out.kind in allowed, f"{seed.target} ({seed.part}) #{case}: {out.kind}\n{out.detail}"
+        assert "\n" not in out.detail, out.detail  # one line for the user
+
+    check()
+    assert outcomes[("common.pt", "problems")] > 0 and outcomes[("metadata.json", "error")] > 0, outcomes
+    assert outcomes[("metadata.json", "problems")] > 0, outcomes
 
 
 @pytest.mark.parametrize("n", range(6))

@@ -20,7 +20,7 @@ from .deepspeed_layout import Layout, Part, flat_layout, zero3_layout
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles
 from .model import MAX_INDEX, MAX_NDIM, Problem
 from .storage import LocalHandles
-from .torch_archive import StandIn, StoredArray, TorchArchive, describe, load_torch_archive
+from .torch_archive import StandIn, StoredArray, TorchArchive, describe, load_torch_archive, plain
 
 # The DeepSpeed classes a ZeRO checkpoint pickles (as inert stand-ins; nothing of deepspeed is imported)
 DEEPSPEED_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -343,37 +343,6 @@ def _state(reader: _Reader, folder: str, tag: str, stage: int, world: int, mp_ra
                           layout.master_dtype, model["ds_version"], model["ds_config"], counters["global_steps"],
                           counters["global_samples"], counters["skipped_steps"], ranks, tensors, shared,
                           layout.optimizer_states, {n: a.records for n, a in reader.archives.items()}, reader.problems)
-
-
-MAX_PLAIN_DEPTH = 64
-
-
-def plain(value: Any, depth: int = 0) -> Any:
-    """An unpickled value as plain data (dicts, lists, numbers, strings): a stand-in as ``{"__class__": name,
-    ...state}``, a tensor as a short description."""
-    if depth > MAX_PLAIN_DEPTH:
-        return "<nested too deep>"
-    if isinstance(value, dict):
-        return {k if isinstance(k, str | int | float | bool) or k is None else _short(k): plain(v, depth + 1)
-                for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [plain(v, depth + 1) for v in value]
-    if isinstance(value, StandIn):
-        state = value.state if isinstance(value.state, dict) else {}
-        return {"__class__": value.qualname, **({"value": plain(value.value, depth + 1)} if value.args else {}),
-                **{str(k): plain(v, depth + 1) for k, v in state.items()}}
-    if isinstance(value, StoredArray):
-        return f"<tensor {value.dtype} {list(value.shape)}>"
-    if value is None or isinstance(value, str | int | float | bool | bytes):
-        return value
-    return _short(value)
-
-
-def _short(value: Any) -> str:
-    try:
-        return repr(value)[:200]
-    except (RecursionError, ValueError, TypeError):  # a key nested deeper than repr goes
-        return f"<{type(value).__name__}>"
 
 
 __all__ = ["DEEPSPEED_CLASSES", "latest_tag", "plain", "read_deepspeed_state", "step_folder"]

@@ -142,6 +142,26 @@ class ShardMetadataRecord(Record):
     kind = "ShardMetadata"
 
 
+class SavePlanRecord(Record):
+    """Stand-in for the planner's ``SavePlan`` (and Megatron-Core's ``MCoreSavePlan``): Megatron's save keeps every
+    rank's plan in the Metadata (``all_local_plans``, to reuse it on the next save); nothing here reads it."""
+
+    kind = "SavePlan"
+
+
+class WriteItemRecord(Record):
+    """Stand-in for the planner's ``WriteItem`` and ``TensorWriteData`` (inside a kept ``SavePlan``)."""
+
+    kind = "WriteItem"
+
+
+def _write_item_type(value: Any) -> int:
+    # WriteItemType(2): an Enum pickles as a call of its class with its value
+    if type(value) is not int:
+        raise RefusedPickleError("refused WriteItemType value in pickle")
+    return value
+
+
 DTYPE_ALIASES = {
     "float": "float32", "double": "float64", "half": "float16", "cfloat": "complex64",
     "cdouble": "complex128", "short": "int16", "int": "int32", "long": "int64",
@@ -217,6 +237,11 @@ for _name, _cls in (
 ):
     ALLOWED[("torch.distributed._shard.sharded_tensor.metadata", _name)] = _cls
 ALLOWED[("torch.distributed._shard.metadata", "ShardMetadata")] = ShardMetadataRecord
+# what Megatron-Core's torch_dist save adds to the Metadata: the plans of every rank (all_local_plans)
+for _name, _cls in (("SavePlan", SavePlanRecord), ("WriteItem", WriteItemRecord), ("TensorWriteData", WriteItemRecord),
+                    ("WriteItemType", _write_item_type)):
+    ALLOWED[("torch.distributed.checkpoint.planner", _name)] = _cls
+ALLOWED[("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")] = SavePlanRecord
 ALLOWED[("torch", "Size")] = tuple  # NOTE: the builtin itself: a million calls, no Python frame each
 ALLOWED[("torch.serialization", "_get_layout")] = _get_layout
 for _name in DTYPE_NAMES:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import math
+import ntpath
 import pickle
+import posixpath
 import re
 import struct
 import zlib
@@ -355,6 +357,53 @@ def _unpickle(data: bytes, source: str, classes: frozenset[str]) -> tuple[Any, d
         raise ItemFormatError(f"data.pkl does not unpickle ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
+MAX_PLAIN_DEPTH = 64
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """An unpickled value as plain data (dicts, lists, numbers, strings): a stand-in as ``{"__class__": name,
+    ...state}`` (an Enum's with its ``value``), a path as its text, a tensor or numpy array as a short
+    description."""
+    if depth > MAX_PLAIN_DEPTH:
+        return "<nested too deep>"
+    if isinstance(value, dict):
+        return {k if isinstance(k, str | int | float | bool) or k is None else _short(k): plain(v, depth + 1)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v, depth + 1) for v in value]
+    if isinstance(value, StandIn):
+        return _plain_stand_in(value, depth)
+    if isinstance(value, StoredArray):
+        return f"<tensor {value.dtype} {list(value.shape)}>"
+    if isinstance(value, _DType):
+        return f"torch.{value}"
+    if value is None or isinstance(value, str | int | float | bool | bytes):
+        return value
+    return _short(value)
+
+
+def _plain_stand_in(value: StandIn, depth: int) -> Any:
+    args, state = value.args, value.state
+    if value.qualname.startswith("pathlib.") and args and all(isinstance(a, str) for a in args):
+        return (ntpath if "Windows" in value.qualname else posixpath).join(*args)  # its parts: ("/", "runs", "a")
+    if value.qualname == "numpy.dtype" and args and isinstance(args[0], str):
+        return f"numpy.dtype({args[0][:16]!r})"
+    if value.qualname == "numpy.ndarray" and isinstance(state, tuple) and len(state) == 5:
+        dtype = plain(state[2], depth + 1)
+        shape = list(state[1]) if isinstance(state[1], tuple) else "?"
+        return f"<numpy array {dtype if isinstance(dtype, str) else '?'} {shape}>"
+    fields = state if isinstance(state, dict) else {}
+    return {"__class__": value.qualname, **({"value": plain(value.value, depth + 1)} if args else {}),
+            **{str(k): plain(v, depth + 1) for k, v in fields.items()}}
+
+
+def _short(value: Any) -> str:
+    try:
+        return repr(value)[:200]
+    except (RecursionError, ValueError, TypeError):  # a key nested deeper than repr goes
+        return f"<{type(value).__name__}>"
+
+
 def load_torch_archive(src: ByteSource, name: str, size: int, classes: Iterable[str] = ()) -> TorchArchive:
     """Parse file ``name`` (``size`` bytes) of ``src`` as a ``torch.save`` archive; ``classes`` are the
     ``module.Name`` globals that become :class:`StandIn` records besides :data:`PLAIN_CLASSES` (torch's tensor
@@ -386,4 +435,4 @@ def load_torch_archive(src: ByteSource, name: str, size: int, classes: Iterable[
 
 
 __all__ = ["PLAIN_CLASSES", "RecordInfo", "StandIn", "StoredArray", "TorchArchive", "describe", "load_torch_archive",
-           "stand_in"]
+           "plain", "stand_in"]

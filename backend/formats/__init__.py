@@ -1,5 +1,5 @@
 """Checkpoint formats as plug-ins: one module per format (:mod:`.dcp`, :mod:`.lightning`, :mod:`.hf_folder`,
-:mod:`.hf_index`, :mod:`.hf_trainer`, :mod:`.safetensors_file`, :mod:`.torch_file`), each a
+:mod:`.hf_index`, :mod:`.hf_trainer`, :mod:`.megatron`, :mod:`.safetensors_file`, :mod:`.torch_file`), each a
 :class:`~.base.Format` with a cheap ``detect``/``probe`` and an ``open``; :mod:`.registry` orders them and is the
 one door every command, the window and the library go through."""
 

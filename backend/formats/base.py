@@ -27,7 +27,9 @@ CHECKSUMS_RECORDS = "a torch.save file stores a CRC32 per record: every record's
 @dataclass(frozen=True)
 class Facts:
     """What a listing learns of one checkpoint without reading it: ``state`` is complete, incomplete or
-    unreadable (with ``reason``); ``format`` may name a variant (``dcp-safetensors``)."""
+    unreadable (with ``reason``); ``format`` may name a variant (``dcp-safetensors``). ``pinned`` says, in words,
+    why no prune may remove it whatever its rules (the framework's own resume pointer names it: Megatron's
+    ``latest_checkpointed_iteration.txt``, DeepSpeed's ``latest``); empty when nothing pins it."""
 
     format: str
     state: str

@@ -23,9 +23,10 @@ def has_dcp_files(files: dict[str, Any] | set[str]) -> bool:
         any(RANK_METADATA_RE.match(n) for n in files)
 
 
-def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool) -> Facts:
+def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool, kind: str | None = None) -> Facts:
     """A DCP folder's state and ranks from its names (and, ``local``, the first byte of ``.metadata``); its kind
-    from the metadata's keys (``weights`` when no optimizer state is named: an imported model)."""
+    ``kind``, or, when the format does not know it, from the metadata's keys (``weights`` when no optimizer state
+    is named: an imported model; that scan reads the whole ``.metadata``)."""
     ranks = sorted({int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))})
     meta_ranks = {int(m.group(1)) for n in names if (m := RANK_METADATA_RE.match(n))}
     if METADATA_TMP in names:
@@ -38,10 +39,11 @@ def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool) -> Facts
             return Facts(fmt, "unreadable", ".metadata cannot be read", ranks)
         if first not in (b"\x80", b"{"):
             return Facts(fmt, "unreadable", ".metadata is empty or not DCP metadata", ranks)
-        # a weights-only DCP (an import) names no optimizer state; unknown (its first 16 MiB say nothing, or it
-        # cannot be read): resumable, as every DCP folder was judged before
-        optim = names_optimizer(os.path.join(path, METADATA))
-        kind = WEIGHTS if optim is False else RESUMABLE
+        if kind is None:
+            optim = names_optimizer(os.path.join(path, METADATA))
+            # a weights-only DCP (an import) names no optimizer state; unknown (its first 16 MiB say nothing,
+            # or it cannot be read): resumable, as every DCP folder was judged before
+            kind = WEIGHTS if optim is False else RESUMABLE
         return Facts(_serialisation(fmt, path, names), "complete", "", ranks, kind)
     if meta_ranks:
         missing = sorted(set(ranks) - meta_ranks)

@@ -18,8 +18,8 @@ class LightningFolder(Format):
         return LIGHTNING_META in files and has_dcp_files(files)
 
     def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
-        facts = dcp_folder_facts(self.name, path, names, local)
-        return Facts(facts.format, facts.state, facts.reason, facts.ranks, RESUMABLE)  # meta.pt: trainer state
+        facts = dcp_folder_facts(self.name, path, names, local, RESUMABLE)  # meta.pt: trainer state
+        return Facts(facts.format, facts.state, facts.reason, facts.ranks, RESUMABLE)
 
     def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
              progress: Any = None) -> Any:

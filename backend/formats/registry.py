@@ -1,8 +1,8 @@
 """The one door: which format a path is, and the checkpoint model of it.
 
-Formats are asked in :data:`FORMATS` order, most specific first (a Lightning folder is also a DCP folder; a
-Trainer checkpoint may hold safetensors files). A new format is a module with a :class:`~.base.Format` and one
-line here; nothing else in Shardscope decides what a path is."""
+Formats are asked in :data:`FORMATS` order, most specific first (a Lightning or Megatron folder is also a DCP
+folder; a Trainer checkpoint may hold safetensors files). A new format is a module with a :class:`~.base.Format`
+and one line here; nothing else in Shardscope decides what a path is."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from ..filenames import (
     is_metadata_name,
     is_url,
 )
-from . import dcp, deepspeed, hf_folder, hf_index, hf_trainer, lightning, safetensors_file, torch_file
+from . import dcp, deepspeed, hf_folder, hf_index, hf_trainer, lightning, megatron, safetensors_file, torch_file
 from .base import Format
 
-FOLDER_FORMATS: tuple[Format, ...] = (deepspeed.FORMAT, lightning.FORMAT, hf_folder.FORMAT, dcp.FORMAT,
+FOLDER_FORMATS: tuple[Format, ...] = (deepspeed.FORMAT, lightning.FORMAT, megatron.FORMAT, hf_folder.FORMAT, dcp.FORMAT,
                                       hf_trainer.FORMAT, hf_index.FORMAT)
 FILE_FORMATS: tuple[Format, ...] = (safetensors_file.FORMAT, torch_file.FORMAT)
 FORMATS: tuple[Format, ...] = FOLDER_FORMATS + FILE_FORMATS

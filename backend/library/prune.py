@@ -2,7 +2,8 @@
 crash-safe removal to the desktop trash (send2trash) or for good.
 
 Rules combine as "keep if any rule keeps it" (Orbax's ``AnyPreservationPolicy``). Never removed: the
-newest complete checkpoint of a run, any checkpoint of a running run, anything being written, a root
+newest complete checkpoint of a run, a checkpoint its framework's resume pointer names (``pinned``: Megatron's
+``latest_checkpointed_iteration.txt``), any checkpoint of a running run, anything being written, a root
 itself, anything outside the roots. Each checkpoint is first renamed out of the way in the same folder
 (``.shardscope-prune-<mode>-<name>``, one atomic rename), then deleted or trashed; a prune killed
 half-way leaves every checkpoint whole or gone, and the next ``prune`` or ``ls`` finishes the rest.
@@ -155,6 +156,8 @@ def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord |
         out.append("being written")
     if c is newest:
         out.append("the newest resumable checkpoint of its run")
+    if c.pinned:  # its framework resumes from it (see formats.base.Facts.pinned)
+        out.append(f"pinned: {c.pinned}")
     if c.state == "unreadable":
         out.append(f"unreadable ({c.reason}); check it with `shardscope verify`")
     return out

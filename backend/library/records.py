@@ -31,7 +31,9 @@ class CheckpointRecord:
     # resumable (training state: optimizer or trainer state beside the weights) or weights, as the format's probe
     # says (a torch file or DCP folder by the optimizer keys its pickle names; a file not read: weights)
     kind: str = RESUMABLE
-    pinned: str = ""  # why no rule may remove it (the checkpoint a framework's "latest" file names), or ""
+    # why no prune may remove it whatever its rules, in words (its framework's resume pointer names it: see
+    # formats.base.Facts.pinned); empty when nothing pins it
+    pinned: str = ""
 
     @property
     def name(self) -> str:
@@ -39,10 +41,10 @@ class CheckpointRecord:
         return os.path.basename(self.path)
 
     def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state)."""
+        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state, pinned)."""
         return {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
                 "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state,
-                **({"pinned": self.pinned} if self.pinned else {})}
+                "pinned": self.pinned}
 
 
 @dataclass(slots=True)

@@ -74,11 +74,12 @@ class RemoteTree:
     def file_facts(self, path: str, info: tuple[int, float], fmt: Format) -> FileFacts | None:
         size, mtime = info
         f = fmt.probe_file(path, size, local=False)  # names only: an object's bytes cost a request
-        return None if f is None else FileFacts(f.format, f.state, f.reason, size, mtime, f.kind)
+        return None if f is None else FileFacts(f.format, f.state, f.reason, size, mtime, f.kind, f.pinned)
 
     def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
         f = fmt.probe_folder(path, set(files), dirs, local=False)
-        return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind)
+        return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind,
+                           f.pinned)
 
     def usage(self, folder: str, files: dict[str, Any] | None = None, dirs: Any = None) -> tuple[int, float, int]:
         """Bytes, newest time and object count of everything under ``folder``."""

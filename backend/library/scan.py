@@ -67,7 +67,8 @@ class LocalTree:
         facts = fmt.probe_file(path, st.st_size)
         if facts is None:
             return None
-        return FileFacts(facts.format, facts.state, facts.reason, disk_bytes(st), st.st_mtime, facts.kind)
+        return FileFacts(facts.format, facts.state, facts.reason, disk_bytes(st), st.st_mtime, facts.kind,
+                         facts.pinned)
 
     def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
         f = fmt.probe_folder(path, set(files), dirs)

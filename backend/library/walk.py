@@ -28,6 +28,7 @@ class FileFacts:
     bytes: int
     mtime: float
     kind: str = ""  # resumable or weights (see formats.base)
+    pinned: str = ""  # why no prune may remove it (see formats.base.Facts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class FolderFacts:
     ranks: list[int]
     step: int | None
     kind: str = ""
-    pinned: str = ""
+    pinned: str = ""  # why no prune may remove it (see formats.base.Facts)
 
 
 class Tree(Protocol):
@@ -170,7 +171,7 @@ class Walker:
         if facts is not None:
             self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path),
                                       step_from_name(split(self.tree, path)[1]), facts.format, [], facts.bytes,
-                                      facts.mtime, facts.state, facts.reason, True, 1, facts.kind))
+                                      facts.mtime, facts.state, facts.reason, True, 1, facts.kind, facts.pinned))
 
     def add_folder(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str], run: str | None) -> None:
         total, newest, count = self.tree.usage(path, files, dirs)
@@ -184,6 +185,8 @@ class Walker:
         total, newest, count = self.tree.usage(path, files, dirs)
         mp_ranks = {int(m.group(1)) for d in dirs if (m := MP_RANK_RE.match(d))}
         formats = {c.format for c in parts}
+        # Megatron-LM's legacy torch layout (iter_N/mp_rank_NN/model_optim_rng.pt) is listed under the megatron
+        # format's name; its dist layout (torch_dist: DCP + common.pt) is a folder formats.megatron detects
         fmt = "megatron" if mp_ranks else formats.pop() if len(formats) == 1 else "mixed"
         ranks = sorted(set().union(mp_ranks, *(c.ranks for c in parts)))
         state = next((s for s in ("writing", "incomplete", "unreadable") if any(c.state == s for c in parts)),
@@ -191,8 +194,9 @@ class Walker:
         here = self.tree.url(path)
         reason = next((f"{c.path[len(here) + 1:]}: {c.reason}" for c in parts if c.state == state and c.reason), "")
         kind = RESUMABLE if any(c.kind == RESUMABLE for c in parts) else WEIGHTS
+        pinned = next((c.pinned for c in parts if c.pinned), "")
         rec = CheckpointRecord(here, run or self.default_run(path), step, fmt, ranks, total, newest, state, reason,
-                               False, count, kind)
+                               False, count, kind, pinned)
         self.mark_writing(rec)
         return rec
 
