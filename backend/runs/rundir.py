@@ -25,7 +25,7 @@ from typing import Any
 
 from ..atomic_file import write_atomic
 from ..filenames import HF_INDEXES, HF_MODEL_FILES
-from ..formats import RESUMABLE, detect_file, detect_folder
+from ..formats import RESUMABLE, WEIGHTS, detect_file, detect_folder
 from ..procs import pid_alive
 from .metric_logs import EVENT_MARK
 
@@ -262,10 +262,11 @@ def _resumable_folder(p: Path) -> bool:
 
 
 def _resumable_file(p: Path, size: int) -> bool:
-    """A single-file checkpoint that holds optimizer state (a Lightning ``.ckpt``, a ``.pt`` with an optimizer)."""
+    """A single-file checkpoint unless it is whole and holds weights only: a Lightning ``.ckpt`` or a ``.pt`` with
+    an optimizer's state, or one that cannot be judged (cut short, damaged: shown, so that opening it says why)."""
     fmt = detect_file(p.name)
     facts = fmt.probe_file(str(p), size) if fmt is not None else None
-    return facts is not None and facts.state == "complete" and facts.kind == RESUMABLE
+    return facts is not None and not (facts.state == "complete" and facts.kind == WEIGHTS)
 
 
 def scan(run_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
