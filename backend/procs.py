@@ -21,6 +21,36 @@ def pid_alive(pid: Any, group: bool = False) -> bool:
     return True
 
 
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, as the kernel says), None when it is gone: with
+    the pid, it names one process for good (a pid alone is reused once its process has ended)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def process_running(pid: Any, started: Any = None) -> bool:
+    """True while process ``pid`` runs: it exists, is not a zombie (ended, not yet waited for) and, when
+    ``started`` (see :func:`process_started`) is given, is the process that started then, not a later one
+    that was given the same pid."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return not isinstance(started, (int, float)) or abs(proc.create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # another user's process: it exists
+        return True
+
+
 def send_signal(pid: int, sig: int, group: bool = False) -> None:
     """Signal a process (or a process group); one that is already gone is not an error."""
     try:
