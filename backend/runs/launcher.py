@@ -27,6 +27,7 @@ from .rundir import (
     FINAL_STATES,
     MODEL_DEFAULTS,
     OVER_STATES,
+    STATUS_LOCK_NAME,
     STOP_REQUEST,
     gone_explanation,
     read_config,
@@ -44,8 +45,9 @@ ENV_RESUME = "SHARDSCOPE_RESUME"  # the checkpoint to resume from, for a user's 
 WORKER = ["-m", "shardscope.backend.runs.worker_entry", "--"]
 SUPERVISOR = ["-m", "shardscope.backend.runs.supervisor"]
 STOP_TIMEOUT = 60.0  # s past the grace for a supervisor to answer a stop before the stop ends the run itself
-# what a folder that holds only a dry run (``train --on slurm --dry-run``) has: it can still take the real launch
-DRY_RUN_ENTRIES = {"job.sbatch", "metrics", "logs", "checkpoints", "exit"}
+# what a folder that holds only a dry run (``train --on slurm --dry-run``) or a status lock has: it can still take
+# a new run
+DRY_RUN_ENTRIES = {"job.sbatch", "metrics", "logs", "checkpoints", "exit", STATUS_LOCK_NAME}
 
 
 @dataclass
@@ -342,6 +344,6 @@ class RunLauncher:
 
 
 def _empty_or_dry_run(folder: Path) -> bool:
-    """True for an empty folder, or one that holds only a dry run's job script and empty folders."""
+    """True for an empty folder, or one that holds only a dry run's job script, empty folders, a status lock."""
     entries = list(folder.iterdir())
     return all(e.name in DRY_RUN_ENTRIES and (e.is_file() or not any(e.iterdir())) for e in entries)
