@@ -24,9 +24,9 @@ sys.path.insert(0, str(HERE))
 # window: qtbot, or a window started with --screenshot), `s3` (the local S3 API server), `slurm` (the one-node
 # cluster), `slow` (a module whose tests each start training runs or writers: torchrun, Lightning, DeepSpeed,
 # the soak and the fuzzers). The fast subset: pytest -m "not slow and not slurm and not s3 and not gui".
-SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_training_panel", "test_follow", "test_library",
-                "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm", "test_install",
-                "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state"}
+SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_cli_runs", "test_training_panel", "test_follow",
+                "test_library", "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm",
+                "test_install", "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state"}
 # modules of window tests: every test in them is `gui`, also one that starts no qtbot (--screenshot, the gui
 # command, the shard map's hover index)
 GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_library_gui", "test_workers",
