@@ -248,18 +248,23 @@ class RunLauncher:
                 update_status(self.run_dir, "failed", explanation=f"not submitted: {exc}", end_time=time.time())
                 raise
             update_status(self.run_dir, "queued", job_id=job_id, submit_time=time.time())
+            self._detached("--pending")  # writes the job's pending reason to status.json while it waits
             return self
-        env = {**os.environ, **self._env()}
-        with open(log, "ab") as out:
-            # NOTE: a session of its own: the supervisor outlives this process, its terminal (SIGHUP) and its
-            # Ctrl-C; it starts torchrun in a further session, so a stop can signal torchrun's group alone
-            self.proc = subprocess.Popen([sys.executable, *SUPERVISOR, str(self.run_dir)], cwd=str(self.run_dir),
-                                         env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        # NOTE: the supervisor outlives this process, its terminal (SIGHUP) and its Ctrl-C; it starts torchrun
+        # in a further session, so a stop can signal torchrun's group alone
+        self.proc = self._detached()
         # the supervisor records itself too; this covers the moment before it does
         update_status(self.run_dir, supervisor_pid=self.proc.pid, supervisor_started=process_started(self.proc.pid),
                       host=this_host())
         return self
+
+    def _detached(self, *flags: str) -> subprocess.Popen:
+        """Start the supervisor (or the SLURM pending watcher) in a session of its own, output to the run's
+        launcher log."""
+        with open(self.run_dir / "logs" / "launcher.log", "ab") as out:
+            return subprocess.Popen([sys.executable, *SUPERVISOR, *flags, str(self.run_dir)], cwd=str(self.run_dir),
+                                    env={**os.environ, **self._env()}, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
 
     def dry_run(self) -> Path:
         """Write RUN/job.sbatch (and the folders it writes into) for a SLURM run, submitting nothing; its path.

@@ -9,7 +9,12 @@ SIGTERM/SIGINT to the supervisor: SIGTERM to torchrun's group and every descenda
 and the run reads "stopped". A supervisor killed itself (kill -9) takes torchrun with it (Linux's parent-death
 signal) and leaves status.json active: followers read it "ended" (see :func:`.rundir.run_gone`).
 
+A SLURM job is its own supervisor (the scheduler's state is the run's). While it waits in the queue, a
+detached watcher (``--pending``) writes the scheduler's state and pending reason to status.json, and exits
+once the job runs or has ended.
+
     python -m shardscope.backend.runs.supervisor RUN_DIR
+    python -m shardscope.backend.runs.supervisor --pending RUN_DIR
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..errors import ShardscopeError
 from ..procs import process_running, process_started, terminate_tree
+from . import slurm
 from .rundir import (
     ACTIVE_STATES,
     FINAL_STATES,
@@ -45,6 +52,7 @@ from .rundir import (
 
 POLL = 0.2  # s between looks at torchrun and at a stop request
 GRACE = 10.0  # s between SIGTERM and SIGKILL when nothing else is asked for
+PENDING_POLL = float(os.environ.get("SHARDSCOPE_PENDING_POLL", "5"))  # s between looks at a queued SLURM job
 PR_SET_PDEATHSIG = 1
 STOP_NOTE = ("\n--- stopped by the user from Shardscope (SIGTERM to every process of the run). A SignalException "
              "traceback from torchrun above is how torchrun reports that signal, not an error.\n")
@@ -200,12 +208,32 @@ class Supervisor:
                 return proc.wait()
 
 
+def watch_pending(run_dir: str | os.PathLike) -> int:
+    """Write a queued SLURM job's state and pending reason to status.json (:func:`.slurm.refresh` writes what
+    changed) until the job runs or has ended; the exit code."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    run_dir = Path(run_dir)
+    while run_dir.is_dir():
+        try:
+            status = slurm.refresh(run_dir, read_status(run_dir))
+        except ShardscopeError as exc:  # the controller did not answer this time: ask again
+            print(f"shardscope: {exc}", flush=True)
+            status = read_status(run_dir)
+        if status.get("state") not in ("starting", "queued"):
+            return 0
+        time.sleep(PENDING_POLL)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    pending = args[:1] == ["--pending"]
+    args = args[1:] if pending else args
     if len(args) != 1 or not (Path(args[0]) / "config.json").is_file():
-        print(f"usage: python -m shardscope.backend.runs.supervisor RUN_DIR (got {json.dumps(args)})", file=sys.stderr)
+        print(f"usage: python -m shardscope.backend.runs.supervisor [--pending] RUN_DIR (got {json.dumps(args)})",
+              file=sys.stderr)
         return 2
-    return Supervisor(args[0]).run()
+    return watch_pending(args[0]) if pending else Supervisor(args[0]).run()
 
 
 if __name__ == "__main__":
