@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,15 @@ def run_cli(*args: str, check: bool = False, timeout: float = 300) -> subprocess
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
     return proc
+
+
+def wait_for(cond, what: str, timeout: float = 240.0, interval: float = 0.2):
+    """Poll ``cond`` until it returns something true (returned), failing after ``timeout`` s: the deadline a
+    real torchrun or SLURM job meets on a loaded 2-core machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)

@@ -12,22 +12,11 @@ import time
 from pathlib import Path
 
 import psutil
-from conftest import run_cli
+from conftest import run_cli, wait_for
 from shardscope.backend.runs.rundir import read_status, run_state
 
 SMALL = ["--strategy", "ddp", "--nproc", "2", "--checkpoint-every", "0", "--width", "32", "--depth", "1",
          "--heads", "2", "--seq-len", "16", "--batch-size", "2"]
-DEADLINE = 240.0  # s: anything a real torchrun does on a loaded 2-core machine
-
-
-def wait_for(cond, what: str, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def detach(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -150,8 +139,7 @@ def test_a_killed_supervisor_is_reported_not_left_running(tmp_path):
     procs = family(run)
     try:
         procs[0].kill()  # kill -9 of the supervisor: torchrun and the ranks go with it
-        _gone, left = psutil.wait_procs(procs, timeout=90)
-        assert not alive(left), [p.cmdline() for p in alive(left)]
+        wait_for(lambda: not alive(procs), "torchrun and the ranks to end with their supervisor", 90)
         assert read_status(run)["state"] == "running"  # nobody recorded the end...
         assert run_state(run) == "ended"  # ...and every reader says so: the Library, ls, prune
         listed = runs_json(root)["orphan"]

@@ -218,6 +218,7 @@ def test_sigterm_to_train_stops_the_run_like_ctrl_c(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 1, (out, err)
+        assert "Ctrl-C stops the run" in out  # said when it starts, as `follow` says Ctrl-C detaches
         assert "stopping the run (SIGTERM)" in out and "Traceback" not in err
         assert read_status(run_dir)["state"] == "stopped"
         deadline = time.monotonic() + 60

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch.distributed.checkpoint as dcp
-from conftest import run_cli
+from conftest import run_cli, wait_for
 from shardscope.backend.runs import slurm
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher, run_status
 from shardscope.backend.runs.metric_logs import read_rank_metrics
@@ -42,16 +42,6 @@ def cluster(tmp_path_factory):
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
-
-
-def wait_for(cond, what: str, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def run_processes(run_dir: Path) -> list[psutil.Process]:
