@@ -113,7 +113,8 @@ def test_stop_leaves_no_process(tmp_path):
     launcher.stop(grace=5)
     assert time.monotonic() - t0 < 10
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert read_status(tmp_path / "stop")["state"] == "stopped"
+    status = read_status(tmp_path / "stop")
+    assert status["state"] == "stopped" and status["exit_code"] is not None and status["exit_code"] != 0, status
 
 
 def test_stop_after_every_rank_finished_reads_finished(tmp_path):
@@ -363,3 +364,51 @@ def test_a_stop_asked_before_torchrun_starts_starts_nothing(tmp_path):
     status = launcher.wait(120)
     assert status["state"] == "stopped" and "pid" not in status, status
     assert launcher.proc.wait(60) == 0
+
+
+def test_a_stop_ends_the_run_itself_when_its_supervisor_does_not_answer(tmp_path):
+    """A supervisor that hangs (here SIGSTOPped) does not answer the stop: after the grace and the timeout the
+    stop kills it (torchrun follows it, by its parent-death signal), waits for every process and records the
+    run "stopped"."""
+    import signal
+
+    from shardscope.backend.runs.launcher import stop_run
+
+    run = tmp_path / "hung"
+    launcher = RunLauncher(run, RunConfig(strategy="ddp", nproc=2, steps=100000, checkpoint_every=0, model=SMALL))
+    launcher.start()
+    deadline = time.monotonic() + 120
+    while not (run / "metrics" / "rank_1.jsonl").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    family = [psutil.Process(launcher.proc.pid), *psutil.Process(launcher.proc.pid).children(recursive=True)]
+    try:
+        family[0].send_signal(signal.SIGSTOP)
+        status = stop_run(run, grace=2, timeout=3)
+        assert status["state"] == "stopped" and "supervisor" in status["explanation"], status
+        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for p in family:
+            if p.is_running():
+                p.kill()
+
+
+def test_a_run_from_before_supervisors_is_stopped_too(tmp_path):
+    """status.json of a run launched before runs had supervisors names torchrun alone: ``stop`` ends it."""
+    import subprocess
+    import sys
+
+    from shardscope.backend.runs.launcher import stop_run
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({"state": "running", "pid": live.pid, "scheduler": "local"}))
+    try:
+        status = stop_run(run, grace=2)
+        assert status["state"] == "stopped", status
+        live.wait(10)
+        assert not psutil.pid_exists(live.pid)
+    finally:
+        live.kill()
+        live.wait(10)

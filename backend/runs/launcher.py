@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ShardscopeError
 from ..filenames import METADATA
-from ..procs import process_running, process_started, send_signal
+from ..procs import process_running, process_started, send_signal, terminate_tree
 from . import slurm
 from .report import ENV_RUN_DIR
 from .rundir import (
@@ -181,24 +181,29 @@ def stop_run(run_dir: str | os.PathLike, grace: float = 10.0, timeout: float = S
                                             "host": this_host()})
         status = update_status(run_dir, stop_requested=time.time())
     supervisor = status.get("supervisor_pid")
-    if not run_gone(status) and status.get("host", this_host()) == this_host() and isinstance(supervisor, int):
+    here = status.get("host", this_host()) == this_host()
+    if here and not run_gone(status) and isinstance(supervisor, int):
         send_signal(supervisor, signal.SIGTERM)
+    elif here and supervisor is None and process_running(status.get("pid")):
+        terminate_tree(status["pid"], grace)  # a run started before runs had supervisors: torchrun alone
     deadline = time.monotonic() + grace + timeout
     while True:
         status = read_status(run_dir)
         if status.get("state") in FINAL_STATES or run_gone(status):
             break
         if time.monotonic() > deadline:
-            if status.get("host", this_host()) != this_host():
+            if not here:
                 raise ShardscopeError(f"{run_dir}: the run's supervisor on {status.get('host')} did not stop it in "
                                       f"{grace + timeout:.0f} s (is that machine up?)")
             break
         time.sleep(0.1)
     if status.get("state") not in FINAL_STATES:  # the supervisor is gone, or does not answer: end it all here
         if process_running(supervisor, status.get("supervisor_started")):
-            send_signal(supervisor, signal.SIGKILL)
+            send_signal(supervisor, signal.SIGKILL)  # torchrun gets its parent-death signal
+            _wait_gone({k: status.get(k) for k in ("supervisor_pid", "supervisor_started")}, grace)
         status = settle_abandoned(run_dir, grace)
-    _wait_gone(status, grace + timeout)
+    if here:  # elsewhere, its supervisor waited for them before it recorded the end
+        _wait_gone(status, grace + timeout)
     return status
 
 

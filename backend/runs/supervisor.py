@@ -204,8 +204,9 @@ class Supervisor:
                 how = self.signalled or "a stop request"
                 update_status(self.run_dir, stop_requested=time.time(), stop_how=how)
                 print(f"\n--- shardscope supervisor: stopping the run ({how})", flush=True)
-                terminate_tree(proc.pid, stop_grace(self.run_dir))
-                return proc.wait()
+                code = terminate_tree(proc.pid, stop_grace(self.run_dir))  # NOTE: it reaps torchrun
+                waited = proc.wait()
+                return code if code is not None else waited
 
 
 def watch_pending(run_dir: str | os.PathLike) -> int:
