@@ -21,6 +21,36 @@ def pid_alive(pid: Any, group: bool = False) -> bool:
     return True
 
 
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, as the kernel says), None when it is gone: with
+    the pid, it names one process for good (a pid alone is reused once its process has ended)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def process_running(pid: Any, started: Any = None) -> bool:
+    """True while process ``pid`` runs: it exists, is not a zombie (ended, not yet waited for) and, when
+    ``started`` (see :func:`process_started`) is given, is the process that started then, not a later one
+    that was given the same pid."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return not isinstance(started, (int, float)) or abs(proc.create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # another user's process: it exists
+        return True
+
+
 def send_signal(pid: int, sig: int, group: bool = False) -> None:
     """Signal a process (or a process group); one that is already gone is not an error."""
     try:
@@ -29,9 +59,11 @@ def send_signal(pid: int, sig: int, group: bool = False) -> None:
         pass
 
 
-def terminate_tree(pid: int, grace: float = 10.0) -> None:
+def terminate_tree(pid: int, grace: float = 10.0) -> int | None:
     """SIGTERM to ``pid``'s process group and every descendant, SIGKILL to whatever is left after
-    ``grace`` seconds. Returns when none of them runs any more (zombies of our own children aside).
+    ``grace`` seconds. Returns when none of them runs any more (zombies of our own children aside), with
+    ``pid``'s exit code (negative: its signal) when it is our child: the wait here reaps it, and a later
+    ``Popen.wait()`` would answer 0 for it.
 
     NOTE: torchrun starts its workers in sessions of their own, so signalling the group alone would
     orphan them if torchrun dies first: every descendant is collected up front."""
@@ -45,11 +77,13 @@ def terminate_tree(pid: int, grace: float = 10.0) -> None:
     send_signal(pid, signal.SIGTERM, group=True)
     for p in family:
         send_signal(p.pid, signal.SIGTERM)
-    _gone, alive = psutil.wait_procs(family, timeout=grace)
+    gone, alive = psutil.wait_procs(family, timeout=grace)
     for p in alive:
         send_signal(p.pid, signal.SIGKILL)
     send_signal(pid, signal.SIGKILL, group=True)
-    psutil.wait_procs(alive, timeout=grace)
+    gone += psutil.wait_procs(alive, timeout=grace)[0]
+    code = next((getattr(p, "returncode", None) for p in gone if p.pid == pid), None)
+    return int(code) if code is not None else None
 
 
 def orphaned(folder: str, prefix: str) -> list[str]:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,10 @@ sys.path.insert(0, str(HERE))
 # window: qtbot, or a window started with --screenshot), `s3` (the local S3 API server), `slurm` (the one-node
 # cluster), `slow` (a module whose tests each start training runs or writers: torchrun, Lightning, DeepSpeed,
 # the soak and the fuzzers). The fast subset: pytest -m "not slow and not slurm and not s3 and not gui".
-SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_training_panel", "test_follow", "test_library",
-                "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm", "test_install",
-                "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state", "test_deepspeed",
-                "test_megatron"}
+SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_cli_runs", "test_training_panel", "test_follow",
+                "test_library", "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm",
+                "test_install", "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state",
+                "test_deepspeed", "test_megatron"}
 # modules of window tests: every test in them is `gui`, also one that starts no qtbot (--screenshot, the gui
 # command, the shard map's hover index)
 GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_library_gui", "test_workers",
@@ -160,3 +161,15 @@ def run_cli(*args: str, check: bool = False, timeout: float = 300) -> subprocess
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
     return proc
+
+
+def wait_for(cond, what: str, timeout: float = 240.0, interval: float = 0.2):
+    """Poll ``cond`` until it returns something true (returned), failing after ``timeout`` s: the deadline a
+    real torchrun or SLURM job meets on a loaded 2-core machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)

@@ -101,11 +101,11 @@ def test_stop_leaves_no_process(tmp_path):
     while not (tmp_path / "stop" / "metrics" / "rank_1.jsonl").exists():
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    children = psutil.Process(launcher.proc.pid).children(recursive=True)
+    children = psutil.Process(launcher.proc.pid).children(recursive=True)  # the supervisor's: torchrun, ranks
     family = [*children, psutil.Process(launcher.proc.pid)]
     try:
-        workers = [p for p in children if "worker_entry" in " ".join(p.cmdline())]
-        assert len(workers) == 2
+        cmds = [" ".join(p.cmdline()) for p in children]
+        assert len([c for c in cmds if "worker_entry" in c and "torch.distributed.run" not in c]) == 2, cmds
     except BaseException:
         launcher.stop(grace=2)
         raise
@@ -113,12 +113,14 @@ def test_stop_leaves_no_process(tmp_path):
     launcher.stop(grace=5)
     assert time.monotonic() - t0 < 10
     assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert read_status(tmp_path / "stop")["state"] == "stopped"
+    status = read_status(tmp_path / "stop")
+    assert status["state"] == "stopped" and status["exit_code"] is not None and status["exit_code"] != 0, status
 
 
 def test_stop_after_every_rank_finished_reads_finished(tmp_path):
     """Stop clicked while torchrun tears down after the last step: the run finished, it was not stopped."""
-    from shardscope.backend.runs.launcher import STOP_NOTE, stop_run
+    from shardscope.backend.runs.launcher import stop_run
+    from shardscope.backend.runs.supervisor import STOP_NOTE
 
     cfg = RunConfig(strategy="ddp", nproc=2, steps=2, checkpoint_every=0, model=SMALL)
     launcher = RunLauncher(tmp_path / "late", cfg).start()
@@ -133,24 +135,36 @@ def test_stop_after_every_rank_finished_reads_finished(tmp_path):
     assert STOP_NOTE.strip() not in (tmp_path / "late" / "logs" / "launcher.log").read_text()
 
 
-def test_a_run_whose_launcher_was_dropped_reads_finished(tmp_path):
-    """The Training tab closed while a run trained: nobody waits for its torchrun, which ends as a zombie
-    child of the window. The run must read finished (it read "running" for as long as the window lived)."""
-    from shardscope.backend.runs.launcher import run_status
+def test_a_run_finishes_and_settles_after_its_launcher_is_killed(tmp_path):
+    """The window's launch (RunLauncher.start) from a process killed with SIGKILL at once, as a window that
+    crashed or was closed: the run trains on under its supervisor and status.json settles to finished, with
+    every rank's exit code, with nobody watching (it read "running" until a window looked again)."""
+    import subprocess
+    import sys
 
-    cfg = RunConfig(strategy="ddp", nproc=2, steps=2, checkpoint_every=0, model=SMALL)
-    launcher = RunLauncher(tmp_path / "orphan", cfg).start()
-    proc = psutil.Process(launcher.proc.pid)
-    deadline = time.monotonic() + 180
-    while proc.status() != psutil.STATUS_ZOMBIE:  # ended; nobody called wait() or poll()
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    from shardscope.backend.runs.rundir import run_state
-
-    assert run_state(str(tmp_path / "orphan")) == "ended"  # the Library (read-only) sees it ended too
-    status = run_status(tmp_path / "orphan")
+    run = tmp_path / "orphan"
+    script = ("import os, signal, sys\n"
+              "from shardscope.backend.runs.launcher import RunConfig, RunLauncher\n"
+              f"cfg = RunConfig(strategy='ddp', nproc=2, steps=6, checkpoint_every=3, model={SMALL!r})\n"
+              "RunLauncher(sys.argv[1], cfg).start()\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(run)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    status = read_status(run)
+    assert status["state"] in ("starting", "running") and status["supervisor_pid"]
+    deadline = time.monotonic() + 240
+    while read_status(run).get("state") not in ("finished", "failed", "stopped"):
+        assert time.monotonic() < deadline, read_status(run)
+        time.sleep(0.5)
+    status = read_status(run)
     assert status["state"] == "finished" and status["exit_code"] == 0, status
-    assert not psutil.pid_exists(proc.pid)  # reaped
+    assert status["exit_codes"] == {"0": 0, "1": 0}
+    assert [c.name for c in checkpoints(run)] == ["step_000003", "step_000006"]
+    sup = status["supervisor_pid"]
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(sup) and psutil.Process(sup).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the supervisor outlived its run"
+        time.sleep(0.2)
 
 
 def test_failing_rank_marks_run_failed_with_traceback(tmp_path):
@@ -205,6 +219,7 @@ def test_sigterm_to_train_stops_the_run_like_ctrl_c(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 1, (out, err)
+        assert "Ctrl-C stops the run" in out  # said when it starts, as `follow` says Ctrl-C detaches
         assert "stopping the run (SIGTERM)" in out and "Traceback" not in err
         assert read_status(run_dir)["state"] == "stopped"
         deadline = time.monotonic() + 60
@@ -326,29 +341,74 @@ def test_status_updates_from_threads_and_processes_are_never_lost(tmp_path):
     assert status["state"] == "running"
 
 
-def test_a_stop_while_starting_stops_the_torchrun_started_after_it(tmp_path):
-    """``shardscope stop`` can come while a run is "starting" (no torchrun pid yet): it settles the run
-    "stopped", and the torchrun the launcher starts a moment later is ended, not left training unseen."""
+def test_a_stop_asked_before_torchrun_starts_starts_nothing(tmp_path):
+    """``shardscope stop`` can come while a run is "starting": its supervisor sees the stop request before it
+    starts torchrun, records "stopped" and starts nothing. The launcher and the supervisor are held at their
+    first status write (the test holds the run's status lock) while the request is written."""
     import threading
 
-    from shardscope.backend.runs.launcher import stop_run
-    from shardscope.backend.runs.rundir import status_lock
+    from shardscope.backend.runs.rundir import STOP_REQUEST, status_lock, write_json
 
     run = tmp_path / "early"
+    run.mkdir()  # so that the lock is the folder's file lock, which holds the supervisor's process too
     launcher = RunLauncher(run, RunConfig(strategy="ddp", nproc=2, steps=100000, checkpoint_every=0, model=SMALL))
-    with status_lock(run):  # the launcher is held between starting torchrun and recording its pid
+    with status_lock(run):
         starter = threading.Thread(target=launcher.start)
         starter.start()
         deadline = time.monotonic() + 120
-        while read_status(run).get("state") != "starting":
+        while launcher.proc is None:  # the supervisor is started; its first status write waits for the lock
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert stop_run(run, grace=5)["state"] == "stopped"
+        write_json(run / STOP_REQUEST, {"time": time.time(), "grace": 5})
     starter.join(120)
-    assert not starter.is_alive()
+    status = launcher.wait(120)
+    assert status["state"] == "stopped" and "pid" not in status, status
+    assert launcher.proc.wait(60) == 0
+
+
+def test_a_stop_ends_the_run_itself_when_its_supervisor_does_not_answer(tmp_path):
+    """A supervisor that hangs (here SIGSTOPped) does not answer the stop: after the grace and the timeout the
+    stop kills it (torchrun follows it, by its parent-death signal), waits for every process and records the
+    run "stopped"."""
+    import signal
+
+    from shardscope.backend.runs.launcher import stop_run
+
+    run = tmp_path / "hung"
+    launcher = RunLauncher(run, RunConfig(strategy="ddp", nproc=2, steps=100000, checkpoint_every=0, model=SMALL))
+    launcher.start()
+    deadline = time.monotonic() + 120
+    while not (run / "metrics" / "rank_1.jsonl").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    family = [psutil.Process(launcher.proc.pid), *psutil.Process(launcher.proc.pid).children(recursive=True)]
     try:
-        assert launcher.proc is not None and launcher.proc.poll() is not None, "torchrun still runs"
-        assert read_status(run)["state"] == "stopped"
+        family[0].send_signal(signal.SIGSTOP)
+        status = stop_run(run, grace=2, timeout=3)
+        assert status["state"] == "stopped" and "supervisor" in status["explanation"], status
+        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     finally:
-        if launcher.proc is not None and launcher.proc.poll() is None:
-            launcher.stop(grace=2)
+        for p in family:
+            if p.is_running():
+                p.kill()
+
+
+def test_a_run_from_before_supervisors_is_stopped_too(tmp_path):
+    """status.json of a run launched before runs had supervisors names torchrun alone: ``stop`` ends it."""
+    import subprocess
+    import sys
+
+    from shardscope.backend.runs.launcher import stop_run
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({"state": "running", "pid": live.pid, "scheduler": "local"}))
+    try:
+        status = stop_run(run, grace=2)
+        assert status["state"] == "stopped", status
+        live.wait(10)
+        assert not psutil.pid_exists(live.pid)
+    finally:
+        live.kill()
+        live.wait(10)

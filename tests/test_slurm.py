@@ -3,6 +3,7 @@ and the multi-node job script checked on paper against torchrun's multi-node req
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch.distributed.checkpoint as dcp
-from conftest import run_cli
+from conftest import run_cli, wait_for
 from shardscope.backend.runs import slurm
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher, run_status
 from shardscope.backend.runs.metric_logs import read_rank_metrics
@@ -41,16 +42,6 @@ def cluster(tmp_path_factory):
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
-
-
-def wait_for(cond, what: str, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def run_processes(run_dir: Path) -> list[psutil.Process]:
@@ -163,16 +154,26 @@ def test_failing_rank_reads_failed_with_its_traceback(cluster, tmp_path):
     assert read_config(run_dir)["kind"] == "script" and "steps" not in read_config(run_dir)
 
 
-def test_job_asking_for_more_cpus_than_exist_is_queued_with_its_reason(cluster, tmp_path, qtbot):
+def test_job_asking_for_more_cpus_than_exist_is_queued_with_its_reason(cluster, tmp_path, qtbot, monkeypatch):
+    """``train --on slurm --detach`` returns at once; while the job waits, the scheduler's pending reason is
+    written to status.json with nobody watching; the window says why it waits; ``stop`` cancels it."""
     from shardscope.widgets.training_panel import TrainingPanel
 
+    monkeypatch.setenv("SHARDSCOPE_PENDING_POLL", "0.5")
     run_dir = tmp_path / "big"
-    opts = slurm.SlurmOptions(cpus_per_task=cluster.cpus * 32)
-    launcher = RunLauncher(run_dir, slurm_config(slurm=opts)).start()
-    status = wait_for(lambda: (s := run_status(run_dir))["state"] == "queued" and s.get("reason") not in
-                      (None, "", "None") and s, "a pending reason")
+    proc = run_cli("train", "--on", "slurm", "--detach", "--strategy", "ddp", "--nproc", "2", "--steps", "6",
+                   "--device", "cpu", "--width", "32", "--depth", "1", "--heads", "2", "--seq-len", "16",
+                   "--batch-size", "2", "--cpus-per-task", str(cluster.cpus * 32), "--run-dir", run_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = read_status(run_dir)["job_id"]
+    assert f"run directory: {run_dir}" in proc.stdout and f"as SLURM job {job}" in proc.stdout
+    # read straight from the file, with no reader asking the scheduler: the run's pending watcher wrote it
+    status = wait_for(lambda: (s := read_status(run_dir))["state"] == "queued" and s.get("reason") not in
+                      (None, "", "None") and s, "a pending reason in status.json")
     assert status["reason"] in ("PartitionConfig", "Resources", "ReqNodeNotAvail"), status
-    assert status["explanation"].startswith(status["reason"] + ":")
+    assert status["explanation"].startswith(status["reason"] + ":") and status["slurm_state"] == "PENDING"
+    listed = {r["name"]: r for r in json.loads(run_cli("runs", tmp_path, "--json").stdout)["runs"]}["big"]
+    assert listed["reason"] == status["reason"] and listed["job_id"] == job and listed["where"] == "slurm"
     panel = TrainingPanel(runs_root=tmp_path)  # the window says why it waits
     qtbot.addWidget(panel)
     try:
@@ -185,7 +186,10 @@ def test_job_asking_for_more_cpus_than_exist_is_queued_with_its_reason(cluster, 
         from PySide6.QtCore import QThreadPool
 
         assert QThreadPool.globalInstance().waitForDone(60000)
-    assert launcher.stop()["state"] == "stopped"
+    stop = run_cli("stop", run_dir)
+    assert stop.returncode == 0 and "run stopped" in stop.stdout, stop.stdout + stop.stderr
+    assert read_status(run_dir)["state"] == "stopped"
+    wait_for(lambda: not run_processes(run_dir), "the pending watcher to end", 60)
 
 
 def _sbatch_lines(text: str) -> dict[str, str]:

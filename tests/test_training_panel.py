@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 from PySide6.QtCore import Qt, QThreadPool
-from shardscope.backend.runs import rundir as rundir_module
 from shardscope.backend.runs.follow import RunFollower
-from shardscope.backend.runs.launcher import STOP_NOTE, RunConfig, RunLauncher, run_status
-from shardscope.backend.runs.rundir import checkpoints, read_config, torchrun_root_cause, update_status
+from shardscope.backend.runs.launcher import RunConfig, RunLauncher, run_status
+from shardscope.backend.runs.rundir import checkpoints, read_config, read_status, torchrun_root_cause, update_status
+from shardscope.backend.runs.supervisor import STOP_NOTE
 from shardscope.widgets.training_panel import TrainingPanel
 
 SMALL = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
@@ -240,15 +240,37 @@ def test_config_record_round_trips_for_resume():
     assert back.script == "/abs/train.py" and back.slurm == script.slurm and back.on == "slurm"
 
 
-def test_gui_restart_reads_final_state_from_exit_records(tmp_path):
-    """A run whose launcher is gone (the GUI that started it was closed) is not shown as running."""
+def test_a_run_settles_with_nobody_following_it(tmp_path):
+    """A run whose launcher is gone (the GUI that started it was closed) is not shown as running: its
+    supervisor wrote the final state, with nobody following."""
     run = tmp_path / "run"
     cfg = RunConfig(strategy="ddp", nproc=1, steps=3, checkpoint_every=3, model=SMALL)
-    RunLauncher(run, cfg).start().proc.wait(300)  # reaped here, as a closed GUI would never do
-    assert json.loads((run / "status.json").read_text())["state"] == "running"
-    assert run_status(run)["state"] == "finished"
-    assert json.loads((run / "status.json").read_text())["state"] == "finished"  # written once
+    RunLauncher(run, cfg).start().proc.wait(300)  # the supervisor; nothing here reads the run
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "finished" and status["exit_codes"] == {"0": 0}, status
     assert [c.name for c in checkpoints(run)] == ["step_000003"]
+
+
+def test_closing_the_panel_leaves_the_run_going_and_it_settles(qtbot, tmp_path):
+    """The window closed mid-run (its panel shut down and deleted): the run goes on and status.json settles to
+    finished with exit codes; it used to read "running" until a window showed the Training panel again."""
+    panel = TrainingPanel(runs_root=tmp_path)
+    qtbot.addWidget(panel)
+    small_form(panel, steps=40)
+    assert panel.start_run()
+    qtbot.waitUntil(lambda: bool(panel.launchers), timeout=SHORT)
+    run_dir = Path(next(iter(panel.launchers)))
+    qtbot.waitUntil(lambda: panel.run_state(str(run_dir)) == "running", timeout=LONG)
+    panel.shutdown()
+    panel.close()
+    panel.deleteLater()
+    assert QThreadPool.globalInstance().waitForDone(60000)
+    deadline = time.monotonic() + LONG / 1000
+    while read_status(run_dir)["state"] not in ("finished", "failed", "stopped"):
+        assert time.monotonic() < deadline, read_status(run_dir)
+        time.sleep(0.5)
+    status = read_status(run_dir)
+    assert status["state"] == "finished" and status["exit_codes"] == {"0": 0, "1": 0}, status
 
 
 SCRIPT = textwrap.dedent("""
@@ -375,38 +397,15 @@ def test_old_launcher_does_not_end_the_resumed_run(tmp_path):
                        resume=str(checkpoints(run)[-1]))
     second = RunLauncher(run, resume).start()
     try:
+        deadline = time.monotonic() + LONG / 1000
+        while run_status(run)["state"] == "starting":  # until its supervisor has started torchrun
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         assert first.status()["state"] == "running"
         assert run_status(run)["state"] == "running" and second.status()["state"] == "running"
     finally:
         assert second.stop()["state"] == "stopped"
     assert second.proc.poll() is not None
-
-
-def test_a_status_read_before_a_stop_does_not_end_the_run_as_failed(monkeypatch, tmp_path):
-    """A poll that read status.json just before Stop wrote stop_requested, and found torchrun gone just
-    after, used to write "failed" (the stale read had no stop): the state is decided on a fresh read.
-    The interleaving is forced by stopping the (real) process inside the poll's liveness check."""
-    run = tmp_path / "run"
-    run.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-    (run / "status.json").write_text(json.dumps({"state": "running", "pid": proc.pid, "scheduler": "local"}))
-    real_pid_alive = rundir_module.pid_alive  # the liveness check is rundir.torchrun_ended's
-
-    def stop_meanwhile(pid, group=False):
-        if pid == proc.pid and proc.returncode is None:
-            update_status(run, stop_requested=time.time())  # what stop_run writes before its first signal
-            proc.terminate()
-            proc.wait(60)
-        return real_pid_alive(pid, group)
-
-    monkeypatch.setattr(rundir_module, "pid_alive", stop_meanwhile)
-    try:
-        status = run_status(run)
-    finally:
-        proc.kill()
-        proc.wait(60)
-    assert status["state"] == "stopped", status
-    assert json.loads((run / "status.json").read_text())["state"] == "stopped"
 
 
 def test_resuming_a_finished_run_shows_it_running_and_stops_it(qtbot, panel, tmp_path):
@@ -564,7 +563,7 @@ def test_ranks_end_when_torchrun_is_killed(qtbot, panel, tmp_path):
     qtbot.waitUntil(lambda: bool(panel.launchers), timeout=SHORT)
     run_dir = next(iter(panel.launchers))
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 2, timeout=LONG)
-    torchrun = psutil.Process(panel.launchers[run_dir].proc.pid)
+    torchrun = psutil.Process(read_status(run_dir)["pid"])
     ranks = [p for p in torchrun.children(recursive=True) if "worker_entry" in " ".join(p.cmdline())]
     assert len(ranks) == 2
     torchrun.kill()

@@ -91,12 +91,15 @@ def runs_html(runs_root: str, log_file: str) -> str:
 <br><tt>{html.escape(runs_root)}</tt><br>(set <tt>--run-dir</tt> for another place). One folder per run:</p>
 <ul>
 <li><tt>config.json</tt>: what was asked (strategy, ranks, steps, model or script);</li>
-<li><tt>status.json</tt>: state, per-rank exit codes, times;</li>
+<li><tt>status.json</tt>: state, per-rank exit codes, times, written by the run's supervisor (a small process
+that owns the run; <tt>stop.request</tt> asks it to stop);</li>
 <li><tt>metrics/rank_N.jsonl</tt>: one line per <tt>report(step=..., loss=...)</tt>, with time and memory;</li>
 <li><tt>logs/rank_N.log</tt> and <tt>logs/launcher.log</tt>: everything each rank printed;</li>
 <li><tt>checkpoints/step_NNNNNN/</tt>: the DCP checkpoints (open one by double-clicking it in the Training tab).</li>
 </ul>
-<p>The window can be closed while a run trains: reopen the run folder (Run › Training panel › Open run folder,
+<p>The window can be closed while a run trains (its supervisor carries on and records how it ends; from a
+terminal: <tt>shardscope runs</tt>, <tt>shardscope follow RUN</tt>, <tt>shardscope stop RUN</tt>): reopen the run
+folder (Run › Training panel › Open run folder,
 or <tt>shardscope gui RUN_DIR</tt>) and it continues following. A job on a cluster that writes to shared
 storage is followed the same way.</p>
 <p>Shardscope's own log (errors with their tracebacks, for bug reports) is

@@ -4,10 +4,11 @@ stops or stalled, and the last line of each failed rank's traceback."""
 from __future__ import annotations
 
 from ..backend.runs.follow import RunFollower, RunSnapshot
-from ..backend.runs.rundir import ACTIVE_STATES
+from ..backend.runs.rundir import ACTIVE_STATES, OVER_STATES
 from .run_logs import without_banners
 
-STATE_COLORS = {"failed": "#d62728", "stopped": "#7f7f7f", "finished": "#2ca02c", "queued": "#e6a000"}
+STATE_COLORS = {"failed": "#d62728", "ended": "#d62728", "stopped": "#7f7f7f", "finished": "#2ca02c",
+                "queued": "#e6a000"}
 
 
 def escape(text: str) -> str:
@@ -46,7 +47,7 @@ def header_html(follower: RunFollower, snap: RunSnapshot, stopping: bool, failur
     if snap.stalled:
         parts.append(f"<span style='color:#d62728'><b>stalled</b>: no new step from rank(s) "
                      f"{', '.join(map(str, snap.stalled))} for {follower.stall_seconds:.0f} s</span>")
-    if state in ("finished", "failed", "stopped") and st.get("explanation"):
+    if state in OVER_STATES and st.get("explanation"):
         parts.append(escape(st["explanation"]))
     for problem in snap.problems:
         parts.append(f"<span style='color:#d62728'>{escape(problem)}</span>")

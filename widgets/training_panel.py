@@ -1,8 +1,10 @@
 """The Training panel: run form, run list, the followed run's header, plots, logs and checkpoints.
 
-Nothing here reads or writes a file or waits on a process: starting, stopping, polling (which reaps
-finished torchruns and writes their final status) and listing runs go through backend functions on
-the thread pool, and their results come back as queued signals.
+Nothing here reads or writes a file or waits on a process: starting, stopping, polling and listing runs go
+through backend functions on the thread pool, and their results come back as queued signals. A run's state is
+written by its supervisor alone (see backend/runs/supervisor.py): the panel only reads it, so closing the
+window (or this tab) leaves every run going, and each still settles to finished, failed or stopped. Stop is
+``shardscope stop``'s own path (launcher.stop_run).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from PySide6.QtWidgets import (
 from ..backend.atomic_file import write_atomic
 from ..backend.runs.follow import RunFollower, RunSnapshot, is_rank
 from ..backend.runs.launcher import RunConfig, RunLauncher, stop_run
-from ..backend.runs.rundir import ACTIVE_STATES, FINAL_STATES, default_runs_root, new_run_dir, read_config
+from ..backend.runs.rundir import ACTIVE_STATES, OVER_STATES, default_runs_root, new_run_dir, read_config
 from ..backend.runs.store import RunInfo, list_runs
 from .run_checkpoints import RunCheckpoints
 from .run_form import RunForm, slurm_partitions
@@ -299,7 +301,7 @@ class TrainingPanel(QWidget):
             return
         if self._launching:
             return
-        if self._status.get("state") not in FINAL_STATES:
+        if self._status.get("state") not in OVER_STATES:
             self.status.setText("Resume once the run has ended (stop it first).")
             return
         item = items[0]
@@ -317,13 +319,12 @@ class TrainingPanel(QWidget):
         if self.follower is None:
             return
         run_dir = str(self.follower.run_dir)
-        launcher = self.launchers.get(run_dir)
         self._stopping.add(run_dir)
         self._update_buttons()
         self.status.setText(f"Stopping: {stop_how(self._status)} …")
 
         def stop(progress=None):
-            return launcher.stop() if launcher is not None else stop_run(run_dir)
+            return stop_run(run_dir)  # what `shardscope stop` does, whoever started the run
 
         def done() -> None:
             self._stopping.discard(run_dir)
@@ -337,17 +338,17 @@ class TrainingPanel(QWidget):
         st, state = self._status, self._status.get("state")
         run_dir = str(self.follower.run_dir) if self.follower is not None else ""
         stopping = run_dir in self._stopping or bool(st.get("stop_requested"))
-        ours = run_dir in self.launchers or bool(st.get("pid") or st.get("job_id"))
+        ours = run_dir in self.launchers or bool(st.get("supervisor_pid") or st.get("pid") or st.get("job_id"))
         selected = len(self.ckpt_list.selectedItems())
         self.start_button.setEnabled(not self._launching)
         self.stop_button.setEnabled(bool(run_dir) and state in ACTIVE_STATES and ours and not stopping)
-        self.resume_button.setEnabled(state in FINAL_STATES and selected == 1 and not self._launching)
+        self.resume_button.setEnabled(state in OVER_STATES and selected == 1 and not self._launching)
         self.compare_button.setEnabled(selected == 2)
 
     # ------------------------------------------------------------------ live updates
     def poll(self) -> None:
-        """One background read: reap our torchruns (their final status is written), what is new in the
-        followed run, and every few polls the Runs list with each run's state."""
+        """One background read: what is new in the followed run, and every few polls the Runs list with each
+        run's state (the supervisors of runs started here are reaped once they have ended)."""
         if self._reading:
             return
         self._reading = True
@@ -358,7 +359,8 @@ class TrainingPanel(QWidget):
 
         def work(progress=None):
             for launcher in launchers:
-                launcher.status()
+                if launcher.proc is not None:
+                    launcher.proc.poll()  # reaps a supervisor that has ended (it settled its run first)
             snap = follower.read() if follower is not None else None
             gone = follower is not None and not follower.run_dir.is_dir()
             return snap, (list_runs(root) if root else None), gone
@@ -410,7 +412,7 @@ class TrainingPanel(QWidget):
         if known is None or known.state != (state or ""):  # the Runs list says what the header says
             self._show_runs([RunInfo(r.path, state or "", r.mtime, st.get("explanation", "")) if r is known else r
                              for r in self.runs])
-        if state in FINAL_STATES:
+        if state in OVER_STATES:
             self._stopping.discard(str(follower.run_dir))
         self._update_buttons()
         failures = failures_of(snap)

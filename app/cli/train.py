@@ -1,5 +1,6 @@
-"""``shardscope train``: launch a training run through torchrun (here, or on SLURM) and follow it on the
-terminal."""
+"""``shardscope train``: launch a training run through torchrun (here under its supervisor, or on SLURM) and
+follow it on the terminal (or return at once with ``--detach``; ``--dry-run`` writes a SLURM job script only).
+The attached progress line is shared with ``shardscope follow``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS, ShardscopeError
+from shardscope.backend.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEMS, ShardscopeError
 
 from .output import add_command
 
@@ -57,6 +58,10 @@ def register(sub: Any) -> None:
                      "and follow it.")
     add_train_options(sp, 50)
     sp.add_argument("--script", help="run your own training script instead of the built-in trainer")
+    sp.add_argument("--detach", action="store_true", help="start the run, print its directory and return at once "
+                    "(it runs on by itself; `shardscope follow RUN` attaches, `shardscope stop RUN` stops it)")
+    sp.add_argument("--dry-run", action="store_true", help="with --on slurm: write RUN/job.sbatch and print it, "
+                    "submitting nothing")
     add_slurm_options(sp)
     sp.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for --script, after --")
 
@@ -77,23 +82,47 @@ def run_config(args: argparse.Namespace) -> Any:
                     checkpoint_every=args.checkpoint_every, device=args.device, resume=args.resume,
                     script=getattr(args, "script", None), script_args=script_args, model=model, on=on, slurm=opts)
     cfg = cfg.resolved()
-    problems = cfg.problems()
+    problems = cfg.problems(submitting=not getattr(args, "dry_run", False))
     if problems:
         raise ShardscopeError("; ".join(f"--{k.replace('_', '-')}: {v}" for k, v in problems.items()))
     return cfg
 
 
 def follow_run(args: argparse.Namespace) -> tuple[int, str]:
-    """Start the run, print progress until it ends (Ctrl-C stops it); returns (exit code, run dir)."""
-    from shardscope.backend.runs.follow import RunFollower
+    """Start the run and print its progress until it ends (Ctrl-C stops it), or return at once (``--detach``,
+    ``--dry-run``); returns (exit code, run dir)."""
     from shardscope.backend.runs.launcher import RunLauncher
-    from shardscope.backend.runs.rundir import FINAL_STATES, new_run_dir
+    from shardscope.backend.runs.rundir import new_run_dir
 
     config = run_config(args)
-    launcher = RunLauncher(args.run_dir or new_run_dir(), config).start()
-    print(f"run directory: {launcher.run_dir}")
-    follower = RunFollower(launcher.run_dir, stall_seconds=args.stall_seconds)
+    launcher = RunLauncher(args.run_dir or new_run_dir(), config)
+    if getattr(args, "dry_run", False):
+        script = launcher.dry_run()
+        print(script.read_text(), end="")
+        print(f"shardscope: dry run: wrote {script}; nothing was submitted (the same command without --dry-run "
+              "submits it)", file=sys.stderr)
+        return EXIT_OK, str(launcher.run_dir)
+    launcher.start()
+    print(f"run directory: {launcher.run_dir}", flush=True)
+    if getattr(args, "detach", False):
+        job = launcher.status().get("job_id")
+        print(f"started{f' as SLURM job {job}' if job else ''}; it runs on by itself: `shardscope follow "
+              f"{launcher.run_dir}` shows its progress, `shardscope stop {launcher.run_dir}` stops it", flush=True)
+        return EXIT_OK, str(launcher.run_dir)
+    print("Ctrl-C stops the run (`train --detach` starts one that runs on by itself; `shardscope follow RUN` "
+          "attaches to a run without stopping it)", flush=True)
     total = None if config.script else config.steps
+    return attach(launcher.run_dir, total, args.stall_seconds, stops=True, launcher=launcher), str(launcher.run_dir)
+
+
+def attach(run_dir: Any, total: int | None, stall_seconds: float, stops: bool, launcher: Any = None) -> int:
+    """Print the run's progress line until it is over; its exit code (see :func:`report_end`). Ctrl-C or SIGTERM
+    stops the run when ``stops`` (an attached ``train``), else detaches (``follow``: exit 130, the run goes on)."""
+    from shardscope.backend.runs.follow import RunFollower
+    from shardscope.backend.runs.launcher import stop_run
+    from shardscope.backend.runs.rundir import OVER_STATES
+
+    follower = RunFollower(run_dir, stall_seconds=stall_seconds)
     shown = ""
     said = ""
     warned: set[int] = set()
@@ -102,8 +131,10 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
     try:
         while True:
             snap = follower.poll()
-            status = launcher.status() if launcher.proc is not None else snap.status  # reaps a local torchrun
-            if status.get("state") in FINAL_STATES:
+            status = snap.status
+            if launcher is not None and launcher.proc is not None:
+                launcher.proc.poll()  # reaps the supervisor once it has ended
+            if status.get("state") in OVER_STATES:
                 follower.poll()
                 break
             waiting = f"queued: {status.get('explanation', '')}" if status.get("state") == "queued" else ""
@@ -111,7 +142,7 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
                 print(f"job {status.get('job_id')} {waiting}", flush=True)
             said = waiting
             for r in set(snap.stalled) - warned:
-                print(f"\nwarning: rank {r} has reported no new step for {args.stall_seconds:.0f} s (stalled?)",
+                print(f"\nwarning: rank {r} has reported no new step for {stall_seconds:.0f} s (stalled?)",
                       flush=True)
             warned = set(snap.stalled)
             line = follower.progress(total)
@@ -120,19 +151,23 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
                 print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
             time.sleep(0.5)
     except KeyboardInterrupt as exc:
-        print(f"\nstopping the run ({exc or 'Ctrl-C'}) ...", flush=True)
-        # NOTE: a second Ctrl-C or SIGTERM while stopping must not abandon torchrun and its workers half-stopped.
+        if not stops:
+            print(f"\ndetached ({str(exc) or 'Ctrl-C'}): the run goes on. `shardscope follow {run_dir}` attaches "
+                  f"again, `shardscope stop {run_dir}` stops it.", flush=True)
+            return EXIT_INTERRUPTED
+        print(f"\nstopping the run ({str(exc) or 'Ctrl-C'}) ...", flush=True)
+        # NOTE: a second Ctrl-C or SIGTERM while stopping must not leave the stop half-waited-for.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            launcher.stop()
+            launcher.stop() if launcher is not None else stop_run(run_dir)
         finally:
             signal.signal(signal.SIGINT, previous)
     finally:
         signal.signal(signal.SIGTERM, previous_term)
     if tty:
         print()
-    return report_end(launcher.run_dir), str(launcher.run_dir)
+    return report_end(run_dir)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -1,8 +1,9 @@
-"""Launch a training run through torchrun (on this machine in its own process group, or on SLURM),
-follow its state from files and the scheduler, and stop it.
+"""Launch a training run through torchrun (on this machine under its supervisor, or on SLURM), read its
+state from files and the scheduler, and stop it.
 
-The run directory layout is described in :mod:`.rundir`; it outlives the GUI and can be followed
-from another machine.
+A local launch starts the run's supervisor (:mod:`.supervisor`) detached and returns: the supervisor owns
+torchrun and writes the run's state; whoever launched it is only a follower. The run directory layout is
+described in :mod:`.rundir`; it outlives the GUI and the terminal and can be followed from another machine.
 """
 
 from __future__ import annotations
@@ -18,27 +19,35 @@ from typing import Any
 
 from ..errors import ShardscopeError
 from ..filenames import METADATA
-from ..procs import pid_alive, terminate_tree
+from ..procs import process_running, process_started, send_signal, terminate_tree
 from . import slurm
 from .report import ENV_RUN_DIR
 from .rundir import (
+    ENDED,
     FINAL_STATES,
     MODEL_DEFAULTS,
-    is_zombie,
-    rank_exits,
+    OVER_STATES,
+    STATUS_LOCK_NAME,
+    STOP_REQUEST,
+    gone_explanation,
     read_config,
     read_status,
+    run_gone,
+    state_of,
     status_lock,
-    torchrun_ended,
-    torchrun_root_cause,
+    this_host,
     update_status,
     write_json,
 )
+from .supervisor import settle_abandoned
 
 ENV_RESUME = "SHARDSCOPE_RESUME"  # the checkpoint to resume from, for a user's own script
 WORKER = ["-m", "shardscope.backend.runs.worker_entry", "--"]
-STOP_NOTE = ("\n--- stopped by the user from Shardscope (SIGTERM to every process of the run). A SignalException "
-             "traceback from torchrun above is how torchrun reports that signal, not an error.\n")
+SUPERVISOR = ["-m", "shardscope.backend.runs.supervisor"]
+STOP_TIMEOUT = 60.0  # s past the grace for a supervisor to answer a stop before the stop ends the run itself
+# what a folder that holds only a dry run (``train --on slurm --dry-run``) or a status lock has: it can still take
+# a new run
+DRY_RUN_ENTRIES = {"job.sbatch", "metrics", "logs", "checkpoints", "exit", STATUS_LOCK_NAME}
 
 
 @dataclass
@@ -68,8 +77,9 @@ class RunConfig:
             out.resume = str((base / Path(out.resume).expanduser()).resolve())
         return out
 
-    def problems(self) -> dict[str, str]:
-        """What is wrong with this config, by field name (empty when it can be launched)."""
+    def problems(self, submitting: bool = True) -> dict[str, str]:
+        """What is wrong with this config, by field name (empty when it can be launched). ``submitting``:
+        False for a dry run, which needs no SLURM tools here."""
         out: dict[str, str] = {}
         if self.nproc < 1:
             out["nproc"] = "needs at least 1 process"
@@ -87,7 +97,7 @@ class RunConfig:
             out["resume"] = f"{self.resume}: not a DCP checkpoint (no .metadata)"
         if self.on not in ("local", "slurm"):
             out["on"] = f"unknown place to run {self.on!r} (local or slurm)"
-        elif self.on == "slurm" and not slurm.available():
+        elif self.on == "slurm" and submitting and not slurm.available():
             out["on"] = "SLURM's sbatch/scontrol/sinfo are not on PATH here"
         return out
 
@@ -136,119 +146,82 @@ class RunConfig:
         return cfg
 
 
-def describe_exit(code: int | None) -> str:
-    """An exit code in words (negative: killed by a signal)."""
-    if code is None:
-        return "still running"
-    if code == 0:
-        return "success"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        if code == -signal.SIGKILL:
-            return f"killed by {name} (often the out-of-memory killer; see `dmesg`)"
-        return f"killed by {name}"
-    return f"exited with code {code}"
-
-
-def run_status(run_dir: str | os.PathLike, exit_code: int | None = None, pid: int | None = None) -> dict[str, Any]:
-    """The run's state now. status.json, brought up to date: from the scheduler for a SLURM run; for a
-    local run whose torchrun has ended (``exit_code`` when we reaped it, else its pid is gone: the GUI
-    that started it was closed) from the ranks' exit records. A final state is written once.
-
-    ``exit_code`` is that of torchrun ``pid`` when given: it is ignored unless status.json describes
-    that launch (not a resume started since in the same run directory)."""
+def run_status(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's state now, for a follower: status.json as the run's supervisor wrote it; for a SLURM run from
+    the scheduler (which writes the pending reason and the final state there); for a local run whose
+    supervisor is gone without settling it (killed), state "ended" and why. Writes nothing for a local run."""
     status = read_status(run_dir)
     if status.get("state") in FINAL_STATES:
         return status
     if status.get("scheduler") == "slurm":
         return slurm.refresh(Path(run_dir), status)
-    if pid is not None and status.get("pid") != pid:
-        # NOTE: the launcher of a run's earlier segment still answers its old exit code: applied to the
-        # resumed launch it wrote "finished" over a running run, whose Stop then did nothing
-        exit_code = None
-    pid = status.get("pid")
-    if exit_code is None:
-        # NOTE: alive first, then reap: the other order read a torchrun that died between the two checks
-        # as gone without a code ("the launcher is gone", for a run killed by a signal)
-        if not torchrun_ended(status):
-            return status
-        exit_code = _reap_ended_child(pid)
-    # NOTE: read again, under the status lock, now that torchrun is known to have ended. A stop writes
-    # stop_requested (under the same lock) before its first signal, so it is seen here; the status read
-    # above may predate it (a poll racing a Stop wrote "failed" over a run the user had stopped)
-    with status_lock(run_dir):
-        status = read_status(run_dir)
-        if status.get("state") in FINAL_STATES or status.get("pid") != pid:
-            return status  # settled meanwhile by another thread or process, or a new launch has begun
-        return _settle(run_dir, status, exit_code)
+    if state_of(status) == ENDED:
+        return {**status, "state": ENDED, "explanation": f"{gone_explanation(status)}; torchrun and the ranks end "
+                "with it. `shardscope stop` records the end; its checkpoints can be resumed"}
+    return status
 
 
-def _settle(run_dir: str | os.PathLike, status: dict[str, Any], exit_code: int | None) -> dict[str, Any]:
-    """Write the final state of a local run whose torchrun has ended (``exit_code``, None when unknown)."""
-    exits = rank_exits(run_dir)
-    failed = sorted(r for r, e in exits.items() if e.get("code"))
-    nproc = read_config(run_dir).get("nproc")
-    # a rank killed by the stop's SIGTERM writes no exit record: a clean record from every rank means the
-    # run had finished its work before the stop arrived (Stop clicked during the last checkpoint or teardown)
-    all_clean = bool(exits) and not failed and isinstance(nproc, int) and len(exits) >= nproc
-    cause = None
-    if status.get("stop_requested") and not all_clean:
-        state, why = "stopped", "stopped by the user (SIGTERM to every process of the run)"
-    elif status.get("stop_requested"):
-        state, why = "finished", "every rank had finished when the stop arrived"
-    elif not failed and (exit_code == 0 or (exit_code is None and exits)):
-        state, why = "finished", "success" if exit_code == 0 else "every rank recorded a clean exit"
-    else:
-        state = "failed"
-        why = describe_exit(exit_code) if exit_code is not None else \
-            "the launcher is gone and no rank recorded an exit (killed?)" if not exits else \
-            "the launcher is gone; state taken from the ranks' exit records"
-        cause = torchrun_root_cause(run_dir, int(status.get("log_start") or 0))
-        if cause is not None:  # the rank that failed first: the others often fail only because it went
-            why = f"rank {cause[0]} {describe_exit(cause[1])}, the first rank to fail (torchrun: {why})"
-    return update_status(run_dir, state, end_time=time.time(), exit_code=exit_code, failed_ranks=failed,
-                         exit_codes={str(r): e.get("code") for r, e in exits.items()}, explanation=why,
-                         root_cause_rank=cause[0] if cause else None)
-
-
-def _reap_ended_child(pid: int) -> int | None:
-    """The exit code of our own child torchrun that has ended, reaping it; None when it runs, or is not
-    ours. NOTE: a launcher dropped with its Training tab leaves such a zombie: without this, the run
-    read "running" for as long as the window lived."""
-    if not is_zombie(pid):
-        return None
-    try:
-        done, wait_status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return None  # another process's child: it is not running, and its ranks' records tell the end
-    return os.waitstatus_to_exitcode(wait_status) if done == pid else None
-
-
-def stop_run(run_dir: str | os.PathLike, grace: float = 10.0) -> dict[str, Any]:
-    """Stop a run, whoever started it: scancel for a SLURM job; else SIGTERM to torchrun's group and every
-    descendant, SIGKILL after ``grace``. The run then reads "stopped". Returns its final status."""
+def stop_run(run_dir: str | os.PathLike, grace: float = 10.0, timeout: float = STOP_TIMEOUT) -> dict[str, Any]:
+    """Stop a run from any process (``shardscope stop``, the window, an attached ``train``): scancel for a
+    SLURM job; else RUN/stop.request and SIGTERM to the run's supervisor, which ends torchrun and every rank
+    (SIGKILL after ``grace``) and records "stopped". Returns the final status once none of the run's
+    processes lives. A supervisor that is gone or does not answer within ``grace`` + ``timeout`` s: its
+    processes are ended here and the run recorded here."""
+    run_dir = Path(run_dir)
     status = read_status(run_dir)
     if status.get("state") in FINAL_STATES:
         return status
     if status.get("scheduler") == "slurm":
-        return slurm.cancel(Path(run_dir))
-    update_status(run_dir, stop_requested=time.time())
-    pid = status.get("pid")
-    signalled = pid_alive(pid)
-    if signalled:
-        terminate_tree(pid, grace)
-    final = run_status(run_dir, exit_code=-signal.SIGTERM, pid=pid)
-    if signalled and final.get("state") == "stopped":
-        with open(Path(run_dir) / "logs" / "launcher.log", "a") as log:
-            log.write(STOP_NOTE)
-    return final
+        return slurm.cancel(run_dir)
+    with status_lock(run_dir):
+        status = read_status(run_dir)
+        if status.get("state") in FINAL_STATES:
+            return status
+        write_json(run_dir / STOP_REQUEST, {"time": time.time(), "grace": grace, "by_pid": os.getpid(),
+                                            "host": this_host()})
+        status = update_status(run_dir, stop_requested=time.time())
+    supervisor = status.get("supervisor_pid")
+    here = status.get("host", this_host()) == this_host()
+    if here and not run_gone(status) and isinstance(supervisor, int):
+        send_signal(supervisor, signal.SIGTERM)
+    elif here and supervisor is None and process_running(status.get("pid")):
+        terminate_tree(status["pid"], grace)  # a run started before runs had supervisors: torchrun alone
+    deadline = time.monotonic() + grace + timeout
+    while True:
+        status = read_status(run_dir)
+        if status.get("state") in FINAL_STATES or run_gone(status):
+            break
+        if time.monotonic() > deadline:
+            if not here:
+                raise ShardscopeError(f"{run_dir}: the run's supervisor on {status.get('host')} did not stop it in "
+                                      f"{grace + timeout:.0f} s (is that machine up?)")
+            break
+        time.sleep(0.1)
+    if status.get("state") not in FINAL_STATES:  # the supervisor is gone, or does not answer: end it all here
+        if process_running(supervisor, status.get("supervisor_started")):
+            send_signal(supervisor, signal.SIGKILL)  # torchrun gets its parent-death signal
+            _wait_gone({k: status.get(k) for k in ("supervisor_pid", "supervisor_started")}, grace)
+        status = settle_abandoned(run_dir, grace)
+    if here:  # elsewhere, its supervisor waited for them before it recorded the end
+        _wait_gone(status, grace + timeout)
+    return status
+
+
+def _wait_gone(status: dict[str, Any], timeout: float) -> None:
+    """Wait until the run's supervisor and torchrun no longer run (the supervisor records the end just before
+    it exits; torchrun's ranks end before torchrun does)."""
+    deadline = time.monotonic() + timeout
+    while process_running(status.get("supervisor_pid"), status.get("supervisor_started")) or \
+            process_running(status.get("pid"), status.get("pid_started")):
+        if time.monotonic() > deadline:
+            raise ShardscopeError(f"the run's processes (pid {status.get('supervisor_pid')}, {status.get('pid')}) "
+                                  f"still run {timeout:.0f} s after the stop")
+        time.sleep(0.1)
 
 
 class RunLauncher:
-    """Starts one run (torchrun here, or a SLURM job); ``stop()`` ends every process of the run."""
+    """Starts one run: its supervisor here (which starts torchrun), or a SLURM job; ``stop()`` ends every
+    process of the run. ``proc`` is the supervisor, our child: polling it reaps it once it has ended."""
 
     def __init__(self, run_dir: str | os.PathLike, config: RunConfig) -> None:
         self.run_dir = Path(run_dir).absolute()
@@ -256,16 +229,16 @@ class RunLauncher:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RunLauncher:
-        """Start the run. A run directory that already holds a run is continued only when resuming
-        (metrics append; the plots mark the restart); anything else must be a new directory."""
+        """Start the run and return at once. A run directory that already holds a run is continued only when
+        resuming (metrics append; the plots mark the restart); anything else must be a new directory."""
         problems = self.config.problems()
         if problems:
             raise ShardscopeError("; ".join(problems.values()))
         self._check_directory()
         for sub in ("metrics", "logs", "checkpoints", "exit"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        for old in [*(self.run_dir / "exit").glob("*.json"), *self.run_dir.glob(".*.tmp")]:
-            old.unlink()  # the last launch's exit records, and temporaries of a writer that was killed
+        for old in [*(self.run_dir / "exit").glob("*.json"), *self.run_dir.glob(".*.tmp"), self.run_dir / STOP_REQUEST]:
+            old.unlink(missing_ok=True)  # the last launch's exit records and stop, a killed writer's temporaries
         self._write_config()
         history = read_config(self.run_dir).get("history", [])
         log = self.run_dir / "logs" / "launcher.log"
@@ -280,32 +253,49 @@ class RunLauncher:
                 update_status(self.run_dir, "failed", explanation=f"not submitted: {exc}", end_time=time.time())
                 raise
             update_status(self.run_dir, "queued", job_id=job_id, submit_time=time.time())
+            self._detached("--pending")  # writes the job's pending reason to status.json while it waits
             return self
-        env = {**os.environ, **self._env()}
-        with open(self.run_dir / "logs" / "launcher.log", "ab") as log:
-            # NOTE: a new session, so stop() can signal torchrun *and* its workers as one group.
-            self.proc = subprocess.Popen(self.command(), cwd=str(self.run_dir), env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        with status_lock(self.run_dir):
-            # NOTE: a stop that came while the run was "starting" (``shardscope stop`` from a terminal) found
-            # no process and settled the run "stopped": the torchrun just started must not run on unseen
-            stopped = read_status(self.run_dir).get("state") in FINAL_STATES
-            if not stopped:
-                update_status(self.run_dir, "running", pid=self.proc.pid)
-        if stopped:
-            terminate_tree(self.proc.pid, 10.0)
-            self.proc.wait()
+        # NOTE: the supervisor outlives this process, its terminal (SIGHUP) and its Ctrl-C; it starts torchrun
+        # in a further session, so a stop can signal torchrun's group alone
+        self.proc = self._detached()
+        # the supervisor records itself too; this covers the moment before it does
+        update_status(self.run_dir, supervisor_pid=self.proc.pid, supervisor_started=process_started(self.proc.pid),
+                      host=this_host())
         return self
+
+    def _detached(self, *flags: str) -> subprocess.Popen:
+        """Start the supervisor (or the SLURM pending watcher) in a session of its own, output to the run's
+        launcher log."""
+        with open(self.run_dir / "logs" / "launcher.log", "ab") as out:
+            return subprocess.Popen([sys.executable, *SUPERVISOR, *flags, str(self.run_dir)], cwd=str(self.run_dir),
+                                    env={**os.environ, **self._env()}, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def dry_run(self) -> Path:
+        """Write RUN/job.sbatch (and the folders it writes into) for a SLURM run, submitting nothing; its path.
+        The folder can still take the real launch."""
+        if self.config.on != "slurm":
+            raise ShardscopeError("a dry run writes a SLURM job script: it needs --on slurm")
+        problems = self.config.problems(submitting=False)
+        if problems:
+            raise ShardscopeError("; ".join(problems.values()))
+        self._check_directory()
+        for sub in ("metrics", "logs", "checkpoints", "exit"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        return self._job_script()
 
     def _check_directory(self) -> None:
         existing = (self.run_dir / "config.json").exists()
         if existing and not self.config.resume:
             raise ShardscopeError(f"{self.run_dir}: already holds a run; resume it from one of its checkpoints "
                                   "(--resume) or choose a new run directory.")
-        if not existing and self.run_dir.exists() and any(self.run_dir.iterdir()):
+        if not existing and self.run_dir.exists() and not _empty_or_dry_run(self.run_dir):
             raise ShardscopeError(f"{self.run_dir}: run directory is not empty; choose a new one.")
-        if existing and run_status(self.run_dir).get("state") not in (*FINAL_STATES, None):
-            raise ShardscopeError(f"{self.run_dir}: the run is still running.")
+        if existing:
+            settle_abandoned(self.run_dir)  # a run whose supervisor was killed: recorded as it ended first
+            state = run_status(self.run_dir).get("state")
+            if state not in (*FINAL_STATES, None):
+                raise ShardscopeError(f"{self.run_dir}: the run is still {state}.")
 
     def _env(self) -> dict[str, str]:
         env = {ENV_RUN_DIR: str(self.run_dir), "PYTHONUNBUFFERED": "1"}
@@ -313,37 +303,37 @@ class RunLauncher:
             env[ENV_RESUME] = self.config.resume
         return env
 
+    def _job_script(self) -> Path:
+        text = slurm.job_script(self.run_dir, self.config.slurm or slurm.SlurmOptions(), self.config.nproc_per_node,
+                                [*WORKER, *self.config.trainer_args(str(self.run_dir))], env=self._env())
+        return slurm.write_script(self.run_dir, text)
+
     def _write_config(self) -> None:
         prev = read_config(self.run_dir)
         history = [*prev.pop("history", []), prev] if prev else []
-        if self.config.on == "slurm":
-            text = slurm.job_script(self.run_dir, self.config.slurm or slurm.SlurmOptions(),
-                                    self.config.nproc_per_node, [*WORKER, *self.config.trainer_args(str(self.run_dir))],
-                                    env=self._env())
-            command = ["sbatch", str(slurm.write_script(self.run_dir, text))]
-        else:
-            command = self.command()
+        command = ["sbatch", str(self._job_script())] if self.config.on == "slurm" else self.command()
         write_json(self.run_dir / "config.json", {**self.config.record(), "command": command,
                                                   "launched_from": os.getcwd(), "launched_at": time.time(),
                                                   "history": history})
 
     def command(self) -> list[str]:
-        """The local torchrun command line."""
+        """The local torchrun command line (what the supervisor runs, from config.json)."""
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(self.config.nproc), *WORKER, *self.config.trainer_args(str(self.run_dir))]
 
     def status(self) -> dict[str, Any]:
-        """The run's state now (reaps torchrun when it ended; see :func:`run_status`)."""
-        if self.proc is None:
-            return run_status(self.run_dir)
-        return run_status(self.run_dir, exit_code=self.proc.poll(), pid=self.proc.pid)
+        """The run's state now (see :func:`run_status`); reaps the supervisor when it has ended."""
+        if self.proc is not None:
+            self.proc.poll()
+        return run_status(self.run_dir)
 
     def wait(self, timeout: float | None = None, interval: float = 0.5) -> dict[str, Any]:
-        """Wait until the run reaches a final state; returns its status (TimeoutError after ``timeout``)."""
+        """Wait until the run is over (a final state, or "ended": its supervisor was killed); returns its
+        status (TimeoutError after ``timeout``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             status = self.status()
-            if status.get("state") in FINAL_STATES:
+            if status.get("state") in OVER_STATES:
                 return status
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{self.run_dir}: still {status.get('state')} after {timeout} s")
@@ -361,3 +351,9 @@ class RunLauncher:
         if self.proc is not None:
             self.proc.poll()
         return status
+
+
+def _empty_or_dry_run(folder: Path) -> bool:
+    """True for an empty folder, or one that holds only a dry run's job script, empty folders, a status lock."""
+    entries = list(folder.iterdir())
+    return all(e.name in DRY_RUN_ENTRIES and (e.is_file() or not any(e.iterdir())) for e in entries)

@@ -2,9 +2,11 @@
 logs and exit records, checkpoints, and whether a folder is a run at all.
 
     RUN/config.json          what was launched (see RunConfig.record)
-    RUN/status.json          state: queued | starting | running | finished | failed | stopped
+    RUN/status.json          state: queued | starting | running | finished | failed | stopped, written by the
+                             run's supervisor (its pid and start time, torchrun's pid, the host, exit codes)
+    RUN/stop.request         a stop asked for (by ``shardscope stop``, the window, any process): the supervisor acts
     RUN/metrics/rank_N.jsonl one line per report() call
-    RUN/logs/rank_N.log      each rank's output; logs/launcher.log torchrun's (or the SLURM job's)
+    RUN/logs/rank_N.log      each rank's output; logs/launcher.log torchrun's and the supervisor's (or the SLURM job's)
     RUN/exit/rank_N.json     each rank's exit code and the end of its traceback
     RUN/checkpoints/step_*   DCP checkpoints
     RUN/job.sbatch           the SLURM job script of a run launched with --on slurm
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,13 +29,16 @@ from typing import Any
 from ..atomic_file import write_atomic
 from ..filenames import HF_INDEXES, HF_MODEL_FILES
 from ..formats import RESUMABLE, WEIGHTS, detect_file, detect_folder
-from ..procs import pid_alive
+from ..procs import process_running
 from .metric_logs import EVENT_MARK
 
 RUN_NAME_FORMAT = "run-%Y%m%d-%H%M%S"
 ACTIVE_STATES = ("queued", "starting", "running")
 FINAL_STATES = ("finished", "failed", "stopped")
-ENDED = "ended"  # read-only view of an active run whose torchrun is gone (see run_state)
+ENDED = "ended"  # read-only view of an active run whose supervisor is gone without settling it (see run_state)
+OVER_STATES = (*FINAL_STATES, ENDED)  # nothing runs any more
+STOP_REQUEST = "stop.request"
+STARTING_GRACE = 60.0  # s: a run "starting" with no supervisor recorded for this long was never started
 SCALAR_LOG_NAMES = ("metrics.csv",)  # Lightning's CSVLogger; TensorBoard files have EVENT_MARK in their name
 SKIP_DIRS = {"exit", "__pycache__", "node_modules"}
 SEARCH_DEPTH = 4
@@ -60,19 +66,6 @@ def new_run_dir(root: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def is_zombie(pid: Any) -> bool:
-    """True for a process that has ended but was not waited for yet: it still answers ``kill(pid, 0)``,
-    yet it runs nothing (a torchrun whose launcher went with a closed Training tab)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a file; {} when it is missing or not (yet) a complete object."""
     try:
@@ -92,13 +85,35 @@ def read_status(run_dir: str | os.PathLike) -> dict[str, Any]:
     return read_json(Path(run_dir) / "status.json")
 
 
-def torchrun_ended(status: dict[str, Any]) -> bool:
-    """True when the local torchrun a status names (its ``pid``) has ended: gone, or a zombie nobody reaped
-    (its launcher went with a closed Training tab). Never for a SLURM run (the scheduler says) or an
-    unknown pid. The one rule both the launcher (which then settles the final state) and a read-only
-    listing (:func:`run_state`) go by."""
-    pid = status.get("pid")
-    return status.get("scheduler") != "slurm" and isinstance(pid, int) and (not pid_alive(pid) or is_zombie(pid))
+def this_host() -> str:
+    """This machine's name, as status.json records where a local run's processes live."""
+    return socket.gethostname()
+
+
+def run_gone(status: dict[str, Any]) -> bool:
+    """True when the local run a status describes has no supervisor any more (killed: kill -9, the OOM
+    killer, a reboot), so nobody will settle it. Never for a SLURM run (the scheduler says), nor for one whose
+    processes live on another host (a run folder on shared storage). The one rule a listing
+    (:func:`run_state`), a follower and the launcher go by.
+
+    NOTE: a status from before the supervisor names torchrun alone (``pid``): that run is gone with it."""
+    if status.get("scheduler") == "slurm" or status.get("host", this_host()) != this_host():
+        return False
+    if "supervisor_pid" in status:
+        return not process_running(status["supervisor_pid"], status.get("supervisor_started"))
+    if "pid" in status:
+        return not process_running(status["pid"])
+    updated = status.get("updated")
+    return isinstance(updated, (int, float)) and time.time() - updated > STARTING_GRACE
+
+
+def gone_explanation(status: dict[str, Any]) -> str:
+    """Why a run that :func:`run_gone` reads "ended", in the user's words."""
+    if "supervisor_pid" in status:
+        return f"its supervisor (pid {status['supervisor_pid']}) is gone without recording how the run ended (killed?)"
+    if "pid" in status:
+        return f"torchrun (pid {status['pid']}) is gone and nothing recorded how the run ended"
+    return "the run never started: its launcher went away before starting it"
 
 
 def run_state(run_dir: str | os.PathLike) -> str | None:
@@ -108,15 +123,30 @@ def run_state(run_dir: str | os.PathLike) -> str | None:
 
 def state_of(status: dict[str, Any], local: bool = True) -> str | None:
     """A run's state from its status.json, read-only: the state written, except that an active state whose
-    torchrun has ended reads ``ENDED`` (``local``: the pid is one of this machine's; a run listed under a
-    URL is taken as written). NOTE: "ended" is not a state of status.json: the run is over but its final
-    state (finished, failed, stopped) is not written yet; :func:`.launcher.run_status` writes it (from the
-    ranks' exit records) the next time ``shardscope train``, ``stop`` or the Training panel looks, and a
-    listing (``ls``, the Library, prune) never writes to a run."""
+    supervisor is gone reads ``ENDED`` (``local``: the pid is one of this machine's; a run listed under a
+    URL is taken as written). NOTE: "ended" is not a state of status.json: the run is over but nobody
+    recorded how (its supervisor, the one writer, was killed); ``shardscope stop`` or a resume records it."""
     state = status.get("state")
-    if local and state in ACTIVE_STATES and torchrun_ended(status):
+    if local and state in ACTIVE_STATES and run_gone(status):
         return ENDED
     return state if isinstance(state, str) else None
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit code in words (negative: killed by a signal)."""
+    if code is None:
+        return "still running"
+    if code == 0:
+        return "success"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        if code == -signal.SIGKILL:
+            return f"killed by {name} (often the out-of-memory killer; see `dmesg`)"
+        return f"killed by {name}"
+    return f"exited with code {code}"
 
 
 STATUS_LOCK_NAME = ".status.lock"

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..atomic_file import write_atomic
 from ..errors import ShardscopeError
-from .rundir import FINAL_STATES, rank_exits, read_json, read_status, update_status
+from .rundir import FINAL_STATES, rank_exits, read_json, read_status, status_lock, update_status
 
 TOOL_TIMEOUT = 30.0
 RDZV_PORT_BASE = 29500
@@ -228,14 +228,26 @@ def refresh(run_dir: Path, status: dict[str, Any]) -> dict[str, Any]:
     job = query(job_id)
     if job is None:
         return _ended_unknown(run_dir, status)
-    if job.slurm_state in QUEUED:
-        return {**status, "state": "queued", "slurm_state": job.slurm_state, "reason": job.reason,
-                "explanation": explain_pending(job.reason)}
+    if job.slurm_state in QUEUED:  # the pending reason goes to status.json, for whoever reads it next
+        return _record(run_dir, status, "queued", slurm_state=job.slurm_state, reason=job.reason,
+                       explanation=explain_pending(job.reason))
     if job.slurm_state in RUNNING:
-        if status.get("state") != "running":
-            status = update_status(run_dir, "running", nodes=job.nodes, slurm_state=job.slurm_state)
-        return status
+        return _record(run_dir, status, "running", nodes=job.nodes, slurm_state=job.slurm_state, reason=None,
+                       explanation="")
     return _ended(run_dir, status, job)
+
+
+def _record(run_dir: Path, status: dict[str, Any], state: str, **changes: Any) -> dict[str, Any]:
+    """Write what the scheduler says of a job that has not ended, when it differs from status.json. NOTE:
+    decided on a fresh read under the status lock: a stale read must not write "queued" over a final state
+    that ``stop`` (or another follower) recorded meanwhile."""
+    if status.get("state") == state and all(status.get(k) == v for k, v in changes.items()):
+        return status
+    with status_lock(run_dir):
+        status = read_status(run_dir)
+        if status.get("state") in FINAL_STATES:
+            return status
+        return update_status(run_dir, state, **changes)
 
 
 def _ended(run_dir: Path, status: dict[str, Any], job: JobState) -> dict[str, Any]:

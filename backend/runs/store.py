@@ -1,41 +1,107 @@
-"""Run directories on disk: listing them."""
+"""Run directories on disk: listing them, with what ``shardscope runs`` and the Training panel's Runs list
+show of each (read-only: a listing never writes to a local run)."""
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from ..errors import ShardscopeError
 from .launcher import run_status
-from .rundir import is_run_dir
+from .rundir import default_runs_root, is_run_dir, read_config
+
+TAIL_BYTES = 16_384  # the end of a metrics file read for its newest record
 
 
 @dataclass(frozen=True)
 class RunInfo:
-    """A run directory found on disk: its state, last change and the explanation from its status."""
+    """A run directory found on disk: its state, last change and the explanation from its status; its newest
+    step and rank 0's loss there, where it runs (this machine's supervisor, or a SLURM job) and the
+    checkpoint it resumed from."""
 
     path: Path
     state: str
     mtime: float
     explanation: str = ""
+    step: int | None = None
+    loss: float | None = None
+    updated: float | None = None  # the newest of status.json's last change and the newest metric record
+    where: str = ""  # "local" or "slurm"
+    job_id: str | None = None
+    supervisor_pid: int | None = None
+    reason: str | None = None  # SLURM's pending reason
+    resumed_from: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "path": str(self.path), "name": self.path.name}
+
+
+def last_record(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The newest complete record of the lowest rank that reported (rank 0 in our runs): read from the end
+    of its metrics file only, so a listing stays cheap for long runs. {} when there is none."""
+    files = sorted((Path(run_dir) / "metrics").glob("rank_*.jsonl"),
+                   key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else 1 << 30)
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - TAIL_BYTES))
+                lines = f.read().split(b"\n")
+        except OSError:
+            continue
+        for line in reversed(lines[:-1]):  # the part after the last newline may be a record being written
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                return rec
+    return {}
+
+
+def describe(path: Path) -> RunInfo:
+    """What a listing shows of one run directory."""
+    status = run_status(path)
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        mtime = 0.0
+    rec = last_record(path)
+    step, loss, when = rec.get("step"), rec.get("loss"), rec.get("time")
+    times = [t for t in (status.get("updated"), when) if isinstance(t, (int, float))]
+    resume = read_config(path).get("resume")
+    return RunInfo(path, status.get("state", "?"), mtime, status.get("explanation", ""),
+                   step=step if isinstance(step, int) else None,
+                   loss=float(loss) if isinstance(loss, (int, float)) else None,
+                   updated=max(times) if times else None,
+                   where=status.get("scheduler") or ("local" if status else ""),
+                   job_id=status.get("job_id"), supervisor_pid=status.get("supervisor_pid"),
+                   reason=status.get("reason") or None, resumed_from=resume if isinstance(resume, str) else None)
 
 
 def list_runs(root: str | os.PathLike) -> list[RunInfo]:
-    """Run directories under ``root``, newest first."""
+    """Run directories under ``root`` (its folders; ``root`` itself when it is one of ours), newest first."""
     root = Path(root)
-    out = []
+    if (root / "status.json").is_file() and (root / "config.json").is_file():
+        return [describe(root)]
     try:
         entries = list(root.iterdir())
     except OSError:
         return []
-    for p in entries:
-        if is_run_dir(p):
-            try:
-                mtime = p.stat().st_mtime
-            except OSError:
-                continue
-            status = run_status(p)
-            out.append(RunInfo(p, status.get("state", "?"), mtime, status.get("explanation", "")))
-    return sorted(out, key=lambda r: r.mtime, reverse=True)
+    return sorted((describe(p) for p in entries if is_run_dir(p)), key=lambda r: r.mtime, reverse=True)
 
 
+def find_run(name: str | os.PathLike) -> Path:
+    """The run directory a command names: a path, else a run's name under the default runs directory.
+    Raises ShardscopeError (exit 2) when neither is a run."""
+    path = Path(name).expanduser()
+    if not path.exists() and len(path.parts) == 1:
+        path = default_runs_root() / path
+    if not path.is_dir():
+        raise ShardscopeError(f"{name}: no such run directory (nor a run of that name in {default_runs_root()})")
+    if not ((path / "status.json").is_file() or (path / "config.json").is_file()):
+        raise ShardscopeError(f"{path}: not a Shardscope run directory (no status.json)")
+    return path.absolute()

@@ -1,0 +1,33 @@
+"""``shardscope follow RUN``: the attached progress line of ``train`` for a run started elsewhere (``train
+--detach``, the window, another terminal, a SLURM job). Ctrl-C detaches: the run goes on."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .output import add_command
+from .train import attach, report_end
+
+
+def register(sub: Any) -> None:
+    sp = add_command(sub, "follow", run, "Show a run's progress until it ends (Ctrl-C detaches; the run goes on). "
+                     "Exit 0 finished, 1 failed, stopped or ended, 130 detached.")
+    sp.add_argument("run", metavar="RUN", help="a run directory, or a run's name in the runs directory")
+    sp.add_argument("--stall-seconds", type=float, default=60.0,
+                    help="warn when a rank reports no new step for this long (default 60)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardscope.backend.runs.launcher import run_status
+    from shardscope.backend.runs.rundir import OVER_STATES, read_config
+    from shardscope.backend.runs.store import find_run
+
+    run_dir = find_run(args.run)
+    print(f"run directory: {run_dir}", flush=True)
+    if run_status(run_dir).get("state") in OVER_STATES:
+        return report_end(run_dir)
+    config = read_config(run_dir)
+    total = config.get("steps") if config.get("kind") == "builtin" else None
+    print("following; Ctrl-C detaches (the run goes on)", flush=True)
+    return attach(run_dir, total if isinstance(total, int) else None, args.stall_seconds, stops=False)
