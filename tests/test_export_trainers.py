@@ -90,19 +90,24 @@ def _one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     return err
 
 
-def test_lightning_ddp_checkpoint_file_says_how_and_the_two_steps_give_the_weights(written, tmp_path):
+def test_lightning_ddp_checkpoint_file_exports_directly_as_import_then_export_does(written, tmp_path):
+    """A Lightning DDP ``.ckpt`` (one torch.save file) exports directly, through the one door, to the same
+    weights as turning it into a DCP folder first (``import``) and exporting that."""
     ckpt = written / "ddp.ckpt"
-    err = _one_line(run_cli("export", ckpt, tmp_path / "m.safetensors"), str(ckpt), "shardscope import")
-    assert "single checkpoint file" in err and not (tmp_path / "m.safetensors").exists()
+    out = run_cli("export", ckpt, tmp_path / "direct.safetensors")
+    assert out.returncode == 0, out.stderr
+    assert "layout: Lightning Trainer" in out.stdout and "optimizer_states" in out.stdout
     import_file(str(ckpt), str(tmp_path / "dcp"))  # what `shardscope import` runs
     out = run_cli("export", tmp_path / "dcp", tmp_path / "m.safetensors")
     assert out.returncode == 0, out.stderr
     assert "layout: Lightning Trainer" in out.stdout and "optimizer_states" in out.stdout
     ref = _flat_pt(written / "ddp_reference.pt")
-    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as h:
-        assert set(h.keys()) == {f"body.{k}" for k in ref}
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as h, \
+            safe_open(str(tmp_path / "direct.safetensors"), framework="pt") as d:
+        assert set(h.keys()) == set(d.keys()) == {f"body.{k}" for k in ref}
         for k in ref:
             assert torch.equal(h.get_tensor(f"body.{k}"), ref[k]), k
+            assert torch.equal(d.get_tensor(f"body.{k}"), ref[k]), k
 
 
 def test_fabric_save_with_the_users_own_names_exports_the_model_only(written, tmp_path):

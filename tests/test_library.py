@@ -136,7 +136,7 @@ def test_ls_finds_every_kind(tree):
     assert listing["roots"] == [str(tree.resolve())]
     got = _by_rel(listing, tree)
     for c in got.values():
-        assert set(c) == {"path", "run", "step", "format", "kind", "ranks", "bytes", "mtime", "state"}
+        assert set(c) == {"path", "run", "step", "format", "kind", "ranks", "bytes", "mtime", "state", "pinned"}
     expect = {  # path: (run, step, format, ranks, state)
         **{f"runs/run-real/checkpoints/step_{s:06d}": ("runs/run-real", s, "dcp", [0, 1], "complete")
            for s in RUN_STEPS},
