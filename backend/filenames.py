@@ -71,6 +71,7 @@ TMP_PREFIX = ".shardscope-tmp-"  # every temporary's name: <prefix><pid>-... (do
 LEFTOVER_RE = re.compile(r"^\.shardscope-tmp-(\d+)-([0-9a-f]{6})-(.+)$")  # an export's temporary: pid, tag, name
 DOWNLOAD_RE = re.compile(r"^\.shardscope-tmp-(\d+)-dl-")  # a download's temporary copy
 SMALL_TMP_SUFFIX = ".tmp"  # a small file written atomically: ``.<name>.<random>.tmp``
+WATCH_STATE = ".shardscope-watch.json"  # watch's record of a run's exports, in the folder that holds them
 # what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
 # --force replaces an earlier export's files of these kinds and keeps everything else in the folder
 EXPORT_SUFFIXES = (SAFETENSORS_SUFFIX, DATA_SUFFIX, ".pt", ".pth", ".bin")
