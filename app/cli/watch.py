@@ -41,13 +41,11 @@ def run(args: argparse.Namespace) -> int:
     given = any(v is not None for v in (args.keep_last, args.keep_every, args.keep_best)) or args.keep
     rules = rules_of(args) if given else None  # no rule: export only
     watcher = Watcher(args.roots, args.export, rules, export_to=args.export_to, delete=args.delete, log=_log)
-    stopped_by: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
         # NOTE: only noted (and the export in flight cancelled through its Progress): the pass stops at its next
         # check; an export's own handler takes over while it writes (backend/export/atomic.py)
-        stopped_by.append(signum)
-        watcher.stop()
+        watcher.stop(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     failed = False
@@ -66,7 +64,6 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if watcher.stopping:
-        name = signal.Signals(stopped_by[0]).name if stopped_by else "a signal"
-        _log(f"stopped by {name}; every export is whole or absent")
+        _log(f"stopped by {watcher.stopped_by}; every export is whole or absent")
     sys.stdout.flush()
     return EXIT_PROBLEMS if failed else EXIT_OK

@@ -26,7 +26,7 @@ from ..errors import Cancelled, ShardscopeError
 from ..export import ExportResult, export, plan_export, writer
 from ..export.atomic import clean_leftovers
 from ..export.destination import EXPORTS_FOLDER
-from ..export.layouts import find_model_folder
+from ..export.layouts import find_model_folder, recognise_layout
 from ..filenames import SMALL_TMP_SUFFIX, WATCH_STATE, is_url, within
 from ..format import count, human_bytes
 from ..formats import RESUMABLE, open_checkpoint
@@ -106,6 +106,18 @@ def live_resume_points(run_dirs: list[str]) -> dict[str, str]:
     return out
 
 
+def model_prefixes(ckpt: Any) -> list[str]:
+    """The first key parts (below a wrapper key) that hold the model's weights, as ``export``'s layout rules judge
+    them: what a torch export of a watch selects, so that it is weights (a safetensors export selects them itself)
+    and never counts as resumable training state."""
+    layout = recognise_layout(ckpt)
+    out = set()
+    for fqn in [t.fqn for t in ckpt.tensors] + [o.fqn for o in ckpt.objects]:
+        if layout.is_model(fqn):
+            out.add(layout.wrapper + fqn[len(layout.wrapper):].split(".", 1)[0])
+    return sorted(out)
+
+
 def rules_text(rules: Rules) -> str:
     """The rules in the command line's words, for the ``removed`` lines."""
     parts = [f"keep-last {rules.keep_last}" if rules.keep_last else "",
@@ -138,11 +150,13 @@ class Watcher:
         self.log = log
         self.progress = Progress()
         self.stopping = False
+        self.stopped_by = ""  # the signal's name
         self.passes = 0
         self._said: set[str] = set()  # lines about waiting or keeping, said once while they stay true
 
-    def stop(self) -> None:
+    def stop(self, why: str = "a signal") -> None:
         """End the watch: an export in flight is cancelled (its temporary removed), no new work starts."""
+        self.stopped_by = self.stopped_by or why
         self.stopping = True
         self.progress.cancel()
 
@@ -233,14 +247,17 @@ class Watcher:
             force = True  # our export of an earlier checkpoint under this name (it was saved again)
         try:
             src, _ = find_model_folder(c.path)
-            plan = plan_export(open_checkpoint(src), self.writer.name)
+            ckpt = open_checkpoint(src)
+            only = None if self.writer.weights_only else model_prefixes(ckpt)
+            plan = plan_export(ckpt, self.writer.name, only=only)
             entry = state.entries[c.path] = {
                 "identity": identity(c), "export": dst, "state": EXPORTING, "format": self.writer.name,
                 "step": c.step, "tensors": len(plan.items), "bytes": plan.total_bytes, "time": time.time()}
             state.save()
             result = export(plan, dst, force=force, verify=True, progress=self.progress)
-        except (Cancelled, KeyboardInterrupt):
-            self.stopping = True
+        except (Cancelled, KeyboardInterrupt) as exc:  # the export's own signal handler took the signal
+            self.stop("SIGINT" if isinstance(exc, KeyboardInterrupt) else
+                      next((w.strip(";,") for w in str(exc).split() if w.startswith("SIG")), "a signal"))
             if entry and entry["state"] == EXPORTING and os.path.isfile(dst):  # the signal came after the rename
                 self._done(c, state, entry, report, "verified")
             else:
@@ -323,4 +340,4 @@ class Watcher:
                               said)
 
 
-__all__ = ["PassReport", "WatchState", "Watcher", "identity", "live_resume_points", "rules_text"]
+__all__ = ["PassReport", "WatchState", "Watcher", "identity", "live_resume_points", "model_prefixes", "rules_text"]
