@@ -223,3 +223,39 @@ def test_sigterm_ends_the_loop_cleanly(tmp_path, fixtures, when):
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in STEPS]
     else:
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000030"]
+
+
+def test_watch_over_a_live_run_killed_and_restarted(tmp_path):
+    """A real run of the built-in trainer (torchrun, 2 gloo ranks, a DCP checkpoint every 10 steps) watched while it
+    trains; the watch is SIGKILLed once its first export is recorded, started again after the run: one verified
+    export per checkpoint, only the kept checkpoints, nothing temporary."""
+    from shardscope.backend.library.names import WRITING_SECONDS
+
+    run = tmp_path / "runs" / "live"
+    small = ["--strategy", "ddp", "--nproc", "2", "--width", "32", "--depth", "1", "--heads", "2", "--seq-len", "16",
+             "--batch-size", "2"]
+    started = run_cli("train", "--detach", *small, "--steps", "40", "--checkpoint-every", "10", "--run-dir", run)
+    assert started.returncode == 0, started.stdout + started.stderr
+    exports = run / "exports"
+    watch = _watch(tmp_path / "runs", "--export", "safetensors", "--interval", "0.5", "--keep-last", "2", "--delete")
+    try:
+        wait_for(lambda: (exports / WATCH_STATE).exists() and "done" in {
+            e["state"] for e in _state(exports).values()}, "the first export", timeout=400)
+        watch.send_signal(signal.SIGKILL)
+    finally:
+        watch.kill()
+        out, _ = watch.communicate(timeout=60)
+    assert "exported " in out, out
+    follow = run_cli("follow", run, timeout=600)
+    assert follow.returncode == 0 and "run finished" in follow.stdout, follow.stdout + follow.stderr
+    time.sleep(WRITING_SECONDS + 1)  # the last save's files are no longer fresh
+    again = run_cli("watch", tmp_path / "runs", "--export", "safetensors", "--once", "--keep-last", "2", "--delete")
+    assert again.returncode == 0, again.stdout + again.stderr
+    names = [f"step_{s:06d}" for s in (10, 20, 30, 40)]
+    assert sorted(p.name for p in exports.iterdir()) == sorted([WATCH_STATE, *(f"{n}.safetensors" for n in names)])
+    state = _state(exports)
+    assert {Path(k).name: e["state"] for k, e in state.items()} == dict.fromkeys(names, "done")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == names[2:]
+    assert not _temporaries(tmp_path)
+    for n in names[2:]:
+        _assert_equal_values(run / "checkpoints" / n, exports / f"{n}.safetensors")
