@@ -245,6 +245,7 @@ class Watcher:
                 self.log(f"FAILED export of {c.path}: {dst} exists and this watch did not write it; move it away")
                 return
             force = True  # our export of an earlier checkpoint under this name (it was saved again)
+        entry = None  # this export's own entry, once recorded
         try:
             src, _ = find_model_folder(c.path)
             ckpt = open_checkpoint(src)
@@ -293,8 +294,8 @@ class Watcher:
         todo: list[Decision] = []
         for d in plan.decisions:
             c = d.checkpoint
-            if c.kind != RESUMABLE or c.state == "writing":
-                continue  # weights are never pruned by watch; a checkpoint being written has its "waiting" line
+            if c.kind != RESUMABLE or c.state != "complete":
+                continue  # weights are never pruned by watch; the others had their line (waiting, not exported)
             if d.remove:
                 live = resumed.get(os.path.realpath(c.path))
                 if live:
