@@ -57,11 +57,21 @@ MP_RANK_RE = re.compile(r"^mp_rank_(\d+)")  # Megatron-LM's legacy per-model-par
 # ------------------------------------------------------------------ URLs
 URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 
+# ------------------------------------------------------------------ folders that hold checkpoints
+CHECKPOINT_HOLDERS = {"checkpoints", "checkpoint", "ckpt", "ckpts"}  # a run's checkpoints live in one of these
+
+
+def within(path: str, root: str) -> bool:
+    """True when ``path`` is ``root`` itself or lies inside it (whole path parts, not a string prefix)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
 # ------------------------------------------------------------------ Shardscope's own temporaries
 TMP_PREFIX = ".shardscope-tmp-"  # every temporary's name: <prefix><pid>-... (downloads, uploads, export outputs)
 LEFTOVER_RE = re.compile(r"^\.shardscope-tmp-(\d+)-([0-9a-f]{6})-(.+)$")  # an export's temporary: pid, tag, name
 DOWNLOAD_RE = re.compile(r"^\.shardscope-tmp-(\d+)-dl-")  # a download's temporary copy
 SMALL_TMP_SUFFIX = ".tmp"  # a small file written atomically: ``.<name>.<random>.tmp``
+WATCH_STATE = ".shardscope-watch.json"  # watch's record of a run's exports, in the folder that holds them
 # what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
 # --force replaces an earlier export's files of these kinds and keeps everything else in the folder
 EXPORT_SUFFIXES = (SAFETENSORS_SUFFIX, DATA_SUFFIX, ".pt", ".pth", ".bin")

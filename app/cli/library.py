@@ -25,15 +25,7 @@ def register(sub: Any) -> None:
     sp = add_command(sub, "prune", run_prune, "Remove checkpoints no rule keeps (keep if any rule keeps). Prints "
                      "the plan; --yes acts (to the desktop trash; --delete: for good).")
     sp.add_argument("roots", nargs="+", metavar="ROOT")
-    sp.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest complete resumable checkpoints of "
-                    "each run (with --weights, also the N newest weights files)")
-    sp.add_argument("--keep-every", type=int, metavar="K", help="keep checkpoints whose step is divisible by K")
-    sp.add_argument("--keep-best", metavar="METRIC", help="keep the best --top N by METRIC at the checkpoint's "
-                    "step (the run's metrics/rank_N.jsonl, Lightning's metrics.csv, TensorBoard event files or "
-                    "HF's trainer_state.json); checkpoints without a value are kept")
-    sp.add_argument("--mode", choices=("min", "max"), default="min", help="for --keep-best (default: min)")
-    sp.add_argument("--top", type=int, default=1, metavar="N", help="for --keep-best (default: 1)")
-    sp.add_argument("--keep", action="append", default=[], metavar="GLOB", help="keep names or paths matching GLOB")
+    add_keep_rules(sp)
     sp.add_argument("--min-age", metavar="AGE", help="keep checkpoints newer than AGE (90s, 30m, 2h, 7d)")
     sp.add_argument("--incomplete", action="store_true",
                     help="also remove leftovers of failed saves (older than --min-age)")
@@ -44,6 +36,19 @@ def register(sub: Any) -> None:
     sp.add_argument("--delete", action="store_true", help="delete for good instead of moving to the trash")
     sp.add_argument("--json", action="store_true")
     add_storage_options(sp)
+
+
+def add_keep_rules(sp: Any) -> None:
+    """The keep rules ``prune`` and ``watch`` share (see ``backend.library.Rules``)."""
+    sp.add_argument("--keep-last", type=int, metavar="N", help="keep the N newest complete resumable checkpoints of "
+                    "each run (prune --weights: also the N newest weights files)")
+    sp.add_argument("--keep-every", type=int, metavar="K", help="keep checkpoints whose step is divisible by K")
+    sp.add_argument("--keep-best", metavar="METRIC", help="keep the best --top N by METRIC at the checkpoint's "
+                    "step (the run's metrics/rank_N.jsonl, Lightning's metrics.csv, TensorBoard event files or "
+                    "HF's trainer_state.json); checkpoints without a value are kept")
+    sp.add_argument("--mode", choices=("min", "max"), default="min", help="for --keep-best (default: min)")
+    sp.add_argument("--top", type=int, default=1, metavar="N", help="for --keep-best (default: 1)")
+    sp.add_argument("--keep", action="append", default=[], metavar="GLOB", help="keep names or paths matching GLOB")
 
 
 def _finish_leftovers(listing: Any) -> list:
@@ -95,12 +100,14 @@ def run_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _rules(args: argparse.Namespace) -> Any:
+def rules_of(args: argparse.Namespace) -> Any:
+    """The checked ``Rules`` of a command line (``watch`` has no --min-age, --incomplete nor --weights)."""
     from shardscope.backend.library import Rules, parse_age
 
+    min_age = getattr(args, "min_age", None)
     rules = Rules(keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep_best, mode=args.mode,
-                  top=args.top, keep=tuple(args.keep), min_age=parse_age(args.min_age) if args.min_age else None,
-                  incomplete=args.incomplete, weights=args.weights)
+                  top=args.top, keep=tuple(args.keep), min_age=parse_age(min_age) if min_age else None,
+                  incomplete=getattr(args, "incomplete", False), weights=getattr(args, "weights", False))
     rules.check()
     return rules
 
@@ -123,7 +130,7 @@ def print_plan(plan: Any) -> None:
 def run_prune(args: argparse.Namespace) -> int:
     from shardscope.backend.library import execute, make_plan
 
-    rules = _rules(args)
+    rules = rules_of(args)
     listing = _scan(args, args.json)
     plan = make_plan(listing, rules)
     if not args.json:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..checkpoint.remote import fs_for
 from ..checkpoint.storage import is_url
-from ..library.names import CHECKPOINT_HOLDERS, within
+from ..filenames import CHECKPOINT_HOLDERS, within
 from .plan import ExportError
 
 EXPORTS_FOLDER = "exports"  # where the Export dialog proposes to write: beside checkpoints/, never inside it

@@ -3,21 +3,12 @@
 
 from __future__ import annotations
 
-import os
-
-from ..filenames import is_url, step_from_name
+from ..filenames import CHECKPOINT_HOLDERS, is_url, step_from_name, within
 
 WRITING_SECONDS = 5.0  # files changed this recently are still being written
-CHECKPOINT_HOLDERS = {"checkpoints", "checkpoint", "ckpt", "ckpts"}
 SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "wandb", "tensorboard"}
 RUN_SKIP_DIRS = {"metrics", "logs", "exit"}
 MAX_DEPTH = 24
-
-
-def within(path: str, root: str) -> bool:
-    """True when ``path`` is ``root`` itself or lies inside it (whole path parts, not a string prefix)."""
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
 
 __all__ = ["CHECKPOINT_HOLDERS", "MAX_DEPTH", "RUN_SKIP_DIRS", "SKIP_DIRS", "WRITING_SECONDS", "is_url",
            "step_from_name", "within"]

@@ -120,6 +120,7 @@ class Plan:
     rules: Rules
     decisions: list[Decision]
     leftovers: list[Leftover] = field(default_factory=list)
+    running_ok: bool = False  # a running run's checkpoints follow the rules too (watch: thinning while it trains)
 
     @property
     def remove(self) -> list[Decision]:
@@ -138,19 +139,22 @@ class Plan:
                 "bytes_freed": self.bytes_freed, "leftovers": [x.original for x in self.leftovers]}
 
 
-def make_plan(listing: Listing, rules: Rules, now: float | None = None) -> Plan:
-    """Keep or remove for every checkpoint of the listing, with the reasons."""
+def make_plan(listing: Listing, rules: Rules, now: float | None = None, running_ok: bool = False) -> Plan:
+    """Keep or remove for every checkpoint of the listing, with the reasons. ``running_ok``: a running run's
+    checkpoints are not kept for that alone (``watch`` thins a run while it trains; what is being written and
+    the newest resumable checkpoint stay)."""
     rules.check()
     now = time.time() if now is None else now
-    decisions = [d for run in listing.runs for d in _plan_run(run, rules, now, listing.roots)]
-    return Plan(list(listing.roots), rules, decisions, list(listing.leftovers))
+    decisions = [d for run in listing.runs for d in _plan_run(run, rules, now, listing.roots, running_ok)]
+    return Plan(list(listing.roots), rules, decisions, list(listing.leftovers), running_ok)
 
 
-def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord | None, roots: list[str]) -> list[str]:
+def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord | None, roots: list[str],
+                 running_ok: bool) -> list[str]:
     out = []
     if c.path in roots:
         out.append("a root you named")
-    if run.running:
+    if run.running and not running_ok:
         out.append("its run is running")
     if c.state == "writing":
         out.append("being written")
@@ -182,7 +186,7 @@ def _rule_reasons(c: CheckpointRecord, rules: Rules, last: set[str], best: dict[
     return out
 
 
-def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str]) -> list[Decision]:
+def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str], running_ok: bool) -> list[Decision]:
     """Each kind is counted on its own: a weights file (an export) never takes a resumable checkpoint's place
     in --keep-last or --keep-best, the newest resumable checkpoint always stays, and weights files go only
     with --weights."""
@@ -200,14 +204,15 @@ def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str]) -> lis
             ranked = sorted(best, key=best.__getitem__, reverse=rules.mode == "max")
             best_kept = set(ranked[:rules.top])
         for c in members:
-            decided[c.path] = _decide(c, run, rules, now, roots, newest, last, best, best_kept)
+            decided[c.path] = _decide(c, run, rules, now, roots, newest, last, best, best_kept, running_ok)
     return [decided[c.path] for c in run.checkpoints]
 
 
 def _decide(c: CheckpointRecord, run: RunRecord, rules: Rules, now: float, roots: list[str],
-            newest: CheckpointRecord | None, last: set[str], best: dict[str, float], best_kept: set[str]) -> Decision:
+            newest: CheckpointRecord | None, last: set[str], best: dict[str, float], best_kept: set[str],
+            running_ok: bool = False) -> Decision:
     age = max(0.0, now - c.mtime)
-    keep = _protections(c, run, newest, roots)
+    keep = _protections(c, run, newest, roots, running_ok)
     if c.pinned:  # a framework resumes from it (DeepSpeed's latest tag): no rule removes it
         keep.append(f"pinned: {c.pinned}")
     if c.state == "incomplete":
@@ -322,7 +327,7 @@ def finish_leftovers(leftovers: list[Leftover]) -> list[Outcome]:
     return out
 
 
-def _why_not_now(c: CheckpointRecord, roots: list[str]) -> str | None:
+def _why_not_now(c: CheckpointRecord, roots: list[str], running_ok: bool = False) -> str | None:
     """Check again right before acting: the plan may be minutes old."""
     if not os.path.lexists(c.path):
         return "no longer there"
@@ -331,7 +336,7 @@ def _why_not_now(c: CheckpointRecord, roots: list[str]) -> str | None:
     real = os.path.realpath(c.path)
     if not any(within(real, r) and real != r for r in roots):
         return "outside the roots"
-    if is_shardscope_run(c.run) and run_state(c.run) in ACTIVE_STATES:
+    if not running_ok and is_shardscope_run(c.run) and run_state(c.run) in ACTIVE_STATES:
         return "its run is running now"
     fresh = scan([c.path]).checkpoints
     now = next((f for f in fresh if f.path == resolve_root(c.path)), None)
@@ -347,9 +352,9 @@ def _pause_for_tests(hidden: str) -> None:
         time.sleep(float(pause))
 
 
-def remove_one(c: CheckpointRecord, mode: str, roots: list[str]) -> Outcome:
+def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: bool = False) -> Outcome:
     """Rename the checkpoint out of the way (atomic), then trash or delete the renamed folder."""
-    why = _why_not_now(c, roots)
+    why = _why_not_now(c, roots, running_ok)
     if why:
         return Outcome(c.path, "skipped", 0, why)
     parent = os.path.dirname(c.path)
@@ -404,7 +409,7 @@ def execute(plan: Plan, delete: bool = False, progress: Progress | None = None) 
         progress.start(len(todo), "removing checkpoints")
     roots = [resolve_root(r) for r in plan.roots]
     for d in todo:
-        result.outcomes.append(remove_one(d.checkpoint, result.mode, roots))
+        result.outcomes.append(remove_one(d.checkpoint, result.mode, roots, plan.running_ok))
         if progress:
             progress.advance(1, d.checkpoint.name)
     return result

@@ -1,0 +1,261 @@
+"""``shardscope watch`` on real checkpoints (copies of the session's dcp.save fixtures, and a real run of the
+built-in trainer), in real subprocesses killed with real signals: each complete resumable checkpoint exported once,
+verified, with the values of the checkpoint; the keep rules applied only after a verified export; nothing left
+half-written by SIGKILL or SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, wait_for
+from shardscope.backend.checkpoint.chunks import ChunkReader
+from shardscope.backend.export import plan_export
+from shardscope.backend.export.atomic import HOLD_ENV
+from shardscope.backend.filenames import TMP_PREFIX, WATCH_STATE
+from shardscope.backend.formats import open_checkpoint
+from shardscope.backend.library.watch import model_prefixes
+
+STEPS = [10, 20, 30]
+
+
+def _age(path: Path, seconds: float = 3600) -> None:
+    """Make every file of a tree look ``seconds`` old (nothing in it is being written)."""
+    t = time.time() - seconds
+    for p in [path, *path.rglob("*")]:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+def _run(root: Path, fixtures, steps=STEPS, writing: int | None = None) -> Path:
+    """``root/run/checkpoints/step_N`` for each step (complete, old), and one being written (fresh files)."""
+    ck = root / "run" / "checkpoints"
+    for s in steps:
+        shutil.copytree(fixtures["fsdp2_r2"], ck / f"step_{s:06d}")
+    _age(root)
+    if writing is not None:
+        _fresh(shutil.copytree(fixtures["fsdp2_r2"], ck / f"step_{writing:06d}"))
+    return root / "run"
+
+
+def _fresh(folder: Path) -> None:
+    """Files changed just now, as a save in progress leaves them (copytree keeps the fixture's times)."""
+    for p in [folder, *folder.rglob("*")]:
+        os.utime(p)
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _temporaries(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(TMP_PREFIX) or p.name.endswith(".tmp")]
+
+
+def _assert_equal_values(ckpt_path: Path, export_path: Path, fmt: str = "safetensors") -> None:
+    """Every tensor of the export holds the checkpoint's values (both read by the one chunk reader)."""
+    src = open_checkpoint(str(ckpt_path))
+    only = None if fmt == "safetensors" else model_prefixes(src)
+    items = {it.key: it.entry for it in plan_export(src, fmt, only=only).items}
+    out = open_checkpoint(str(export_path))
+    assert sorted(t.fqn for t in out.tensors) == sorted(items)
+    with ChunkReader(src) as a, ChunkReader(out) as b:
+        for t in out.tensors:
+            x, y = a.read_tensor(items[t.fqn]), b.read_tensor(t)
+            assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), t.fqn
+
+
+def _state(exports: Path) -> dict:
+    return json.loads((exports / WATCH_STATE).read_text())["exports"]
+
+
+def _watch(*args: object, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "watch", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("fmt, suffix", [("safetensors", ".safetensors"), ("torch", ".pt")])
+def test_once_exports_each_complete_checkpoint_then_applies_the_rules(tmp_path, fixtures, fmt, suffix):
+    run = _run(tmp_path / "root", fixtures, writing=40)
+    writing = _snapshot(run / "checkpoints" / "step_000040")
+    proc = run_cli("watch", tmp_path / "root", "--export", fmt, "--once", "--keep-last", "2", "--delete")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exports = run / "exports"
+    assert sorted(p.name for p in exports.iterdir()) == sorted(
+        [WATCH_STATE, *(f"step_{s:06d}{suffix}" for s in STEPS)])
+    for s in STEPS:
+        assert f"exported {run}/checkpoints/step_{s:06d} -> {exports}/step_{s:06d}{suffix} (verified, 15 tensors" \
+            in proc.stdout
+        _assert_equal_values(fixtures["fsdp2_r2"], exports / f"step_{s:06d}{suffix}", fmt)
+    # keep-last 2 among the complete ones; the one being written is untouched and not exported
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000020", "step_000030", "step_000040"]
+    assert f"removed {run}/checkpoints/step_000010 (keep-last 2)" in proc.stdout
+    assert f"kept {run}/checkpoints/step_000030: the newest resumable checkpoint of its run; keep-last 2" in proc.stdout
+    assert f"waiting: {run}/checkpoints/step_000040 is being written" in proc.stdout
+    assert _snapshot(run / "checkpoints" / "step_000040") == writing
+    state = _state(exports)
+    assert {e["state"] for e in state.values()} == {"done"} and "removed" in state[f"{run}/checkpoints/step_000010"]
+    # exports are weights: listed as such, never exported again; a second pass does nothing
+    kinds = {c["path"]: c["kind"] for c in json.loads(run_cli("ls", tmp_path / "root", "--json").stdout)["checkpoints"]}
+    assert {kinds[str(exports / f"step_{s:06d}{suffix}")] for s in STEPS} == {"weights"}
+    before = _snapshot(exports)
+    again = run_cli("watch", tmp_path / "root", "--export", fmt, "--once", "--keep-last", "2", "--delete")
+    assert again.returncode == 0 and "exported" not in again.stdout and "removed" not in again.stdout, again.stdout
+    assert _snapshot(exports) == before
+    assert not _temporaries(tmp_path)
+
+
+def test_sigkill_during_an_export_then_restart_exports_each_checkpoint_once(tmp_path, fixtures):
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    exports = run / "exports"
+    announce = tmp_path / "held"
+    first = _watch(root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete",
+                   env={HOLD_ENV: f"written:{announce}"})
+    try:
+        wait_for(lambda: announce.exists() and announce.read_text(), "the first export to be written", timeout=120)
+        tmp = Path(announce.read_text())
+        assert tmp.exists() and tmp.parent == exports  # written, not yet verified nor renamed
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    assert tmp.exists() and not list(exports.glob("*.safetensors"))
+    assert _state(exports)[f"{run}/checkpoints/step_000010"]["state"] == "exporting"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in STEPS]
+
+    second = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert second.stdout.count("exported ") == 3
+    assert sorted(p.name for p in exports.iterdir()) == sorted([WATCH_STATE, *(f"step_{s:06d}.safetensors"
+                                                                                for s in STEPS)])
+    assert not _temporaries(tmp_path)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000030"]
+    for s in STEPS:
+        _assert_equal_values(fixtures["fsdp2_r2"], exports / f"step_{s:06d}.safetensors")
+
+    # killed after the rename of an export but before it was recorded: found verified, not written again
+    state = json.loads((exports / WATCH_STATE).read_text())
+    state["exports"][f"{run}/checkpoints/step_000030"]["state"] = "exporting"
+    (exports / WATCH_STATE).write_text(json.dumps(state))
+    before = _snapshot(exports / "step_000030.safetensors")
+    third = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "(verified before a restart, 15 tensors" in third.stdout and third.stdout.count("exported ") == 1
+    assert _snapshot(exports / "step_000030.safetensors") == before
+    assert _state(exports)[f"{run}/checkpoints/step_000030"]["state"] == "done"
+
+
+def test_a_checkpoint_whose_export_failed_is_kept(tmp_path, fixtures):
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    (run / "exports").mkdir()
+    foreign = run / "exports" / "step_000010.safetensors"
+    foreign.write_bytes(b"not written by watch")
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAILED export of {run}/checkpoints/step_000010: {foreign} exists and this watch did not write it" \
+        in proc.stdout
+    assert f"kept {run}/checkpoints/step_000010: its export is not verified" in proc.stdout
+    assert foreign.read_bytes() == b"not written by watch"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010", "step_000030"]
+
+
+def test_a_checkpoint_a_live_run_resumed_from_is_never_removed(tmp_path, fixtures):
+    """The live run's own checkpoints are thinned while it runs (not what is written, not the newest); the
+    checkpoint it resumed from (config.json's "resume", here in an older run) stays."""
+    root = tmp_path / "root"
+    old = _run(root, fixtures)
+    live = root / "live"
+    for s in (40, 50, 60):
+        shutil.copytree(fixtures["fsdp2_r2"], live / "checkpoints" / f"step_{s:06d}")
+    _age(live)
+    _fresh(shutil.copytree(fixtures["fsdp2_r2"], live / "checkpoints" / "step_000070"))  # being written
+    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (live / "config.json").write_text(json.dumps({"resume": str(old / "checkpoints" / "step_000010")}))
+        (live / "status.json").write_text(json.dumps({"state": "running", "pid": keeper.pid}))
+        proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    finally:
+        keeper.kill()
+        keeper.wait()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"kept {old}/checkpoints/step_000010: a live run resumed from it ({live})" in proc.stdout
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == ["step_000010", "step_000030"]
+    assert sorted(p.name for p in (live / "checkpoints").iterdir()) == ["step_000060", "step_000070"]
+    assert sorted(p.name for p in (live / "exports").glob("*.safetensors")) == [
+        "step_000040.safetensors", "step_000050.safetensors", "step_000060.safetensors"]
+
+
+@pytest.mark.parametrize("when", ["between passes", "during an export"])
+def test_sigterm_ends_the_loop_cleanly(tmp_path, fixtures, when):
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    exports = run / "exports"
+    announce = tmp_path / "held"
+    env = {HOLD_ENV: f"written:{announce}"} if when == "during an export" else {}
+    proc = _watch(root, "--export", "safetensors", "--interval", "0.2", "--keep-last", "1", "--delete",
+                   env=env)
+    try:
+        if env:
+            wait_for(lambda: announce.exists() and announce.read_text(), "an export in flight", timeout=120)
+        else:
+            wait_for(lambda: len(list(exports.glob("*.safetensors"))) == 3 and "removed" in
+                     (exports / WATCH_STATE).read_text(), "three exports and a removal", timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    assert "stopped by SIGTERM; every export is whole or absent" in out
+    assert not _temporaries(tmp_path)
+    if env:
+        assert f"cancelled: the export of {run}/checkpoints/step_000010" in out
+        assert not list(exports.glob("*.safetensors"))
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in STEPS]
+    else:
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000030"]
+
+
+def test_watch_over_a_live_run_killed_and_restarted(tmp_path):
+    """A real run of the built-in trainer (torchrun, 2 gloo ranks, a DCP checkpoint every 10 steps) watched while it
+    trains; the watch is SIGKILLed once its first export is recorded, started again after the run: one verified
+    export per checkpoint, only the kept checkpoints, nothing temporary."""
+    from shardscope.backend.library.names import WRITING_SECONDS
+
+    run = tmp_path / "runs" / "live"
+    small = ["--strategy", "ddp", "--nproc", "2", "--width", "32", "--depth", "1", "--heads", "2", "--seq-len", "16",
+             "--batch-size", "2"]
+    started = run_cli("train", "--detach", *small, "--steps", "40", "--checkpoint-every", "10", "--run-dir", run)
+    assert started.returncode == 0, started.stdout + started.stderr
+    exports = run / "exports"
+    watch = _watch(tmp_path / "runs", "--export", "safetensors", "--interval", "0.5", "--keep-last", "2", "--delete")
+    try:
+        wait_for(lambda: (exports / WATCH_STATE).exists() and "done" in {
+            e["state"] for e in _state(exports).values()}, "the first export", timeout=400)
+        watch.send_signal(signal.SIGKILL)
+    finally:
+        watch.kill()
+        out, _ = watch.communicate(timeout=60)
+    assert "exported " in out, out
+    follow = run_cli("follow", run, timeout=600)
+    assert follow.returncode == 0 and "run finished" in follow.stdout, follow.stdout + follow.stderr
+    time.sleep(WRITING_SECONDS + 1)  # the last save's files are no longer fresh
+    again = run_cli("watch", tmp_path / "runs", "--export", "safetensors", "--once", "--keep-last", "2", "--delete")
+    assert again.returncode == 0, again.stdout + again.stderr
+    names = [f"step_{s:06d}" for s in (10, 20, 30, 40)]
+    assert sorted(p.name for p in exports.iterdir()) == sorted([WATCH_STATE, *(f"{n}.safetensors" for n in names)])
+    state = _state(exports)
+    assert {Path(k).name: e["state"] for k, e in state.items()} == dict.fromkeys(names, "done")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == names[2:]
+    assert not _temporaries(tmp_path)
+    for n in names[2:]:
+        _assert_equal_values(run / "checkpoints" / n, exports / f"{n}.safetensors")
