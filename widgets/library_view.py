@@ -1,8 +1,8 @@
 """The Library: every checkpoint of every run under the user's roots, the start page of the window.
 
 A tree of runs -> checkpoints (step, time, size with a bar, writer ranks, format, state, loss at the
-step, an export's source and a checkpoint's exports, with a warning when the source changed), refreshed by a scan in a worker every two seconds (so a network file system never blocks the
-window), a disk-usage table per root with what the prune rules would free, and the actions: Open,
+step, an export's source and a checkpoint's exports, warned when the source changed), refreshed by a
+scan in a worker every two seconds (so a network file system never blocks the window), a disk-usage table per root with what the prune rules would free, and the actions: Open,
 Export, Show in folder, Compare (two selected), Prune.
 """
 
