@@ -2,8 +2,9 @@
 
 A tree of runs -> checkpoints (step, time, size with a bar, writer ranks, format, state, loss at the
 step, an export's source and a checkpoint's exports, warned when the source changed), refreshed by a
-scan in a worker every two seconds (so a network file system never blocks the window), a disk-usage table per root with what the prune rules would free, and the actions: Open,
-Export, Show in folder, Compare (two selected), Prune.
+scan in a worker every two seconds (so a network file system never blocks the window), a disk-usage
+table per root with what the prune rules would free, and the actions: Open, Export, Show in folder,
+Compare (two selected), Prune.
 """
 
 from __future__ import annotations
