@@ -97,6 +97,16 @@ def write_error(dst: str, exc: OSError) -> OutputError:
     return OutputError(f"{dst}: cannot write ({exc.strerror or exc}).")
 
 
+def _name_fits(path: str) -> bool:
+    """True when the file system takes ``path``'s last part as a name (a sidecar adds to a long export name:
+    then the export goes without one)."""
+    try:
+        limit = os.pathconf(os.path.dirname(path) or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    return len(os.fsencode(os.path.basename(path))) <= limit
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)  # the same file system (the temporary is made next to the destination): no copy
@@ -130,7 +140,7 @@ class AtomicOutput:
         self.kept: list[str] = []  # --force over a folder: its entries the export kept (it does not write them)
         self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
         self.sources = [str(s) for s in sources]
-        self.lineage = None if self.remote else lineage
+        self.lineage = None if self.remote or not _name_fits(lineage_sidecar(self.dst, kind == "dir")) else lineage
         # a file's sidecar is staged under a temporary name of its own (removed with the output's on failure)
         self.lineage_tmp = self.path + LINEAGE_FILE_SUFFIX
         self.progress = progress or Progress()

@@ -31,8 +31,12 @@ def describe_source(src: str, fmt: str = "") -> dict[str, Any]:
     rec = _library_record(path)
     if rec is not None:
         step = step if step is not None else rec.step
+    try:
+        ident = identity(path)
+    except OSError:  # a describing file that cannot be read: the export goes on, its source's identity unknown
+        ident = None
     return {"path": path, "name": name, "step": step, "run": rec.run if rec is not None else os.path.dirname(path),
-            "format": fmt or (rec.format if rec is not None else ""), "identity": identity(path)}
+            "format": fmt or (rec.format if rec is not None else ""), "identity": ident}
 
 
 def lineage_for(src: str, export_format: str, fmt: str = "") -> bytes:
