@@ -236,7 +236,7 @@ class AtomicOutput:
         with self._held():
             self._stop_if_asked()
             try:
-                if self.kind == "file":
+                if self.kind == "file" and _name_fits(lineage_sidecar(self.dst, False)):
                     # NOTE: an old sidecar goes first and the new one comes after the output: a failure or a kill
                     # between the renames leaves an export without a sidecar, never one credited to another source
                     remove_path(lineage_sidecar(self.dst, False))
