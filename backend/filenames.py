@@ -75,7 +75,14 @@ WATCH_STATE = ".shardscope-watch.json"  # watch's record of a run's exports, in 
 # what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
 # --force replaces an earlier export's files of these kinds and keeps everything else in the folder
 EXPORT_SUFFIXES = (SAFETENSORS_SUFFIX, DATA_SUFFIX, ".pt", ".pth", ".bin")
-EXPORT_NAMES = (SAFETENSORS_INDEX, METADATA)
+# an export's lineage sidecar (what it was made from; see backend/lineage.py): beside a file export
+# ``<export>.shardscope.json``, inside a folder export ``.shardscope-lineage.json``. A ``.json`` is never a
+# checkpoint (not a FILE_SUFFIXES name, not an ``.index.json``), so ``ls`` never lists one
+LINEAGE_FILE_SUFFIX = ".shardscope.json"
+LINEAGE_FOLDER_NAME = ".shardscope-lineage.json"
+EXPORT_NAMES = (SAFETENSORS_INDEX, METADATA, LINEAGE_FOLDER_NAME)
+# the small files that describe a checkpoint folder (its identity for lineage: their sizes, times and CRC32)
+DESCRIBING_NAMES = (LIGHTNING_META, MEGATRON_CONFIG, MEGATRON_COMMON, HF_TRAINER_STATE, DS_LATEST, "config.json")
 
 # ------------------------------------------------------------------ steps in names
 STEP_RES = (
@@ -150,9 +157,22 @@ def step_from_name(name: str) -> int | None:
 
 
 def export_owned(name: str) -> bool:
-    """True for a folder entry an export writes or replaces (see :data:`EXPORT_SUFFIXES`); a forced export
-    over a folder keeps every other entry (an HF model folder's config.json and tokenizer files)."""
-    return name.endswith(EXPORT_SUFFIXES) or name in EXPORT_NAMES
+    """True for a folder entry an export writes or replaces (see :data:`EXPORT_SUFFIXES`, its lineage sidecars);
+    a forced export over a folder keeps every other entry (an HF model folder's config.json and tokenizer files)."""
+    return name.endswith((*EXPORT_SUFFIXES, LINEAGE_FILE_SUFFIX)) or name in EXPORT_NAMES
+
+
+def lineage_sidecar(path: str, is_folder: bool) -> str:
+    """Where the lineage sidecar of an export at ``path`` lies: inside a folder, beside a file."""
+    if is_folder:
+        return os.path.join(path.rstrip(os.sep), LINEAGE_FOLDER_NAME)
+    return path + LINEAGE_FILE_SUFFIX
+
+
+def describes_checkpoint(name: str) -> bool:
+    """A small file that describes a checkpoint folder (DCP ``.metadata``, an HF index, Lightning's
+    ``meta.pt``, Megatron's ``metadata.json``, ...): what a lineage identity checksums."""
+    return is_metadata_name(name) or is_index_name(name) or name in DESCRIBING_NAMES
 
 
 def ds_model_file(name: str) -> tuple[int | None, int] | None:

@@ -34,7 +34,7 @@ def test_torch_export_equals_dcp_to_torch_save(fixtures, tmp_path, name):
     assert set(fr) == set(fg)
     for k, v in fr.items():
         assert (torch.equal(v, fg[k]) if isinstance(v, torch.Tensor) else v == fg[k]), k
-    assert os.listdir(tmp_path) == ["out.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["out.pt", "out.pt.shardscope.json"]  # the output and its lineage
 
 
 @pytest.mark.parametrize("name", ["fsdp2_r4", "ddp_r2", "fsdp_safetensors_r2"])
@@ -218,7 +218,7 @@ def test_force_over_a_model_folder_keeps_what_an_export_does_not_write(fixtures,
     assert "kept in the folder (not written by an export): config.json, notes.md, tok" in proc.stdout
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert {p.name for p in folder.iterdir()} == {*index["weight_map"].values(), "model.safetensors.index.json",
-                                                  "config.json", "notes.md", "tok"}
+                                                  "config.json", "notes.md", "tok", ".shardscope-lineage.json"}
     assert (folder / "config.json").stat().st_ino == inode and os.readlink(folder / "notes.md") == "config.json"
     assert (folder / "tok" / "vocab.txt").read_text() == "x"
     # --config writes config.json itself: the given one wins over the kept one

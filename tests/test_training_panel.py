@@ -295,7 +295,7 @@ def test_script_path_is_resolved_against_the_callers_directory(tmp_path):
     assert cfg["kind"] == "script" and cfg["script"] == str(tmp_path / "train.py")
     assert "steps" not in cfg and "strategy" not in cfg and "model" not in cfg
     steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
-    assert steps and steps[-1].startswith("step 4  loss 0.2500")
+    assert steps and steps[-1].startswith("step 4  loss (mean of ranks) 0.2500")
     assert "/50" not in proc.stdout and "0.0 steps/s" not in proc.stdout
     missing = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "train", "--script", "gone.py",
                               "--run-dir", str(tmp_path / "run2")], cwd=tmp_path, capture_output=True, text=True,

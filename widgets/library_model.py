@@ -13,7 +13,10 @@ from ..backend.format import human_bytes, ranks_text
 from ..backend.library.records import CheckpointRecord, RunRecord
 from ..backend.library.snapshot import LibrarySnapshot
 
-COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "kind", "format", "state", "loss")
+COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "kind", "format", "state", "loss", "lineage")
+# what a header says where the column's key is not enough: the loss is the mean over the ranks' losses at the
+# step, as the Training header shows it (step_metrics, follow.RunFollower.progress)
+HEADERS = {"loss": "loss (mean of ranks)", "lineage": "source / exports"}
 SIZE_COLUMN = COLUMNS.index("size")
 ObjectRole = Qt.ItemDataRole.UserRole
 SortRole = Qt.ItemDataRole.UserRole + 1
@@ -29,6 +32,22 @@ def natural(name: str) -> str:
 
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "?"
+
+
+def lineage_tooltip(c: CheckpointRecord) -> str:
+    """An export's source (path, step, run, and whether it changed since), or a checkpoint's exports."""
+    lines = []
+    if c.lineage is not None:
+        lin = c.lineage
+        lines.append(f"exported from {lin.source}" + (f" (step {lin.step})" if lin.step is not None else ""))
+        if lin.run:
+            lines.append(f"run: {lin.run}")
+        if c.source_warning:
+            lines.append(f"\u26a0 {c.source_warning} since this export was written")
+    if c.exports:
+        lines.append("exports:")
+        lines.extend(f"  {p}" for p in c.exports)
+    return "\n".join(lines)
 
 
 class LibraryModel(QAbstractItemModel):
@@ -86,7 +105,7 @@ class LibraryModel(QAbstractItemModel):
 
     def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return COLUMNS[section]
+            return HEADERS.get(COLUMNS[section], COLUMNS[section])
         return None
 
     def record(self, index: QModelIndex | QPersistentModelIndex) -> RunRecord | CheckpointRecord | None:
@@ -138,15 +157,19 @@ class LibraryModel(QAbstractItemModel):
         if role == Qt.ItemDataRole.DisplayRole:
             return {"checkpoint": c.name, "step": "" if c.step is None else str(c.step), "modified": _when(c.mtime),
                     "size": human_bytes(c.bytes), "ranks": ranks_text(c.ranks), "kind": c.kind, "format": c.format,
-                    "state": c.state, "loss": "" if loss is None else f"{loss:.4f}"}[col]
+                    "state": c.state, "loss": "" if loss is None else f"{loss:.4f}", "lineage": c.lineage_text()}[col]
         if role == SortRole:
             return {"checkpoint": natural(c.name), "step": -1 if c.step is None else c.step, "modified": c.mtime,
                     "size": c.bytes, "ranks": len(c.ranks), "kind": c.kind, "format": c.format, "state": c.state,
-                    "loss": float("inf") if loss is None else loss}[col]
+                    "loss": float("inf") if loss is None else loss, "lineage": c.lineage_text()}[col]
         if role == Qt.ItemDataRole.ToolTipRole:
+            if col == "lineage" and (c.lineage is not None or c.exports):
+                return lineage_tooltip(c)
             return c.path + (f"\n{c.state}: {c.reason}" if c.reason else "")
         if role == Qt.ItemDataRole.ForegroundRole and col == "state":
             return QColor(STATE_COLORS.get(c.state, "#777777"))
+        if role == Qt.ItemDataRole.ForegroundRole and col == "lineage" and c.source_warning:
+            return QColor(STATE_COLORS["writing"])
         return self._align(col, role)
 
     @staticmethod

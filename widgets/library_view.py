@@ -1,9 +1,10 @@
 """The Library: every checkpoint of every run under the user's roots, the start page of the window.
 
 A tree of runs -> checkpoints (step, time, size with a bar, writer ranks, format, state, loss at the
-step), refreshed by a scan in a worker every two seconds (so a network file system never blocks the
-window), a disk-usage table per root with what the prune rules would free, and the actions: Open,
-Export, Show in folder, Compare (two selected), Prune.
+step, an export's source and a checkpoint's exports, warned when the source changed), refreshed by a
+scan in a worker every two seconds (so a network file system never blocks the window), a disk-usage
+table per root with what the prune rules would free, and the actions: Open, Export, Show in folder,
+Compare (two selected), Prune.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ class LibraryView(QWidget):
         header = self.tree.header()
         header.setStretchLastSection(False)
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for col, width in zip(range(1, len(COLUMNS)), (70, 130, 110, 60, 80, 110, 90, 70)):
+        for col, width in zip(range(1, len(COLUMNS)), (70, 130, 110, 60, 80, 110, 90, 130, 190)):
             header.setSectionResizeMode(col, QHeaderView.ResizeMode.Interactive)
             header.resizeSection(col, width)
         self.tree.selectionModel().selectionChanged.connect(lambda *_: self._update_buttons())

@@ -18,7 +18,8 @@ from .output import add_command
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "runs", run, "List the training runs under ROOTs (default: the runs directory): state, "
-                     "step, loss, last update, local or SLURM job, the checkpoint each resumed from.")
+                     "step, loss (the mean of the ranks' losses at that step), last update, local or SLURM job, "
+                     "the checkpoint each resumed from.")
     sp.add_argument("roots", nargs="*", metavar="ROOT", help="a folder of runs, or a run directory")
     sp.add_argument("--json", action="store_true", help='print {"roots", "runs": [{"path", "name", "state", '
                     '"explanation", "step", "loss", "updated", "where", "job_id", "supervisor_pid", "reason", '
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no runs under {', '.join(escape_name(str(r)) for r in roots)}")
         return EXIT_OK
-    print(f"{'STATE':<9}  {'STEP':>8}  {'LOSS':>9}  {'UPDATED':<16}  {'WHERE':<18}  RUN (resumed from)")
+    print(f"{'STATE':<9}  {'STEP':>8}  {'MEAN LOSS':>9}  {'UPDATED':<16}  {'WHERE':<18}  RUN (resumed from)")
     for r in runs:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)) if r.updated else "-"
         loss = f"{r.loss:.4f}" if r.loss is not None else "-"

@@ -37,7 +37,7 @@ from typing import Any
 from ..atomic_file import fsync_path
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
-from ..filenames import TMP_PREFIX, export_owned
+from ..filenames import LINEAGE_FILE_SUFFIX, TMP_PREFIX, export_owned, lineage_sidecar
 from ..format import human_bytes
 from ..procs import orphaned
 from ..progress import Progress
@@ -97,6 +97,16 @@ def write_error(dst: str, exc: OSError) -> OutputError:
     return OutputError(f"{dst}: cannot write ({exc.strerror or exc}).")
 
 
+def _name_fits(path: str) -> bool:
+    """True when the file system takes ``path``'s last part as a name (a sidecar adds to a long export name:
+    then the export goes without one)."""
+    try:
+        limit = os.pathconf(os.path.dirname(path) or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    return len(os.fsencode(os.path.basename(path))) <= limit
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)  # the same file system (the temporary is made next to the destination): no copy
@@ -110,12 +120,14 @@ class AtomicOutput:
     ``need_bytes`` is checked against the free space of the destination's file system first.
     ``sources`` are the paths or URLs the job reads (the destination may not be one, lie inside one or
     hold one). Signal handlers for SIGINT/SIGTERM are installed for the duration when running on the main
-    thread and restored on exit; a signal cancels ``progress``.
+    thread and restored on exit; a signal cancels ``progress``. ``lineage``: the bytes of the output's lineage
+    sidecar (see :mod:`..lineage`), committed with the output (local destinations only: a sidecar names
+    local paths, and what goes to a URL is what people share).
     """
 
     def __init__(self, dst: str, kind: str = "file", force: bool = False, need_bytes: int = 0,
                  storage_options: dict[str, Any] | None = None, sources: Iterable[str] = (),
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, lineage: bytes | None = None) -> None:
         self.remote = RemoteTarget(dst, storage_options) if is_url(dst) else None
         self.dst = self.remote.url if self.remote else os.path.abspath(dst.rstrip("/") if kind == "dir" else dst)
         self.kind = kind
@@ -128,6 +140,9 @@ class AtomicOutput:
         self.kept: list[str] = []  # --force over a folder: its entries the export kept (it does not write them)
         self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
         self.sources = [str(s) for s in sources]
+        self.lineage = None if self.remote or not _name_fits(lineage_sidecar(self.dst, kind == "dir")) else lineage
+        # a file's sidecar is staged under a temporary name of its own (removed with the output's on failure)
+        self.lineage_tmp = self.path + LINEAGE_FILE_SUFFIX
         self.progress = progress or Progress()
         self.signalled: int | None = None  # the first SIGINT/SIGTERM received
         self._old_handlers: dict[int, Any] = {}
@@ -216,10 +231,15 @@ class AtomicOutput:
             self._discard()
             self.committed = True
             return
+        self._stage_lineage()
         self.sync()  # cheap when sync() already ran: nothing is dirty
         with self._held():
             self._stop_if_asked()
             try:
+                if self.kind == "file" and _name_fits(lineage_sidecar(self.dst, False)):
+                    # NOTE: an old sidecar goes first and the new one comes after the output: a failure or a kill
+                    # between the renames leaves an export without a sidecar, never one credited to another source
+                    remove_path(lineage_sidecar(self.dst, False))
                 if os.path.lexists(self.dst):  # --force, and check_destination saw a folder for a folder
                     if self.kind == "dir":
                         self.kept = self._carry_over()
@@ -237,10 +257,26 @@ class AtomicOutput:
                         os.replace(self.path, self.dst)
                 else:
                     os.rename(self.path, self.dst)
+                if self.kind == "file" and self.lineage is not None:
+                    os.rename(self.lineage_tmp, lineage_sidecar(self.dst, False))
                 fsync_path(self.folder)
             except OSError as exc:
                 raise write_error(self.dst, exc) from None
             self.committed = True
+
+    def _stage_lineage(self) -> None:
+        """Write the lineage sidecar: into the folder being committed, or beside the file under its temporary
+        name (renamed into place after the file, see ``commit``)."""
+        if self.lineage is None:
+            return
+        target = lineage_sidecar(self.path, True) if self.kind == "dir" else self.lineage_tmp
+        try:
+            with open(target, "wb") as f:
+                f.write(self.lineage)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise write_error(self.dst, exc) from None
 
     def _carry_over(self) -> list[str]:
         """Hard links (copies across file systems) in the new folder of the old folder's entries the export
@@ -267,6 +303,8 @@ class AtomicOutput:
         """Remove the temporary. NOTE: a writer thread that has not yet seen the cancel may still create a file
         in the folder while it is removed (rmtree then fails on the folder, quietly); removal is tried again."""
         with self._held():  # a second signal must not stop it half-way
+            if not self.committed:
+                remove_path(self.lineage_tmp)
             for attempt in range(20):
                 remove_path(self.path)
                 if not os.path.lexists(self.path):

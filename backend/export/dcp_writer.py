@@ -23,6 +23,7 @@ from ..formats import open_checkpoint as open_any
 from ..formats import open_source
 from ..progress import Progress
 from .atomic import AtomicOutput
+from .lineage import lineage_for
 from .plan import ExportError
 from .planner import require_nesting
 from .result import ExportResult
@@ -112,9 +113,11 @@ def _write_metadata(folder: str, sdm: dict, storage: dict, planner_data: dict, d
 def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ranks: int,
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
               progress: Progress | None = None, total_bytes: int = 0,
-              storage_options: dict | None = None, sources: list[str] | None = None) -> ExportResult:
+              storage_options: dict | None = None, sources: list[str] | None = None,
+              source_format: str = "") -> ExportResult:
     """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last.
-    ``sources``: what the tensors are read from (the destination may not overlap them)."""
+    ``sources``: what the tensors are read from (the destination may not overlap them; the first is recorded
+    in the output's lineage sidecar, opened as ``source_format``)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -130,8 +133,9 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     progress = progress or Progress()  # its cancel flag is how a signal stops the writing
     names = [f"__{r}_0.distcp" for r in range(ranks)]
     need = total_bytes + sum(len(o.data) for o in objects) + 4096 * ranks + (1 << 20)
+    lineage = lineage_for(sources[0], "dcp", source_format) if sources else None
     with AtomicOutput(dst, kind="dir", force=force, need_bytes=need, storage_options=storage_options,
-                      sources=sources or [], progress=progress) as out:
+                      sources=sources or [], progress=progress, lineage=lineage) as out:
         sdm: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         written: list[_Written] = []
@@ -216,7 +220,7 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
             planner[key(k)] = ((pre, *map(_key_part, path)) if pre else tuple(map(_key_part, path)))
         total = sum(math.prod(t.shape) * torch.empty((), dtype=getattr(torch, t.dtype)).element_size() for t in tensors)
         return write_dcp(tensors, objects, dst, ranks, planner, force, verify, progress, total, storage_options,
-                         sources=[src])
+                         sources=[src], source_format=source.kind)
 
 
 def _key_part(p: Any) -> Any:
@@ -246,6 +250,6 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
         objects = [ObjectIn(o.fqn, _saved(o.value) if o.inline else reader.read_object_bytes(o))
                    for o in ckpt.objects if o.file or o.inline]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,
-                         ckpt.total_bytes, storage_options, sources=[ckpt.path])
+                         ckpt.total_bytes, storage_options, sources=[ckpt.path], source_format=ckpt.format)
     finally:
         reader.close()

@@ -12,6 +12,7 @@ from ..checkpoint.storage import why_absent
 from ..errors import CheckpointError
 from ..progress import Progress
 from .atomic import AtomicOutput
+from .lineage import lineage_for
 from .plan import ExportPlan
 from .registry import writer
 from .result import ExportResult
@@ -41,8 +42,10 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     check_sources(plan)
     total = plan.total_bytes
     left_out = list(plan.left_out)
+    lineage = lineage_for(plan.ckpt.path, plan.format, plan.ckpt.format)  # the source as it is read
     with AtomicOutput(dst, kind=w.output_kind(plan.max_shard_size), force=force, need_bytes=plan.need_bytes(),
-                      storage_options=storage_options, sources=[plan.ckpt.path], progress=progress) as out:
+                      storage_options=storage_options, sources=[plan.ckpt.path], progress=progress,
+                      lineage=lineage) as out:
         progress.start(2 * total, "exporting")  # writing, then re-reading
         with ChunkReader(plan.ckpt) as reader:
             source = TensorSource(reader, list(plan.items), kernel_copy=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..formats.base import RESUMABLE
+from ..lineage import CHANGED, MISSING, Lineage
 from ..runs.rundir import ACTIVE_STATES
 
 PRUNE_PREFIX = ".shardscope-prune-"  # a checkpoint renamed out of the way by an unfinished prune
@@ -34,17 +35,49 @@ class CheckpointRecord:
     # why no prune may remove it whatever its rules, in words (its framework's resume pointer names it: see
     # formats.base.Facts.pinned); empty when nothing pins it
     pinned: str = ""
+    # an export's lineage sidecar: the checkpoint it was made from, and whether that changed since (see lineage)
+    lineage: Lineage | None = None
+    # the exports under the same roots whose sidecar names this checkpoint (their paths; set by the scan)
+    exports: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         """The checkpoint's folder or file name (last part of its path)."""
         return os.path.basename(self.path)
 
+    @property
+    def source_warning(self) -> str:
+        """``source changed`` or ``source missing`` for an export whose source is not as the export read it."""
+        if self.lineage is None:
+            return ""
+        return {CHANGED: "source changed", MISSING: "source missing"}.get(self.lineage.state, "")
+
+    def lineage_text(self) -> str:
+        """One short line: ``from <source>`` for an export (with its warning), ``exported to <name>`` (or ``N
+        exports``) for a checkpoint that has exports; empty otherwise."""
+        parts = []
+        if self.lineage is not None:
+            parts.append(f"from {os.path.basename(self.lineage.source.rstrip('/'))}")
+            if self.source_warning:
+                parts.append(f"\u26a0 {self.source_warning}")
+        if len(self.exports) == 1:
+            parts.append(f"exported to {os.path.basename(self.exports[0])}")
+        elif self.exports:
+            parts.append(f"{len(self.exports)} exports")
+        return "; ".join(parts)
+
     def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state, pinned)."""
-        return {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
-                "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state,
-                "pinned": self.pinned}
+        """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state, pinned); an
+        export with a lineage sidecar adds its source (``source``, ``source_changed``, ``source_missing``, ...),
+        a checkpoint that has exports adds ``exports``."""
+        out = {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
+               "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state,
+               "pinned": self.pinned}
+        if self.lineage is not None:
+            out.update(self.lineage.to_json())
+        if self.exports:
+            out["exports"] = list(self.exports)
+        return out
 
 
 @dataclass(slots=True)

@@ -81,6 +81,9 @@ class RemoteTree:
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind,
                            f.pinned)
 
+    def lineage(self, sidecar: str) -> None:
+        return None  # reading a sidecar costs a request per export: the listing stays one request
+
     def usage(self, folder: str, files: dict[str, Any] | None = None, dirs: Any = None) -> tuple[int, float, int]:
         """Bytes, newest time and object count of everything under ``folder``."""
         total, newest, count = 0, 0.0, 0

@@ -17,10 +17,11 @@ from typing import Any
 from ..errors import ShardscopeError
 from ..filenames import is_url, step_from_name
 from ..formats import Format
+from ..lineage import Lineage, read_lineage
 from ..progress import Progress
 from ..runs.rundir import run_state
 from .names import WRITING_SECONDS
-from .records import Listing, RunRecord, order_key
+from .records import CheckpointRecord, Listing, RunRecord, order_key
 from .remote_scan import list_url
 from .walk import FileFacts, FolderFacts, Walker
 
@@ -76,6 +77,9 @@ class LocalTree:
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step if step is not None else f.step, f.kind,
                            f.pinned)
 
+    def lineage(self, sidecar: str) -> Lineage | None:
+        return read_lineage(sidecar)
+
     def usage(self, path: str, files: dict[str, os.DirEntry], dirs: list[str]) -> tuple[int, float, int]:
         """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""
         total, count = 0, 0
@@ -99,6 +103,15 @@ class LocalTree:
             t, n, c = self.usage(sub, *listed)
             total, newest, count = total + t, max(newest, n), count + c
         return total, newest, count
+
+
+def link_exports(checkpoints: list[CheckpointRecord]) -> None:
+    """Give each checkpoint the exports (found in the same scan) whose lineage names it as their source."""
+    by_path = {c.path: c for c in checkpoints}
+    for c in checkpoints:
+        src = by_path.get(c.lineage.source) if c.lineage is not None else None
+        if src is not None and src is not c:
+            src.exports.append(c.path)
 
 
 def resolve_root(root: str | os.PathLike) -> str:
@@ -157,6 +170,7 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
     for path, state in run_states.items():  # a run that has no checkpoint yet is listed too
         if path not in runs:
             runs[path] = RunRecord(path, "shardscope", state)
+    link_exports([c for r in runs.values() for c in r.checkpoints])
     for run in runs.values():
         run.checkpoints.sort(key=order_key)
         if run.running and run.checkpoints and run.checkpoints[-1].state == "incomplete":

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..filenames import MP_RANK_RE, step_from_name
+from ..filenames import LINEAGE_FILE_SUFFIX, LINEAGE_FOLDER_NAME, MP_RANK_RE, step_from_name
 from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder
+from ..lineage import Lineage
 from ..progress import Progress
 from .names import CHECKPOINT_HOLDERS, MAX_DEPTH, RUN_SKIP_DIRS, SKIP_DIRS, WRITING_SECONDS
 from .records import CheckpointRecord, Leftover, leftover_of
@@ -71,6 +72,9 @@ class Tree(Protocol):
     def usage(self, path: str, files: dict[str, Any], dirs: list[str]) -> tuple[int, float, int]:
         """Bytes, newest modification time and file count of everything in a folder."""
 
+    def lineage(self, sidecar: str) -> Lineage | None:
+        """The lineage an export's sidecar at ``sidecar`` records, its source compared with now; None for none."""
+
 
 def join(tree: Tree, path: str, name: str) -> str:
     """``path/name`` in the tree's own separator."""
@@ -101,7 +105,7 @@ class Walker:
         """A root that is a file: a record when it is a consolidated checkpoint."""
         fmt = detect_file(split(self.tree, path)[1])
         if fmt is not None:
-            self.add_file(path, info, None, fmt)
+            self.add_file(path, info, None, fmt, sidecar=True)
 
     def walk(self, path: str, depth: int = 0, run: str | None = None) -> None:
         """Collect checkpoints under ``path``; ``run``: the URL of the Shardscope run it lies in."""
@@ -146,7 +150,7 @@ class Walker:
         for name, info in files.items():
             fmt = detect_file(name)
             if fmt is not None:
-                self.add_file(join(tree, path, name), info, run, fmt)
+                self.add_file(join(tree, path, name), info, run, fmt, sidecar=name + LINEAGE_FILE_SUFFIX in files)
         for d in dirs:
             leftover = leftover_of(tree.url(join(tree, path, d)))
             if leftover is not None:
@@ -166,18 +170,32 @@ class Walker:
             self.run_states[url] = self.tree.run_state(path)
         return url
 
-    def add_file(self, path: str, info: Any, run: str | None, fmt: Format) -> None:
+    def add_file(self, path: str, info: Any, run: str | None, fmt: Format, sidecar: bool = False) -> None:
+        """A consolidated file; ``sidecar``: a lineage sidecar lies beside it."""
         facts = self.tree.file_facts(path, info, fmt)
         if facts is not None:
-            self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path),
-                                      step_from_name(split(self.tree, path)[1]), facts.format, [], facts.bytes,
-                                      facts.mtime, facts.state, facts.reason, True, 1, facts.kind, facts.pinned))
+            rec = CheckpointRecord(self.tree.url(path), run or self.default_run(path),
+                                   step_from_name(split(self.tree, path)[1]), facts.format, [], facts.bytes,
+                                   facts.mtime, facts.state, facts.reason, True, 1, facts.kind, facts.pinned)
+            if sidecar:
+                self.add_lineage(rec, path + LINEAGE_FILE_SUFFIX)
+            self.add(rec)
 
     def add_folder(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str], run: str | None) -> None:
         total, newest, count = self.tree.usage(path, files, dirs)
         f = self.tree.folder_facts(path, fmt, files, dirs)
-        self.add(CheckpointRecord(self.tree.url(path), run or self.default_run(path), f.step, f.format, f.ranks,
-                                  total, newest, f.state, f.reason, False, count, f.kind, f.pinned))
+        rec = CheckpointRecord(self.tree.url(path), run or self.default_run(path), f.step, f.format, f.ranks,
+                               total, newest, f.state, f.reason, False, count, f.kind, f.pinned)
+        if LINEAGE_FOLDER_NAME in files:
+            self.add_lineage(rec, join(self.tree, path, LINEAGE_FOLDER_NAME))
+        self.add(rec)
+
+    def add_lineage(self, rec: CheckpointRecord, sidecar: str) -> None:
+        """An export's sidecar (format-neutral: any checkpoint may have one): its source, and its step when the
+        export's name states none."""
+        rec.lineage = self.tree.lineage(sidecar)
+        if rec.lineage is not None and rec.step is None:
+            rec.step = rec.lineage.step
 
     def composite(self, path: str, step: int, parts: list[CheckpointRecord], files: dict[str, Any],
                   dirs: list[str], run: str | None) -> CheckpointRecord:

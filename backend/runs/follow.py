@@ -20,6 +20,7 @@ from .metrics import FIELDS, Series, records_to_columns
 from .rundir import log_tail, rank_exits, scan
 
 LOG_CHUNK = 1 << 20
+LOSS_LABEL = "loss (mean of ranks)"  # what the Training header, train's progress line and the Library show
 EXTERNAL_BASE = 1000  # series keys from this on are scalar logs (TensorBoard, CSV), not ranks
 
 
@@ -160,17 +161,34 @@ class RunFollower:
         self._log_offsets[str(path)] = off + len(data) if off >= size - LOG_CHUNK else size
         return data.decode("utf-8", "replace")
 
+    def mean_loss(self, step: float) -> float:
+        """The mean over the ranks of each rank's (last) loss at ``step``: the one loss per step Shardscope
+        shows, here and in the Library (``library.step_metrics``); NaN when no rank logged one."""
+        values = []
+        for key in sorted(self.series):
+            s = self.series[key]
+            if not is_rank(key) or not len(s):
+                continue
+            at = np.flatnonzero(s.column("step") == step)
+            if at.size and math.isfinite(v := float(s.column("loss")[at[-1]])):
+                values.append(v)
+        return sum(values) / len(values) if values else math.nan
+
     def progress(self, total_steps: int | None = None) -> str:
         """One line about rank 0's (or the first series') newest point: what the run reported, nothing
-        invented (no total unless known, steps/s from the records' own times when not reported)."""
+        invented (no total unless known, steps/s from the records' own times when not reported). The loss is
+        the mean of the ranks' losses at that step (a scalar log's own loss when no rank reports)."""
         key = 0 if 0 in self.series else min(self.series, default=None)
         if key is None or not len(self.series[key]):
             return ""
         s = self.series[key]
         step = s.column("step")[-1]
         parts = [f"step {step:.0f}" + (f"/{total_steps}" if total_steps else "")]
-        loss = s.column("loss")[-1]
-        if math.isfinite(loss):
+        if is_rank(key):
+            loss = self.mean_loss(step)
+            if math.isfinite(loss):
+                parts.append(f"{LOSS_LABEL} {loss:.4f}")
+        elif math.isfinite(loss := s.column("loss")[-1]):
             parts.append(f"loss {loss:.4f}")
         sps = s.column("steps_per_s")[-1]
         if not math.isfinite(sps) and len(s) >= 2:

@@ -4,6 +4,7 @@ show of each (read-only: a listing never writes to a local run)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ TAIL_BYTES = 16_384  # the end of a metrics file read for its newest record
 @dataclass(frozen=True)
 class RunInfo:
     """A run directory found on disk: its state, last change and the explanation from its status; its newest
-    step and rank 0's loss there, where it runs (this machine's supervisor, or a SLURM job) and the
+    step and the mean of the ranks' losses there, where it runs (this machine's supervisor, or a SLURM job) and the
     checkpoint it resumed from."""
 
     path: Path
@@ -39,27 +40,50 @@ class RunInfo:
         return {**asdict(self), "path": str(self.path), "name": self.path.name}
 
 
-def last_record(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The newest complete record of the lowest rank that reported (rank 0 in our runs): read from the end
-    of its metrics file only, so a listing stays cheap for long runs. {} when there is none."""
-    files = sorted((Path(run_dir) / "metrics").glob("rank_*.jsonl"),
-                   key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else 1 << 30)
-    for path in files:
+def _rank_files(run_dir: str | os.PathLike) -> list[Path]:
+    return sorted((Path(run_dir) / "metrics").glob("rank_*.jsonl"),
+                  key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else 1 << 30)
+
+
+def _tail_records(path: Path) -> list[dict[str, Any]]:
+    """The complete records at the end of a metrics file, newest first (the end only: listings stay cheap)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - TAIL_BYTES))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return []
+    out = []
+    for line in reversed(lines[:-1]):  # the part after the last newline may be a record being written
         try:
-            with open(path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - TAIL_BYTES))
-                lines = f.read().split(b"\n")
-        except OSError:
+            rec = json.loads(line)
+        except ValueError:
             continue
-        for line in reversed(lines[:-1]):  # the part after the last newline may be a record being written
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                return rec
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def last_record(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The newest complete record of the lowest rank that reported (rank 0 in our runs). {} when none."""
+    for path in _rank_files(run_dir):
+        records = _tail_records(path)
+        if records:
+            return records[0]
     return {}
+
+
+def mean_loss_at(run_dir: str | os.PathLike, step: Any) -> float | None:
+    """The mean over the ranks of each rank's last loss at ``step`` among its newest records: the one loss
+    per step the Training header and the Library show (see ``follow.RunFollower.mean_loss``)."""
+    values = []
+    for path in _rank_files(run_dir):
+        rec = next((r for r in _tail_records(path) if r.get("step") == step), None)
+        loss = rec.get("loss") if rec is not None else None
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss):
+            values.append(float(loss))
+    return sum(values) / len(values) if values else None
 
 
 def describe(path: Path) -> RunInfo:
@@ -70,12 +94,13 @@ def describe(path: Path) -> RunInfo:
     except OSError:
         mtime = 0.0
     rec = last_record(path)
-    step, loss, when = rec.get("step"), rec.get("loss"), rec.get("time")
+    step, when = rec.get("step"), rec.get("time")
+    loss = mean_loss_at(path, step) if isinstance(step, int) else None
     times = [t for t in (status.get("updated"), when) if isinstance(t, (int, float))]
     resume = read_config(path).get("resume")
     return RunInfo(path, status.get("state", "?"), mtime, status.get("explanation", ""),
                    step=step if isinstance(step, int) else None,
-                   loss=float(loss) if isinstance(loss, (int, float)) else None,
+                   loss=loss,
                    updated=max(times) if times else None,
                    where=status.get("scheduler") or ("local" if status else ""),
                    job_id=status.get("job_id"), supervisor_pid=status.get("supervisor_pid"),
