@@ -27,6 +27,7 @@ from .compare_picker import ComparePicker
 from .first_run import start_demo
 from .menus import build_menus
 from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
+from .window_keys import WindowKeysFirst
 
 # What File › Open file offers (an index or a .metadata opens its folder)
 CHECKPOINT_FILES = ("Checkpoints (*.safetensors *.pt *.pth *.bin *.ckpt model.safetensors.index.json .metadata);;"
@@ -52,6 +53,7 @@ class MainWindow(QMainWindow):
         self.badge = QLabel("")
         self.statusBar().addPermanentWidget(self.badge)
         self.recent_menu, self.export_action = build_menus(self)
+        self.keys_first = WindowKeysFirst(self)  # Ctrl+E, Ctrl+D, ... whatever has focus (a filter box too)
         self._show_welcome_if_empty()
         self.quiet = False  # True in --screenshot mode: no modal message boxes
         geo = settings().value("window/geometry")
