@@ -159,6 +159,48 @@ def test_form_says_what_is_wrong_next_to_the_field(qtbot, panel, tmp_path):
     assert not panel.form.errors["script"].isVisibleTo(panel)
 
 
+
+def wheel(widget, notches: int = -1) -> None:
+    """A real wheel event over the middle of ``widget`` (one notch down by default), delivered as Qt delivers a
+    mouse's: to the widget, then up to its parents while nobody accepts it."""
+    from PySide6.QtCore import QPoint, QPointF
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    pos = QPointF(widget.rect().center())
+    event = QWheelEvent(pos, QPointF(widget.mapToGlobal(pos.toPoint())), QPoint(0, 0), QPoint(0, 120 * notches),
+                        Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
+    QApplication.sendEvent(widget, event)
+
+
+def test_the_wheel_scrolls_the_form_without_changing_its_values(qtbot, panel):
+    """At 1280x720 the form needs scrolling, and the wheel over it turned Heads from 4 to 1 with no notice: a
+    spin or combo box takes the wheel only once it has the focus; until then the wheel scrolls the form."""
+    from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QScrollArea
+
+    panel.resize(1280, 520)
+    panel.show()
+    qtbot.waitExposed(panel)
+    scroll = panel.findChild(QScrollArea)
+    bar = scroll.verticalScrollBar()
+    assert bar.maximum() > 0  # the form does not fit: it scrolls
+    fields = [w for w in panel.form.findChildren(QAbstractSpinBox) + panel.form.findChildren(QComboBox)
+              if w.isVisibleTo(panel)] + [panel.compare]
+    values = {id(w): (w.value() if isinstance(w, QAbstractSpinBox) else w.currentIndex()) for w in fields}
+    assert panel.form.heads.value() == 4
+    for w in fields:
+        bar.setValue(0)
+        wheel(w, notches=-3)
+        wheel(w, notches=+1)
+        assert (w.value() if isinstance(w, QAbstractSpinBox) else w.currentIndex()) == values[id(w)], w
+    bar.setValue(0)
+    wheel(panel.form.heads, notches=-3)
+    assert bar.value() > 0 and panel.form.heads.value() == 4  # the form scrolled instead
+    panel.form.heads.setFocus()
+    qtbot.waitUntil(panel.form.heads.hasFocus, timeout=5000)
+    wheel(panel.form.heads, notches=+1)  # focused (clicked or tabbed into), it takes the wheel as before
+    assert panel.form.heads.value() == 5
+
 def test_failure_traceback_is_collapsed_and_does_not_squash_the_plots(qtbot, panel, tmp_path):
     run = tmp_path / "run"
     write_metrics(run, 0, range(1, 11))

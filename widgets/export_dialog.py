@@ -41,6 +41,7 @@ from shardscope.backend.export.dcp_writer import import_file, reshard
 from shardscope.backend.export.destination import check_destination, default_export_path, write_into_new_folders
 from shardscope.backend.format import count, human_bytes
 
+from .form_wheel import wheel_only_when_focused
 from .workers import Worker, run_in_background
 
 FROM_THE_NAME = "from the name"  # the Format entry that is no writer: the backend picks one from the destination
@@ -101,6 +102,7 @@ class ExportDialog(QDialog):
             c.currentIndexChanged.connect(self._options_changed)
         self.ranks.valueChanged.connect(self._options_changed)
         self.force.toggled.connect(self._options_changed)
+        wheel_only_when_focused(self)
         self.update_preview()
 
     def _options_changed(self) -> None:

@@ -31,6 +31,7 @@ from ..backend.runs.follow import RunFollower, RunSnapshot, is_rank
 from ..backend.runs.launcher import RunConfig, RunLauncher, stop_run
 from ..backend.runs.rundir import ACTIVE_STATES, FINAL_STATES, default_runs_root, new_run_dir, read_config
 from ..backend.runs.store import RunInfo, list_runs
+from .form_wheel import wheel_only_when_focused
 from .run_checkpoints import RunCheckpoints
 from .run_form import RunForm, slurm_partitions
 from .run_header import escape, failures_of, header_html, stop_how
@@ -116,6 +117,7 @@ class TrainingPanel(QWidget):
         self.compare = QComboBox()
         self.compare.currentIndexChanged.connect(self._compare_changed)
         lv.addWidget(self.compare)
+        wheel_only_when_focused(left)  # NOTE: the form scrolls: the wheel over a field must not change it
         return left
 
     def _build_right(self) -> QWidget:
