@@ -623,3 +623,40 @@ def test_ranks_end_when_torchrun_is_killed(qtbot, panel, tmp_path):
     assert any("torchrun (pid" in text for text in logs)  # the first to notice says why (the other may fail first)
     qtbot.waitUntil(lambda: panel.run_state(run_dir) == "failed", timeout=SHORT)
     assert not panel.stop_button.isEnabled()
+
+
+WORLD_SIZE_SCRIPT = textwrap.dedent("""
+    import os
+    run = os.environ["SHARDSCOPE_RUN_DIR"]
+    with open(os.path.join(run, f"seen_{os.environ['RANK']}"), "w") as f:
+        f.write(f"{os.environ['WORLD_SIZE']} {os.path.basename(os.environ['SHARDSCOPE_RESUME'])}")
+""")
+
+
+def test_resume_from_the_window_runs_on_the_forms_processes_and_says_so(qtbot, panel, tmp_path, fixtures):
+    """With Processes set to 3, Resume from selected on a 2-rank run's checkpoint resumed on 2 ranks, silently
+    (config.json said 2). The CLI resumes at another world size (DCP reshards on load); the window does too, and
+    says what it does."""
+    script = tmp_path / "world.py"
+    script.write_text(WORLD_SIZE_SCRIPT)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000020")  # written by 2 ranks
+    config = RunConfig(nproc=2, script=str(script))
+    (run / "config.json").write_text(json.dumps(config.record()))
+    (run / "status.json").write_text(json.dumps({"state": "finished", "scheduler": "local"}))
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: header_state(panel) == "finished" and panel.ckpt_list.count() == 1, timeout=SHORT)
+    panel.form.nproc.setValue(3)
+    panel.ckpt_list.item(0).setSelected(True)
+    panel.resume_button.click()
+    assert "on 3 process" in panel.status.text()
+    qtbot.waitUntil(lambda: str(run) in panel.launchers, timeout=SHORT)
+    assert read_config(run)["nproc"] == 3
+    said = "resuming step 20 of a 2-rank run on 3 ranks"
+    qtbot.waitUntil(lambda: said in panel.status.text(), timeout=SHORT)  # the header says it while it runs
+    qtbot.waitUntil(lambda: header_state(panel) == "finished", timeout=LONG)
+    assert said in panel.status.text()
+    seen = sorted((run / f"seen_{r}").read_text() for r in range(3))
+    assert seen == ["3 step_000020"] * 3  # three ranks resumed from it
+    assert said in (run / "logs" / "launcher.log").read_text()

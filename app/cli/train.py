@@ -92,6 +92,8 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
     config = run_config(args)
     launcher = RunLauncher(args.run_dir or new_run_dir(), config).start()
     print(f"run directory: {launcher.run_dir}")
+    if launcher.note:
+        print(launcher.note)
     follower = RunFollower(launcher.run_dir, stall_seconds=args.stall_seconds)
     total = None if config.script else config.steps
     shown = ""
