@@ -12,11 +12,21 @@ from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QMessageBox, QSplitter, QTabBar, QTabWidget
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QTabBar,
+    QTabWidget,
+    QWidget,
+)
 
 from ..backend.checkpoint.storage import is_url
 from ..backend.filenames import is_index_name, is_metadata_name
 from ..backend.format import count
+from ..backend.library.names import run_name
 from ..backend.runs.rundir import default_runs_root
 from ..widgets.checkpoint_view import CheckpointView
 from ..widgets.compare_view import CompareView
@@ -232,11 +242,19 @@ class MainWindow(QMainWindow):
     def compare(self, path_a: str, path_b: str) -> CompareView:
         view = CompareView(path_a, path_b)
         pane = self._active
-        idx = pane.addTab(view, f"{Path(path_a).name} ↔ {Path(path_b).name}")
+        title = pair_title(path_a, path_b)
+        idx = pane.addTab(view, title)
         pane.setTabToolTip(idx, f"A: {path_a}\nB: {path_b}")
         pane.setCurrentIndex(idx)
+        view.finished.connect(lambda result, v=view: result is None and self._mark_failed(v, f"✕ {title}"))
         view.start()
         return view
+
+    def _mark_failed(self, view: QWidget, title: str) -> None:
+        """A comparison that could not be made says so on its tab (its message is in the tab)."""
+        for pane in (self.tabs, self.side_tabs):
+            if pane.indexOf(view) >= 0:
+                pane.setTabText(pane.indexOf(view), title)
 
     def compare_dialog(self) -> ComparePicker:
         """Two pickers (A, B): open checkpoints first, then the Library's complete checkpoints."""
@@ -345,6 +363,15 @@ def tab_title(path: str) -> str:
     if (is_metadata_name(p.name) or is_index_name(p.name)) and p.parent.name:
         return p.parent.name
     return p.name or path
+
+
+def pair_title(path_a: str, path_b: str) -> str:
+    """A Compare tab's name: both checkpoints' names, each with its run's when the two are in different folders
+    (two runs' ``step_000030`` read the same: a failed pair's tab looked like the previous pair's)."""
+    a, b = tab_title(path_a), tab_title(path_b)
+    if os.path.dirname(path_a.rstrip("/")) != os.path.dirname(path_b.rstrip("/")):
+        a, b = (f"{run}/{name}" if run else name for run, name in ((run_name(path_a), a), (run_name(path_b), b)))
+    return f"{a} ↔ {b}"
 
 
 def default_size(window: QMainWindow) -> QSize:

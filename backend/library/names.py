@@ -19,5 +19,14 @@ def within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def run_name(path: str) -> str:
+    """The name of the run a checkpoint at ``path`` belongs to, from the path alone: the folder holding it, or the
+    one above a ``checkpoints/`` folder ("" at the top)."""
+    parent = os.path.dirname(path.rstrip("/" + os.sep))
+    if os.path.basename(parent).lower() in CHECKPOINT_HOLDERS:
+        parent = os.path.dirname(parent)
+    return os.path.basename(parent)
+
+
 __all__ = ["CHECKPOINT_HOLDERS", "MAX_DEPTH", "RUN_SKIP_DIRS", "SKIP_DIRS", "WRITING_SECONDS", "is_url",
-           "step_from_name", "within"]
+           "run_name", "step_from_name", "within"]
