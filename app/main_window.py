@@ -126,7 +126,7 @@ class MainWindow(QMainWindow):
         view = CheckpointView(path)
         view.failed.connect(lambda msg, v=view: self._on_failed(v, msg))
         view.loaded.connect(lambda _d, v=view: self._on_loaded(v))
-        view.contentsVerified.connect(lambda _p: self._update_badge())
+        view.healthChanged.connect(self._update_badge)
         view.exportRequested.connect(self.export_current)
         pane = self._active
         idx = pane.addTab(view, tab_title(path))
@@ -151,12 +151,13 @@ class MainWindow(QMainWindow):
 
     def _update_badge(self) -> None:
         view = self.current_view()
-        if view is None or view.data is None or view.data.problems is None:
+        # NOTE: after Verify contents its findings (every byte read) replace the quick check's; a CRC32 failure
+        # any read found (the Inspector's values) is counted too
+        problems, deep = view.problems() if view is not None else (None, False)
+        if problems is None:
             self.badge.setText("")
             return
-        # NOTE: after Verify contents its findings (every byte read) replace the quick check's
-        deep = view.verified_problems is not None
-        n = len(view.verified_problems if deep else view.data.problems)
+        n = len(problems)
         ok = "● verified" if deep else "● healthy"
         self.badge.setText(ok if n == 0 else f"● {count(n, 'problem')}")
         self.badge.setStyleSheet(f"color: {'#2ca02c' if n == 0 else '#d62728'}; font-weight: bold;")

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.checkpoint.browse import BrowseData
-from ..backend.checkpoint.model import TensorEntry
+from ..backend.checkpoint.model import Problem, TensorEntry
 from ..backend.checkpoint.tree import TreeNode
 from ..backend.compare.browse_file import analyse_any, load_any, stats_any, verify_contents_any
 from ..backend.format import count, human_bytes, rich_name
@@ -44,6 +44,7 @@ class CheckpointView(QWidget):
     statsReady = Signal(object)
     valuesDone = Signal()  # a values load ended (statistics shown, an error, or cancelled)
     contentsVerified = Signal(object)  # list[Problem] from "Verify contents", or None if it did not finish
+    healthChanged = Signal()  # the Health tab's list changed (the analysis, Verify contents, a read that failed)
     exportRequested = Signal(str)  # a prefix ("" for everything)
 
     def __init__(self, path: str, parent=None) -> None:
@@ -54,6 +55,7 @@ class CheckpointView(QWidget):
         self._load_worker: Worker | None = None
         self._verify_worker: Worker | None = None
         self.verified_problems: list | None = None  # the findings of the last finished Verify contents
+        self.read_problems: list[Problem] = []  # CRC32 failures the Inspector's reads found
         self._selected: TreeNode | None = None
 
         layout = QVBoxLayout(self)
@@ -244,13 +246,24 @@ class CheckpointView(QWidget):
         self.verify_button.setEnabled(True)
         self.loaded.emit(data)
 
+    def problems(self) -> tuple[list[Problem] | None, bool]:
+        """What Health lists now (None before the analysis) and whether Verify contents read every byte: its
+        findings (else the quick check's), and every failure a read found since."""
+        base = self.verified_problems if self.verified_problems is not None else \
+            self.data.problems if self.data is not None else None
+        if base is None:
+            return None, False
+        return with_found(base, self.read_problems), self.verified_problems is not None
+
     def _show_problems(self, problems: list, deep: bool = False) -> None:
+        problems = with_found(problems, self.read_problems)
         try:
             checksums = format_named(self.data.ckpt.format).checksums if self.data is not None else ""
         except KeyError:
             checksums = CHECKSUMS_WHERE_STORED
         self.health.set_problems(problems, deep=deep, checksums=checksums)
         self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems):,})")
+        self.healthChanged.emit()
 
     def _on_failed(self, message: str) -> None:
         self.progress.finish()
@@ -337,6 +350,13 @@ class CheckpointView(QWidget):
         return self._stats_worker is not None
 
     def _on_stats(self, fqn: str, stats) -> None:
+        if isinstance(stats, Problem):  # the bytes fail their CRC32: the checkpoint is damaged, Health says so
+            self.inspector.show_message(f"<span style='color:#d62728'>{rich_name(stats.message)}</span>")
+            self.read_problems = with_found(self.read_problems, [stats])
+            problems, deep = self.problems()
+            if problems is not None:  # else the analysis, when it ends, lists it
+                self._show_problems(problems, deep)
+            return
         if self._selected is not None and self._selected.path == fqn:
             self.inspector.set_stats(stats)
             self.statsReady.emit(stats)
@@ -429,7 +449,8 @@ class CheckpointView(QWidget):
         self._verify_worker = None
         self.progress.finish()
         self.verify_button.setEnabled(True)
-        self.health.set_problems((self.data.problems if self.data else None) or [], note=message)
+        self.health.set_problems(with_found((self.data.problems if self.data else None) or [], self.read_problems),
+                                 note=message)
         self.contentsVerified.emit(None)
 
     def _cancel_background(self) -> None:
@@ -441,6 +462,12 @@ class CheckpointView(QWidget):
         self._cancel_background()
         if self._load_worker is not None:
             self._load_worker.quit()
+
+
+def with_found(problems: list[Problem], found: list[Problem]) -> list[Problem]:
+    """``problems`` and those of ``found`` not already among them (the same kind for the same entry)."""
+    known = {(p.kind, p.fqn) for p in problems}
+    return list(problems) + [p for p in found if (p.kind, p.fqn) not in known]
 
 
 def summary_html(ck, path: str | None = None) -> str:
