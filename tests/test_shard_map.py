@@ -137,3 +137,20 @@ def test_wheel_zoom_on_the_shard_map_is_kept(qtbot, fixtures):
     view.map.mouseDoubleClickEvent(None)
     min_width(view)
     assert view.map.transform().m11() < fitted * 1.25
+
+
+def test_a_non_tensor_entry_draws_no_stack_and_no_legend(qtbot, fixtures):
+    """Selecting the non-tensor `step` said "0 tensors stacked" above a legend of rank colours, over an empty
+    map: it says what the entry is, and the map says there is nothing sharded to draw."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    for path in ("step", "optimizer.param_groups.0"):  # one value, and a branch of values only
+        assert view.select_path(path)
+        caption = view.map_caption.text()
+        assert "0 tensors" not in caption and "stacked" not in caption and "■" not in caption, caption
+        assert "nothing is sharded" in caption
+        assert not view.map.chunk_items
+        texts = [it.text() for it in view.map.scene().items() if hasattr(it, "text")]
+        assert any("nothing is sharded" in t for t in texts), texts
+    assert view.select_path("model.blocks.0")  # a module still stacks its tensors, with the legend
+    assert "tensors stacked" in view.map_caption.text() and "■" in view.map_caption.text()
+    qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)

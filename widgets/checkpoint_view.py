@@ -28,9 +28,10 @@ from ..backend.format import count, human_bytes, rich_name
 from ..backend.formats import format_named, label_of
 from .health_panel import CHECKSUMS_WHERE_STORED, HealthPanel
 from .inspector_view import InspectorView
+from .map_caption import NO_TENSORS, NOTHING_SHARDED, map_caption
 from .overlay import ProgressOverlay
 from .ranks_view import RanksView
-from .shard_map import ShardMapView, grid_shape, legend_html, stacked_entries
+from .shard_map import ShardMapView
 from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
 from .workers import Worker, run_in_background
 
@@ -285,25 +286,18 @@ class CheckpointView(QWidget):
         if node is None or self.data is None:
             return
         ck = self.data.ckpt
-        legend = legend_html(sorted(node.ranks) or ck.ranks)  # the ranks this entry's chunks come from
+        tensors = list(node.iter_tensors())
+        self.map_caption.setText(map_caption(ck, node, tensors))
         if isinstance(node.entry, TensorEntry):
-            e = node.entry
-            rows, cols = grid_shape(e.shape)
-            self.map_caption.setText(f"<b>{rich_name(e.fqn)}</b> drawn as {rows} × {cols}, "
-                                     f"{count(e.chunk_count, 'chunk')}"
-                                     f"{unsharded_note(ck)} (wheel: zoom, drag: pan, double-click: fit)<br>{legend}")
             self.map.show_tensors(ck, [node.entry])
             self.inspector.set_tensor(node.entry)
             if node.entry.nbytes <= AUTO_LOAD_BYTES:
                 self.load_values()
         else:
-            tensors = list(node.iter_tensors())
-            shown = len(stacked_entries(tensors))
-            stacked = f"{count(len(tensors), 'tensor')} stacked" if shown == len(tensors) else \
-                f"the first {shown:,} of {count(len(tensors), 'tensor')} stacked"
-            self.map_caption.setText(f"<b>{rich_name(node.path or 'all')}</b>: {stacked}, each scaled to the "
-                                     f"same width{unsharded_note(ck)}<br>{legend}")
-            self.map.show_tensors(ck, tensors)
+            if tensors:
+                self.map.show_tensors(ck, tensors)
+            else:
+                self.map.clear_map(NOTHING_SHARDED if node.entry is not None else NO_TENSORS)
             self.inspector.set_tensor(None)
             if node.entry is not None:
                 value = (self.data.values or {}).get(node.path, "(loading)")
@@ -490,10 +484,3 @@ def summary_html(ck, path: str | None = None) -> str:
     parts += [f"<i>{rich_name(n)}</i>" for n in ck.notes]  # on the second line: the header keeps two lines
     return f"<b>{rich_name(path or ck.path)}</b><br>" + " · ".join(parts)
 
-
-def unsharded_note(ck) -> str:
-    """", all in one file (NAME), not sharded" for a checkpoint of one file and no writer ranks, else ""."""
-    files = ck.data_files
-    if ck.ranks or len(files) != 1:
-        return ""
-    return f", all in one file ({rich_name(files[0].name)}), not sharded"
