@@ -109,3 +109,24 @@ def test_verify_contents_claims_no_crc32_that_safetensors_lacks(qtbot, fixtures,
     text = view.health.item(0).text()
     assert text.startswith("✔ Contents verified") and "CRC32 matched" not in text
     assert "safetensors" in text
+
+
+def test_the_health_message_wraps_instead_of_scrolling_sideways(qtbot):
+    """The Health tab's verdict was one long line that needed horizontal scrolling: it wraps at the tab's width."""
+    from shardscope.widgets.health_panel import HealthPanel
+
+    panel = HealthPanel()
+    qtbot.addWidget(panel)
+    panel.resize(360, 300)
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.set_problems([])
+    item = panel.item(0)
+    assert item.text().startswith("✔ Healthy") and panel.fontMetrics().horizontalAdvance(item.text()) > 2 * 360
+
+    def wrapped() -> bool:
+        rect = panel.visualItemRect(item)
+        return rect.height() >= 2 * panel.fontMetrics().lineSpacing() and rect.right() <= panel.viewport().width()
+
+    qtbot.waitUntil(wrapped, timeout=5000)
+    assert panel.horizontalScrollBar().maximum() == 0 or not panel.horizontalScrollBar().isVisible()
