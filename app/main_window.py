@@ -49,6 +49,7 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.setWindowTitle("Shardscope")
         self.setAcceptDrops(True)
+        self._note_about: QWidget | None = None  # the tab the status bar's standing note speaks of
         # Two tab panes side by side, so two checkpoints (two steps of a run) can be compared;
         # the right one is hidden while empty.
         self.tabs = self._make_pane()
@@ -82,7 +83,19 @@ class MainWindow(QMainWindow):
     def _activate(self, pane: QTabWidget) -> None:
         if pane.count():
             self._active = pane
+        if self._note_about is not None and pane.currentWidget() is not self._note_about:
+            self.clear_note()  # it spoke of another tab ("Demo finished: this is its last checkpoint …")
         self._update_badge()
+
+    def show_note(self, text: str, about: QWidget) -> None:
+        """A status bar message that stays while ``about`` (a tab) is shown, and goes when another tab is."""
+        self.statusBar().showMessage(text)
+        self._note_about = about
+
+    def clear_note(self) -> None:
+        if self._note_about is not None:
+            self._note_about = None
+            self.statusBar().clearMessage()
 
     def move_to_other_side(self) -> None:
         """Move the current checkpoint to the other pane (side-by-side comparison)."""
@@ -134,6 +147,7 @@ class MainWindow(QMainWindow):
         pane.setCurrentIndex(idx)
         self._restore_splitters(view)
         view.load()
+        self._note_about = None  # replaced: the note spoke of another checkpoint
         self.statusBar().showMessage(f"Opening {path} …")
         return view
 

@@ -200,3 +200,27 @@ def test_window_shortcuts_work_while_the_filter_box_has_focus(qtbot, window, fix
     picker.reject()
     qtbot.keyClick(view.filter_edit, Qt.Key.Key_A, Qt.KeyboardModifier.ControlModifier)  # its own keys stay
     assert view.filter_edit.selectedText() == "weight"
+
+
+def test_the_demos_closing_hint_goes_when_another_tab_is_shown(qtbot, window, fixtures, tmp_path):
+    """"Demo finished: this is its last checkpoint …" stayed in the status bar while other checkpoints and runs
+    were shown: it speaks of the demo's checkpoint, and goes when another tab comes to the front."""
+    import shutil
+
+    from shardscope.app.first_run import HINT, DemoGuide
+
+    run = tmp_path / "demo-run"
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000030")
+    other = window.open_path(str(fixtures["ddp_r2"]))
+    wait_loaded(qtbot, other)
+    guide = DemoGuide(window, str(run))
+    guide.on_state(str(run), "finished")  # what the Training tab says when the demo's run ends
+    qtbot.waitUntil(lambda: window.statusBar().currentMessage() == HINT, timeout=SLOW)
+    assert window.current_view() is guide.view
+    window.tabs.setCurrentWidget(other)
+    assert window.statusBar().currentMessage() == ""
+    window.tabs.setCurrentWidget(guide.view)  # it does not come back: it was said
+    assert window.statusBar().currentMessage() == ""
+    window.show_note(HINT, guide.view)
+    window.training_panel()  # the Training tab (another run) comes to the front
+    assert window.statusBar().currentMessage() == ""
