@@ -32,7 +32,16 @@ from .map_caption import NO_TENSORS, NOTHING_SHARDED, map_caption
 from .overlay import ProgressOverlay
 from .ranks_view import RanksView
 from .shard_map import ShardMapView
-from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
+from .tensor_tree import (
+    NameDelegate,
+    NodeRole,
+    RankFilterProxy,
+    TensorTreeModel,
+    TextFilterProxy,
+    fit_name_column,
+    size_columns,
+    tree_width_needed,
+)
 from .workers import Worker, run_in_background
 
 AUTO_LOAD_BYTES = 64 << 20
@@ -75,6 +84,8 @@ class CheckpointView(QWidget):
         self.main_split.setStretchFactor(0, 2)
         self.main_split.setStretchFactor(1, 3)
         self.layout_restored = False  # the window restored the user's splitter positions
+        self._auto_sizes = False  # the splitters were sized here (no saved layout): the tree may widen for its names
+        self._depth = 0  # the deepest entry's level in the tree (its names need that much indentation)
         layout.addWidget(self.main_split, 1)
 
         self._filter_timer = QTimer(self)
@@ -129,6 +140,7 @@ class CheckpointView(QWidget):
         self.tree.sortByColumn(-1, Qt.SortOrder.AscendingOrder)
         self.tree.setUniformRowHeights(True)  # NOTE: keeps 100k-row trees fast
         self.tree.setIndentation(max(12, self.fontMetrics().averageCharWidth() * 2))  # deep names keep room
+        self.tree.setItemDelegateForColumn(0, NameDelegate(self.tree))
         self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
@@ -173,17 +185,26 @@ class CheckpointView(QWidget):
         if watched is self.tree and event.type() in (QEvent.Type.Resize, QEvent.Type.Move, QEvent.Type.Show):
             self._place_progress()
         elif watched is self.tree.viewport() and event.type() == QEvent.Type.Resize:
-            self._fit_name_column()  # NOTE: the viewport's size is final only here (after scroll bars)
+            fit_name_column(self.tree, self._depth)  # NOTE: the viewport's size is final only here (scroll bars)
         return super().eventFilter(watched, event)
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
         if not self.layout_restored and self.width() > 400:
             # NOTE: sizes only mean something once the view has its real width (first resize)
-            self.layout_restored = True
+            self.layout_restored = self._auto_sizes = True
             self.main_split.setSizes([int(self.width() * 0.4), int(self.width() * 0.6)])
             self.right_split.setSizes([int(self.height() * 0.5), int(self.height() * 0.5)])
+            self._widen_tree()
         self._place_progress()
+
+    def _widen_tree(self) -> None:
+        """Without a saved layout the tree takes what its deepest names need (up to half the width), so they are
+        read without scrolling sideways."""
+        need = tree_width_needed(self.tree, self._depth)
+        sizes = self.main_split.sizes()
+        if self._auto_sizes and self._depth and sizes[0] < need <= sum(sizes) // 2:
+            self.main_split.setSizes([need, sum(sizes) - need])
 
     def _place_progress(self) -> None:
         top_left = self.tree.mapTo(self, self.tree.rect().bottomLeft())
@@ -206,7 +227,10 @@ class CheckpointView(QWidget):
         ck = data.ckpt
         self._set_header(summary_html(ck, self.path))
         self.model.set_root(data.tree, {})
-        self._size_columns()
+        self._depth = max((e.fqn.count(".") for e in (*ck.tensors, *ck.objects)), default=0)
+        size_columns(self.tree)
+        self._widen_tree()
+        fit_name_column(self.tree, self._depth)
         if data.tree.children and len(data.tree.children) <= 4:
             for r in range(self.proxy.rowCount()):
                 self.tree.expand(self.proxy.index(r, 0))
@@ -215,28 +239,6 @@ class CheckpointView(QWidget):
         self.treeReady.emit(data)
         self._load_worker = run_in_background(analyse_any, data, owner=self, on_result=self._on_loaded,
                                               on_error=self._on_failed, on_progress=self.progress.set_progress)
-
-    def _size_columns(self) -> None:
-        """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
-        fm = self.tree.fontMetrics()
-        pad = 2 * fm.averageCharWidth() + 4
-        samples = ("bfloat16", "4096×4096", "1023.9 MiB", "00000", "000–000")
-        header = self.tree.header()
-        header.setStretchLastSection(False)
-        header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
-        for col, text in enumerate(samples, start=1):
-            self.tree.setColumnWidth(col, fm.horizontalAdvance(text) + pad)
-        self.tree.setTextElideMode(Qt.TextElideMode.ElideMiddle)
-        self._fit_name_column()
-
-    def _fit_name_column(self) -> None:
-        """The name column takes what the numbers leave (never under ~10 characters: then the tree
-        scrolls sideways), so sizes and counts are never cut."""
-        if self.tree.header().count() < 2:
-            return
-        others = sum(self.tree.columnWidth(c) for c in range(1, self.tree.header().count()))
-        room = self.tree.viewport().width() - others
-        self.tree.setColumnWidth(0, max(room, self.tree.fontMetrics().averageCharWidth() * 10 + 40))
 
     def _on_loaded(self, data: BrowseData) -> None:
         self.progress.finish()
