@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import psutil
@@ -113,6 +114,35 @@ def test_resumed_run_is_split_and_memory_is_plotted_per_step(qtbot, panel, tmp_p
     finite = mem_x[mem_x == mem_x]
     assert finite.min() == 1 and finite.max() == 30  # the day between the segments takes no room
 
+
+
+def test_memory_axis_labels_do_not_run_together_at_1280x720(qtbot, panel, tmp_path):
+    """At 1280x720 the memory plot is about 50 px tall, and its y axis labelled 330, 332, ... 338 one against the
+    next: a value axis labels only as many values as fit, half a line apart at least."""
+    from PySide6.QtGui import QImage, QPainter
+
+    run = tmp_path / "run"
+    t0 = time.time()
+    for step in range(1, 31):  # RSS creeping from 330 to 338 MiB, as the demo's did
+        write_metrics(run, 0, [step], t0=t0, rss=(330 + 8 * step / 30) * 2**20)
+    panel.resize(1280, 640)  # what the window leaves it at 1280x720
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("rss", 0)) == 30, timeout=10000)
+    for plot in (panel.plots.memory, panel.plots.loss):
+        qtbot.waitUntil(lambda p=plot: p.getViewBox().viewRange()[1][1] > 1, timeout=10000)
+        axis = plot.getAxis("left")
+        image = QImage(10, 10, QImage.Format.Format_ARGB32)
+        painter = QPainter(image)
+        try:
+            _axis, _ticks, texts = axis.generateDrawSpecs(painter)
+        finally:
+            painter.end()
+        rects = sorted((r for r, _flags, text in texts if text), key=lambda r: r.top())
+        assert len(rects) >= 2, [t for _r, _f, t in texts]
+        for upper, lower in pairwise(rects):  # a clear half line between two labels
+            assert lower.top() - upper.bottom() >= upper.height() / 2, (plot, [(t, r.top()) for r, _f, t in texts])
 
 def test_stall_detection_waits_for_the_resumed_ranks(tmp_path):
     run = tmp_path / "run"
