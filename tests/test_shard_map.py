@@ -147,10 +147,10 @@ def test_a_non_tensor_entry_draws_no_stack_and_no_legend(qtbot, fixtures):
         assert view.select_path(path)
         caption = view.map_caption.text()
         assert "0 tensors" not in caption and "stacked" not in caption and "■" not in caption, caption
-        assert "nothing is sharded" in caption
+        assert "non-tensor" in caption
         assert not view.map.chunk_items
         texts = [it.text() for it in view.map.scene().items() if hasattr(it, "text")]
-        assert any("nothing is sharded" in t for t in texts), texts
+        assert any("Nothing is sharded" in t for t in texts), texts
     assert view.select_path("model.blocks.0")  # a module still stacks its tensors, with the legend
     assert "tensors stacked" in view.map_caption.text() and "■" in view.map_caption.text()
     qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)

@@ -28,7 +28,7 @@ from ..backend.format import count, human_bytes, rich_name
 from ..backend.formats import format_named, label_of
 from .health_panel import CHECKSUMS_WHERE_STORED, HealthPanel
 from .inspector_view import InspectorView
-from .map_caption import NO_TENSORS, NOTHING_SHARDED, map_caption
+from .map_caption import NOTHING_SHARDED, map_caption
 from .overlay import ProgressOverlay
 from .ranks_view import RanksView
 from .shard_map import ShardMapView
@@ -299,7 +299,7 @@ class CheckpointView(QWidget):
             if tensors:
                 self.map.show_tensors(ck, tensors)
             else:
-                self.map.clear_map(NOTHING_SHARDED if node.entry is not None else NO_TENSORS)
+                self.map.clear_map(NOTHING_SHARDED)
             self.inspector.set_tensor(None)
             if node.entry is not None:
                 value = (self.data.values or {}).get(node.path, "(loading)")

@@ -8,8 +8,9 @@ from ..backend.checkpoint.tree import TreeNode
 from ..backend.format import count, rich_name
 from .shard_map import grid_shape, legend_html, stacked_entries
 
-NOTHING_SHARDED = "A non-tensor entry: stored whole, nothing is sharded (its value is in the Inspector)."
-NO_TENSORS = "No tensors under this entry: only non-tensor values, nothing is sharded."
+NOTHING_SHARDED = "Nothing is sharded here: no shard map to draw."
+ONE_VALUE = "a non-tensor entry, stored whole (its value is in the Inspector)"
+VALUES_ONLY = "no tensors under it, only non-tensor entries"
 
 
 def map_caption(ck: Checkpoint, node: TreeNode, tensors: list[TensorEntry]) -> str:
@@ -22,7 +23,7 @@ def map_caption(ck: Checkpoint, node: TreeNode, tensors: list[TensorEntry]) -> s
                 f"{unsharded_note(ck)} (wheel: zoom, drag: pan, double-click: fit)<br>{legend}")
     name = f"<b>{rich_name(node.path or 'all')}</b>"
     if not tensors:  # no "0 tensors stacked" and no legend of colours nothing is drawn in
-        return f"{name}: {NOTHING_SHARDED if node.entry is not None else NO_TENSORS}"
+        return f"{name}: {ONE_VALUE if node.entry is not None else VALUES_ONLY}"
     shown = len(stacked_entries(tensors))
     stacked = f"{count(len(tensors), 'tensor')} stacked" if shown == len(tensors) else \
         f"the first {shown:,} of {count(len(tensors), 'tensor')} stacked"
