@@ -41,8 +41,8 @@ class ValueAxis(pg.AxisItem):
         if not levels or size <= 0 or span == 0:
             return levels
         font = self.style.get("tickFont") or QGuiApplication.font()
-        labels = max(1, int(size // (QFontMetrics(font).height() * LABEL_LINES)))  # as many as fit
-        major = max(levels[0][0], nice_spacing(span / labels))
+        room = QFontMetrics(font).height() * LABEL_LINES  # pixels each label needs up the axis
+        major = max(levels[0][0], nice_spacing(span * room / size))
         if major == levels[0][0]:
             return levels
         return [(major, 0.0), (major / 5, 0.0)]
