@@ -40,11 +40,11 @@ from .tensor_tree import (
     TextFilterProxy,
     fit_name_column,
     size_columns,
-    tree_width_needed,
 )
 from .workers import Worker, run_in_background
 
 AUTO_LOAD_BYTES = 64 << 20
+TREE_SHARE = 0.46  # of the view's width, for the tree (unless the user's layout was saved)
 
 
 class CheckpointView(QWidget):
@@ -65,7 +65,7 @@ class CheckpointView(QWidget):
         self._load_worker: Worker | None = None
         self._verify_worker: Worker | None = None
         self.verified_problems: list | None = None  # the findings of the last finished Verify contents
-        self.read_problems: list[Problem] = []  # CRC32 failures the Inspector's reads found
+        self.read_problems: list[Problem] = []  # CRC32 failures the Inspector's reads found (since Verify contents)
         self._selected: TreeNode | None = None
 
         layout = QVBoxLayout(self)
@@ -84,7 +84,6 @@ class CheckpointView(QWidget):
         self.main_split.setStretchFactor(0, 2)
         self.main_split.setStretchFactor(1, 3)
         self.layout_restored = False  # the window restored the user's splitter positions
-        self._auto_sizes = False  # the splitters were sized here (no saved layout): the tree may widen for its names
         self._depth = 0  # the deepest entry's level in the tree (its names need that much indentation)
         layout.addWidget(self.main_split, 1)
 
@@ -192,19 +191,12 @@ class CheckpointView(QWidget):
         super().resizeEvent(event)
         if not self.layout_restored and self.width() > 400:
             # NOTE: sizes only mean something once the view has its real width (first resize)
-            self.layout_restored = self._auto_sizes = True
-            self.main_split.setSizes([int(self.width() * 0.4), int(self.width() * 0.6)])
+            self.layout_restored = True
+            # NOTE: 46 %: at 1280 px the tree then shows every column and names 8 levels deep (the demo's optimizer
+            # state) whole; it is not widened when the entries arrive, as nothing moves once shown
+            self.main_split.setSizes([int(self.width() * TREE_SHARE), self.width() - int(self.width() * TREE_SHARE)])
             self.right_split.setSizes([int(self.height() * 0.5), int(self.height() * 0.5)])
-            self._widen_tree()
         self._place_progress()
-
-    def _widen_tree(self) -> None:
-        """Without a saved layout the tree takes what its deepest names need (up to half the width), so they are
-        read without scrolling sideways."""
-        need = tree_width_needed(self.tree, self._depth)
-        sizes = self.main_split.sizes()
-        if self._auto_sizes and self._depth and sizes[0] < need <= sum(sizes) // 2:
-            self.main_split.setSizes([need, sum(sizes) - need])
 
     def _place_progress(self) -> None:
         top_left = self.tree.mapTo(self, self.tree.rect().bottomLeft())
@@ -229,7 +221,6 @@ class CheckpointView(QWidget):
         self.model.set_root(data.tree, {})
         self._depth = max((e.fqn.count(".") for e in (*ck.tensors, *ck.objects)), default=0)
         size_columns(self.tree)
-        self._widen_tree()
         fit_name_column(self.tree, self._depth)
         if data.tree.children and len(data.tree.children) <= 4:
             for r in range(self.proxy.rowCount()):
@@ -438,6 +429,7 @@ class CheckpointView(QWidget):
         self.progress.finish()
         self.verify_button.setEnabled(True)
         self.verified_problems = problems
+        self.read_problems = []  # every byte was read again: what a read found before is among its findings
         self._show_problems(problems, deep=True)
         self.contentsVerified.emit(problems)
 

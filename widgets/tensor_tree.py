@@ -224,12 +224,6 @@ def name_floor(tree: QTreeView, depth: int) -> int:
     return tree.indentation() * (depth + 1) + tree.fontMetrics().horizontalAdvance(NAME_ROOM) + 12
 
 
-def tree_width_needed(tree: QTreeView, depth: int) -> int:
-    """The tree's width with every column shown and the deepest names readable (frame and scroll bar counted)."""
-    others = sum(tree.columnWidth(c) for c in range(1, tree.header().count()))
-    return others + name_floor(tree, depth) + 2 * tree.frameWidth() + tree.verticalScrollBar().sizeHint().width()
-
-
 def fit_name_column(tree: QTreeView, depth: int) -> None:
     """The name column takes what the numbers leave, never less than the deepest names need (then the tree
     scrolls sideways), so sizes and counts are never cut and deep names stay apart."""
