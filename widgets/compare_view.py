@@ -319,8 +319,8 @@ class CompareView(QWidget):
         # NOTE: the bar holds the percentage only; what is being compared goes in the line below, which wraps (in
         # the 220 px bar it was clipped)
         self.progress.setFormat("%p%")
-        self.summary.setText(html.escape(f"Comparing … {done:,} of {total:,}: {msg}" if total else
-                                         f"Comparing … {msg}", quote=False))
+        said = f"Comparing … {done:,} of {count(total, 'pair')}" if total else "Comparing …"
+        self.summary.setText(html.escape(f"{said}: {msg}" if done and msg else said, quote=False))
 
     def _done(self, out) -> None:
         a, b, result = out
