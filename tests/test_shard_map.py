@@ -183,3 +183,20 @@ def test_a_modules_stack_is_legible_or_named_on_hover(qtbot, fixtures):
                     assert hover_tooltip(qtbot, m, label.sceneBoundingRect().center()).startswith(fqn + "\n")
         if size == (1920, 1080):
             assert all(label.isVisible() for label in labels)  # a wide map reads its names
+
+
+def test_a_scalar_is_one_square_cell(qtbot, fixtures):
+    """A 0-d tensor (an optimizer's step) was drawn as a strip as wide as a matrix: it is one square cell, alone
+    and in a module's stack."""
+    import pytest
+
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    fqn = "optimizer.state.blocks.0.fc1.weight.step"
+    assert view.data.ckpt.tensor(fqn).shape == ()
+    for path in (fqn, "optimizer.state.blocks.0.fc1.weight"):
+        assert view.select_path(path)
+        qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)
+        (cell,) = [ci.rect for ci in view.map.chunk_items if ci.fqn == fqn]
+        assert cell.width() == pytest.approx(cell.height())
+        widest = max(ci.rect.width() for ci in view.map.chunk_items)
+        assert path == fqn or cell.width() < widest / 4

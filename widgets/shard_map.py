@@ -194,7 +194,9 @@ class ShardMapView(QGraphicsView):
 
     def _geometry(self, shape: tuple[int, ...]) -> tuple[float, float]:
         rows, cols = grid_shape(shape)
-        if len(shape) <= 1:
+        if not shape:  # a scalar is one cell, a square (it was drawn as a bar as wide as a tensor's)
+            return BAR_HEIGHT, BAR_HEIGHT
+        if len(shape) == 1:
             return MAP_WIDTH, BAR_HEIGHT
         aspect = rows / cols if cols else 1.0
         aspect = min(max(aspect, 1 / MAX_ASPECT), MAX_ASPECT)
@@ -217,7 +219,9 @@ class ShardMapView(QGraphicsView):
         frame = scene.addRect(frame_rect, QPen(self.palette().mid().color(), 0))
         frame.setZValue(-1)
         self.hover.start_band(top, y0 + height)
-        self.hover.add(QRectF(0, top, width, y0 + height - top), FRAME, e)  # its name's room too: hover names it
+        self.hover.add(frame_rect, FRAME, e)
+        if with_label:  # its name's room: hovering it names the tensor (the name is hidden while too small)
+            self.hover.add(QRectF(0, top, max(width, label.boundingRect().width()), LABEL_ROOM), FRAME, e)
         chunks = e.chunks
         labelled = len(chunks) <= 64 and not with_label  # rank labels only on a single tensor
         rects = []
