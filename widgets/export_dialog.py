@@ -136,7 +136,6 @@ class ExportDialog(QDialog):
         # RUN/exports/ often is), and says so before anything is written
         self.make_folders = QCheckBox()
         self.make_folders.setChecked(True)
-        self.make_folders.setToolTip("Made by the export, and removed again if the export fails")
         form.addRow("", self.make_folders)
         self.format = QComboBox()
         self.format.addItem(FROM_THE_NAME, None)
@@ -221,7 +220,10 @@ class ExportDialog(QDialog):
         missing = missing_folders(self.dst.text().strip()) if self.dst.text().strip() else []
         if missing:
             below = f" (and {count(len(missing) - 1, 'folder')} in it)" if len(missing) > 1 else ""
-            self.make_folders.setText(f"Create the missing folder {missing[0]}{below}")
+            # NOTE: a long path is cut at its start (a check box's text is its minimum width: it widened the dialog)
+            shown = missing[0] if len(missing[0]) <= 60 else "…" + missing[0][-59:]
+            self.make_folders.setText(f"Create the missing folder {shown}{below}")
+            self.make_folders.setToolTip(f"Creates {missing[0]}{below}; removed again if the export fails")
         self.make_folders.setVisible(bool(missing))
         return missing
 
