@@ -51,6 +51,13 @@ class ComparePicker(QDialog):
 
         self.accepted.connect(accepted)
 
+    def showEvent(self, event) -> None:
+        """A arrives with the focus and its text selected: typing replaces the proposal (it used to append to
+        it, making ``…/step_000030/tmp/nu/bigrun/…``)."""
+        super().showEvent(event)
+        self.boxes[0].setFocus()
+        self.boxes[0].lineEdit().selectAll()
+
     def _browse_into(self, box: QComboBox) -> None:
         # the file dialogs open over the window (this picker's parent)
         window = self.parentWidget()

@@ -63,7 +63,7 @@ class DemoGuide(QObject):
         fqn = first_tensor(self.view)
         if fqn:
             self.view.select_path(fqn)
-        self.window.statusBar().showMessage(HINT)
+        self.window.show_note(HINT, self.view)  # until another checkpoint or run is shown
 
 
 def start_demo(window, config: RunConfig | None = None, run_dir: str | None = None) -> DemoGuide | None:
@@ -74,6 +74,6 @@ def start_demo(window, config: RunConfig | None = None, run_dir: str | None = No
     panel.runStateChanged.connect(guide.on_state)
     if not panel.start_run(run_dir, config or demo_config()):
         return None
-    window.statusBar().showMessage("The demo is training a tiny model with FSDP on 2 CPU ranks; its last "
-                                   "checkpoint opens here when it ends.")
+    window.show_note("The demo is training a tiny model with FSDP on 2 CPU ranks; its last checkpoint opens here "
+                     "when it ends.", panel)
     return guide

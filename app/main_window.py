@@ -12,11 +12,21 @@ from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QMessageBox, QSplitter, QTabBar, QTabWidget
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QSplitter,
+    QTabBar,
+    QTabWidget,
+    QWidget,
+)
 
 from ..backend.checkpoint.storage import is_url
 from ..backend.filenames import is_index_name, is_metadata_name
 from ..backend.format import count
+from ..backend.library.names import run_name
 from ..backend.runs.rundir import default_runs_root
 from ..widgets.checkpoint_view import CheckpointView
 from ..widgets.compare_view import CompareView
@@ -27,6 +37,7 @@ from .compare_picker import ComparePicker
 from .first_run import start_demo
 from .menus import build_menus
 from .settings import add_recent, library_roots, recent_paths, set_library_roots, settings
+from .window_keys import WindowKeysFirst
 
 # What File › Open file offers (an index or a .metadata opens its folder)
 CHECKPOINT_FILES = ("Checkpoints (*.safetensors *.pt *.pth *.bin *.ckpt model.safetensors.index.json .metadata);;"
@@ -38,6 +49,7 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.setWindowTitle("Shardscope")
         self.setAcceptDrops(True)
+        self._note_about: QWidget | None = None  # the tab the status bar's standing note speaks of
         # Two tab panes side by side, so two checkpoints (two steps of a run) can be compared;
         # the right one is hidden while empty.
         self.tabs = self._make_pane()
@@ -52,6 +64,7 @@ class MainWindow(QMainWindow):
         self.badge = QLabel("")
         self.statusBar().addPermanentWidget(self.badge)
         self.recent_menu, self.export_action = build_menus(self)
+        self.keys_first = WindowKeysFirst(self)  # Ctrl+E, Ctrl+D, ... whatever has focus (a filter box too)
         self._show_welcome_if_empty()
         self.quiet = False  # True in --screenshot mode: no modal message boxes
         geo = settings().value("window/geometry")
@@ -70,7 +83,19 @@ class MainWindow(QMainWindow):
     def _activate(self, pane: QTabWidget) -> None:
         if pane.count():
             self._active = pane
+        if self._note_about is not None and pane.currentWidget() is not self._note_about:
+            self.clear_note()  # it spoke of another tab ("Demo finished: this is its last checkpoint …")
         self._update_badge()
+
+    def show_note(self, text: str, about: QWidget) -> None:
+        """A status bar message that stays while ``about`` (a tab) is shown, and goes when another tab is."""
+        self.statusBar().showMessage(text)
+        self._note_about = about
+
+    def clear_note(self) -> None:
+        if self._note_about is not None:
+            self._note_about = None
+            self.statusBar().clearMessage()
 
     def move_to_other_side(self) -> None:
         """Move the current checkpoint to the other pane (side-by-side comparison)."""
@@ -114,7 +139,7 @@ class MainWindow(QMainWindow):
         view = CheckpointView(path)
         view.failed.connect(lambda msg, v=view: self._on_failed(v, msg))
         view.loaded.connect(lambda _d, v=view: self._on_loaded(v))
-        view.contentsVerified.connect(lambda _p: self._update_badge())
+        view.healthChanged.connect(self._update_badge)
         view.exportRequested.connect(self.export_current)
         pane = self._active
         idx = pane.addTab(view, tab_title(path))
@@ -122,6 +147,7 @@ class MainWindow(QMainWindow):
         pane.setCurrentIndex(idx)
         self._restore_splitters(view)
         view.load()
+        self._note_about = None  # replaced: the note spoke of another checkpoint
         self.statusBar().showMessage(f"Opening {path} …")
         return view
 
@@ -139,12 +165,13 @@ class MainWindow(QMainWindow):
 
     def _update_badge(self) -> None:
         view = self.current_view()
-        if view is None or view.data is None or view.data.problems is None:
+        # NOTE: after Verify contents its findings (every byte read) replace the quick check's; a CRC32 failure
+        # any read found (the Inspector's values) is counted too
+        problems, deep = view.problems() if view is not None else (None, False)
+        if problems is None:
             self.badge.setText("")
             return
-        # NOTE: after Verify contents its findings (every byte read) replace the quick check's
-        deep = view.verified_problems is not None
-        n = len(view.verified_problems if deep else view.data.problems)
+        n = len(problems)
         ok = "● verified" if deep else "● healthy"
         self.badge.setText(ok if n == 0 else f"● {count(n, 'problem')}")
         self.badge.setStyleSheet(f"color: {'#2ca02c' if n == 0 else '#d62728'}; font-weight: bold;")
@@ -230,11 +257,19 @@ class MainWindow(QMainWindow):
     def compare(self, path_a: str, path_b: str) -> CompareView:
         view = CompareView(path_a, path_b)
         pane = self._active
-        idx = pane.addTab(view, f"{Path(path_a).name} ↔ {Path(path_b).name}")
+        title = pair_title(path_a, path_b)
+        idx = pane.addTab(view, title)
         pane.setTabToolTip(idx, f"A: {path_a}\nB: {path_b}")
         pane.setCurrentIndex(idx)
+        view.finished.connect(lambda result, v=view: result is None and self._mark_failed(v, f"✕ {title}"))
         view.start()
         return view
+
+    def _mark_failed(self, view: QWidget, title: str) -> None:
+        """A comparison that could not be made says so on its tab (its message is in the tab)."""
+        for pane in (self.tabs, self.side_tabs):
+            if pane.indexOf(view) >= 0:
+                pane.setTabText(pane.indexOf(view), title)
 
     def compare_dialog(self) -> ComparePicker:
         """Two pickers (A, B): open checkpoints first, then the Library's complete checkpoints."""
@@ -343,6 +378,15 @@ def tab_title(path: str) -> str:
     if (is_metadata_name(p.name) or is_index_name(p.name)) and p.parent.name:
         return p.parent.name
     return p.name or path
+
+
+def pair_title(path_a: str, path_b: str) -> str:
+    """A Compare tab's name: both checkpoints' names, each with its run's when the two are in different folders
+    (two runs' ``step_000030`` read the same: a failed pair's tab looked like the previous pair's)."""
+    a, b = tab_title(path_a), tab_title(path_b)
+    if os.path.dirname(path_a.rstrip("/")) != os.path.dirname(path_b.rstrip("/")):
+        a, b = (f"{run}/{name}" if run else name for run, name in ((run_name(path_a), a), (run_name(path_b), b)))
+    return f"{a} ↔ {b}"
 
 
 def default_size(window: QMainWindow) -> QSize:

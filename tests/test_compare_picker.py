@@ -28,3 +28,45 @@ def test_compare_pickers_start_on_the_checkpoints_open_in_the_window(qtbot, wind
     finally:
         picker.reject()
         window.library.shutdown()
+
+
+def test_typing_in_a_replaces_the_proposal_and_a_failed_pair_gets_its_own_title(qtbot, window, fixtures, tmp_path):
+    """The A field arrived filled and unselected: typing a path appended it to the proposal
+    (…/step_000030/tmp/nu/bigrun/…), and the error landed in a tab whose title read like the previous pair's
+    (two runs' step_000020 ↔ step_000030 look the same)."""
+    import shutil
+
+    from PySide6.QtWidgets import QApplication
+    from shardscope.widgets.compare_view import CompareView
+
+    ckpts = tmp_path / "runA" / "checkpoints"
+    for step, name in ((20, "fsdp2_r2"), (30, "ddp_r2")):
+        shutil.copytree(fixtures[name], ckpts / f"step_{step:06d}")
+    a, b = str(ckpts / "step_000020"), str(ckpts / "step_000030")
+    views = [window.open_path(p) for p in (a, b)]  # the pickers propose the checkpoints open in the window
+    qtbot.waitUntil(lambda: all(v.data is not None for v in views), timeout=SLOW)
+    first = window.compare(a, b)
+    qtbot.waitUntil(lambda: first.result is not None, timeout=SLOW)
+    first_title = window.tabs.tabText(window.tabs.indexOf(first))
+    assert first_title == "step_000020 ↔ step_000030"
+    window.resize(1280, 720)
+    window.show()
+    qtbot.waitExposed(window)
+    picker = window.compare_dialog()
+    try:
+        picker.activateWindow()
+        qtbot.waitUntil(lambda: QApplication.activeWindow() is picker, timeout=10000)
+        assert picker.boxes[0].currentText() == a  # a proposal is there ...
+        typed = str(tmp_path / "runB" / "checkpoints" / "step_000020")  # ... and typing replaces it
+        qtbot.keyClicks(QApplication.focusWidget(), typed)
+        assert picker.boxes[0].currentText() == typed
+        picker.boxes[1].setCurrentText(b)
+        picker.accept()
+    finally:
+        picker.reject()
+    failed = window.tabs.currentWidget()
+    assert isinstance(failed, CompareView) and failed is not first and failed.path_a == typed
+    qtbot.waitUntil(lambda: failed.progress.isHidden(), timeout=SLOW)
+    assert "runB" in failed.summary.text() and failed.result is None  # the error names the path that failed
+    title = window.tabs.tabText(window.tabs.indexOf(failed))
+    assert title == "✕ runB/step_000020 ↔ runA/step_000030" and title != first_title

@@ -62,3 +62,26 @@ def test_compare_with_its_own_export_says_why_nothing_paired(qtbot, fixtures, tm
         view.start()
     assert sig.args[0].unchanged == 15 and sig.args[0].only_b == [] and sig.args[0].changed == []
     assert "without the container prefix 'model.'" in view.summary.text()
+
+
+def test_compare_progress_text_is_not_clipped(qtbot, fixtures):
+    """The progress bar (at most 220 px) held "37 %  optimizer.state.model.blocks.0…" and clipped it: the bar says
+    the percentage, and the line below it what is being compared, whole (it wraps)."""
+    from shardscope.widgets.compare_view import CompareView
+
+    view = CompareView(str(fixtures["steps_r2"] / "step2"), str(fixtures["steps_r2"] / "step3"))
+    qtbot.addWidget(view)
+    view.resize(1280, 720)
+    view.show()
+    qtbot.waitExposed(view)
+    seen: list[tuple[str, int, str]] = []
+    view.progress.valueChanged.connect(lambda _v: seen.append((view.progress.text(), view.progress.width(),
+                                                               view.summary.text())))
+    with qtbot.waitSignal(view.finished, timeout=120000):
+        view.start()
+    fm = view.progress.fontMetrics()
+    assert len(seen) > 2
+    for text, width, _summary in seen:
+        assert fm.horizontalAdvance(text) <= width - 8, (text, width)
+    assert [s for s in seen if "Comparing … " in s[2] and "model." in s[2]], seen  # the name, whole
+    view.shutdown()

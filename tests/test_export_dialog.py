@@ -289,3 +289,28 @@ def test_open_after_an_export_shows_the_written_file_in_the_window(qtbot, fixtur
     assert opened is not view and opened.path == str(dst)
     qtbot.waitUntil(lambda: opened.data is not None, timeout=SLOW)
     assert len(opened.data.ckpt.tensors) == 15
+
+
+def test_the_dialog_offers_to_create_a_missing_destination_folder(qtbot, fixtures, tmp_path):
+    """`export` refuses a destination whose folder is missing (kept); the dialog says it is missing and offers to
+    create it: ticked (as it comes) the export makes it, unticked it refuses as the CLI does."""
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]), "model")
+    qtbot.addWidget(dlg)
+    dlg.show()
+    dst = tmp_path / "new" / "deeper" / "m.safetensors"
+    dlg.dst.setText(str(dst))
+    offer = dlg.make_folders
+    assert offer.isVisibleTo(dlg) and offer.isChecked()
+    assert offer.text().endswith("/new (and 1 folder in it)") and str(tmp_path / "new") in offer.toolTip()
+    offer.setChecked(False)
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000) as refused:
+        dlg.export_button.click()
+    assert refused.args[0] is None and "does not exist" in dlg.message.text() and not (tmp_path / "new").exists()
+    offer.setChecked(True)
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000) as done:
+        dlg.export_button.click()
+    assert done.args[0] is not None and dst.is_file(), dlg.message.text()
+    dlg.dst.setText(str(tmp_path / "new" / "again.safetensors"))  # its folder is there now: nothing to offer
+    assert not offer.isVisibleTo(dlg)

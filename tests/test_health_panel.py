@@ -73,6 +73,32 @@ def test_status_badge_follows_verify_contents(qtbot, copy_of):
     assert view.health.item(0).text().endswith(": 1 problem")
 
 
+
+def test_a_crc32_failure_the_inspector_finds_updates_health_and_the_badge(qtbot, copy_of):
+    """The Inspector showed a red CRC32 failure for model.blocks.0.fc1.weight while the status bar still said
+    "● healthy" and the Health tab kept its ✔: a failure any read finds is listed in Health and counted."""
+    from shardscope.app.main_window import MainWindow
+
+    fqn = "model.blocks.0.fc1.weight"
+    ckpt = copy_of("fsdp2_r2")
+    flip_a_value_byte(ckpt, fqn)
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True
+    view = win.open_path(str(ckpt))
+    qtbot.waitUntil(lambda: view.data is not None and view.data.problems is not None and view.progress.isHidden(),
+                    timeout=120000)
+    assert win.badge.text() == "● healthy" and view.tabs.tabText(2) == "Health ✔"
+    with qtbot.waitSignal(view.valuesDone, timeout=120000):
+        assert view.select_path(fqn)  # small: its values load at once
+    assert "CRC32" in view.inspector.stats.text()
+    assert win.badge.text() == "● 1 problem" and view.tabs.tabText(2) == "Health (1)"
+    assert [(p.kind, p.fqn) for p in view.health.problems] == [("corrupt", fqn)]
+    assert any("CRC32" in view.health.item(i).text() for i in range(view.health.count()))
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000):
+        win.verify_current()  # the same failure found again: listed once
+    assert win.badge.text() == "● 1 problem" and [p.fqn for p in view.health.problems] == [fqn]
+
 @pytest.mark.parametrize("name", ["hf_r2", "fsdp_safetensors_r2"])
 def test_verify_contents_claims_no_crc32_that_safetensors_lacks(qtbot, fixtures, name):
     """safetensors stores no checksum, yet the Health tab said "every stored item read once and its CRC32
@@ -83,3 +109,24 @@ def test_verify_contents_claims_no_crc32_that_safetensors_lacks(qtbot, fixtures,
     text = view.health.item(0).text()
     assert text.startswith("✔ Contents verified") and "CRC32 matched" not in text
     assert "safetensors" in text
+
+
+def test_the_health_message_wraps_instead_of_scrolling_sideways(qtbot):
+    """The Health tab's verdict was one long line that needed horizontal scrolling: it wraps at the tab's width."""
+    from shardscope.widgets.health_panel import HealthPanel
+
+    panel = HealthPanel()
+    qtbot.addWidget(panel)
+    panel.resize(360, 300)
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.set_problems([])
+    item = panel.item(0)
+    assert item.text().startswith("✔ Healthy") and panel.fontMetrics().horizontalAdvance(item.text()) > 2 * 360
+
+    def wrapped() -> bool:
+        rect = panel.visualItemRect(item)
+        return rect.height() >= 2 * panel.fontMetrics().lineSpacing() and rect.right() <= panel.viewport().width()
+
+    qtbot.waitUntil(wrapped, timeout=5000)
+    assert panel.horizontalScrollBar().maximum() == 0 or not panel.horizontalScrollBar().isVisible()

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from gui_support import no_thread_left_running, wait_loaded  # noqa: F401  (an autouse fixture)
-from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
+from PySide6.QtCore import QEvent, QMimeData, QObject, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 from shardscope.widgets.checkpoint_view import CheckpointView
@@ -136,3 +136,91 @@ def test_ctrl_w_closes_the_tab_in_front_but_not_the_library(qtbot, window, fixtu
     assert window.tabs.indexOf(view) < 0 and window.tabs.currentWidget() is window.library
     action.trigger()
     assert window.tabs.indexOf(window.library) == 0
+
+
+
+def shown_window(qtbot, window):
+    """The window shown and active, so keys sent to the focused widget go through its shortcut map."""
+    window.resize(1280, 720)
+    window.show()
+    qtbot.waitExposed(window)
+    window.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is window, timeout=10000)
+    return window
+
+
+class X11LineEditKeys(QObject):
+    """What a QLineEdit claims on X11 (Qt's X11 key bindings: Ctrl+E end of line, Ctrl+D delete) and not on the
+    offscreen platform, whose bindings are Windows': a focused box takes the key from the window's shortcuts by
+    accepting its ShortcutOverride, as QWidgetLineControl does there."""
+
+    def eventFilter(self, watched, event) -> bool:
+        if event.type() == QEvent.Type.ShortcutOverride and event.modifiers() == Qt.KeyboardModifier.ControlModifier \
+                and event.key() in (Qt.Key.Key_E, Qt.Key.Key_D):
+            event.accept()
+        return False
+
+
+def test_window_shortcuts_work_while_the_filter_box_has_focus(qtbot, window, fixtures):
+    """Ctrl+E (advertised by the demo's hint) did nothing right after a checkpoint opened: the filter box has
+    the focus then and took it as "end of line". Ctrl+D did nothing after Escape closed the Export dialog back
+    onto a filter with text in it (a line edit's "delete"). The keys go to the window whatever has focus."""
+    from PySide6.QtCore import QTimer
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    shown_window(qtbot, window)
+    view = window.open_path(str(fixtures["fsdp2_r2"]))
+    wait_loaded(qtbot, view)
+    x11 = X11LineEditKeys(view.filter_edit)
+    view.filter_edit.installEventFilter(x11)
+    view.focus_filter()
+    qtbot.keyClicks(QApplication.focusWidget(), "weight")
+    assert QApplication.focusWidget() is view.filter_edit and view.filter_edit.text() == "weight"
+    seen: dict[str, object] = {}
+
+    def close_export(tries: int = 0) -> None:  # runs inside the dialog's exec()
+        dlg = QApplication.activeModalWidget()
+        if not isinstance(dlg, ExportDialog):
+            if tries < 40:  # no dialog came: the key went elsewhere (the test fails below)
+                QTimer.singleShot(50, lambda: close_export(tries + 1))
+            return
+        seen["export"] = dlg.windowTitle()
+        qtbot.keyClick(dlg, Qt.Key.Key_Escape)
+
+    QTimer.singleShot(0, close_export)
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_E, Qt.KeyboardModifier.ControlModifier)
+    assert seen.get("export") == "Export"
+    window.activateWindow()  # NOTE: what a window manager does when the dialog goes; offscreen Qt does not
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is view.filter_edit, timeout=10000)
+    assert view.filter_edit.text() == "weight"  # the box keeps what was typed: no key of the window lands in it
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_D, Qt.KeyboardModifier.ControlModifier)
+    picker = getattr(window, "compare_picker", None)
+    assert picker is not None and picker.isVisible()
+    assert view.filter_edit.text() == "weight"
+    picker.reject()
+    qtbot.keyClick(view.filter_edit, Qt.Key.Key_A, Qt.KeyboardModifier.ControlModifier)  # its own keys stay
+    assert view.filter_edit.selectedText() == "weight"
+
+
+def test_the_demos_closing_hint_goes_when_another_tab_is_shown(qtbot, window, fixtures, tmp_path):
+    """"Demo finished: this is its last checkpoint …" stayed in the status bar while other checkpoints and runs
+    were shown: it speaks of the demo's checkpoint, and goes when another tab comes to the front."""
+    import shutil
+
+    from shardscope.app.first_run import HINT, DemoGuide
+
+    run = tmp_path / "demo-run"
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000030")
+    other = window.open_path(str(fixtures["ddp_r2"]))
+    wait_loaded(qtbot, other)
+    guide = DemoGuide(window, str(run))
+    guide.on_state(str(run), "finished")  # what the Training tab says when the demo's run ends
+    qtbot.waitUntil(lambda: window.statusBar().currentMessage() == HINT, timeout=SLOW)
+    assert window.current_view() is guide.view
+    window.tabs.setCurrentWidget(other)
+    assert window.statusBar().currentMessage() == ""
+    window.tabs.setCurrentWidget(guide.view)  # it does not come back: it was said
+    assert window.statusBar().currentMessage() == ""
+    window.show_note(HINT, guide.view)
+    window.training_panel()  # the Training tab (another run) comes to the front
+    assert window.statusBar().currentMessage() == ""

@@ -72,6 +72,9 @@ def test_resume_at_another_world_size(fsdp_run, tmp_path, world):
                     model=dict(SMALL, lr=1e-2))
     launcher = RunLauncher(run_dir, cfg).start()
     assert launcher.wait(300)["state"] == "finished", (run_dir / "logs" / "rank_0.log").read_text()
+    ranks = "1 rank" if world == 1 else f"{world} ranks"
+    assert launcher.note.startswith(f"resuming step 20 of a 2-rank run on {ranks} (")  # said, and recorded
+    assert read_status(run_dir)["resumed"] == launcher.note
     resumed = read_rank_metrics(run_dir)
     assert [r["step"] for r in resumed[0]] == [21]  # step numbers continue from the checkpoint
     straight = read_rank_metrics(fsdp_run)
@@ -267,6 +270,7 @@ def test_resume_into_the_same_run_directory(tmp_path):
     assert again.returncode == 2 and "already holds a run" in again.stderr
     proc = run_cli(*base, "--steps", "10", "--resume", run_dir / "checkpoints" / "step_000004")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resuming step 4 of a 2-rank run on 2 ranks, as it was saved" in proc.stdout
     steps = [r["step"] for r in read_rank_metrics(run_dir)[0]]
     assert steps == [*range(1, 9), *range(5, 11)]
     cfg = json.loads((run_dir / "config.json").read_text())

@@ -137,3 +137,66 @@ def test_wheel_zoom_on_the_shard_map_is_kept(qtbot, fixtures):
     view.map.mouseDoubleClickEvent(None)
     min_width(view)
     assert view.map.transform().m11() < fitted * 1.25
+
+
+def test_a_non_tensor_entry_draws_no_stack_and_no_legend(qtbot, fixtures):
+    """Selecting the non-tensor `step` said "0 tensors stacked" above a legend of rank colours, over an empty
+    map: it says what the entry is, and the map says there is nothing sharded to draw."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    for path in ("step", "optimizer.param_groups.0"):  # one value, and a branch of values only
+        assert view.select_path(path)
+        caption = view.map_caption.text()
+        assert "0 tensors" not in caption and "stacked" not in caption and "■" not in caption, caption
+        assert "non-tensor" in caption
+        assert not view.map.chunk_items
+        texts = [it.text() for it in view.map.scene().items() if hasattr(it, "text")]
+        assert any("Nothing is sharded" in t for t in texts), texts
+    assert view.select_path("model.blocks.0")  # a module still stacks its tensors, with the legend
+    assert "tensors stacked" in view.map_caption.text() and "■" in view.map_caption.text()
+    qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)
+
+
+def test_a_modules_stack_is_legible_or_named_on_hover(qtbot, fixtures):
+    """A module's stack was fitted whole: 12 tensors at 1920x1080 were labelled in 3-4 px text, and a 72-tensor
+    module was a 25-35 px strip. A stack fills the map's width (it scrolls down); a name too small to read is
+    hidden, and hovering its band names the tensor."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    m = view.map
+    for size in ((1280, 720), (1920, 1080), (700, 500)):
+        view.resize(*size)
+        min_width(view)
+        for module in ("optimizer", "model"):
+            assert view.select_path(module)
+            qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)
+            min_width(view)
+            frames = [ci.item for ci in m.chunk_items]
+            left = min(m.mapFromScene(f.sceneBoundingRect()).boundingRect().left() for f in frames)
+            right = max(m.mapFromScene(f.sceneBoundingRect()).boundingRect().right() for f in frames)
+            assert right - left >= 0.8 * m.viewport().width(), (size, module, left, right)  # not a strip
+            labels = [it for it in m.scene().items() if hasattr(it, "text") and it.text().startswith(module + ".")]
+            assert len(labels) == len({ci.fqn for ci in m.chunk_items}) > 3
+            for label in labels:
+                tall = m.mapFromScene(label.sceneBoundingRect()).boundingRect().height()
+                assert not label.isVisible() or tall >= 9, (size, module, label.text(), tall)
+                if not label.isVisible():  # its room names it on hover
+                    fqn = label.text().split("  ")[0]
+                    assert hover_tooltip(qtbot, m, label.sceneBoundingRect().center()).startswith(fqn + "\n")
+        if size == (1920, 1080):
+            assert all(label.isVisible() for label in labels)  # a wide map reads its names
+
+
+def test_a_scalar_is_one_square_cell(qtbot, fixtures):
+    """A 0-d tensor (an optimizer's step) was drawn as a strip as wide as a matrix: it is one square cell, alone
+    and in a module's stack."""
+    import pytest
+
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    fqn = "optimizer.state.blocks.0.fc1.weight.step"
+    assert view.data.ckpt.tensor(fqn).shape == ()
+    for path in (fqn, "optimizer.state.blocks.0.fc1.weight"):
+        assert view.select_path(path)
+        qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)
+        (cell,) = [ci.rect for ci in view.map.chunk_items if ci.fqn == fqn]
+        assert cell.width() == pytest.approx(cell.height())
+        widest = max(ci.rect.width() for ci in view.map.chunk_items)
+        assert path == fqn or cell.width() < widest / 4

@@ -44,3 +44,41 @@ def test_the_row_the_tree_makes_current_on_focus_is_highlighted(qtbot, fixtures)
     assert current.isValid() and view.selected_node() is not None  # what Qt does on focus, and what the map shows
     assert view.tree.selectionModel().isSelected(current)
     assert [i.row() for i in view.tree.selectionModel().selectedRows(0)] == [current.row()]
+
+
+def shown_name(tree, index) -> str:
+    """The name as the tree paints it in its cell: elided by the column's delegate to the cell's text room."""
+    from PySide6.QtWidgets import QStyle, QStyleOptionViewItem
+
+    option = QStyleOptionViewItem()
+    option.initFrom(tree)
+    option.rect = tree.visualRect(index)
+    delegate = tree.itemDelegateForIndex(index)
+    delegate.initStyleOption(option, index)
+    margin = tree.style().pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin, None, tree) + 1
+    return option.fontMetrics.elidedText(option.text, option.textElideMode, option.rect.width() - 2 * margin)
+
+
+def test_deep_names_stay_apart_in_the_tree(qtbot, fixtures):
+    """At 1280x720 the deepest names elided in the middle to "e…g": exp_avg and exp_avg_sq looked the same. The
+    tree keeps room for its deepest names, and a name cut short keeps its end."""
+    from gui_support import min_width
+
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    stem = "optimizer.state.blocks.0.fc1.weight."
+    for width, height in ((1280, 720), (1920, 1080), (900, 600)):
+        view.resize(width, height)
+        min_width(view)
+        assert view.select_path(stem + "exp_avg_sq")
+        qtbot.waitUntil(lambda: view._stats_worker is None, timeout=120000)
+        min_width(view)
+        names = []
+        for leaf in ("exp_avg", "exp_avg_sq"):
+            src = view.model.index_for_path(stem + leaf)
+            names.append(shown_name(view.tree, view.proxy.mapFromSource(view.rank_proxy.mapFromSource(src))))
+        assert names == ["exp_avg", "exp_avg_sq"], (width, names)
+    delegate = view.tree.itemDelegateForColumn(0)  # too narrow for a whole name: its end is kept
+    view.tree.setColumnWidth(0, view.tree.indentation() * 8 + 30)
+    src = view.model.index_for_path(stem + "exp_avg_sq")
+    shown = shown_name(view.tree, view.proxy.mapFromSource(view.rank_proxy.mapFromSource(src)))
+    assert delegate is not None and shown.startswith("…") and shown.endswith("sq"), shown

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import psutil
@@ -114,6 +115,35 @@ def test_resumed_run_is_split_and_memory_is_plotted_per_step(qtbot, panel, tmp_p
     assert finite.min() == 1 and finite.max() == 30  # the day between the segments takes no room
 
 
+
+def test_memory_axis_labels_do_not_run_together_at_1280x720(qtbot, panel, tmp_path):
+    """At 1280x720 the memory plot is about 50 px tall, and its y axis labelled 330, 332, ... 338 one against the
+    next: a value axis labels only as many values as fit, half a line apart at least."""
+    from PySide6.QtGui import QImage, QPainter
+
+    run = tmp_path / "run"
+    t0 = time.time()
+    for step in range(1, 31):  # RSS creeping from 330 to 338 MiB, as the demo's did
+        write_metrics(run, 0, [step], t0=t0, rss=(330 + 8 * step / 30) * 2**20)
+    panel.resize(1280, 640)  # what the window leaves it at 1280x720
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("rss", 0)) == 30, timeout=10000)
+    for plot in (panel.plots.memory, panel.plots.loss):
+        qtbot.waitUntil(lambda p=plot: p.getViewBox().viewRange()[1][1] > 1, timeout=10000)
+        axis = plot.getAxis("left")
+        image = QImage(10, 10, QImage.Format.Format_ARGB32)
+        painter = QPainter(image)
+        try:
+            _axis, _ticks, texts = axis.generateDrawSpecs(painter)
+        finally:
+            painter.end()
+        rects = sorted((r for r, _flags, text in texts if text), key=lambda r: r.top())
+        assert len(rects) >= 2, [t for _r, _f, t in texts]
+        for upper, lower in pairwise(rects):  # a clear half line between two labels
+            assert lower.top() - upper.bottom() >= upper.height() / 2, (plot, [(t, r.top()) for r, _f, t in texts])
+
 def test_stall_detection_waits_for_the_resumed_ranks(tmp_path):
     run = tmp_path / "run"
     now = time.time()
@@ -158,6 +188,48 @@ def test_form_says_what_is_wrong_next_to_the_field(qtbot, panel, tmp_path):
     panel.form.script.setText("")  # editing the field answers its message: no stale error stays under it
     assert not panel.form.errors["script"].isVisibleTo(panel)
 
+
+
+def wheel(widget, notches: int = -1) -> None:
+    """A real wheel event over the middle of ``widget`` (one notch down by default), delivered as Qt delivers a
+    mouse's: to the widget, then up to its parents while nobody accepts it."""
+    from PySide6.QtCore import QPoint, QPointF
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    pos = QPointF(widget.rect().center())
+    event = QWheelEvent(pos, QPointF(widget.mapToGlobal(pos.toPoint())), QPoint(0, 0), QPoint(0, 120 * notches),
+                        Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
+    QApplication.sendEvent(widget, event)
+
+
+def test_the_wheel_scrolls_the_form_without_changing_its_values(qtbot, panel):
+    """At 1280x720 the form needs scrolling, and the wheel over it turned Heads from 4 to 1 with no notice: a
+    spin or combo box takes the wheel only once it has the focus; until then the wheel scrolls the form."""
+    from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QScrollArea
+
+    panel.resize(1280, 520)
+    panel.show()
+    qtbot.waitExposed(panel)
+    scroll = panel.findChild(QScrollArea)
+    bar = scroll.verticalScrollBar()
+    assert bar.maximum() > 0  # the form does not fit: it scrolls
+    fields = [w for w in panel.form.findChildren(QAbstractSpinBox) + panel.form.findChildren(QComboBox)
+              if w.isVisibleTo(panel)] + [panel.compare]
+    values = {id(w): (w.value() if isinstance(w, QAbstractSpinBox) else w.currentIndex()) for w in fields}
+    assert panel.form.heads.value() == 4
+    for w in fields:
+        bar.setValue(0)
+        wheel(w, notches=-3)
+        wheel(w, notches=+1)
+        assert (w.value() if isinstance(w, QAbstractSpinBox) else w.currentIndex()) == values[id(w)], w
+    bar.setValue(0)
+    wheel(panel.form.heads, notches=-3)
+    assert bar.value() > 0 and panel.form.heads.value() == 4  # the form scrolled instead
+    panel.form.heads.setFocus()
+    qtbot.waitUntil(panel.form.heads.hasFocus, timeout=5000)
+    wheel(panel.form.heads, notches=+1)  # focused (clicked or tabbed into), it takes the wheel as before
+    assert panel.form.heads.value() == 5
 
 def test_failure_traceback_is_collapsed_and_does_not_squash_the_plots(qtbot, panel, tmp_path):
     run = tmp_path / "run"
@@ -580,3 +652,40 @@ def test_ranks_end_when_torchrun_is_killed(qtbot, panel, tmp_path):
     assert any("torchrun (pid" in text for text in logs)  # the first to notice says why (the other may fail first)
     qtbot.waitUntil(lambda: panel.run_state(run_dir) == "failed", timeout=SHORT)
     assert not panel.stop_button.isEnabled()
+
+
+WORLD_SIZE_SCRIPT = textwrap.dedent("""
+    import os
+    run = os.environ["SHARDSCOPE_RUN_DIR"]
+    with open(os.path.join(run, f"seen_{os.environ['RANK']}"), "w") as f:
+        f.write(f"{os.environ['WORLD_SIZE']} {os.path.basename(os.environ['SHARDSCOPE_RESUME'])}")
+""")
+
+
+def test_resume_from_the_window_runs_on_the_forms_processes_and_says_so(qtbot, panel, tmp_path, fixtures):
+    """With Processes set to 3, Resume from selected on a 2-rank run's checkpoint resumed on 2 ranks, silently
+    (config.json said 2). The CLI resumes at another world size (DCP reshards on load); the window does too, and
+    says what it does."""
+    script = tmp_path / "world.py"
+    script.write_text(WORLD_SIZE_SCRIPT)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000020")  # written by 2 ranks
+    config = RunConfig(nproc=2, script=str(script))
+    (run / "config.json").write_text(json.dumps(config.record()))
+    (run / "status.json").write_text(json.dumps({"state": "finished", "scheduler": "local"}))
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: header_state(panel) == "finished" and panel.ckpt_list.count() == 1, timeout=SHORT)
+    panel.form.nproc.setValue(3)
+    panel.ckpt_list.item(0).setSelected(True)
+    panel.resume_button.click()
+    assert "on 3 process" in panel.status.text()
+    qtbot.waitUntil(lambda: str(run) in panel.launchers, timeout=SHORT)
+    assert read_config(run)["nproc"] == 3
+    said = "resuming step 20 of a 2-rank run on 3 ranks"
+    qtbot.waitUntil(lambda: said in panel.status.text(), timeout=SHORT)  # the header says it while it runs
+    qtbot.waitUntil(lambda: header_state(panel) == "finished", timeout=LONG)
+    assert said in panel.status.text()
+    seen = sorted((run / f"seen_{r}").read_text() for r in range(3))
+    assert seen == ["3 step_000020"] * 3  # three ranks resumed from it
+    assert said in (run / "logs" / "launcher.log").read_text()

@@ -21,20 +21,30 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.checkpoint.browse import BrowseData
-from ..backend.checkpoint.model import TensorEntry
+from ..backend.checkpoint.model import Problem, TensorEntry
 from ..backend.checkpoint.tree import TreeNode
 from ..backend.compare.browse_file import analyse_any, load_any, stats_any, verify_contents_any
 from ..backend.format import count, human_bytes, rich_name
 from ..backend.formats import format_named, label_of
 from .health_panel import CHECKSUMS_WHERE_STORED, HealthPanel
 from .inspector_view import InspectorView
+from .map_caption import NOTHING_SHARDED, map_caption
 from .overlay import ProgressOverlay
 from .ranks_view import RanksView
-from .shard_map import ShardMapView, grid_shape, legend_html, stacked_entries
-from .tensor_tree import NodeRole, RankFilterProxy, TensorTreeModel, TextFilterProxy
+from .shard_map import ShardMapView
+from .tensor_tree import (
+    NameDelegate,
+    NodeRole,
+    RankFilterProxy,
+    TensorTreeModel,
+    TextFilterProxy,
+    fit_name_column,
+    size_columns,
+)
 from .workers import Worker, run_in_background
 
 AUTO_LOAD_BYTES = 64 << 20
+TREE_SHARE = 0.46  # of the view's width, for the tree (unless the user's layout was saved)
 
 
 class CheckpointView(QWidget):
@@ -44,6 +54,7 @@ class CheckpointView(QWidget):
     statsReady = Signal(object)
     valuesDone = Signal()  # a values load ended (statistics shown, an error, or cancelled)
     contentsVerified = Signal(object)  # list[Problem] from "Verify contents", or None if it did not finish
+    healthChanged = Signal()  # the Health tab's list changed (the analysis, Verify contents, a read that failed)
     exportRequested = Signal(str)  # a prefix ("" for everything)
 
     def __init__(self, path: str, parent=None) -> None:
@@ -54,6 +65,7 @@ class CheckpointView(QWidget):
         self._load_worker: Worker | None = None
         self._verify_worker: Worker | None = None
         self.verified_problems: list | None = None  # the findings of the last finished Verify contents
+        self.read_problems: list[Problem] = []  # CRC32 failures the Inspector's reads found (since Verify contents)
         self._selected: TreeNode | None = None
 
         layout = QVBoxLayout(self)
@@ -72,6 +84,7 @@ class CheckpointView(QWidget):
         self.main_split.setStretchFactor(0, 2)
         self.main_split.setStretchFactor(1, 3)
         self.layout_restored = False  # the window restored the user's splitter positions
+        self._depth = 0  # the deepest entry's level in the tree (its names need that much indentation)
         layout.addWidget(self.main_split, 1)
 
         self._filter_timer = QTimer(self)
@@ -126,6 +139,7 @@ class CheckpointView(QWidget):
         self.tree.sortByColumn(-1, Qt.SortOrder.AscendingOrder)
         self.tree.setUniformRowHeights(True)  # NOTE: keeps 100k-row trees fast
         self.tree.setIndentation(max(12, self.fontMetrics().averageCharWidth() * 2))  # deep names keep room
+        self.tree.setItemDelegateForColumn(0, NameDelegate(self.tree))
         self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
@@ -170,7 +184,7 @@ class CheckpointView(QWidget):
         if watched is self.tree and event.type() in (QEvent.Type.Resize, QEvent.Type.Move, QEvent.Type.Show):
             self._place_progress()
         elif watched is self.tree.viewport() and event.type() == QEvent.Type.Resize:
-            self._fit_name_column()  # NOTE: the viewport's size is final only here (after scroll bars)
+            fit_name_column(self.tree, self._depth)  # NOTE: the viewport's size is final only here (scroll bars)
         return super().eventFilter(watched, event)
 
     def resizeEvent(self, event) -> None:
@@ -178,7 +192,9 @@ class CheckpointView(QWidget):
         if not self.layout_restored and self.width() > 400:
             # NOTE: sizes only mean something once the view has its real width (first resize)
             self.layout_restored = True
-            self.main_split.setSizes([int(self.width() * 0.4), int(self.width() * 0.6)])
+            # NOTE: 46 %: at 1280 px the tree then shows every column and names 8 levels deep (the demo's optimizer
+            # state) whole; it is not widened when the entries arrive, as nothing moves once shown
+            self.main_split.setSizes([int(self.width() * TREE_SHARE), self.width() - int(self.width() * TREE_SHARE)])
             self.right_split.setSizes([int(self.height() * 0.5), int(self.height() * 0.5)])
         self._place_progress()
 
@@ -203,7 +219,9 @@ class CheckpointView(QWidget):
         ck = data.ckpt
         self._set_header(summary_html(ck, self.path))
         self.model.set_root(data.tree, {})
-        self._size_columns()
+        self._depth = max((e.fqn.count(".") for e in (*ck.tensors, *ck.objects)), default=0)
+        size_columns(self.tree)
+        fit_name_column(self.tree, self._depth)
         if data.tree.children and len(data.tree.children) <= 4:
             for r in range(self.proxy.rowCount()):
                 self.tree.expand(self.proxy.index(r, 0))
@@ -212,28 +230,6 @@ class CheckpointView(QWidget):
         self.treeReady.emit(data)
         self._load_worker = run_in_background(analyse_any, data, owner=self, on_result=self._on_loaded,
                                               on_error=self._on_failed, on_progress=self.progress.set_progress)
-
-    def _size_columns(self) -> None:
-        """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
-        fm = self.tree.fontMetrics()
-        pad = 2 * fm.averageCharWidth() + 4
-        samples = ("bfloat16", "4096×4096", "1023.9 MiB", "00000", "000–000")
-        header = self.tree.header()
-        header.setStretchLastSection(False)
-        header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
-        for col, text in enumerate(samples, start=1):
-            self.tree.setColumnWidth(col, fm.horizontalAdvance(text) + pad)
-        self.tree.setTextElideMode(Qt.TextElideMode.ElideMiddle)
-        self._fit_name_column()
-
-    def _fit_name_column(self) -> None:
-        """The name column takes what the numbers leave (never under ~10 characters: then the tree
-        scrolls sideways), so sizes and counts are never cut."""
-        if self.tree.header().count() < 2:
-            return
-        others = sum(self.tree.columnWidth(c) for c in range(1, self.tree.header().count()))
-        room = self.tree.viewport().width() - others
-        self.tree.setColumnWidth(0, max(room, self.tree.fontMetrics().averageCharWidth() * 10 + 40))
 
     def _on_loaded(self, data: BrowseData) -> None:
         self.progress.finish()
@@ -244,13 +240,24 @@ class CheckpointView(QWidget):
         self.verify_button.setEnabled(True)
         self.loaded.emit(data)
 
+    def problems(self) -> tuple[list[Problem] | None, bool]:
+        """What Health lists now (None before the analysis) and whether Verify contents read every byte: its
+        findings (else the quick check's), and every failure a read found since."""
+        base = self.verified_problems if self.verified_problems is not None else \
+            self.data.problems if self.data is not None else None
+        if base is None:
+            return None, False
+        return with_found(base, self.read_problems), self.verified_problems is not None
+
     def _show_problems(self, problems: list, deep: bool = False) -> None:
+        problems = with_found(problems, self.read_problems)
         try:
             checksums = format_named(self.data.ckpt.format).checksums if self.data is not None else ""
         except KeyError:
             checksums = CHECKSUMS_WHERE_STORED
         self.health.set_problems(problems, deep=deep, checksums=checksums)
         self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems):,})")
+        self.healthChanged.emit()
 
     def _on_failed(self, message: str) -> None:
         self.progress.finish()
@@ -272,25 +279,18 @@ class CheckpointView(QWidget):
         if node is None or self.data is None:
             return
         ck = self.data.ckpt
-        legend = legend_html(sorted(node.ranks) or ck.ranks)  # the ranks this entry's chunks come from
+        tensors = list(node.iter_tensors())
+        self.map_caption.setText(map_caption(ck, node, tensors))
         if isinstance(node.entry, TensorEntry):
-            e = node.entry
-            rows, cols = grid_shape(e.shape)
-            self.map_caption.setText(f"<b>{rich_name(e.fqn)}</b> drawn as {rows} × {cols}, "
-                                     f"{count(e.chunk_count, 'chunk')}"
-                                     f"{unsharded_note(ck)} (wheel: zoom, drag: pan, double-click: fit)<br>{legend}")
             self.map.show_tensors(ck, [node.entry])
             self.inspector.set_tensor(node.entry)
             if node.entry.nbytes <= AUTO_LOAD_BYTES:
                 self.load_values()
         else:
-            tensors = list(node.iter_tensors())
-            shown = len(stacked_entries(tensors))
-            stacked = f"{count(len(tensors), 'tensor')} stacked" if shown == len(tensors) else \
-                f"the first {shown:,} of {count(len(tensors), 'tensor')} stacked"
-            self.map_caption.setText(f"<b>{rich_name(node.path or 'all')}</b>: {stacked}, each scaled to the "
-                                     f"same width{unsharded_note(ck)}<br>{legend}")
-            self.map.show_tensors(ck, tensors)
+            if tensors:
+                self.map.show_tensors(ck, tensors)
+            else:
+                self.map.clear_map(NOTHING_SHARDED)
             self.inspector.set_tensor(None)
             if node.entry is not None:
                 value = (self.data.values or {}).get(node.path, "(loading)")
@@ -337,6 +337,13 @@ class CheckpointView(QWidget):
         return self._stats_worker is not None
 
     def _on_stats(self, fqn: str, stats) -> None:
+        if isinstance(stats, Problem):  # the bytes fail their CRC32: the checkpoint is damaged, Health says so
+            self.inspector.show_message(f"<span style='color:#d62728'>{rich_name(stats.message)}</span>")
+            self.read_problems = with_found(self.read_problems, [stats])
+            problems, deep = self.problems()
+            if problems is not None:  # else the analysis, when it ends, lists it
+                self._show_problems(problems, deep)
+            return
         if self._selected is not None and self._selected.path == fqn:
             self.inspector.set_stats(stats)
             self.statsReady.emit(stats)
@@ -422,6 +429,7 @@ class CheckpointView(QWidget):
         self.progress.finish()
         self.verify_button.setEnabled(True)
         self.verified_problems = problems
+        self.read_problems = []  # every byte was read again: what a read found before is among its findings
         self._show_problems(problems, deep=True)
         self.contentsVerified.emit(problems)
 
@@ -429,7 +437,8 @@ class CheckpointView(QWidget):
         self._verify_worker = None
         self.progress.finish()
         self.verify_button.setEnabled(True)
-        self.health.set_problems((self.data.problems if self.data else None) or [], note=message)
+        self.health.set_problems(with_found((self.data.problems if self.data else None) or [], self.read_problems),
+                                 note=message)
         self.contentsVerified.emit(None)
 
     def _cancel_background(self) -> None:
@@ -441,6 +450,12 @@ class CheckpointView(QWidget):
         self._cancel_background()
         if self._load_worker is not None:
             self._load_worker.quit()
+
+
+def with_found(problems: list[Problem], found: list[Problem]) -> list[Problem]:
+    """``problems`` and those of ``found`` not already among them (the same kind for the same entry)."""
+    known = {(p.kind, p.fqn) for p in problems}
+    return list(problems) + [p for p in found if (p.kind, p.fqn) not in known]
 
 
 def summary_html(ck, path: str | None = None) -> str:
@@ -463,10 +478,3 @@ def summary_html(ck, path: str | None = None) -> str:
     parts += [f"<i>{rich_name(n)}</i>" for n in ck.notes]  # on the second line: the header keeps two lines
     return f"<b>{rich_name(path or ck.path)}</b><br>" + " · ".join(parts)
 
-
-def unsharded_note(ck) -> str:
-    """", all in one file (NAME), not sharded" for a checkpoint of one file and no writer ranks, else ""."""
-    files = ck.data_files
-    if ck.ranks or len(files) != 1:
-        return ""
-    return f", all in one file ({rich_name(files[0].name)}), not sharded"

@@ -316,7 +316,11 @@ class CompareView(QWidget):
     def _on_progress(self, done: int, total: int, msg: str) -> None:
         self.progress.setRange(0, max(total, 1))
         self.progress.setValue(done)
-        self.progress.setFormat(f"%p%  {msg[-40:]}")
+        # NOTE: the bar holds the percentage only; what is being compared goes in the line below, which wraps (in
+        # the 220 px bar it was clipped)
+        self.progress.setFormat("%p%")
+        said = f"Comparing … {done:,} of {count(total, 'pair')}" if total else "Comparing …"
+        self.summary.setText(html.escape(f"{said}: {msg}" if done and msg else said, quote=False))
 
     def _done(self, out) -> None:
         a, b, result = out

@@ -38,9 +38,15 @@ from shardscope.backend.export import (
     plan_export,
 )
 from shardscope.backend.export.dcp_writer import import_file, reshard
-from shardscope.backend.export.destination import check_destination, default_export_path, write_into_new_folders
+from shardscope.backend.export.destination import (
+    check_destination,
+    default_export_path,
+    missing_folders,
+    write_into_new_folders,
+)
 from shardscope.backend.format import count, human_bytes
 
+from .form_wheel import wheel_only_when_focused
 from .workers import Worker, run_in_background
 
 FROM_THE_NAME = "from the name"  # the Format entry that is no writer: the backend picks one from the destination
@@ -101,6 +107,8 @@ class ExportDialog(QDialog):
             c.currentIndexChanged.connect(self._options_changed)
         self.ranks.valueChanged.connect(self._options_changed)
         self.force.toggled.connect(self._options_changed)
+        self.make_folders.toggled.connect(self._options_changed)
+        wheel_only_when_focused(self)
         self.update_preview()
 
     def _options_changed(self) -> None:
@@ -124,6 +132,11 @@ class ExportDialog(QDialog):
         dst_row.addWidget(self.dst, 1)
         dst_row.addWidget(browse)
         form.addRow("Destination", dst_row)
+        # NOTE: the CLI refuses a destination whose folder is missing; the dialog offers to make it (the proposed
+        # RUN/exports/ often is), and says so before anything is written
+        self.make_folders = QCheckBox()
+        self.make_folders.setChecked(True)
+        form.addRow("", self.make_folders)
         self.format = QComboBox()
         self.format.addItem(FROM_THE_NAME, None)
         for w in WRITERS.values():
@@ -201,7 +214,21 @@ class ExportDialog(QDialog):
         name = self.format.currentData()
         return name is not None and WRITERS[name].write is None
 
+    def _offer_folders(self) -> list[str]:
+        """The folders the destination needs that do not exist (outermost first); the offer to make them shows
+        while there are some."""
+        missing = missing_folders(self.dst.text().strip()) if self.dst.text().strip() else []
+        if missing:
+            below = f" (and {count(len(missing) - 1, 'folder')} in it)" if len(missing) > 1 else ""
+            # NOTE: a long path is cut at its start (a check box's text is its minimum width: it widened the dialog)
+            shown = missing[0] if len(missing[0]) <= 60 else "…" + missing[0][-59:]
+            self.make_folders.setText(f"Create the missing folder {shown}{below}")
+            self.make_folders.setToolTip(f"Creates {missing[0]}{below}; removed again if the export fails")
+        self.make_folders.setVisible(bool(missing))
+        return missing
+
     def update_preview(self) -> None:
+        self._offer_folders()
         taken = self.taken()
         for name, field in self.option_fields().items():
             field.setEnabled(name in taken)
@@ -260,6 +287,11 @@ class ExportDialog(QDialog):
             return
         if self.plan is None and not self.resharding:
             return
+        missing = self._offer_folders()
+        if missing and not self.make_folders.isChecked():
+            self._failed(f"{missing[-1]}: the destination's folder does not exist; tick \"Create the missing "
+                         "folder\" or choose another destination.")
+            return
         kind = writer.output_kind(self.plan.max_shard_size if self.plan is not None else None)
         try:  # the writers' own check, in the same words, before a worker starts
             check_destination(dst, kind, self.force.isChecked(), [self.ckpt.path])
@@ -293,8 +325,8 @@ class ExportDialog(QDialog):
 
     def option_widgets(self) -> list[QWidget]:
         """Every field of the form (all locked while an export runs)."""
-        return [self.dst, self.browse_button, self.format, self.ranks, self.shard, self.only, self.exclude,
-                self.strip, self.rename, self.dtype, self.verify, self.force]
+        return [self.dst, self.browse_button, self.make_folders, self.format, self.ranks, self.shard, self.only,
+                self.exclude, self.strip, self.rename, self.dtype, self.verify, self.force]
 
     def _set_running(self, running: bool) -> None:
         self.progress.setVisible(running)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QListWidget, QListWidgetItem
+from PySide6.QtWidgets import QListView, QListWidget, QListWidgetItem
 
 from ..backend.checkpoint.model import Problem
 from ..backend.format import count
@@ -22,6 +22,12 @@ class HealthPanel(QListWidget):
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
+        # NOTE: messages wrap at the tab's width (the verdict was one line that needed horizontal scrolling);
+        # rows then differ in height, and are laid out again when the width changes
+        self.setWordWrap(True)
+        self.setUniformItemSizes(False)
+        self.setResizeMode(QListView.ResizeMode.Adjust)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.itemClicked.connect(self._clicked)
         self.problems: list[Problem] = []
 

@@ -7,12 +7,15 @@ import math
 from collections.abc import Callable
 
 import pyqtgraph as pg
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtGui import QFontMetrics, QGuiApplication
+
+LABEL_LINES = 1.5  # a value axis's labels are at least this many text lines apart (up the axis)
 
 
 def themed_plot(**axis_items: pg.AxisItem) -> pg.PlotWidget:
-    """A PlotWidget coloured by the palette (dark or light); axes without auto SI prefixes."""
-    w = pg.PlotWidget(axisItems=axis_items or None)
+    """A PlotWidget coloured by the palette (dark or light); axes without auto SI prefixes, the left one with
+    labels that never run together (:class:`ValueAxis`) unless ``axis_items`` gives another."""
+    w = pg.PlotWidget(axisItems={"left": ValueAxis("left"), **axis_items})
     pal = QGuiApplication.palette()
     w.setBackground(pal.base().color())
     for axis in ("left", "bottom"):
@@ -21,6 +24,34 @@ def themed_plot(**axis_items: pg.AxisItem) -> pg.PlotWidget:
         ax.setPen(pal.mid().color())
         ax.enableAutoSIPrefix(False)
     return w
+
+
+class ValueAxis(pg.AxisItem):
+    """A vertical value axis with a label every LABEL_LINES text lines at least. NOTE: pyqtgraph asks for 2.25
+    intervals whatever the height, so a 50 px memory plot labelled 330, 332, ... 338 one over the other."""
+
+    def __init__(self, orientation: str, **kwargs) -> None:
+        super().__init__(orientation, **kwargs)
+        self.setStyle(maxTextLevel=0)  # minor ticks are marks only: the labels are spaced here
+        self.enableAutoSIPrefix(False)
+
+    def tickSpacing(self, minVal: float, maxVal: float, size: float):
+        levels = super().tickSpacing(minVal, maxVal, size)
+        span = abs(maxVal - minVal)
+        if not levels or size <= 0 or span == 0:
+            return levels
+        font = self.style.get("tickFont") or QGuiApplication.font()
+        room = QFontMetrics(font).height() * LABEL_LINES  # pixels each label needs up the axis
+        major = max(levels[0][0], nice_spacing(span * room / size))
+        if major == levels[0][0]:
+            return levels
+        return [(major, 0.0), (major / 5, 0.0)]
+
+
+def nice_spacing(raw: float) -> float:
+    """The smallest of ..., 0.1, 0.2, 0.5, 1, 2, 5, 10, ... at least ``raw`` (> 0)."""
+    base = 10.0 ** math.floor(math.log10(raw))
+    return next(m * base for m in (1, 2, 5, 10) if m * base >= raw * (1 - 1e-9))
 
 
 def nice_step(raw: float) -> int:

@@ -28,6 +28,7 @@ from ..backend.errors import ShardscopeError
 from ..backend.format import count, human_bytes
 from ..backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
 from ..backend.library.records import Listing
+from .form_wheel import wheel_only_when_focused
 from .rows_table import RowsTableModel
 from .workers import Worker, run_in_background
 
@@ -122,6 +123,7 @@ class PruneDialog(QDialog):
         self.debounce.setSingleShot(True)
         self.debounce.setInterval(150)
         self.debounce.timeout.connect(self.update_preview)
+        wheel_only_when_focused(self)
         self.update_preview()
 
     # ------------------------------------------------------------------ rules

@@ -40,6 +40,8 @@ def header_html(follower: RunFollower, snap: RunSnapshot, stopping: bool, failur
     line = follower.progress()
     if line:
         parts.append(line.replace("  ", " · "))
+    if st.get("resumed"):
+        parts.append(escape(st["resumed"]))
     if state == "queued":
         parts.append(f"waiting: {escape(st.get('explanation', ''))}")
     if state in ACTIVE_STATES and stopping:

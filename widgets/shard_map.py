@@ -28,6 +28,8 @@ MAX_STACKED = 200
 # stack; past this many chunks the stack stops (the caption says how many tensors were left out).
 MAX_STACKED_CHUNKS = 8000
 MIN_OUTLINED = 3.0  # scene units (about pixels when fitted): thinner chunks are drawn without an outline
+MIN_LABEL_PIXELS = 9.0  # a stacked tensor's name is shown only this tall or taller on screen (hover names it)
+LABEL_ROOM = 16.0  # scene units above each stacked tensor for its name
 
 
 def grid_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -143,6 +145,7 @@ class ShardMapView(QGraphicsView):
         self.chunk_items: list[ChunkItem] = []
         self.gap_items: list[QGraphicsRectItem] = []
         self.overlap_items: list[QGraphicsRectItem] = []
+        self.label_items: list[QGraphicsSimpleTextItem] = []  # the stacked tensors' names
         self.highlight_rank: int | None = None
         self.hover = HoverIndex()
         self._entries: list[TensorEntry] = []
@@ -153,7 +156,7 @@ class ShardMapView(QGraphicsView):
     # ------------------------------------------------------------------ drawing
     def clear_map(self, message: str = "") -> None:
         self.scene().clear()
-        self.chunk_items, self.gap_items, self.overlap_items = [], [], []
+        self.chunk_items, self.gap_items, self.overlap_items, self.label_items = [], [], [], []
         self.hover = HoverIndex()
         self._entries = []
         if message:
@@ -191,7 +194,9 @@ class ShardMapView(QGraphicsView):
 
     def _geometry(self, shape: tuple[int, ...]) -> tuple[float, float]:
         rows, cols = grid_shape(shape)
-        if len(shape) <= 1:
+        if not shape:  # a scalar is one cell, a square (it was drawn as a bar as wide as a tensor's)
+            return BAR_HEIGHT, BAR_HEIGHT
+        if len(shape) == 1:
             return MAP_WIDTH, BAR_HEIGHT
         aspect = rows / cols if cols else 1.0
         aspect = min(max(aspect, 1 / MAX_ASPECT), MAX_ASPECT)
@@ -199,11 +204,13 @@ class ShardMapView(QGraphicsView):
 
     def _draw_tensor(self, ckpt: Checkpoint, e: TensorEntry, y0: float, with_label: bool) -> float:
         scene = self.scene()
+        top = y0
         if with_label:
             label = scene.addSimpleText(f"{e.fqn}  {e.dtype} {list(e.shape)}")
             label.setBrush(self.palette().text())
             label.setPos(0, y0)
-            y0 += 16  # scales with the map, so stacked labels never overlap; zoom in to read them
+            self.label_items.append(label)
+            y0 += LABEL_ROOM  # scales with the map, so stacked labels never overlap; hidden while too small to read
         width, height = self._geometry(e.shape)
         rows, cols = grid_shape(e.shape)
         sx = width / cols if cols else width
@@ -211,8 +218,10 @@ class ShardMapView(QGraphicsView):
         frame_rect = QRectF(0, y0, width, height)
         frame = scene.addRect(frame_rect, QPen(self.palette().mid().color(), 0))
         frame.setZValue(-1)
-        self.hover.start_band(y0, y0 + height)
+        self.hover.start_band(top, y0 + height)
         self.hover.add(frame_rect, FRAME, e)
+        if with_label:  # its name's room: hovering it names the tensor (the name is hidden while too small)
+            self.hover.add(QRectF(0, top, max(width, label.boundingRect().width()), LABEL_ROOM), FRAME, e)
         chunks = e.chunks
         labelled = len(chunks) <= 64 and not with_label  # rank labels only on a single tensor
         rects = []
@@ -298,11 +307,32 @@ class ShardMapView(QGraphicsView):
 
     # ------------------------------------------------------------------ zoom and pan
     def fit(self) -> None:
-        """Show the whole map; it then follows the view's size again until the user zooms."""
+        """Show the whole tensor, or a stack across the whole width (it scrolls down); the map then follows the
+        view's size again until the user zooms."""
         self._follow_size = True
         rect = self.scene().sceneRect()
-        if rect.isValid():
+        if not rect.isValid():
+            return
+        if self._single or not self.label_items:
             self.fitInView(rect, Qt.AspectRatioMode.KeepAspectRatio)
+        else:
+            # NOTE: a stack fitted whole was a 25-35 px strip for a 72-tensor module, its names 3-4 px tall; across
+            # the width it reads like a list. The scroll bar it brings up is counted, or fitting would loop.
+            width = self.viewport().width()
+            scale = width / rect.width()
+            if rect.height() * scale > self.viewport().height() and not self.verticalScrollBar().isVisible():
+                width -= self.style().pixelMetric(self.style().PixelMetric.PM_ScrollBarExtent)
+            scale = max(width - 2, 1) / rect.width()
+            self.resetTransform()
+            self.scale(scale, scale)
+            self.centerOn(rect.center().x(), rect.top() + self.viewport().height() / scale / 2)
+        self._show_legible_labels()
+
+    def _show_legible_labels(self) -> None:
+        """A stacked tensor's name only where it can be read (MIN_LABEL_PIXELS); hovering its band names it."""
+        scale = self.transform().m22()
+        for label in self.label_items:
+            label.setVisible(label.boundingRect().height() * scale >= MIN_LABEL_PIXELS)
 
     def wheelEvent(self, event: QWheelEvent) -> None:
         factor = 1.25 if event.angleDelta().y() > 0 else 0.8
@@ -310,6 +340,7 @@ class ShardMapView(QGraphicsView):
         # undid every wheel zoom at once in the real window
         self._follow_size = False
         self.scale(factor, factor)
+        self._show_legible_labels()
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
@@ -365,4 +396,5 @@ def _hover_text(kind: int, e: TensorEntry, detail: object) -> str:
     if kind == OVERLAP:
         return f"{e.fqn}\noverlap: elements {detail} are in more than one chunk"
     rows, cols = grid_shape(e.shape)
-    return f"{e.fqn}: drawn as {rows} × {cols} ({'rows × columns' if e.ndim == 2 else _how(e.ndim)})"
+    return (f"{e.fqn}\n{e.dtype} {list(e.shape)}, drawn as {rows} × {cols} "
+            f"({'rows × columns' if e.ndim == 2 else _how(e.ndim)})")

@@ -12,6 +12,7 @@ from PySide6.QtCore import (
     QSortFilterProxyModel,
     Qt,
 )
+from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem, QTreeView
 from shardscope.backend.checkpoint.model import ObjectEntry, TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
 from shardscope.backend.format import count, escape_name, human_bytes, plain_tooltip, ranks_text
@@ -190,3 +191,43 @@ class TextFilterProxy(QSortFilterProxyModel):
         if self.valid:
             self.setFilterRegularExpression(rx)
         return self.valid
+
+
+# ------------------------------------------------------------------ the tree's columns
+NAME_ROOM = "exp_avg_sq…"  # what the deepest names keep visible (exp_avg and exp_avg_sq must differ)
+
+
+class NameDelegate(QStyledItemDelegate):
+    """The name column elides at the start, keeping a name's end (``…avg_sq``): eliding in the middle, a deep
+    ``exp_avg`` and ``exp_avg_sq`` both became ``e…g``."""
+
+    def initStyleOption(self, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex) -> None:
+        super().initStyleOption(option, index)
+        option.textElideMode = Qt.TextElideMode.ElideLeft
+
+
+def size_columns(tree: QTreeView) -> None:
+    """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
+    fm = tree.fontMetrics()
+    pad = 2 * fm.averageCharWidth() + 4
+    samples = ("bfloat16", "4096×4096", "1023.9 MiB", "00000", "000–000")
+    header = tree.header()
+    header.setStretchLastSection(False)
+    header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
+    for col, text in enumerate(samples, start=1):
+        tree.setColumnWidth(col, fm.horizontalAdvance(text) + pad)
+    tree.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+
+
+def name_floor(tree: QTreeView, depth: int) -> int:
+    """The name column's least width: the indentation of the deepest level (``depth``) and NAME_ROOM."""
+    return tree.indentation() * (depth + 1) + tree.fontMetrics().horizontalAdvance(NAME_ROOM) + 12
+
+
+def fit_name_column(tree: QTreeView, depth: int) -> None:
+    """The name column takes what the numbers leave, never less than the deepest names need (then the tree
+    scrolls sideways), so sizes and counts are never cut and deep names stay apart."""
+    if tree.header().count() < 2:
+        return
+    others = sum(tree.columnWidth(c) for c in range(1, tree.header().count()))
+    tree.setColumnWidth(0, max(tree.viewport().width() - others, name_floor(tree, depth)))

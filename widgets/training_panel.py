@@ -30,9 +30,10 @@ from PySide6.QtWidgets import (
 
 from ..backend.atomic_file import write_atomic
 from ..backend.runs.follow import RunFollower, RunSnapshot, is_rank
-from ..backend.runs.launcher import RunConfig, RunLauncher, stop_run
-from ..backend.runs.rundir import ACTIVE_STATES, OVER_STATES, default_runs_root, new_run_dir, read_config
+from ..backend.runs.launcher import RunConfig, RunLauncher, resume_config, stop_run
+from ..backend.runs.rundir import ACTIVE_STATES, OVER_STATES, default_runs_root, new_run_dir
 from ..backend.runs.store import RunInfo, list_runs
+from .form_wheel import wheel_only_when_focused
 from .run_checkpoints import RunCheckpoints
 from .run_form import RunForm, slurm_partitions
 from .run_header import escape, failures_of, header_html, stop_how
@@ -118,6 +119,7 @@ class TrainingPanel(QWidget):
         self.compare = QComboBox()
         self.compare.currentIndexChanged.connect(self._compare_changed)
         lv.addWidget(self.compare)
+        wheel_only_when_focused(left)  # NOTE: the form scrolls: the wheel over a field must not change it
         return left
 
     def _build_right(self) -> QWidget:
@@ -294,7 +296,9 @@ class TrainingPanel(QWidget):
         self.status.setText(f"<span style='color:#d62728'>Cannot start: {escape(message)}</span>")
 
     def resume_run(self) -> None:
-        """Launch the followed run again from the selected checkpoint, into the same run directory."""
+        """Launch the followed run again from the selected checkpoint, into the same run directory, on the form's
+        Processes (a checkpoint resumes at another world size; the header says "resuming step N of a 2-rank run
+        on 3 ranks")."""
         items = self.ckpt_list.selectedItems()
         if self.follower is None or len(items) != 1:
             self.status.setText("Select one checkpoint of this run to resume from.")
@@ -306,13 +310,12 @@ class TrainingPanel(QWidget):
             return
         item = items[0]
         run_dir, ckpt = self.follower.run_dir, item.data(Qt.ItemDataRole.UserRole)
+        nproc = self.form.nproc.value()
 
         def launch(progress=None) -> RunLauncher:
-            config = RunConfig.from_record(read_config(run_dir))
-            config.resume = ckpt
-            return RunLauncher(run_dir, config).start()
+            return RunLauncher(run_dir, resume_config(run_dir, ckpt, nproc)).start()
 
-        self.status.setText("Resuming …")
+        self.status.setText(f"Resuming from {escape(Path(ckpt).name)} on {nproc} process(es) …")
         self._launch(launch)
 
     def stop_run(self) -> None:

@@ -104,6 +104,8 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
         return EXIT_OK, str(launcher.run_dir)
     launcher.start()
     print(f"run directory: {launcher.run_dir}", flush=True)
+    if launcher.note:
+        print(launcher.note, flush=True)
     if getattr(args, "detach", False):
         job = launcher.status().get("job_id")
         print(f"started{f' as SLURM job {job}' if job else ''}; it runs on by itself: `shardscope follow "

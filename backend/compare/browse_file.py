@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..checkpoint.browse import BrowseData, analyse, value_stats
+from ..checkpoint.chunks import CorruptChunkError
 from ..checkpoint.model import Checkpoint, Problem
 from ..checkpoint.tree import build_tree
+from ..filenames import basename
 from ..formats import open_checkpoint, verify_contents
 from ..progress import Progress
 
@@ -29,8 +31,12 @@ def analyse_any(data: BrowseData, progress: Progress | None = None) -> BrowseDat
 
 
 def stats_any(data: BrowseData, fqn: str, progress: Progress | None = None) -> Any:
-    """Statistics of tensor ``fqn`` (the inspector's background job), read through the chunk reader."""
-    return value_stats(data.ckpt, fqn, progress)
+    """Statistics of tensor ``fqn`` (the inspector's background job), read through the chunk reader; or the
+    ``corrupt`` Problem when its bytes fail their stored CRC32, which the window adds to the checkpoint's health."""
+    try:
+        return value_stats(data.ckpt, fqn, progress)
+    except CorruptChunkError as exc:
+        return Problem("corrupt", str(exc), fqn=fqn, file=basename(exc.path) if exc.path else None)
 
 
 def verify_contents_any(ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:

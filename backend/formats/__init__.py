@@ -15,10 +15,11 @@ from .registry import (
     label_of,
     open_checkpoint,
     open_source,
+    probe,
     resolve,
     verify_contents,
 )
 
 __all__ = ["FILE_FORMATS", "FOLDER_FORMATS", "FORMATS", "RESUMABLE", "WEIGHTS", "Facts", "Format", "deep_checks",
-           "detect_file", "detect_folder", "format_named", "label_of", "open_checkpoint", "open_source", "resolve",
-           "verify_contents"]
+           "detect_file", "detect_folder", "format_named", "label_of", "open_checkpoint", "open_source", "probe",
+           "resolve", "verify_contents"]

@@ -19,7 +19,7 @@ from ..filenames import (
     is_url,
 )
 from . import dcp, deepspeed, hf_folder, hf_index, hf_trainer, lightning, megatron, safetensors_file, torch_file
-from .base import Format
+from .base import Facts, Format
 
 FOLDER_FORMATS: tuple[Format, ...] = (deepspeed.FORMAT, lightning.FORMAT, megatron.FORMAT, hf_folder.FORMAT, dcp.FORMAT,
                                       hf_trainer.FORMAT, hf_index.FORMAT)
@@ -113,6 +113,18 @@ def _resolve_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Form
     if not listing:
         raise CheckpointError(f"{url}: no such file or folder, or an empty one.", path=url)
     return _folder_format(basename(url), set(listing), []), folder  # type: ignore[return-value]
+
+
+def probe(path: str | os.PathLike) -> Facts | None:
+    """What a listing learns of one local checkpoint (state, writer ranks, kind) without reading it; None for a
+    file its format does not take. Bad input names the path."""
+    fmt, target = resolve(path)
+    if not fmt.is_folder:
+        return fmt.probe_file(target, os.path.getsize(target))
+    with os.scandir(target) as it:
+        entries = list(it)
+    files = {e.name for e in entries if not e.is_dir()}
+    return fmt.probe_folder(target, files, [e.name for e in entries if e.is_dir()])
 
 
 def open_checkpoint(path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,

@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardscopeError
-from ..filenames import METADATA
+from ..errors import CheckpointError, ShardscopeError
+from ..filenames import METADATA, step_from_name
+from ..format import count
+from ..formats import probe
 from ..procs import process_running, process_started, send_signal, terminate_tree
 from . import slurm
 from .report import ENV_RUN_DIR
@@ -102,6 +104,12 @@ class RunConfig:
         return out
 
     @property
+    def ranks(self) -> int:
+        """How many ranks the run has: processes per node times nodes."""
+        nodes = self.slurm.nodes if self.on == "slurm" and self.slurm else 1
+        return self.nproc_per_node * max(1, nodes)
+
+    @property
     def nproc_per_node(self) -> int:
         """Processes per node: the SLURM GPUs per node when set, else ``nproc``."""
         if self.on == "slurm" and self.slurm and self.slurm.gpus_per_node:
@@ -144,6 +152,31 @@ class RunConfig:
             fields = slurm.SlurmOptions.__dataclass_fields__
             cfg.slurm = slurm.SlurmOptions(**{k: v for k, v in rec["slurm"].items() if k in fields})
         return cfg
+
+
+def resume_config(run_dir: str | os.PathLike, checkpoint: str, nproc: int) -> RunConfig:
+    """The run in ``run_dir`` launched again from ``checkpoint`` on ``nproc`` processes (per node on SLURM): DCP
+    reshards on load, so a checkpoint resumes at another world size, as ``shardscope train --resume`` does."""
+    config = RunConfig.from_record(read_config(run_dir))
+    config.resume, config.nproc = checkpoint, nproc
+    return config
+
+
+def resume_note(checkpoint: str, ranks: int) -> str:
+    """What a resume does, in words: "resuming step 20 of a 2-rank run on 3 ranks"."""
+    name = os.path.basename(os.path.normpath(checkpoint))
+    step = step_from_name(name)
+    what = f"step {step}" if step is not None else name
+    try:
+        facts = probe(checkpoint)
+    except (CheckpointError, OSError):
+        facts = None
+    saved = len(facts.ranks) if facts is not None else 0
+    if not saved:
+        return f"resuming {what} on {count(ranks, 'rank')}"
+    if saved == ranks:
+        return f"resuming {what} of a {saved}-rank run on {count(ranks, 'rank')}, as it was saved"
+    return f"resuming {what} of a {saved}-rank run on {count(ranks, 'rank')} (DCP reshards it as it loads)"
 
 
 def run_status(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -227,6 +260,7 @@ class RunLauncher:
         self.run_dir = Path(run_dir).absolute()
         self.config = config
         self.proc: subprocess.Popen | None = None
+        self.note = ""  # what a resume does, in words (status.json's "resumed", the launcher's log)
 
     def start(self) -> RunLauncher:
         """Start the run and return at once. A run directory that already holds a run is continued only when
@@ -242,10 +276,13 @@ class RunLauncher:
         self._write_config()
         history = read_config(self.run_dir).get("history", [])
         log = self.run_dir / "logs" / "launcher.log"
-        write_json(self.run_dir / "status.json", {"state": "starting", "start_time": time.time(),
-                                                  "restarts": len(history), "updated": time.time(),
-                                                  "scheduler": self.config.on,
-                                                  "log_start": log.stat().st_size if log.exists() else 0})
+        status = {"state": "starting", "start_time": time.time(), "restarts": len(history), "updated": time.time(),
+                  "scheduler": self.config.on, "log_start": log.stat().st_size if log.exists() else 0}
+        if self.config.resume:
+            self.note = status["resumed"] = resume_note(self.config.resume, self.config.ranks)
+            with open(log, "a") as out:
+                out.write(f"shardscope: {self.note}\n")
+        write_json(self.run_dir / "status.json", status)
         if self.config.on == "slurm":
             try:
                 job_id = slurm.submit(self.run_dir / "job.sbatch")
