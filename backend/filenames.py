@@ -75,12 +75,11 @@ WATCH_STATE = ".shardscope-watch.json"  # watch's record of a run's exports, in 
 # what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
 # --force replaces an earlier export's files of these kinds and keeps everything else in the folder
 EXPORT_SUFFIXES = (SAFETENSORS_SUFFIX, DATA_SUFFIX, ".pt", ".pth", ".bin")
-# an export's lineage sidecar (what it was made from; see backend/lineage.py): beside a file export
-# ``<export>.shardscope.json``, inside a folder export ``.shardscope-lineage.json``. A ``.json`` is never a
+# an export's lineage sidecar (what it was made from; see backend/lineage.py): beside the export, file or folder,
+# ``<export>.shardscope.json`` (never inside a folder export: it names local paths). A ``.json`` is never a
 # checkpoint (not a FILE_SUFFIXES name, not an ``.index.json``), so ``ls`` never lists one
 LINEAGE_FILE_SUFFIX = ".shardscope.json"
-LINEAGE_FOLDER_NAME = ".shardscope-lineage.json"
-EXPORT_NAMES = (SAFETENSORS_INDEX, METADATA, LINEAGE_FOLDER_NAME)
+EXPORT_NAMES = (SAFETENSORS_INDEX, METADATA)
 # the small files that describe a checkpoint folder (its identity for lineage: their sizes, times and CRC32)
 DESCRIBING_NAMES = (LIGHTNING_META, MEGATRON_CONFIG, MEGATRON_COMMON, HF_TRAINER_STATE, DS_LATEST, "config.json")
 
@@ -163,10 +162,9 @@ def export_owned(name: str) -> bool:
 
 
 def lineage_sidecar(path: str, is_folder: bool) -> str:
-    """Where the lineage sidecar of an export at ``path`` lies: inside a folder, beside a file."""
-    if is_folder:
-        return os.path.join(path.rstrip(os.sep), LINEAGE_FOLDER_NAME)
-    return path + LINEAGE_FILE_SUFFIX
+    """Where the lineage sidecar of an export at ``path`` lies: beside it, file or folder (never inside a folder
+    export: a folder is uploaded whole, and the sidecar names local paths)."""
+    return path.rstrip(os.sep) + LINEAGE_FILE_SUFFIX
 
 
 def describes_checkpoint(name: str) -> bool:

@@ -218,7 +218,7 @@ def test_force_over_a_model_folder_keeps_what_an_export_does_not_write(fixtures,
     assert "kept in the folder (not written by an export): config.json, notes.md, tok" in proc.stdout
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert {p.name for p in folder.iterdir()} == {*index["weight_map"].values(), "model.safetensors.index.json",
-                                                  "config.json", "notes.md", "tok", ".shardscope-lineage.json"}
+                                                  "config.json", "notes.md", "tok"}
     assert (folder / "config.json").stat().st_ino == inode and os.readlink(folder / "notes.md") == "config.json"
     assert (folder / "tok" / "vocab.txt").read_text() == "x"
     # --config writes config.json itself: the given one wins over the kept one

@@ -228,9 +228,8 @@ def test_signal_while_the_old_folder_is_swapped_out_keeps_a_whole_checkpoint(man
     proc.send_signal(signal.SIGTERM)
     _stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "it is complete" in stderr, stderr
-    assert sorted(os.listdir(tmp_path)) == ["ck", "held"]
-    assert sorted(os.listdir(dst)) == [".metadata", ".shardscope-lineage.json", "__0_0.distcp", "__1_0.distcp",
-                                       "notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ck.shardscope.json", "held"]  # the reshard's lineage sidecar
+    assert sorted(os.listdir(dst)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "notes.txt"]
     check = run_cli("verify", dst, "--deep")
     assert check.returncode == 0, check.stdout + check.stderr
 

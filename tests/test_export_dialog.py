@@ -248,8 +248,7 @@ def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(
     assert again.args[0] is not None
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
-    assert {p.name for p in folder.iterdir()} == {*shards, "model.safetensors.index.json", "config.json", "tokenizer",
-                                                  ".shardscope-lineage.json"}
+    assert {p.name for p in folder.iterdir()} == {*shards, "model.safetensors.index.json", "config.json", "tokenizer"}
 
 
 def test_open_after_an_export_shows_the_written_file_in_the_window(qtbot, fixtures, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from shardscope.backend.filenames import LINEAGE_FOLDER_NAME, lineage_sidecar
+from shardscope.backend.filenames import lineage_sidecar
 
 SIDECAR_KEYS = {"schema", "written", "export_format", "source"}
 
@@ -136,8 +136,9 @@ def test_force_replaces_the_sidecar_with_its_output(fixtures, tmp_path):
     (folder / "config.json").write_text("{}")  # not the export's: kept by --force
     run_cli("export", second, folder, "--max-shard-size", "4KB", "--force", check=True)
     assert _sidecar(folder, True)["source"]["step"] == 30 and (folder / "config.json").exists()
-    names = [p.name for p in folder.iterdir()]
-    assert names.count(LINEAGE_FOLDER_NAME) == 1
+    assert not any(p.name.endswith(".json") and p.name != "config.json" and "index" not in p.name
+                   for p in folder.iterdir())  # the sidecar lies beside the folder, never inside it (uploaded)
+    assert [p.name for p in folder.parent.iterdir()].count(folder.name + ".shardscope.json") == 1
 
 
 def test_reshard_and_import_outputs_name_their_source(fixtures, tmp_path):
@@ -229,7 +230,7 @@ def test_training_header_and_library_show_the_same_loss(qtbot, fixtures, tmp_pat
     assert describe(run).loss == pytest.approx(0.5)  # what `shardscope runs` shows
 
 
-@pytest.mark.parametrize("name", ["weights.safetensors.shardscope.json", LINEAGE_FOLDER_NAME])
+@pytest.mark.parametrize("name", ["weights.safetensors.shardscope.json", "hf_export.shardscope.json"])
 def test_a_sidecar_is_never_a_checkpoint(name):
     from shardscope.backend.filenames import export_owned, is_checkpoint_file
     from shardscope.backend.formats.registry import detect_file

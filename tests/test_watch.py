@@ -26,6 +26,14 @@ from shardscope.backend.library.watch import model_prefixes
 STEPS = [10, 20, 30]
 
 
+SIDECAR = ".shardscope.json"  # each export's lineage sidecar (tests/test_lineage.py)
+
+
+def _names(folder) -> list[str]:
+    """What a folder holds, its exports' lineage sidecars left out."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(SIDECAR))
+
+
 def _age(path: Path, seconds: float = 3600) -> None:
     """Make every file of a tree look ``seconds`` old (nothing in it is being written)."""
     t = time.time() - seconds
@@ -89,7 +97,7 @@ def test_once_exports_each_complete_checkpoint_then_applies_the_rules(tmp_path, 
     proc = run_cli("watch", tmp_path / "root", "--export", fmt, "--once", "--keep-last", "2", "--delete")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     exports = run / "exports"
-    assert sorted(p.name for p in exports.iterdir()) == sorted(
+    assert _names(exports) == sorted(
         [WATCH_STATE, *(f"step_{s:06d}{suffix}" for s in STEPS)])
     for s in STEPS:
         assert f"exported {run}/checkpoints/step_{s:06d} -> {exports}/step_{s:06d}{suffix} (verified, 15 tensors" \
@@ -135,7 +143,7 @@ def test_sigkill_during_an_export_then_restart_exports_each_checkpoint_once(tmp_
     second = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.count("exported ") == 3
-    assert sorted(p.name for p in exports.iterdir()) == sorted([WATCH_STATE, *(f"step_{s:06d}.safetensors"
+    assert _names(exports) == sorted([WATCH_STATE, *(f"step_{s:06d}.safetensors"
                                                                                 for s in STEPS)])
     assert not _temporaries(tmp_path)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000030"]
@@ -252,7 +260,7 @@ def test_watch_over_a_live_run_killed_and_restarted(tmp_path):
     again = run_cli("watch", tmp_path / "runs", "--export", "safetensors", "--once", "--keep-last", "2", "--delete")
     assert again.returncode == 0, again.stdout + again.stderr
     names = [f"step_{s:06d}" for s in (10, 20, 30, 40)]
-    assert sorted(p.name for p in exports.iterdir()) == sorted([WATCH_STATE, *(f"{n}.safetensors" for n in names)])
+    assert _names(exports) == sorted([WATCH_STATE, *(f"{n}.safetensors" for n in names)])
     state = _state(exports)
     assert {Path(k).name: e["state"] for k, e in state.items()} == dict.fromkeys(names, "done")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == names[2:]

@@ -236,10 +236,10 @@ class AtomicOutput:
         with self._held():
             self._stop_if_asked()
             try:
-                if self.kind == "file" and _name_fits(lineage_sidecar(self.dst, False)):
+                if _name_fits(lineage_sidecar(self.dst, self.kind == "dir")):
                     # NOTE: an old sidecar goes first and the new one comes after the output: a failure or a kill
                     # between the renames leaves an export without a sidecar, never one credited to another source
-                    remove_path(lineage_sidecar(self.dst, False))
+                    remove_path(lineage_sidecar(self.dst, self.kind == "dir"))
                 if os.path.lexists(self.dst):  # --force, and check_destination saw a folder for a folder
                     if self.kind == "dir":
                         self.kept = self._carry_over()
@@ -257,19 +257,19 @@ class AtomicOutput:
                         os.replace(self.path, self.dst)
                 else:
                     os.rename(self.path, self.dst)
-                if self.kind == "file" and self.lineage is not None:
-                    os.rename(self.lineage_tmp, lineage_sidecar(self.dst, False))
+                if self.lineage is not None:
+                    os.rename(self.lineage_tmp, lineage_sidecar(self.dst, self.kind == "dir"))
                 fsync_path(self.folder)
             except OSError as exc:
                 raise write_error(self.dst, exc) from None
             self.committed = True
 
     def _stage_lineage(self) -> None:
-        """Write the lineage sidecar: into the folder being committed, or beside the file under its temporary
-        name (renamed into place after the file, see ``commit``)."""
+        """Write the lineage sidecar beside the output under its temporary name (renamed into place after the
+        output, see ``commit``)."""
         if self.lineage is None:
             return
-        target = lineage_sidecar(self.path, True) if self.kind == "dir" else self.lineage_tmp
+        target = self.lineage_tmp
         try:
             with open(target, "wb") as f:
                 f.write(self.lineage)

@@ -1,23 +1,26 @@
 """What an export records of its source in its lineage sidecar (:mod:`..lineage`): the checkpoint's path, its
 step and run as the library sees them (the same walk ``ls`` does, on that one checkpoint), its format, and its
-identity when the export read it."""
+identity when the export read it. (Step and run by the library's rules, without its walk: export sits below the
+library.)"""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from ..filenames import basename, is_url, step_from_name
-from ..lineage import identity, make_sidecar, sidecar_bytes
+from ..errors import ShardscopeError
+from ..filenames import CHECKPOINT_HOLDERS, basename, is_url, lineage_sidecar, step_from_name
+from ..formats import probe
+from ..lineage import identity, make_sidecar, read_lineage, sidecar_bytes
 
 
-def _library_record(path: str) -> Any:
-    """The library's record of the checkpoint at ``path`` (its step and run), or None when the walk finds it
-    as no single checkpoint (a DeepSpeed save folder of several tags, say)."""
-    from ..library.scan import scan
-
-    listing = scan([path], missing_ok=True)
-    return listing.find(os.path.realpath(path))
+def _run_of(path: str) -> str:
+    """The run a checkpoint belongs to, by the library's rule: the folder holding it, or the one above a
+    ``checkpoints/`` folder."""
+    parent = os.path.dirname(path.rstrip(os.sep))
+    if os.path.basename(parent).lower() in CHECKPOINT_HOLDERS:
+        parent = os.path.dirname(parent)
+    return parent
 
 
 def describe_source(src: str, fmt: str = "") -> dict[str, Any]:
@@ -28,15 +31,21 @@ def describe_source(src: str, fmt: str = "") -> dict[str, Any]:
     if is_url(src):
         return {"path": src, "name": name, "step": step, "run": "", "format": fmt, "identity": None}
     path = os.path.realpath(src)
-    rec = _library_record(path)
-    if rec is not None:
-        step = step if step is not None else rec.step
+    try:
+        facts = probe(path)  # the formats' listing probe: a step a Trainer's state names, the format's variant
+    except (ShardscopeError, OSError):
+        facts = None
+    if step is None and facts is not None:
+        step = facts.step
+    if step is None:  # an export of an export: the step its own sidecar records
+        earlier = read_lineage(lineage_sidecar(path, os.path.isdir(path)))
+        step = earlier.step if earlier is not None else None
     try:
         ident = identity(path)
     except OSError:  # a describing file that cannot be read: the export goes on, its source's identity unknown
         ident = None
-    return {"path": path, "name": name, "step": step, "run": rec.run if rec is not None else os.path.dirname(path),
-            "format": fmt or (rec.format if rec is not None else ""), "identity": ident}
+    return {"path": path, "name": name, "step": step, "run": _run_of(path),
+            "format": fmt or (facts.format if facts is not None else ""), "identity": ident}
 
 
 def lineage_for(src: str, export_format: str, fmt: str = "") -> bytes:

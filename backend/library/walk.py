@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..filenames import LINEAGE_FILE_SUFFIX, LINEAGE_FOLDER_NAME, MP_RANK_RE, step_from_name
+from ..filenames import LINEAGE_FILE_SUFFIX, MP_RANK_RE, step_from_name
 from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder
 from ..lineage import Lineage
 from ..progress import Progress
@@ -107,7 +107,7 @@ class Walker:
         if fmt is not None:
             self.add_file(path, info, None, fmt, sidecar=True)
 
-    def walk(self, path: str, depth: int = 0, run: str | None = None) -> None:
+    def walk(self, path: str, depth: int = 0, run: str | None = None, sidecar: bool = False) -> None:
         """Collect checkpoints under ``path``; ``run``: the URL of the Shardscope run it lies in."""
         if self.progress is not None:
             self.progress.check()
@@ -123,7 +123,7 @@ class Walker:
         files, dirs = listed
         fmt = detect_folder(name, files, dirs)
         if fmt is not None:
-            self.add_folder(path, fmt, files, dirs, run)
+            self.add_folder(path, fmt, files, dirs, run, sidecar)
             return
         if not files and not dirs and step_from_name(name) is not None:
             self.add(CheckpointRecord(tree.url(path), run or self.default_run(path), step_from_name(name), "empty",
@@ -157,7 +157,7 @@ class Walker:
                 self.leftovers.append(leftover)
             elif not d.startswith(".") and d not in SKIP_DIRS and depth < MAX_DEPTH and \
                     not (run == tree.url(path) and d in RUN_SKIP_DIRS):
-                self.walk(join(tree, path, d), depth + 1, run)
+                self.walk(join(tree, path, d), depth + 1, run, d + LINEAGE_FILE_SUFFIX in files)
         for name in files:
             leftover = leftover_of(tree.url(join(tree, path, name)))
             if leftover is not None:
@@ -181,13 +181,15 @@ class Walker:
                 self.add_lineage(rec, path + LINEAGE_FILE_SUFFIX)
             self.add(rec)
 
-    def add_folder(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str], run: str | None) -> None:
+    def add_folder(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str], run: str | None,
+                   sidecar: bool = False) -> None:
+        """A checkpoint folder; ``sidecar``: a lineage sidecar lies beside it."""
         total, newest, count = self.tree.usage(path, files, dirs)
         f = self.tree.folder_facts(path, fmt, files, dirs)
         rec = CheckpointRecord(self.tree.url(path), run or self.default_run(path), f.step, f.format, f.ranks,
                                total, newest, f.state, f.reason, False, count, f.kind, f.pinned)
-        if LINEAGE_FOLDER_NAME in files:
-            self.add_lineage(rec, join(self.tree, path, LINEAGE_FOLDER_NAME))
+        if sidecar:
+            self.add_lineage(rec, path.rstrip(self.tree.sep) + LINEAGE_FILE_SUFFIX)
         self.add(rec)
 
     def add_lineage(self, rec: CheckpointRecord, sidecar: str) -> None:
