@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,10 +106,14 @@ def test_follow_detaches_and_stop_from_another_process_leaves_nothing(tmp_path):
     try:
         assert len(procs) == 4, [p.cmdline() for p in procs]  # supervisor, torchrun, two ranks
         follower = cli("follow", run)
-        wait_for(lambda: (run / "metrics" / "rank_0.jsonl").stat().st_size > 0, "a step to show")
-        time.sleep(2)  # the follower is past its start-up and prints progress
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(follower.stdout), daemon=True)  # never a full pipe
+        reader.start()
+        wait_for(lambda: any("step" in ln for ln in lines), "the follower's first progress line")
         follower.send_signal(signal.SIGINT)
-        out, err = follower.communicate(timeout=60)
+        follower.wait(timeout=120)
+        reader.join(timeout=60)
+        out, err = "".join(lines), follower.stderr.read()
         assert follower.returncode == 130, out + err
         assert "detached (Ctrl-C): the run goes on" in out and "Traceback" not in err
         procs[0].send_signal(signal.SIGHUP)  # a lost terminal or SSH session: the supervisor carries on

@@ -23,7 +23,7 @@ from .safetensors_items import parse_safetensors_file
 from .storage import Folder, why_absent
 
 
-def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
+def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str, str] | None = None) -> Checkpoint:
     """The checkpoint model of a HuggingFaceStorageWriter (or plain safetensors) folder, from its headers."""
     names = sorted(n for n in listing if is_safetensors_file(n))
     files: list[FileInfo] = []
@@ -73,7 +73,7 @@ def open_hf_folder(folder: Folder, listing: dict[str, int]) -> Checkpoint:
         files.append(FileInfo(METADATA, None, listing[METADATA], "metadata"))
         ckpt.metadata_files = [METADATA]
     if INDEX in listing:
-        problems += _index_problems(folder, listing, pieces)
+        problems += _index_problems(folder, listing, pieces, weight_map)
     ckpt.problems = problems
     ckpt.reindex()
     return ckpt
@@ -101,11 +101,12 @@ def index_weight_map(where: Folder) -> dict[str, str]:
     return weight_map
 
 
-def _index_problems(folder: Folder, listing: dict[str, int], pieces: dict[str, list]) -> list[Problem]:
+def _index_problems(folder: Folder, listing: dict[str, int], pieces: dict[str, list],
+                    weight_map: dict[str, str] | None = None) -> list[Problem]:
     """What the folder's index promises and the shards do not hold: a shard file that is absent (or refused),
     a tensor in none of the shards. Without this a folder missing a shard would look healthy."""
     try:
-        weight_map = index_weight_map(folder)
+        weight_map = weight_map if weight_map is not None else index_weight_map(folder)  # read once by the caller
     except CheckpointError as exc:
         return [Problem("unreadable", str(exc), file=INDEX)]
     out = []

@@ -35,7 +35,7 @@ class HfSafetensorsFolder(Format):
 
         folder = open_folder(path, storage_options)
         ckpt = open_hf_folder(folder, folder.listing())
-        ckpt.format = self.name
+        ckpt.format, ckpt.folder = self.name, folder  # the chunk reader reads through it (no second listing)
         return ckpt
 
 

@@ -50,9 +50,11 @@ class HfIndexFolder(Format):
             raise CheckpointError(f"{folder.join(BIN_INDEX)}: the shards of a .bin index are torch files: open "
                                   "one of them, or its model's safetensors.", path=folder.join(BIN_INDEX))
         try:
-            named = set(index_weight_map(folder).values())
+            weight_map: dict[str, str] | None = index_weight_map(folder)
+            named = set(weight_map.values())  # type: ignore[union-attr]
         except CheckpointError:
-            named = {n for n in listing if n.endswith(".safetensors")}  # the reader reports the broken index
+            weight_map = None  # the reader reports the broken index
+            named = {n for n in listing if n.endswith(".safetensors")}
         if SAFETENSORS_INDEX not in listing:  # a link leading out of the folder, or a FIFO: refused, and said why
             from ..checkpoint.storage import why_absent
 
@@ -60,8 +62,8 @@ class HfIndexFolder(Format):
             raise CheckpointError(f"{where} {why_absent(folder.path, SAFETENSORS_INDEX)}.", path=where)
         present = {n: listing[n] for n in named if n in listing}
         present[SAFETENSORS_INDEX] = listing[SAFETENSORS_INDEX]  # its problems: shards missing, tensors in none
-        ckpt = open_hf_folder(folder, present)
-        ckpt.format = self.name
+        ckpt = open_hf_folder(folder, present, weight_map)
+        ckpt.format, ckpt.folder = self.name, folder  # the chunk reader reads through it (no second listing)
         return ckpt
 
 

@@ -10,7 +10,6 @@ as the opened checkpoint."""
 from __future__ import annotations
 
 import os
-import weakref
 from itertools import chain
 from typing import Any
 
@@ -53,7 +52,7 @@ class TorchFile(Format):
         except BaseException:
             copy.__exit__()
             raise
-        weakref.finalize(ckpt, copy.__exit__)  # the copy lives as long as the checkpoint read from it
+        ckpt.format_data = _CopyKeeper(copy)  # the copy lives as long as the checkpoint read from it
         return ckpt
 
     def deep_checks(self, ckpt: Any, progress: Any = None) -> list[Any]:
@@ -84,6 +83,17 @@ class TorchFile(Format):
                                             f"(stored {crc:08x}, read {read:08x}): the bytes changed on disk.",
                                             fqn=names[0] if names else None, file=info.name))
         return problems
+
+
+class _CopyKeeper:
+    """Holds a downloaded copy for as long as the checkpoint read from it is alive (the chunk reader reads the
+    copy's records); removed when the checkpoint goes (a kill -9's copy: by the next download)."""
+
+    def __init__(self, copy: Any) -> None:
+        self.copy = copy
+
+    def __del__(self) -> None:
+        self.copy.__exit__()
 
 
 def _open_local(path: str, shown: str) -> Any:
