@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# A suite started in the background by a non-interactive shell (`bash .ci/run &`) inherits SIGINT ignored, and so
+# would every CLI it starts: their Ctrl-C tests (follow detaching, an interrupted download) would then hang.
+# A handler here is reset to the default at exec, so the children get Python's KeyboardInterrupt again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # QSettings (window geometry, column widths, recent files) live under XDG_CONFIG_HOME: tests, and the windows
 # they start in subprocesses, never read or write the user's own, nor what an earlier test run left there.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="shardscope-test-config-")
