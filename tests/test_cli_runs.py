@@ -83,6 +83,8 @@ def test_a_detached_run_settles_with_its_follower_killed_and_runs_lists_it(tmp_p
     assert status["exit_codes"] == {"0": 0, "1": 0} and status["failed_ranks"] == []
     again = run_cli("follow", run)  # a run that is over: how it ended, at once
     assert again.returncode == 0 and "run finished: success" in again.stdout, again.stdout + again.stderr
+    last = [ln for ln in again.stdout.splitlines() if ln.startswith("step ")]
+    assert last and last[-1].startswith("step 40"), again.stdout  # its last step, though it was over before
     ck = run / "checkpoints" / "step_000020"
     detach(run, "--steps", "44", "--resume", ck)  # into the same folder: the listing names the checkpoint
     follow = run_cli("follow", run)

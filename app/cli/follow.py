@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from .output import add_command
-from .train import attach, report_end
+from .train import attach
 
 
 def register(sub: Any) -> None:
@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = find_run(args.run)
     print(f"run directory: {run_dir}", flush=True)
-    if run_status(run_dir).get("state") in OVER_STATES:
-        return report_end(run_dir)
     config = read_config(run_dir)
     total = config.get("steps") if config.get("kind") == "builtin" else None
-    print("following; Ctrl-C detaches (the run goes on)", flush=True)
+    if run_status(run_dir).get("state") not in OVER_STATES:
+        print("following; Ctrl-C detaches (the run goes on)", flush=True)
+    # a run that is over: its last step and how it ended, at once (attach reads once and stops)
     return attach(run_dir, total if isinstance(total, int) else None, args.stall_seconds, stops=False)

@@ -136,9 +136,9 @@ def attach(run_dir: Any, total: int | None, stall_seconds: float, stops: bool, l
             status = snap.status
             if launcher is not None and launcher.proc is not None:
                 launcher.proc.poll()  # reaps the supervisor once it has ended
-            if status.get("state") in OVER_STATES:
-                follower.poll()
-                break
+            over = status.get("state") in OVER_STATES
+            if over:
+                follower.poll()  # the points written between the read above and the run's end
             waiting = f"queued: {status.get('explanation', '')}" if status.get("state") == "queued" else ""
             if waiting and waiting != said:
                 print(f"job {status.get('job_id')} {waiting}", flush=True)
@@ -151,6 +151,8 @@ def attach(run_dir: Any, total: int | None, stall_seconds: float, stops: bool, l
             if line and line != shown:
                 shown = line
                 print(("\r\033[K" + line) if tty else line, end="" if tty else "\n", flush=True)
+            if over:  # the last line shown is the run's last step, however fast it ended
+                break
             time.sleep(0.5)
     except KeyboardInterrupt as exc:
         if not stops:
