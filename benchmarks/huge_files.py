@@ -94,6 +94,7 @@ def main() -> int:
                     shutil.rmtree(out, ignore_errors=True)
                     seconds, rss, rc = measured(cmd)
                     times.setdefault((kind, who), []).append((seconds if rc == 0 else float("nan"), rss))
+                    print(f"  {kind}: {who}: {seconds:.2f} s, {rss / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         shutil.rmtree(out, ignore_errors=True)
         sizes = {k: os.path.getsize(p) for k, p in files.items()}
         print(f"safetensors: {args.entries:,} entries, {sizes['safetensors'] / 2**20:.1f} MiB; .pt: {args.tensors:,} "
