@@ -52,6 +52,8 @@ def add_keep_rules(sp: Any) -> None:
 
 
 def _finish_leftovers(listing: Any) -> list:
+    if not listing.leftovers:
+        return []
     from shardscope.backend.library import finish_leftovers
 
     done = finish_leftovers(listing.leftovers)
