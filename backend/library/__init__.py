@@ -9,18 +9,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {"Plan": "prune", "Rules": "prune", "execute": "prune", "finish_leftovers": "prune", "make_plan": "prune",
-          "parse_age": "prune", "CheckpointRecord": "records", "Leftover": "records", "Listing": "records",
-          "RunRecord": "records", "scan": "scan"}
+from .records import CheckpointRecord, Leftover, Listing, RunRecord
+from .scan import scan  # NOTE: eager: the function shadows its submodule's name, as the package attribute
+
+_LAZY = {"Plan", "Rules", "execute", "finish_leftovers", "make_plan", "parse_age"}  # of .prune
 
 __all__ = ["CheckpointRecord", "Leftover", "Listing", "Plan", "Rules", "RunRecord", "execute", "finish_leftovers",
            "make_plan", "parse_age", "scan"]
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.prune"), name)
     globals()[name] = value
     return value
