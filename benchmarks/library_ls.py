@@ -50,9 +50,9 @@ def make_tree(root: Path, runs: int, per_run: int, ranks: int) -> int:
     return n
 
 
-def wall(cmd: list[str]) -> float:
+def wall(cmd: list[str], env: dict[str, str] | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     return time.perf_counter() - t0
 
 
@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--keep", help="write the tree here and keep it")
+    ap.add_argument("--baseline", metavar="PYTHONPATH", help="also time `shardscope ls` with the `shardscope` package "
+                    "found on this path (an older version laid out as installed), in the same rounds")
     args = ap.parse_args()
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="shardscope-ls-bench-"))
     try:
@@ -83,11 +85,17 @@ def main() -> int:
             "`find -name .metadata` (reference: list every folder)": ["find", str(root), "-name", ".metadata"],
             "`du -s` (reference: stat every file)": ["du", "-s", str(root)],
         }
+        envs: dict[str, dict[str, str] | None] = dict.fromkeys(steps)
+        if args.baseline:
+            env = {**os.environ, "PYTHONPATH": args.baseline}
+            for name, cmd in (("`shardscope ls`, baseline", cli),
+                              ("`shardscope ls --json`, baseline", [*cli, "--json"])):
+                steps[name], envs[name] = cmd, env
         times: dict[str, list[float]] = {name: [] for name in steps}
         scans = []
         for _ in range(args.rounds):
             for name, cmd in steps.items():
-                times[name].append(wall(cmd))
+                times[name].append(wall(cmd, envs[name]))
             t0 = time.perf_counter()
             scan([root])
             scans.append(time.perf_counter() - t0)
