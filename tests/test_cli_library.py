@@ -39,3 +39,34 @@ def test_ls_and_prune_take_storage_options(fixtures):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     finally:
         server.stop()
+
+
+LS_IMPORTS = """
+import sys
+from shardscope.app.cli.main import main
+rc = main(sys.argv[1:])
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "numpy", "fsspec", "safetensors"})
+print("HEAVY", ",".join(heavy), file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def test_ls_of_a_local_tree_imports_neither_torch_nor_numpy(fixtures, tmp_path):
+    """A listing reads names, stat and a few header bytes: what torch, numpy or fsspec would add to every `ls` is
+    their import time (about 1 s for torch), more than the whole listing of 10,000 checkpoints."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    run = tmp_path / "runs" / "exp"
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_100")
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_200")
+    save_file({"w": torch.ones(2)}, str(run / "model_step_300.safetensors"))
+    torch.save({"w": torch.ones(2), "optimizer": {"state": {}}}, str(run / "step_400.pt"))
+    for extra in ([], ["--json"]):
+        proc = subprocess.run([sys.executable, "-c", LS_IMPORTS, "ls", str(tmp_path / "runs"), *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "step_100" in proc.stdout and "step_400.pt" in proc.stdout and "model_step_300" in proc.stdout
+        assert "HEAVY \n" in proc.stderr, proc.stderr  # none of them imported

@@ -16,6 +16,7 @@ import math
 import threading
 import warnings
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointError
@@ -294,6 +295,102 @@ class ChunkReader:
             if progress:
                 progress.advance(1)
         return out
+
+    def whole_values(self, entries: list[TensorEntry], limit: int, block: int = 16 << 20
+                     ) -> Iterator[tuple[TensorEntry, memoryview | None]]:
+        """Each entry's values as C-contiguous bytes, in the given order, stored CRC32s checked: entries whose
+        records lie near each other in a file are read together, one read per ``block`` bytes (a file of
+        300,000 small tensors is a few dozen reads, not 300,000). None for an entry that is not one whole
+        chunk stored contiguously in at most ``limit`` bytes (read it with :meth:`read_tensor`)."""
+        cols = self._raw_columns() if self.ckpt.raw_values or self.ckpt.located is not None else None
+        pending: list[tuple] = []
+        start = end = 0
+        for e in entries:
+            run = self._whole_run(e, limit) if cols is None else self._raw_run(e, limit, cols) \
+                if self.ckpt.located is None else self._located_run(e, limit, cols)
+            if run is None:
+                yield from self._gathered(pending, start, end)
+                pending = []
+                yield e, None
+                continue
+            lo, hi = run[3], run[3] + run[4]
+            if pending and (run[1] != pending[0][1] or lo < start or hi - start > block):
+                yield from self._gathered(pending, start, end)
+                pending = []
+            if not pending:
+                start = end = lo
+            pending.append(run)
+            end = max(end, hi)
+        yield from self._gathered(pending, start, end)
+
+    def _raw_columns(self) -> tuple[list, ...]:
+        """The chunk table as lists (file name, byte offset, length, dims start, dims) for :meth:`_raw_run`."""
+        t = self.ckpt.chunk_table
+        names = [f.name for f in self.ckpt.files]
+        return ([names[i] if i >= 0 else "" for i in t.file.tolist()], t.byte_offset.tolist(), t.length.tolist(),
+                t.dim_start.tolist(), t.dims.tolist())
+
+    def _raw_run(self, e: TensorEntry, limit: int, cols: tuple[list, ...]) -> tuple | None:
+        """:meth:`_whole_run` of a checkpoint whose chunks' byte ranges are the values (safetensors), from the
+        chunk table's columns: the checks :meth:`locate` makes, without a Chunk or StoredTensor per entry."""
+        files, offsets, lengths, dim_start, dims = cols
+        j = e.first_chunk
+        nd = len(e.shape)
+        need = e.numel * ITEMSIZE.get(e.dtype, 1)
+        file, off, length = files[j], offsets[j], lengths[j]
+        d = dims[dim_start[j]:dim_start[j] + 2 * nd]
+        if e.chunk_count != 1 or not 0 < need <= limit or length != need or not file or any(d[:nd]) or \
+                tuple(d[nd:]) != tuple(e.shape) or off < 0 or off + length > self._size(file):
+            return None
+        offsets_key = tuple(d[:nd])
+        if self._owners.setdefault((file, off), (e.fqn, offsets_key)) != (e.fqn, offsets_key):
+            return None  # another entry's bytes: read_tensor says so
+        return e, file, None, off, length, None, 0, length
+
+    def _located_run(self, e: TensorEntry, limit: int, cols: tuple[list, ...]) -> tuple | None:
+        """:meth:`_whole_run` of a checkpoint whose format located every tensor (a torch file's records) for a
+        tensor whose view is its whole record: the checks :meth:`locate` makes, without a Chunk per entry."""
+        files, offsets, _, dim_start, dims = cols
+        j = e.first_chunk
+        nd = len(e.shape)
+        need = e.numel * ITEMSIZE.get(e.dtype, 1)
+        file = files[j]
+        d = dims[dim_start[j]:dim_start[j] + 2 * nd]
+        st = self.ckpt.located.get((e.fqn, file, offsets[j])) if self.ckpt.located is not None else None
+        if st is None or e.chunk_count != 1 or not 0 < need <= limit or any(d[:nd]) or \
+                tuple(d[nd:]) != tuple(e.shape) or st.storage_offset or st.nbytes != need or st.dtype != e.dtype \
+                or tuple(st.shape) != tuple(e.shape) or not st.contiguous or \
+                st.data_offset + st.nbytes > self._size(file):
+            return self._whole_run(e, limit)  # the general way (a view into a larger record, a damaged file, ...)
+        return e, file, None, st.data_offset, st.nbytes, st.crc32, 0, st.nbytes
+
+    def _whole_run(self, e: TensorEntry, limit: int) -> tuple | None:
+        """(entry, file, chunk, record offset, record bytes, stored CRC32, values start, values bytes) for a
+        tensor stored as one whole chunk, contiguous, 1..limit bytes; None for any other."""
+        if e.chunk_count != 1 or not 0 < e.numel * ITEMSIZE.get(e.dtype, 1) <= limit:
+            return None
+        chunk = e.chunks[0]
+        if any(chunk.offsets) or tuple(chunk.sizes) != tuple(e.shape):
+            return None
+        st = self.locate(e.fqn, chunk)
+        if not st.contiguous or st.nbytes > limit or st.dtype != e.dtype:
+            return None
+        elem = ITEMSIZE.get(st.dtype, 1)
+        return e, chunk.file, chunk, st.data_offset, st.nbytes, st.crc32, st.storage_offset * elem, st.numel * elem
+
+    def _gathered(self, pending: list[tuple], start: int, end: int) -> Iterator[tuple[TensorEntry, memoryview]]:
+        """The values of ``pending`` (records of one file within ``start``..``end``) from one read."""
+        if not pending:
+            return
+        data = memoryview(self.handles.read(pending[0][1], start, end - start))
+        for e, _, chunk, lo, nbytes, crc32, vstart, vlen in pending:
+            record = data[lo - start:lo - start + nbytes]
+            if crc32 is not None:
+                crc = zlib.crc32(record)
+                if crc != crc32:
+                    chunk = chunk or e.chunks[0]
+                    raise self._corrupt(e.fqn, chunk, self.locate(e.fqn, chunk), crc)
+            yield e, record[vstart:vstart + vlen]
 
     def check_chunk(self, fqn: str, chunk: Chunk) -> StoredTensor:
         """Deep verification of one chunk: located, every stored byte read once and its CRC32 checked.

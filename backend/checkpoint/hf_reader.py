@@ -19,12 +19,14 @@ from ..filenames import SAFETENSORS_INDEX as INDEX
 from ..format import count
 from .chunks import safe_name
 from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize
-from .safetensors_items import parse_safetensors_file
+from .safetensors_items import SafetensorsHeader, parse_safetensors_file
 from .storage import Folder, why_absent
 
 
-def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str, str] | None = None) -> Checkpoint:
-    """The checkpoint model of a HuggingFaceStorageWriter (or plain safetensors) folder, from its headers."""
+def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str, str] | None = None,
+                   headers: dict[str, SafetensorsHeader] | None = None) -> Checkpoint:
+    """The checkpoint model of a HuggingFaceStorageWriter (or plain safetensors) folder, from its headers
+    (``headers``: those already parsed, by file name)."""
     names = sorted(n for n in listing if is_safetensors_file(n))
     files: list[FileInfo] = []
     pieces: dict[str, list[tuple]] = {}
@@ -34,7 +36,7 @@ def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str
     with folder.handles() as handles:
         for fi, name in enumerate(names):
             files.append(FileInfo(name, hf_shard_rank(name), listing[name]))
-            header = parse_safetensors_file(handles, name, listing[name])
+            header = (headers or {}).get(name) or parse_safetensors_file(handles, name, listing[name])
             version = version or header.metadata.get("DCP_VERSION")
             sharding = _sharding_info(header.metadata, name, problems)
             for key, st in header.tensors.items():

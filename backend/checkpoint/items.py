@@ -233,7 +233,8 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, i
     return usize, csize, lho
 
 
-def _end_record(src: ByteSource, name: str, offset: int, length: int) -> tuple[int, int, int]:
+def _end_record(src: ByteSource, name: str, offset: int, length: int, max_directory: int = MAX_CENTRAL_DIRECTORY
+                ) -> tuple[int, int, int]:
     """(record count, central directory size, its offset in the item), all checked against ``length``. As in
     torch's zip reader (miniz), a zip64 locator right before the end record makes the zip64 end record's
     values the ones that count: they must agree with the end record's (torch.save writes both)."""
@@ -262,17 +263,18 @@ def _end_record(src: ByteSource, name: str, offset: int, length: int) -> tuple[i
         raise ItemFormatError("zip64 locator missing")
     if disk or cd_disk or on_disk != count:
         raise ItemFormatError("the end-of-central-directory record names other disks")
-    if cd_size > MAX_CENTRAL_DIRECTORY or cd_offset + cd_size > length or count > cd_size // 46:
+    if cd_size > max_directory or cd_offset + cd_size > length or count > cd_size // 46:
         raise ItemFormatError(f"zip central directory ({count} records, {cd_size} bytes at {cd_offset}) does not "
                               f"fit the {length}-byte item")
     return count, cd_size, cd_offset
 
 
-def _zip_directory(src: ByteSource, name: str, offset: int, length: int) -> dict[str, _ZipRecord]:
+def _zip_directory(src: ByteSource, name: str, offset: int, length: int,
+                   max_directory: int = MAX_CENTRAL_DIRECTORY) -> dict[str, _ZipRecord]:
     """The records of an item zip by name without the archive folder (``data.pkl``, ``data/0``). As torch's
     zip reader needs them: every name valid UTF-8 and in the one archive folder the first names, stored
     (not compressed, not encrypted) on disk 0; and, beyond what torch checks, no name twice."""
-    count, cd_size, cd_offset = _end_record(src, name, offset, length)
+    count, cd_size, cd_offset = _end_record(src, name, offset, length, max_directory)
     cd = src.read(name, offset + cd_offset, cd_size)
     out: dict[str, _ZipRecord] = {}
     folder = None
@@ -447,7 +449,7 @@ def torch_archive_records(src: ByteSource, name: str, size: int) -> dict[str, tu
     """:func:`zip_records` of a whole ``torch.save`` archive, with the checks :func:`parse_torch_item` makes of an
     item's records: only names torch.save writes, data.pkl and a version present, each small record's CRC32 and
     value one torch accepts."""
-    records = _zip_directory(src, name, 0, size)
+    records = _zip_directory(src, name, 0, size, max(size, MAX_CENTRAL_DIRECTORY))  # a whole file: bounded by it
     _check_records(src, name, 0, size, records)
     return {key: (_record_start(src, name, 0, size, rec), rec.size, rec.crc) for key, rec in records.items()}
 
@@ -456,7 +458,7 @@ def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, i
     """Every stored record of a whole zip file (a ``torch.save`` archive of ``size`` bytes) by its name without
     the archive folder (``data.pkl``, ``data/0``): (absolute offset of its bytes, byte length, stored CRC32).
     Read from the central directory and local headers only, each checked to lie inside the file."""
-    records = _zip_directory(src, name, 0, size)
+    records = _zip_directory(src, name, 0, size, max(size, MAX_CENTRAL_DIRECTORY))  # a whole file: bounded by it
     return {key: (_record_start(src, name, 0, size, rec), rec.size, rec.crc) for key, rec in records.items()}
 
 

@@ -3,6 +3,7 @@ see :mod:`..formats`): tensors are read one at a time through the chunk reader."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,13 @@ class CheckpointSource(Source):
     def object(self, fqn: str) -> Any:
         """Non-tensor entry ``fqn``, decoded safely (or the value a single file's header or pickle held)."""
         return self.reader.read_object(self.ckpt.object(fqn))
+
+    def small_values(self, fqns: list[str], limit: int) -> Iterator[tuple[str, memoryview | None]]:
+        """(fqn, its values as C-contiguous bytes) in the given order, for tensors of at most ``limit`` bytes
+        stored whole and contiguous, read many at a time with stored checksums checked; (fqn, None) for the
+        others (read them with :meth:`tensor`)."""
+        for e, data in self.reader.whole_values([self.ckpt.tensor(f) for f in fqns], limit):
+            yield e.fqn, data
 
     def nested_path(self, fqn: str) -> tuple | None:
         """The nested key path the entry was flattened from (DCP's planner data, a torch file's keys), or None."""

@@ -25,7 +25,7 @@ class TorchFileLoad:
 
         self.name = name or path  # a URL's name: the copy it was loaded from is temporary
         allow_safe_globals()  # what an export of a DCP checkpoint may hold (io.BytesIO)
-        budget = _check_pickle(path, self.name)
+        budget, self.records = _check_pickle(path, self.name)
         try:
             with warnings.catch_warnings():  # torch warns on stderr about what a file holds (TypedStorage, CSR)
                 warnings.simplefilter("ignore")
@@ -78,17 +78,19 @@ def _dense(t: Any) -> bool:
     return t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
 
 
-def _check_pickle(path: str, name: str) -> int:
+def _check_pickle(path: str, name: str) -> tuple[int, dict[str, tuple[int, int, int]] | None]:
     """Refuse a torch file whose ``data.pkl`` builds a ``bytearray`` from a number larger than the file
     (``weights_only`` allows ``bytearray(5_000_000_000)``: a 100-byte pickle that allocates 5 GB). Returns
-    the budget of entries :func:`flatten` may visit: a pickle of N bytes holds fewer than N objects, so only
-    shared references reach more."""
+    the budget of entries :func:`flatten` may visit (a pickle of N bytes holds fewer than N objects, so only
+    shared references reach more) and the file's zip records (:func:`zip_records`; None when they cannot be
+    read), which the format reuses to locate the tensors (a file of 100,000 tensors has 100,000 records)."""
     size = os.path.getsize(path)
     handles = LocalHandles(os.path.dirname(os.path.abspath(path)), confined=False)
     base = os.path.basename(path)
+    records: dict[str, tuple[int, int, int]] | None = None
     try:
         records = zip_records(handles, base, size)
-        pkl = next((r for k, r in records.items() if k == "data.pkl"), None)
+        pkl = records.get("data.pkl")
         data = handles.read(base, pkl[0], pkl[1]) if pkl and pkl[1] <= size else b""
     except (ItemFormatError, CheckpointError):
         data = b""  # not a zip archive torch maps: torch.load says why
@@ -105,4 +107,4 @@ def _check_pickle(path: str, name: str) -> int:
         if largest > size:
             raise CheckpointError(f"{name}: its pickled data asks for a {largest:,}-byte bytearray, more than the "
                                   f"{size:,}-byte file holds; refused.", path=name)
-    return (len(data) or size) + 10_000
+    return (len(data) or size) + 10_000, records

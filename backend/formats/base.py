@@ -121,16 +121,38 @@ class FileBytes:
 
 
 def head(path: str, n: int, offset: int = 0) -> bytes | None:
-    """``n`` bytes of a local file from ``offset`` (negative: from the end); None when it cannot be read."""
+    """``n`` bytes of a local file from ``offset`` (negative: from the end); None when it cannot be read.
+    Unbuffered (``os.open``/``os.pread``: three system calls): a listing reads a few bytes of thousands of files."""
     try:
-        with open(path, "rb") as f:
-            if offset < 0:
-                f.seek(offset, os.SEEK_END)
-            elif offset:
-                f.seek(offset)
-            return f.read(n)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        if offset < 0:
+            offset += os.fstat(fd).st_size
+            if offset < 0:
+                return None  # before the start of the file
+        return _read_at(fd, n, offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_at(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file)."""
+    data = os.pread(fd, n, offset)
+    if 0 < len(data) < n:  # a short read before the end (rare: some network file systems)
+        parts = [data]
+        got = len(data)
+        while got < n:
+            more = os.pread(fd, n - got, offset + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    return data
 
 
 OPTIMIZER_MARKS = (b"param_groups", b"optimizer_states", b"exp_avg", b"momentum_buffer")
@@ -141,22 +163,54 @@ def names_optimizer(path: str, start: int = 0, length: int | None = None, limit:
     """True when the bytes of a local file (a pickle: a torch file's ``data.pkl``, a DCP ``.metadata``) spell an
     optimizer's state key, False when they do not; None when they cannot be read, or when the first ``limit``
     bytes say nothing and more follow (a listing reads no more than that). Read in blocks, never unpickled."""
+    return _scan_optimizer(path, start, length, limit)[1]
+
+
+def first_byte_and_optimizer(path: str, limit: int = 16 << 20) -> tuple[bytes | None, bool | None]:
+    """The first byte of a local file and :func:`names_optimizer` of the whole file, from one open (a listing
+    asks both of every DCP ``.metadata``); (None, None) when it cannot be read."""
+    return _scan_optimizer(path, 0, None, limit)
+
+
+FIRST_BLOCK = 64 << 10  # most metadata a listing meets is smaller: one read, and no fstat
+
+
+def _scan_optimizer(path: str, start: int, length: int | None, limit: int) -> tuple[bytes | None, bool | None]:
+    """(first byte from ``start``, whether the bytes name optimizer state: see :func:`names_optimizer`); (None,
+    None) when the file cannot be read."""
     try:
-        with open(path, "rb") as f:
-            whole = length if length is not None else os.fstat(f.fileno()).st_size - start
-            total = min(whole, limit)
-            f.seek(start)
-            keep = b""
-            left = total
-            while left > 0:
-                block = f.read(min(SCAN_BLOCK, left))
-                if not block:
-                    break
-                left -= len(block)
-                data = keep + block
-                if any(m in data for m in OPTIMIZER_MARKS):
-                    return True
-                keep = data[-32:]
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return None
-    return False if whole <= limit else None
+        return None, None
+    try:
+        left = limit if length is None else min(length, limit)
+        pos, keep, first = start, b"", b""
+        size = min(left, FIRST_BLOCK)
+        while left > 0:
+            block = _read_at(fd, size, pos)
+            if not block:
+                break
+            if not first:
+                first = block[:1]
+            left -= len(block)
+            pos += len(block)
+            data = keep + block
+            if any(m in data for m in OPTIMIZER_MARKS):
+                return first, True
+            keep = data[-32:]
+            if len(block) < size:  # the end of the file
+                break
+            size = min(left, SCAN_BLOCK)
+        if not first:
+            first = _read_at(fd, 1, start)
+        if length is not None:
+            whole = length
+        elif left > 0:  # the end of the file came before the limit
+            whole = pos - start
+        else:
+            whole = os.fstat(fd).st_size - start
+        return first, (False if whole <= limit else None)
+    except OSError:
+        return None, None
+    finally:
+        os.close(fd)

@@ -54,10 +54,11 @@ class SafetensorsFile(Format):
         # NOTE: the header is parsed here first, through the folder's handles left open: on a URL those are the
         # folder's one shared planner, so open_hf_folder finds the header bytes cached (one GET per file)
         handles = where.handles()
-        meta = parse_safetensors_file(handles, name, listing[name]).metadata
+        header = parse_safetensors_file(handles, name, listing[name])
+        meta = header.metadata
         if handles.local:
             handles.close()
-        ckpt = open_hf_folder(where, {name: listing[name]})
+        ckpt = open_hf_folder(where, {name: listing[name]}, headers={name: header})  # parsed once (300,000 entries)
         ckpt.path, ckpt.format, ckpt.folder = text, self.name, where
         bad = header_problem(ckpt)
         if bad is not None:  # a header the safetensors library refuses: sizes that do not fit, entries overlapping

@@ -111,7 +111,7 @@ def _open_local(path: str, shown: str) -> Any:
     name = os.path.basename(path)
     tensors = loaded.tensors()
     size = os.stat(path).st_size
-    records = _locate_records(folder, name, size, tensors)
+    records = _locate_records(folder, name, size, tensors, loaded.records)
     ckpt = Checkpoint(shown, TORCH_FILE.name, None, [FileInfo(name, None, size)], [], [], ChunkTable.empty())
     ckpt.folder = folder
     ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
@@ -147,16 +147,19 @@ def _one_chunk_each(shapes: list[tuple[int, ...]], ranges: list[tuple[int, int, 
     return ChunkTable(np.arange(n, dtype=np.int32), np.zeros(n, np.int32), offsets, lengths, dim_start, dims)
 
 
-def _locate_records(folder: Any, name: str, size: int, tensors: dict[str, Any]) -> dict[int, tuple[int, int, int]]:
+def _locate_records(folder: Any, name: str, size: int, tensors: dict[str, Any],
+                    records: dict[str, tuple[int, int, int]] | None = None) -> dict[int, tuple[int, int, int]]:
     """Storage address -> (offset, length, CRC32) of its record in the file, or {} unless every non-empty
-    storage sits at its own record's offset from one base address and has that record's size."""
+    storage sits at its own record's offset from one base address and has that record's size. ``records``: the
+    file's zip records when already read."""
     from ..checkpoint.items import ItemFormatError, zip_records
 
-    try:
-        with folder.handles() as handles:
-            records = zip_records(handles, name, size)
-    except (ItemFormatError, CheckpointError):
-        return {}
+    if records is None:
+        try:
+            with folder.handles() as handles:
+                records = zip_records(handles, name, size)
+        except (ItemFormatError, CheckpointError):
+            return {}
     stored = sorted(r for k, r in records.items() if k.startswith("data/") and r[1])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
     ptrs = sorted(p for p, n in storages.items() if n)

@@ -46,13 +46,18 @@ class LocalTree:
     sep = os.sep
 
     def list(self, path: str) -> tuple[dict[str, os.DirEntry], list[str]] | None:
+        files: dict[str, os.DirEntry] = {}
+        dirs: list[str] = []
         try:
             with os.scandir(path) as it:
-                entries = list(it)
+                for e in it:  # one pass: the type comes with the listing (d_type), no stat
+                    if e.is_file(follow_symlinks=False):
+                        files[e.name] = e
+                    elif e.is_dir(follow_symlinks=False):
+                        dirs.append(e.name)
         except OSError:
             return None
-        return ({e.name: e for e in entries if e.is_file(follow_symlinks=False)},
-                [e.name for e in entries if e.is_dir(follow_symlinks=False)])
+        return files, dirs
 
     def url(self, path: str) -> str:
         return path

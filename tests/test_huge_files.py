@@ -1,0 +1,80 @@
+"""Huge but legal single files: ``shardscope import`` of a safetensors file with 300,000 entries and of a ``.pt``
+with 100,000 tensors (not timed here: benchmarks/huge_files.py times them). Every value round-trips: all of them
+read back from the written DCP items, and a sample through torch's own ``dcp.load``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import run_cli
+from safetensors.torch import load_file, save_file
+from shardscope.backend.checkpoint.sources import CheckpointSource
+from shardscope.backend.formats import open_checkpoint
+
+pytestmark = pytest.mark.slow  # two imports of 100,000+ entries: about a minute on a loaded 2-core machine
+
+
+def _every_value(out, expected: dict[str, torch.Tensor]) -> None:
+    """Every tensor of the written DCP checkpoint, read back from its items, equals the input's bytes."""
+    ckpt = open_checkpoint(str(out), use_cache=False)
+    assert sorted(t.fqn for t in ckpt.tensors) == sorted(expected)
+    with CheckpointSource(ckpt) as source:
+        for fqn, data in source.small_values(list(expected), 1 << 20):
+            got = data.tobytes() if data is not None else _bytes(source.tensor(fqn))
+            assert got == _bytes(expected[fqn]), fqn
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _sample_with_dcp_load(out, expected: dict[str, torch.Tensor], keys: list[str]) -> None:
+    """torch's own loader reads the sampled keys back equal (the planner loads only what it is given)."""
+    sd = {k: torch.empty_like(expected[k]) for k in keys}
+    dcp.load(sd, checkpoint_id=str(out))
+    bad = [k for k in keys if not torch.equal(sd[k], expected[k])]
+    assert not bad, bad[:5]
+
+
+def test_import_of_300000_entry_safetensors_round_trips(tmp_path):
+    src = tmp_path / "many.safetensors"
+    n = 300_000
+    values = torch.arange(n * 2, dtype=torch.float32).reshape(n, 2)
+    save_file({f"layer.{i}.w": values[i].clone() for i in range(n)}, str(src))
+    out = tmp_path / "out"
+    proc = run_cli("import", src, out, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "300,000 tensors" in proc.stdout and "verified" in proc.stdout
+    expected = load_file(str(src))
+    _every_value(out, expected)
+    keys = sorted(expected)
+    _sample_with_dcp_load(out, expected, [keys[0], keys[-1], *random.Random(0).sample(keys, 2000)])
+
+
+def test_import_of_100000_tensor_pt_round_trips(tmp_path):
+    src = tmp_path / "many.pt"
+    g = torch.Generator().manual_seed(0)
+    state: dict = {"model": {}, "step": 7}
+    for i in range(100_000):  # several dtypes and shapes: one template each, a scalar, a nested key path
+        kind = i % 5
+        t = (torch.randn(3, 2, generator=g) if kind == 0 else torch.randint(0, 1000, (4,), generator=g)
+             if kind == 1 else torch.randn(2, generator=g).to(torch.bfloat16) if kind == 2 else
+             torch.tensor(float(i)) if kind == 3 else torch.randn(1, 5, generator=g))
+        state["model"][f"t{i}"] = t
+    torch.save(state, str(src))
+    out = tmp_path / "out"
+    proc = run_cli("import", src, out, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "100,000 tensors" in proc.stdout and "verified" in proc.stdout
+    loaded = torch.load(str(src), weights_only=True)
+    expected = {f"model.t{i}": t for i, t in enumerate(loaded["model"].values())}
+    _every_value(out, expected)
+    keys = sorted(expected)
+    sample = [*keys[:10], *random.Random(1).sample(keys, 2000)]
+    sd = {"model": {k.removeprefix("model."): torch.empty_like(expected[k]) for k in sample}}
+    dcp.load(sd, checkpoint_id=str(out))
+    bad = [k for k in sample if not torch.equal(sd["model"][k.removeprefix("model.")], expected[k])]
+    assert not bad, bad[:5]
