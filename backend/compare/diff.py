@@ -97,8 +97,10 @@ class BlockStats:
             return self._plain(x.to(torch.float64), y.to(torch.float64))
         xd = x.to(torch.float64)
         owned = xd.data_ptr() != x.data_ptr()  # a new tensor: may be changed in place
+        x_fin = not floating or bool(torch.isfinite(x).all())
+        all_fin = x_fin and (not floating or bool(torch.isfinite(y).all()))
         both_nan = None
-        if floating and bool(torch.isnan(x).any()) and bool(torch.isnan(y).any()):
+        if not all_fin and bool(torch.isnan(x).any()) and bool(torch.isnan(y).any()):
             both_nan = torch.isnan(x) & torch.isnan(y)
             if not bool(both_nan.any()):
                 both_nan = None
@@ -115,7 +117,8 @@ class BlockStats:
         if both_nan is not None:
             d.masked_fill_(both_nan, 0.0)
         del both_nan
-        if bool(torch.isfinite(d).all()):
+        # finite values narrower than float64 have a finite float64 difference; float64 ones may overflow
+        if (all_fin and x.dtype != torch.float64) or bool(torch.isfinite(d).all()):
             lo, hi = torch.aminmax(d)
             top, inf, d2 = max(abs(float(lo)), abs(float(hi))), False, float(d.square_().sum())
         else:
@@ -123,11 +126,10 @@ class BlockStats:
             top = float(df.abs().max()) if df.numel() else None
             inf, d2 = True, float((df ** 2).sum())
         del d
-        xfin = torch.isfinite(x) if floating else None
-        if xfin is None or bool(xfin.all()):
+        if x_fin:
             a2 = float((xd.square_() if owned else xd ** 2).sum())
         else:
-            a2 = float((xd[xfin] ** 2).sum())
+            a2 = float((xd[torch.isfinite(x)] ** 2).sum())
         return changed, top, inf, d2, a2
 
     @staticmethod
