@@ -14,7 +14,7 @@ Wall time and peak RSS (the largest process of the step's tree, from ``wait4``) 
 Both sides of every step are read once (``cat > /dev/null``) before the first run, and nothing is dropped from
 the page cache, so every step sees the same cache state.
 
-    python benchmarks/diff_bench.py [--size small|full|2g] [--pair] [--repeat 3] [--dir DIR]
+    python benchmarks/diff_bench.py [--size small|full|2g] [--pair] [--no-export] [--repeat 3] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -160,11 +160,11 @@ def size_of(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
-def compare(label: str, a: Path, b: Path, tmp: Path, repeat: int) -> list[str]:
+def compare(label: str, a: Path, b: Path, tmp: Path, repeat: int, warmup_run: bool) -> list[str]:
     steps = {"shardscope diff": [*SHARDSCOPE, "diff", str(a), str(b)],
              "torch loop": [sys.executable, "-c", TORCH_LOOP, str(a), str(b), str(tmp)]}
     warm(a, b)
-    for argv in steps.values():  # one warm-up run of each (imports, page cache), not counted
+    for argv in steps.values() if warmup_run else ():  # one warm-up run of each (imports, page cache), not counted
         run_measured(argv)
     runs: dict[str, list[dict]] = {k: [] for k in steps}
     for i in range(repeat):  # alternating: a noisy minute on the shared machine hits both alike
@@ -192,6 +192,8 @@ def main() -> None:
     ap.add_argument("--no-export", action="store_true", help="skip the checkpoint-vs-export comparison")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", type=Path)
+    ap.add_argument("--no-warmup-run", action="store_true", help="no uncounted first run of each step (the files "
+                    "are still read once before)")
     ap.add_argument("--generate", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -214,10 +216,10 @@ def main() -> None:
     tmp.mkdir(exist_ok=True)
     rows = []
     if not args.no_export:
-        rows += compare(f"{size_of(a) / 2**30:.2f} GiB vs its .pt", a, pt, tmp, args.repeat)
+        rows += compare(f"{size_of(a) / 2**30:.2f} GiB vs its .pt", a, pt, tmp, args.repeat, not args.no_warmup_run)
     if args.pair:
         rows += compare(f"{size_of(a) / 2**30:.2f} GiB vs {size_of(b) / 2**30:.2f} GiB, all values differ",
-                        a, b, tmp, args.repeat)
+                        a, b, tmp, args.repeat, not args.no_warmup_run)
     load = os.getloadavg()
     print(f"\nmedians of {args.repeat} alternating runs (all times in parentheses), nice -n 10, page cache warm "
           f"for both; load average at the end {load[0]:.1f}; peak RSS = largest process of the step (wait4)\n")

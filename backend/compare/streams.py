@@ -18,7 +18,8 @@ from ..checkpoint.chunks import torch_dtype
 from ..checkpoint.sources import CheckpointSource, Source
 from ..errors import CheckpointError
 
-POOL = 3  # windows in flight per side: one being read, one queued, one being compared
+AHEAD = 64 << 20  # bytes of windows in flight per side: being read, queued and being compared
+REUSE = 1 << 20  # windows this large are read into recycled buffers (no new pages to fault in)
 
 
 class _Stopped(Exception):
@@ -48,8 +49,9 @@ def tensor_windows(source: CheckpointSource, fqn: str, window_elems: int, take: 
 class SideReader(threading.Thread):
     """Reads the tensors ``names`` of one source in order; puts ``("win", view, token)`` for each window, then
     ``("end", error)`` per tensor (error: the CheckpointError or OSError that stopped it, else None), or
-    ``("crash", exc)`` for anything else. At most :data:`POOL` windows are out at a time: the consumer gives each
-    window's token back with :meth:`release`."""
+    ``("crash", exc)`` for anything else. At most :data:`AHEAD` bytes of windows are out at a time (always at
+    least one window), however small the tensors: the consumer gives each window's token back with
+    :meth:`release`, and buffers of large windows are read into again."""
 
     def __init__(self, source: CheckpointSource, names: list[str], window_elems: int) -> None:
         super().__init__(daemon=True, name=f"diff-reader-{source.name}")
@@ -57,24 +59,31 @@ class SideReader(threading.Thread):
         self.names = names
         self.window_elems = window_elems
         self.out: queue.Queue = queue.Queue()
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(POOL):
-            self.free.put(None)
-        self.halt = threading.Event()
-        self._token: Any = None
+        self.buffers: list[bytearray] = []  # large buffers given back, to be read into again
+        self.used = 0
+        self.halted = False
+        self.cond = threading.Condition()
+        self._token: tuple[int, bytearray | None] | None = None
 
-    def _take_token(self) -> Any:
-        token = self.free.get()
-        if self.halt.is_set():
-            raise _Stopped
-        return token
+    def _reserve(self, n: int) -> None:
+        with self.cond:
+            while self.used and self.used + n > AHEAD and not self.halted:
+                self.cond.wait()
+            if self.halted:
+                raise _Stopped
+            self.used += n
 
     def _take(self, n: int) -> memoryview:
-        buf = self._take_token()
-        if not isinstance(buf, bytearray) or len(buf) < n:
-            buf = bytearray(n)
-        self._token = buf
-        return memoryview(buf)[:n]
+        self._reserve(n)
+        buf = None
+        if n >= REUSE:
+            with self.cond:
+                buf = next((b for b in self.buffers if len(b) >= n), None)
+                if buf is not None:
+                    self.buffers.remove(buf)
+            buf = buf if buf is not None else bytearray(n)
+        self._token = (n, buf)
+        return memoryview(buf)[:n] if buf is not None else memoryview(bytearray(n))
 
     def run(self) -> None:
         try:
@@ -88,12 +97,15 @@ class SideReader(threading.Thread):
                             view = next(it)
                         except StopIteration:
                             break
-                        token = self._token if self._token is not None else self._take_token()
-                        self.out.put(("win", view, token))
+                        if self._token is None:  # a view of an assembled tensor
+                            self._reserve(len(view))
+                            self._token = (len(view), None)
+                        self.out.put(("win", view, self._token))
+                        self._token = None
                 except (CheckpointError, OSError) as exc:
                     error = exc
                     if self._token is not None:  # taken for a window that was not filled
-                        self.free.put(self._token)
+                        self.release(self._token)
                         self._token = None
                 self.out.put(("end", error))
         except _Stopped:
@@ -101,15 +113,20 @@ class SideReader(threading.Thread):
         except BaseException as exc:  # a bug or MemoryError: the consumer raises it
             self.out.put(("crash", exc))
 
-    def release(self, token: Any) -> None:
-        """A window's token back: its buffer can be read into again."""
-        self.free.put(token)
+    def release(self, token: tuple[int, bytearray | None]) -> None:
+        """A window's token back: its bytes count no more, its buffer (if large) can be read into again."""
+        n, buf = token
+        with self.cond:
+            self.used -= n
+            if buf is not None and len(self.buffers) < 4:
+                self.buffers.append(buf)
+            self.cond.notify_all()
 
     def stop(self) -> None:
         """End the thread at its next window (whatever it holds is dropped) and wait for it."""
-        self.halt.set()
-        for _ in range(POOL + 1):
-            self.free.put(None)
+        with self.cond:
+            self.halted = True
+            self.cond.notify_all()
         self.join()
 
 
