@@ -131,12 +131,27 @@ sys.exit(1 if changed or a.keys() ^ b.keys() else 0)
 """
 
 
-def run_measured(argv: list[str]) -> dict:
+def before_tree(rev: str, root: Path) -> Path:
+    """The code of revision ``rev`` as an importable ``shardscope`` package under ``root`` (git archive, the
+    installed package's layout), so the same interpreter runs the code before a change: PYTHONPATH=<returned>."""
+    src, pkg = root / f"src-{rev}", root / f"pkg-{rev}"
+    if not pkg.exists():
+        src.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", rev], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+        (pkg / "shardscope").mkdir(parents=True)
+        (pkg / "shardscope" / "__init__.py").write_bytes((src / "app" / "package" / "__init__.py").read_bytes())
+        for d in ("app", "backend", "widgets", "resources"):
+            (pkg / "shardscope" / d).symlink_to(src / d)
+    return pkg
+
+
+def run_measured(argv: list[str], env: dict | None = None) -> dict:
     """One step in a fresh process under nice -n 10: wall time, exit code and the peak RSS of its process tree
     (wait4 on this child: its own and its reaped descendants' largest)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(["nice", "-n", "10", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         env={**os.environ, "SHARDSCOPE_NO_CACHE": "1"})
+                         env={**os.environ, "SHARDSCOPE_NO_CACHE": "1", **(env or {})})
     errs = p.stderr.read() if p.stderr else b""
     _, status, usage = os.wait4(p.pid, 0)
     seconds = time.perf_counter() - t0
@@ -160,17 +175,23 @@ def size_of(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
-def compare(label: str, a: Path, b: Path, tmp: Path, repeat: int, warmup_run: bool) -> list[str]:
+def compare(label: str, a: Path, b: Path, tmp: Path, repeat: int, warmup_run: bool, before: tuple | None
+            ) -> list[str]:
     steps = {"shardscope diff": [*SHARDSCOPE, "diff", str(a), str(b)],
              "torch loop": [sys.executable, "-c", TORCH_LOOP, str(a), str(b), str(tmp)]}
+    envs: dict[str, dict] = {}
+    if before:
+        name = f"shardscope diff before ({before[0]})"
+        steps[name] = steps["shardscope diff"]
+        envs[name] = {"PYTHONPATH": str(before[1])}
     warm(a, b)
-    for argv in steps.values() if warmup_run else ():  # one warm-up run of each (imports, page cache), not counted
-        run_measured(argv)
+    for what in steps if warmup_run else ():  # one warm-up run of each (imports, page cache), not counted
+        run_measured(steps[what], envs.get(what))
     runs: dict[str, list[dict]] = {k: [] for k in steps}
     for i in range(repeat):  # alternating: a noisy minute on the shared machine hits both alike
         order = list(steps) if i % 2 == 0 else list(reversed(steps))
         for what in order:
-            r = run_measured(steps[what])
+            r = run_measured(steps[what], envs.get(what))
             runs[what].append(r)
             print(f"  {label}: {what} run {i + 1}: {r['seconds']:.2f} s, {r['peak_rss'] / 2**20:.0f} MiB, "
                   f"exit {r['rc']}", flush=True)
@@ -192,6 +213,7 @@ def main() -> None:
     ap.add_argument("--no-export", action="store_true", help="skip the checkpoint-vs-export comparison")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", type=Path)
+    ap.add_argument("--before", metavar="REV", help="also time diff as of git revision REV (same interpreter)")
     ap.add_argument("--no-warmup-run", action="store_true", help="no uncounted first run of each step (the files "
                     "are still read once before)")
     ap.add_argument("--generate", help=argparse.SUPPRESS)
@@ -214,12 +236,14 @@ def main() -> None:
                        stdout=subprocess.DEVNULL)
     tmp = root / "tmp"
     tmp.mkdir(exist_ok=True)
+    before = (args.before, before_tree(args.before, root / "before")) if args.before else None
     rows = []
     if not args.no_export:
-        rows += compare(f"{size_of(a) / 2**30:.2f} GiB vs its .pt", a, pt, tmp, args.repeat, not args.no_warmup_run)
+        rows += compare(f"{size_of(a) / 2**30:.2f} GiB vs its .pt", a, pt, tmp, args.repeat,
+                        not args.no_warmup_run, before)
     if args.pair:
         rows += compare(f"{size_of(a) / 2**30:.2f} GiB vs {size_of(b) / 2**30:.2f} GiB, all values differ",
-                        a, b, tmp, args.repeat, not args.no_warmup_run)
+                        a, b, tmp, args.repeat, not args.no_warmup_run, before)
     load = os.getloadavg()
     print(f"\nmedians of {args.repeat} alternating runs (all times in parentheses), nice -n 10, page cache warm "
           f"for both; load average at the end {load[0]:.1f}; peak RSS = largest process of the step (wait4)\n")
