@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import run_cli
 from shardscope.backend.checkpoint.chunks import CorruptChunkError
-from shardscope.backend.compare.diff import BLOCK, unreadable_reason, value_change
+from shardscope.backend.compare.diff import BLOCK, diff, unreadable_reason, value_change
 from shardscope.backend.formats import open_checkpoint, open_source
 from torch_reference import flatten, torch_consolidated
 
@@ -106,3 +106,14 @@ def test_a_flipped_byte_is_a_crc32_failure_naming_file_and_tensor(pair, tmp_path
     assert text.returncode == 2
     assert "unreadable in B: " + expect in text.stdout
     assert "1 of 3 paired entries could not be read" in text.stderr and "fails its CRC32 check" in text.stderr
+
+
+def test_streamed_numbers_are_those_of_the_whole_tensors(fixtures):
+    a, b = fixtures["steps_r2"] / "step2", fixtures["steps_r2"] / "step3"
+    ra, rb = flatten(torch_consolidated(a)), flatten(torch_consolidated(b))
+    with open_source(a) as sa, open_source(b) as sb:
+        result = diff(sa, sb)
+    values = [c for c in result.changed if c.kind == "values" and c.rel_l2 is not None]
+    assert values and result.unreadable == []
+    for c in values:
+        assert (c.max_abs_diff, c.rel_l2, c.frac_changed) == value_change(ra[c.fqn_a], rb[c.fqn_b]), c.fqn
