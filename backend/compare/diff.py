@@ -1,5 +1,6 @@
 """``diff A B``: which entries exist on one side only, which changed dtype, shape, layout or values,
-and by how much; one tensor pair in memory at a time."""
+and by how much. Tensor pairs are streamed by one reader thread per side (:mod:`.streams`), a few windows in memory;
+other pairs are compared one pair in memory at a time."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Both sides of a diff read at once: one reader thread per side streams the paired tensors' bytes, in order, as
-windows of ``BLOCK`` elements into a few recycled buffers (the bounded queue), while the caller compares the
-windows of A and B as they arrive. The reads (``preadv``), CRC32 checks (``zlib``) and the comparison
-(numpy) all release the GIL, so the two reads and the comparison overlap.
+windows of ``BLOCK`` elements, at most :data:`AHEAD` bytes of them ahead of the caller (the bounded queue),
+while the caller compares the windows of A and B as they arrive. The reads (``preadv``), CRC32 checks
+(``zlib``) and the comparison (numpy) all release the GIL, so the two reads and the comparison overlap.
 
 A tensor whose chunks are runs of its row-major bytes (dim-0 shards, what FSDP writes; one chunk per tensor in a
 ``.pt`` or safetensors file) is read straight into the windows by :meth:`ChunkReader.read_runs`; any other
@@ -132,7 +132,7 @@ class SideReader(threading.Thread):
 
 class Streams:
     """Reader threads for both sides of the paired tensors ``pairs`` ((name in A, name in B), in the order they
-    are compared); :meth:`next_pair` yields one pair's windows side by side."""
+    are compared); each call of :meth:`windows` yields the next pair's windows side by side."""
 
     def __init__(self, a: Source, b: Source, pairs: list[tuple[str, str]], window_elems: int) -> None:
         assert isinstance(a, CheckpointSource) and isinstance(b, CheckpointSource)
