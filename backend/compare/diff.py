@@ -98,8 +98,8 @@ class BlockStats:
             return self._plain(x.to(torch.float64), y.to(torch.float64))
         xd = x.to(torch.float64)
         owned = xd.data_ptr() != x.data_ptr()  # a new tensor: may be changed in place
-        x_fin = not floating or bool(torch.isfinite(x).all())
-        all_fin = x_fin and (not floating or bool(torch.isfinite(y).all()))
+        x_fin = not floating or _finite(x)
+        all_fin = x_fin and (not floating or _finite(y))
         both_nan = None
         if not all_fin and bool(torch.isnan(x).any()) and bool(torch.isnan(y).any()):
             both_nan = torch.isnan(x) & torch.isnan(y)
@@ -107,21 +107,21 @@ class BlockStats:
                 both_nan = None
         if floating:
             ne = x != y
+            d = y.to(torch.float64, copy=True)
         else:  # an int64 beyond 2**53 compares as its float64, as before
-            y = y.to(torch.float64)
-            ne = xd != y
+            d = y.to(torch.float64)
+            ne = xd != d
         if both_nan is not None:
             ne &= ~both_nan
         changed = int(torch.count_nonzero(ne))
         del ne
-        d = xd - y  # y widened exactly by type promotion
+        torch.sub(xd, d, out=d)  # x - y in float64, into y's widened copy
         if both_nan is not None:
             d.masked_fill_(both_nan, 0.0)
         del both_nan
-        # finite values narrower than float64 have a finite float64 difference; float64 ones may overflow
-        if (all_fin and x.dtype != torch.float64) or bool(torch.isfinite(d).all()):
-            lo, hi = torch.aminmax(d)
-            top, inf, d2 = max(abs(float(lo)), abs(float(hi))), False, float(d.square_().sum())
+        lo, hi = (float(v) for v in torch.aminmax(d))  # NaN if any is NaN
+        if math.isfinite(lo) and math.isfinite(hi):
+            top, inf, d2 = max(abs(lo), abs(hi)), False, float(d.square_().sum())
         else:
             df = d[torch.isfinite(d)]
             top = float(df.abs().max()) if df.numel() else None
@@ -169,6 +169,15 @@ class BlockStats:
             return 0.0, 0.0, 0.0
         rel = math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else (0.0 if d2 == 0 else math.inf)
         return max_abs, rel, changed / numel
+
+
+def _finite(t: Any) -> bool:
+    """Every element of a float tensor finite (its min and max are: they are NaN when one is NaN); one pass, no
+    mask."""
+    import torch
+
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def value_change(a: Any, b: Any) -> tuple[float, float, float] | None:
