@@ -11,10 +11,11 @@ processes under ``nice -n 10``:
   against ``dcp_to_torch_save`` of both, ``torch.load``, compare.
 
 Wall time and peak RSS (the largest process of the step's tree, from ``wait4``) are the medians of the runs.
-Both sides of every step are read once (``cat > /dev/null``) before the first run, and nothing is dropped from
+Every file of both sides is read to its end once before the first run, and nothing is dropped from
 the page cache, so every step sees the same cache state.
 
     python benchmarks/diff_bench.py [--size small|full|2g] [--pair] [--no-export] [--repeat 3] [--dir DIR]
+                                    [--before REV] [--no-warmup-run]
 """
 
 from __future__ import annotations
