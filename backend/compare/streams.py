@@ -155,7 +155,7 @@ class Streams:
             raise item[1]
         return item
 
-    def windows(self) -> Iterator[tuple[memoryview, memoryview] | tuple[None, None]]:
+    def windows(self) -> Iterator[tuple[memoryview, memoryview]]:
         """The next pair's windows side by side, each pair's buffers given back when the next is asked for.
         Ends after the pair's last window; then :attr:`errors` holds each side's error (or None). After a side
         fails, its partner's remaining windows are read and dropped (so both sides stay at the same pair)."""
