@@ -16,7 +16,7 @@ import math
 import threading
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CheckpointError
@@ -391,6 +391,85 @@ class ChunkReader:
                     chunk = chunk or e.chunks[0]
                     raise self._corrupt(e.fqn, chunk, self.locate(e.fqn, chunk), crc)
             yield e, record[vstart:vstart + vlen]
+
+    def flat_runs(self, entry: TensorEntry) -> list[tuple[int, Chunk, StoredTensor]] | None:
+        """The tensor's chunks as runs of its row-major bytes: (first byte in the whole tensor, chunk, where its
+        values are), in order, when every chunk is one contiguous run of the whole tensor (a dim-0 shard, what
+        FSDP writes, or one chunk per tensor) stored contiguously and the runs tile the tensor; None otherwise
+        (:meth:`read_tensor` assembles those). Locates every chunk, so bad metadata raises as a read would."""
+        if not coverage(self.ckpt, entry).exact:
+            return None
+        elem = torch_dtype(entry.dtype).itemsize
+        shape = entry.shape
+        full = contiguous_strides(shape)
+        runs = []
+        for c in entry.chunks:
+            if not c.numel:
+                return None
+            k = next((d for d, s in enumerate(c.sizes) if s != 1), len(shape) - 1)
+            if any(c.offsets[d] or c.sizes[d] != shape[d] for d in range(k + 1, len(shape))):
+                return None
+            st = self.locate(entry.fqn, c)
+            if st.dtype != entry.dtype or not st.contiguous or st.nbytes % elem or st.numel != c.numel:
+                return None
+            runs.append((sum(o * s for o, s in zip(c.offsets, full, strict=True)) * elem, c, st))
+        runs.sort(key=lambda r: r[0])
+        pos = 0
+        for start, c, _ in runs:
+            if start != pos:
+                return None
+            pos += c.numel * elem
+        return runs if pos == entry.numel * elem else None
+
+    def read_runs(self, entry: TensorEntry, runs: list[tuple[int, Chunk, StoredTensor]], window: int,
+                  take: Callable[[int], memoryview], check: bool = True) -> Iterator[memoryview]:
+        """The whole tensor's row-major bytes in windows of ``window`` bytes (the last one shorter), each read
+        into a buffer from ``take(n)`` straight from the runs of :meth:`flat_runs`: large sequential reads, no
+        assembled tensor. A record's stored CRC32 is computed over the bytes as they are read (and over any of
+        its bytes outside the view), so nothing is read twice; CorruptChunkError as soon as a record ends with a
+        CRC32 that does not match. ``check=False`` skips the CRC32s (a second read of bytes already checked)."""
+        elem = torch_dtype(entry.dtype).itemsize
+        total = entry.numel * elem
+        todo = iter(runs)
+        chunk: Chunk | None = None
+        st: StoredTensor | None = None
+        vstart = count = done = crc = 0
+        for w0 in range(0, total, window):
+            buf = take(min(window, total - w0))
+            filled = 0
+            while filled < len(buf):
+                if chunk is None or done == count:
+                    _, chunk, st = next(todo)
+                    vstart, count, done = st.storage_offset * elem, st.numel * elem, 0
+                    crc = self._crc_range(chunk.file, st.data_offset, vstart, 0) if check and st.crc32 is not None \
+                        else 0
+                assert st is not None
+                n = min(len(buf) - filled, count - done)
+                view = buf[filled:filled + n]
+                self.handles.readinto(chunk.file, st.data_offset + vstart + done, view)
+                if check and st.crc32 is not None:
+                    crc = zlib.crc32(view, crc)
+                done += n
+                filled += n
+                if done == count and check and st.crc32 is not None:
+                    end = vstart + count
+                    crc = self._crc_range(chunk.file, st.data_offset + end, st.nbytes - end, crc)
+                    if crc != st.crc32:
+                        raise self._corrupt(entry.fqn, chunk, st, crc)
+            yield buf
+
+    def _crc_range(self, name: str, offset: int, length: int, crc: int) -> int:
+        """``crc`` continued over ``length`` bytes of file ``name`` from ``offset``, read in blocks."""
+        if length <= 0:
+            return crc
+        buf = _thread_buffer()
+        pos = 0
+        while pos < length:
+            view = buf[:min(len(buf), length - pos)]
+            self.handles.readinto(name, offset + pos, view)
+            crc = zlib.crc32(view, crc)
+            pos += len(view)
+        return crc
 
     def check_chunk(self, fqn: str, chunk: Chunk) -> StoredTensor:
         """Deep verification of one chunk: located, every stored byte read once and its CRC32 checked.

@@ -1,19 +1,23 @@
 """``diff A B``: which entries exist on one side only, which changed dtype, shape, layout or values,
-and by how much; one tensor pair in memory at a time."""
+and by how much. Tensor pairs are streamed by one reader thread per side (:mod:`.streams`), a few windows in memory;
+other pairs are compared one pair in memory at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.sources import EntryInfo, Source
+from ..checkpoint.chunks import torch_dtype
+from ..checkpoint.sources import CheckpointSource, EntryInfo, Source
 from ..checkpoint.values import finite_histogram
 from ..errors import CheckpointError
 from ..progress import Progress
 from .pairing import Pairing, pair_names, source_layout
+from .streams import Streams, tensor_windows
 
 BLOCK = 1 << 22
 
@@ -72,38 +76,122 @@ class DiffResult:
                 "pairing": self.pairing.to_json() if self.pairing else None}
 
 
+class BlockStats:
+    """The statistics of :func:`value_change`, one block of elements at a time: each block's part is kept and
+    folded in block order, so blocks read out of order (a prefix read again) give the same floats."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[int, float | None, bool, float, float]] = []
+
+    def measure(self, x: Any, y: Any) -> tuple[int, float | None, bool, float, float]:
+        """One block's part: elements changed, max |a-b| of the finite differences (None: none finite), whether
+        some difference is not finite, sum of the squared finite differences, sum of a's finite squares."""
+        import torch
+
+        # NOTE: the same floats as the plain formulas (:meth:`_plain`, kept for complex values): masks are taken
+        # only when something is not finite (a reduction over the same values in the same order gives the same
+        # sum), NaN and equality tests are exact in a float dtype, so they run there, and temporaries are reused
+        if x.is_complex():  # widened as before (to float64: the real part)
+            return self._plain(x.to(torch.float64), y.to(torch.float64))
+        floating = x.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        if not floating and x.is_floating_point():  # float8 and the like: compared widened, as before
+            return self._plain(x.to(torch.float64), y.to(torch.float64))
+        xd = x.to(torch.float64)
+        owned = xd.data_ptr() != x.data_ptr()  # a new tensor: may be changed in place
+        x_fin = not floating or _finite(x)
+        all_fin = x_fin and (not floating or _finite(y))
+        both_nan = None
+        if not all_fin and bool(torch.isnan(x).any()) and bool(torch.isnan(y).any()):
+            both_nan = torch.isnan(x) & torch.isnan(y)
+            if not bool(both_nan.any()):
+                both_nan = None
+        if floating:
+            ne = x != y
+            d = y.to(torch.float64, copy=True)
+        else:  # an int64 beyond 2**53 compares as its float64, as before
+            d = y.to(torch.float64)
+            ne = xd != d
+        if both_nan is not None:
+            ne &= ~both_nan
+        changed = int(torch.count_nonzero(ne))
+        del ne
+        torch.sub(xd, d, out=d)  # x - y in float64, into y's widened copy
+        if both_nan is not None:
+            d.masked_fill_(both_nan, 0.0)
+        del both_nan
+        lo, hi = (float(v) for v in torch.aminmax(d))  # NaN if any is NaN
+        if math.isfinite(lo) and math.isfinite(hi):
+            top, inf, d2 = max(abs(lo), abs(hi)), False, float(d.square_().sum())
+        else:
+            df = d[torch.isfinite(d)]
+            top = float(df.abs().max()) if df.numel() else None
+            inf, d2 = True, float((df ** 2).sum())
+        del d
+        if x_fin:
+            a2 = float((xd.square_() if owned else xd ** 2).sum())
+        else:
+            a2 = float((xd[torch.isfinite(x)] ** 2).sum())
+        return changed, top, inf, d2, a2
+
+    @staticmethod
+    def _plain(x: Any, y: Any) -> tuple[int, float | None, bool, float, float]:
+        import torch
+
+        both_nan = torch.isnan(x) & torch.isnan(y)
+        ne = (x != y) & ~both_nan
+        changed = int(ne.sum())
+        d = torch.where(both_nan, torch.zeros_like(x), x - y)
+        finite = torch.isfinite(d)
+        top = float(d[finite].abs().max()) if bool(finite.any()) else None
+        inf = not bool(finite.all())
+        d2 = float((d[finite] ** 2).sum())
+        xf = x[torch.isfinite(x)]
+        return changed, top, inf, d2, float((xf ** 2).sum())
+
+    def add(self, x: Any, y: Any) -> None:
+        """Measure the next block (flat tensors of one dtype and length)."""
+        self.blocks.append(self.measure(x, y))
+
+    def result(self, numel: int) -> tuple[float, float, float]:
+        """(max |a-b|, ||a-b|| / ||a||, fraction changed) over the blocks in order."""
+        max_abs = 0.0
+        d2 = a2 = 0.0
+        changed = 0
+        for n, top, inf, bd2, ba2 in self.blocks:
+            changed += n
+            if top is not None:
+                max_abs = max(max_abs, top)
+            if inf:
+                max_abs = math.inf
+            d2 += bd2
+            a2 += ba2
+        if changed == 0:  # differs only in the bit patterns of NaNs or signed zeros
+            return 0.0, 0.0, 0.0
+        rel = math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else (0.0 if d2 == 0 else math.inf)
+        return max_abs, rel, changed / numel
+
+
+def _finite(t: Any) -> bool:
+    """Every element of a float tensor finite (its min and max are: they are NaN when one is NaN); one pass, no
+    mask."""
+    import torch
+
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
 def value_change(a: Any, b: Any) -> tuple[float, float, float] | None:
     """(max |a-b|, ||a-b|| / ||a||, fraction of elements that differ), or None when bit-identical.
-    NaN equals NaN here; computed in float64 blocks."""
+    NaN equals NaN here; computed in float64 blocks of ``BLOCK`` elements."""
     import torch
 
     fa, fb = a.reshape(-1), b.reshape(-1)
     if fa.numel() == 0 or torch.equal(fa.contiguous().view(torch.uint8), fb.contiguous().view(torch.uint8)):
         return None
-    max_abs = 0.0
-    d2 = a2 = 0.0
-    changed = 0
+    stats = BlockStats()
     for s in range(0, fa.numel(), BLOCK):
-        x = fa[s:s + BLOCK].to(torch.float64)
-        y = fb[s:s + BLOCK].to(torch.float64)
-        if x.is_complex():
-            x, y = torch.view_as_real(x), torch.view_as_real(y)
-        both_nan = torch.isnan(x) & torch.isnan(y)
-        ne = (x != y) & ~both_nan
-        changed += int(ne.sum())
-        d = torch.where(both_nan, torch.zeros_like(x), x - y)
-        finite = torch.isfinite(d)
-        if bool(finite.any()):
-            max_abs = max(max_abs, float(d[finite].abs().max()))
-        if not bool(finite.all()):
-            max_abs = math.inf
-        d2 += float((d[finite] ** 2).sum())
-        xf = x[torch.isfinite(x)]
-        a2 += float((xf ** 2).sum())
-    if changed == 0:  # differs only in the bit patterns of NaNs or signed zeros
-        return 0.0, 0.0, 0.0
-    rel = math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else (0.0 if d2 == 0 else math.inf)
-    return max_abs, rel, changed / fa.numel()
+        stats.add(fa[s:s + BLOCK], fb[s:s + BLOCK])
+    return stats.result(fa.numel())
 
 
 def _same_object(x: Any, y: Any) -> bool:
@@ -179,25 +267,104 @@ def _compare_pair(a: Source, b: Source, key: str, na: str, nb: str, x: EntryInfo
     return None
 
 
+def _streamable(a: Source, b: Source, x: EntryInfo, y: EntryInfo) -> bool:
+    """A tensor pair the reader threads compare: same dtype and shape, values to read, both sides read through
+    a chunk reader."""
+    return isinstance(a, CheckpointSource) and isinstance(b, CheckpointSource) and x.kind == y.kind == "tensor" \
+        and x.dtype == y.dtype and x.shape == y.shape and x.shape is not None and math.prod(x.shape) > 0
+
+
+def same_bytes(x: memoryview, y: memoryview) -> bool:
+    """True when two equally long buffers hold the same bytes (numpy, 8 bytes at a time, the GIL released)."""
+    import numpy as np
+
+    n = len(x) // 8 * 8
+    return bool(np.array_equal(np.frombuffer(x, np.uint64, n // 8), np.frombuffer(y, np.uint64, n // 8))) and \
+        x[n:] == y[n:]
+
+
+def _compare_streamed(streams: Streams, a: Source, b: Source, key: str, na: str, nb: str, x: EntryInfo,
+                      y: EntryInfo) -> Change | None:
+    """How one tensor pair differs, from the windows the reader threads hand over: byte comparison until the
+    first window that differs, then :class:`BlockStats` over it and every later window (the windows are
+    ``value_change``'s blocks, so the numbers are the same). A window of A before the first difference is read
+    again for its share of ||a|| (only then, and without the CRC32s already checked). A pair a side could not
+    read is compared the one-pair-in-memory way, which says what failed exactly as before."""
+    import torch
+
+    assert isinstance(a, CheckpointSource)
+    try:
+        dtype = torch_dtype(x.dtype or "")
+    except CheckpointError:  # the readers fail on it too
+        for _ in streams.windows():
+            pass
+        return _compare_pair(a, b, key, na, nb, x, y)
+    stats: BlockStats | None = None
+    first = 0
+    for wa, wb in streams.windows():
+        if stats is None and same_bytes(wa, wb):
+            first += 1
+            continue
+        if stats is None:
+            stats = BlockStats()
+        stats.add(torch.frombuffer(wa, dtype=dtype), torch.frombuffer(wb, dtype=dtype))
+    if any(streams.errors):
+        return _compare_pair(a, b, key, na, nb, x, y)
+    if stats is not None and first:
+        prefix = BlockStats()
+        buf: list[bytearray] = []
+
+        def take(n: int) -> memoryview:
+            if not buf or len(buf[0]) < n:
+                buf[:] = [bytearray(n)]
+            return memoryview(buf[0])[:n]
+
+        try:
+            for i, w in enumerate(tensor_windows(a, na, BLOCK, take, check=False)):
+                if i == first:
+                    break
+                t = torch.frombuffer(w, dtype=dtype)
+                prefix.add(t, t)  # bytes equal in B: the same floats value_change takes from both
+        except (CheckpointError, OSError):
+            return _compare_pair(a, b, key, na, nb, x, y)
+        stats.blocks[:0] = prefix.blocks
+    if stats is not None:
+        return Change(key, "values", *stats.result(math.prod(x.shape or ())), fqn_a=na, fqn_b=nb)
+    if x.layout is not None and y.layout is not None and x.layout != y.layout:
+        return Change(key, "layout", detail=f"{len(x.layout)} vs {len(y.layout)} chunks", fqn_a=na, fqn_b=nb)
+    return None
+
+
 def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bool = False) -> DiffResult:
-    """Compare two sources entry by entry, one tensor pair in memory at a time. Names are paired as stored,
-    or without a side's container prefix when that pairs more (see :mod:`.pairing`; ``exact_names`` turns
-    that off). An entry that cannot be read is listed in ``unreadable`` and the rest is still compared."""
+    """Compare two sources entry by entry. Names are paired as stored, or without a side's container prefix
+    when that pairs more (see :mod:`.pairing`; ``exact_names`` turns that off). An entry that cannot be read is
+    listed in ``unreadable`` and the rest is still compared.
+    Tensor pairs of the same dtype and shape are read by one thread per side in windows of ``BLOCK`` elements
+    (see :mod:`.streams`): both reads overlap, each byte is read once with its stored CRC32 checked in the same
+    pass, and memory holds a few windows, not a tensor pair. Other pairs are compared one in memory at a time."""
     ea, eb = a.entries(), b.entries()
     pairing = pair_names(list(ea), list(eb), source_layout(a), source_layout(b), exact=exact_names)
     res = DiffResult(a.name, b.name, pairing.only_a, pairing.only_b, pairing=pairing)
+    streamed = [(na, nb) for na, nb in pairing.pairs.values() if _streamable(a, b, ea[na], eb[nb])]
+    keys = {k for k, (na, nb) in pairing.pairs.items() if _streamable(a, b, ea[na], eb[nb])}
     if progress:
         progress.start(len(pairing.pairs), "comparing")
-    for key, (na, nb) in pairing.pairs.items():
-        if progress:
-            progress.advance(1, key)
-        c = _compare_pair(a, b, key, na, nb, ea[na], eb[nb])
-        if c is None:
-            res.unchanged += 1
-        elif c.kind == "unreadable":
-            res.unreadable.append(c)
-        else:
-            res.changed.append(c)
+    with contextlib.ExitStack() as stack:
+        streams = stack.enter_context(Streams(a, b, streamed, BLOCK)) if streamed else None
+        for key, (na, nb) in pairing.pairs.items():
+            if progress:
+                progress.advance(1, key)
+            if key in keys:
+                assert streams is not None
+                c = _compare_streamed(streams, a, b, key, na, nb, ea[na], eb[nb])
+            else:
+                c = _compare_pair(a, b, key, na, nb, ea[na], eb[nb])
+            if c is None:
+                res.unchanged += 1
+            elif c.kind == "unreadable":
+                res.unreadable.append(c)
+            else:
+                res.changed.append(c)
     order = {"shape": 0, "dtype": 1, "values": 2, "layout": 3}
     res.changed.sort(key=lambda c: (order[c.kind], -(c.rel_l2 if c.rel_l2 is not None and c.rel_l2 == c.rel_l2
                                                       else 0.0), c.fqn))
