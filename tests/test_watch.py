@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -267,3 +268,89 @@ def test_watch_over_a_live_run_killed_and_restarted(tmp_path):
     assert not _temporaries(tmp_path)
     for n in names[2:]:
         _assert_equal_values(run / "checkpoints" / n, exports / f"{n}.safetensors")
+
+
+def _tree(root: Path) -> dict[str, tuple[bool, int, int]]:
+    """Every path under ``root`` (folders too): (is a folder, size, mtime in ns)."""
+    return {str(p.relative_to(root)): (p.is_dir(), p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def _acted(stdout: str) -> tuple[set[tuple[str, str]], set[str], set[str]]:
+    """What a pass's log says it did: (checkpoint, export) exported, checkpoints removed, ``kept`` lines."""
+    exported = set(re.findall(r" exported (\S+) -> (\S+) \(", stdout))
+    removed = set(re.findall(r" removed (\S+) \(", stdout))
+    kept = {line.split(" ", 3)[3] for line in stdout.splitlines() if line.split(" ")[2:3] == ["kept"]}
+    return exported, removed, kept
+
+
+def test_the_plan_is_what_once_then_does(tmp_path, fixtures):
+    """``plan_watch`` (what --dry-run prints and the Library shows) takes the decisions a pass takes: what it says
+    is exported, removed and kept (and why) is what ``watch --once`` then does, and says, on the same run."""
+    from shardscope.backend.library import Rules
+    from shardscope.backend.library.watch import VERIFIED, WAITING, plan_watch
+
+    root = tmp_path / "root"
+    run = _run(root, fixtures, steps=[10, 20])
+    first = run_cli("watch", root, "--export", "safetensors", "--once")  # exports 10 and 20; no rules
+    assert first.returncode == 0, first.stdout + first.stderr
+    for s in (30, 40, 50):
+        _age(shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / f"step_{s:06d}"))
+    _fresh(shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000060"))  # being written
+    rules = ["--keep-last", "2", "--keep-every", "20"]
+    plan = plan_watch([str(root)], "safetensors", Rules(keep_last=2, keep_every=20))
+    (rp,) = plan.runs
+    ck = f"{run}/checkpoints"
+    assert {s.checkpoint.name: s.action for s in rp.exports} == {
+        "step_000010": VERIFIED, "step_000020": VERIFIED, "step_000030": "export", "step_000040": "export",
+        "step_000050": "export", "step_000060": WAITING}
+    assert rp.exports[0].record["state"] == "done"  # what a watch did, from its record
+    assert {d.checkpoint.name for d in plan.to_remove} == {"step_000010", "step_000030"}
+    assert "  remove " + f"{ck}/step_000010 after its export is verified: no rule keeps it" in plan.lines()
+
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", *rules, "--delete")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exported, removed, kept = _acted(proc.stdout)
+    assert exported == {(s.checkpoint.path, s.export) for s in plan.to_export}
+    assert removed == {d.checkpoint.path for d in plan.to_remove}
+    assert kept == {f"{d.checkpoint.path}: {'; '.join(d.reasons)}" for r in plan.runs for d in r.decisions
+                    if not d.remove}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000020", "step_000040", "step_000050", "step_000060"]
+    # what it did, as the next plan shows it: every export verified, the removed ones in the record
+    after = plan_watch([str(root)], "safetensors", Rules(keep_last=2, keep_every=20)).runs[0]
+    assert {s.checkpoint.name: s.action for s in after.exports if s.action != WAITING} == dict.fromkeys(
+        ["step_000020", "step_000040", "step_000050"], VERIFIED)
+    assert sorted(after.removed) == [f"{ck}/step_000010", f"{ck}/step_000030"]
+    assert all(e["state"] == "done" and e["removed"] > 0 for e in after.removed.values())
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, fixtures):
+    root = tmp_path / "root"
+    run = _run(root, fixtures, writing=40)
+    exports = run / "exports"
+    exports.mkdir()
+    # what a pass would clean up or finish is left as it is by a plan
+    (exports / f".{WATCH_STATE}.abc123.tmp").write_text("{")
+    (exports / f"{TMP_PREFIX}999999-x.safetensors").write_bytes(b"half")
+    hidden = run / "checkpoints" / ".shardscope-prune-delete-step_000005"
+    shutil.copytree(fixtures["fsdp2_r2"], hidden)
+    _age(root)
+    _fresh(run / "checkpoints" / "step_000040")
+    before = _tree(tmp_path)
+    proc = run_cli("watch", root, "--export", "torch", "--keep-last", "1", "--delete", "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _tree(tmp_path) == before
+    ck = f"{run}/checkpoints"
+    for s in STEPS:
+        assert f"  export {ck}/step_{s:06d} -> {exports}/step_{s:06d}.pt" in proc.stdout
+    assert f"  wait: {ck}/step_000040 is being written" in proc.stdout
+    assert f"  finish an interrupted removal: {ck}/step_000005" in proc.stdout
+    assert f"  remove {ck}/step_000010 after its export is verified: no rule keeps it" in proc.stdout
+    assert f"  keep {ck}/step_000030: the newest resumable checkpoint of its run; keep-last 1" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "plan: export 3 checkpoints to torch, remove 2 checkpoints, rules: " \
+        "keep-last 1"
+    as_json = run_cli("watch", root, "--export", "torch", "--keep-last", "1", "--dry-run", "--json")
+    assert as_json.returncode == 0 and _tree(tmp_path) == before
+    got = json.loads(as_json.stdout)
+    assert (got["export"], got["remove"], got["acted"]) == (3, 2, False)
