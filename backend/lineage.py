@@ -147,13 +147,15 @@ def parse_sidecar(raw: bytes) -> dict[str, Any] | None:
     return doc
 
 
-def compare(doc: dict[str, Any]) -> Lineage:
-    """The lineage a parsed sidecar records, with its source compared to what is there now."""
+def compare(doc: dict[str, Any], check_source: bool = True) -> Lineage:
+    """The lineage a parsed sidecar records, with its source compared to what is there now (``check_source``
+    False: not compared, ``unknown``; a sidecar read from object storage names a path on the machine that wrote
+    it)."""
     src = doc["source"]
     path = src["path"]
     step = src.get("step")
     recorded = src.get("identity")
-    if is_url(path) or not isinstance(recorded, dict):
+    if not check_source or is_url(path) or not isinstance(recorded, dict):
         state = UNKNOWN
     else:
         try:

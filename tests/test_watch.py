@@ -354,3 +354,68 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, fixtures):
     assert as_json.returncode == 0 and _tree(tmp_path) == before
     got = json.loads(as_json.stdout)
     assert (got["export"], got["remove"], got["acted"]) == (3, 2, False)
+
+
+def _cli_env(*args: object, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardscope.app.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_watch_on_s3_only_plans_and_ls_reads_the_exports_lineage(tmp_path, fixtures):
+    """A real S3 API server (moto): a run folder watched locally, then uploaded. ``ls --json`` gives its exports'
+    kind, step and source (the sidecars read in one batch after the one listing); ``watch`` there lists, prints the
+    plan, writes and deletes nothing, and exits 2 with one line saying it only plans on URLs (``--dry-run``: 0)."""
+    import s3fs
+    from s3_server import S3Server
+
+    root = tmp_path / "root"
+    run = _run(root, fixtures, steps=[10, 20])
+    assert run_cli("watch", root, "--export", "safetensors", "--once").returncode == 0
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000030")  # not exported yet
+    server = S3Server()
+    try:
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": server.endpoint})
+        fs.mkdir("lib")
+        fs.put(f"{run}/", "lib/runs/run/", recursive=True)
+        url = "s3://lib/runs/run"
+        deadline = time.monotonic() + 120
+        while True:  # objects uploaded seconds ago read as being written; wait until they settle
+            server.reset()
+            proc = _cli_env("ls", "s3://lib/runs", "--json", env=server.env())
+            assert proc.returncode == 0, proc.stderr
+            got = {c["path"]: c for c in json.loads(proc.stdout)["checkpoints"]}
+            if all(c["state"] != "writing" for c in got.values()) or time.monotonic() > deadline:
+                break
+        for s in (10, 20):
+            export = got[f"{url}/exports/step_{s:06d}.safetensors"]
+            assert (export["kind"], export["step"], export["source"], export["source_step"]) == \
+                ("weights", s, f"{run}/checkpoints/step_{s:06d}", s)
+            assert export["source_changed"] is False and export["source_missing"] is False  # not compared there
+        # one listing, a status.json per run (none here), one GET per sidecar (two), nothing else
+        assert server.requests() == {"GET": 3}, server.requests()
+
+        before = {k: v["ETag"] for k, v in fs.find("lib", detail=True).items()}
+        server.reset()
+        proc = _cli_env("watch", "s3://lib/runs", "--export", "safetensors", "--keep-last", "1", "--once",
+                        env=server.env())
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            "shardscope: s3://lib/runs: watch acts on local (or mounted network) folders only: on URLs it only "
+            "plans (object stores have no atomic rename); nothing was exported or removed (the plan above; "
+            "--dry-run shows it and exits 0)."]
+        ck, ex = f"{url}/checkpoints", f"{url}/exports"
+        for s in (10, 20):
+            assert f"  not exported {ck}/step_0000{s}: {ex}/step_0000{s}.safetensors exists (on a URL the watch's " \
+                "record is not read)" in proc.stdout
+        assert f"  export {ck}/step_000030 -> {ex}/step_000030.safetensors" in proc.stdout
+        assert f"  remove {ck}/step_000020 after its export is verified" not in proc.stdout  # its export unverified
+        assert f"  keep {ck}/step_000020: its export is not verified" in proc.stdout
+        assert f"  remove {ck}/step_000010" not in proc.stdout
+        assert set(server.requests()) == {"GET"}, server.requests()  # no PUT, POST nor DELETE
+        dry = _cli_env("watch", "s3://lib/runs", "--export", "safetensors", "--keep-last", "1", "--dry-run",
+                       env=server.env())
+        assert dry.returncode == 0 and dry.stderr == "" and dry.stdout == proc.stdout, dry.stderr
+        assert set(server.requests()) == {"GET"}
+        assert {k: v["ETag"] for k, v in fs.find("lib", detail=True).items()} == before
+    finally:
+        server.stop()

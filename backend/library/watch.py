@@ -141,6 +141,7 @@ RECOVERED = "verified before a restart"  # the export exists, a watch was killed
 WAITING = "waiting"  # being written
 NOT_EXPORTED = "not exported"  # incomplete or unreadable: never exported
 BLOCKED = "blocked"  # the export's name is taken by a file this watch did not write
+EXISTS = "exists"  # on a URL: something lies at the export's name (a plan there reads no watch record)
 
 URL_PLANS_ONLY = ("watch acts on local (or mounted network) folders only: on URLs it only plans (object stores have "
                   "no atomic rename); nothing was exported or removed")
@@ -168,7 +169,8 @@ class ExportStep:
         return {EXPORT: f"export {c.path} -> {self.export}", VERIFIED: f"exported {c.path} -> {self.export} "
                 "(verified earlier)", RECOVERED: f"record {c.path} -> {self.export} (verified before a restart)",
                 WAITING: f"wait: {c.path} is being written", NOT_EXPORTED: f"not exported {c.path}: {self.why}",
-                BLOCKED: f"FAILS export of {c.path}: {self.why}"}[self.action]
+                BLOCKED: f"FAILS export of {c.path}: {self.why}",
+                EXISTS: f"not exported {c.path}: {self.why}"}[self.action]
 
     def to_json(self) -> dict[str, Any]:
         c = self.checkpoint
@@ -176,8 +178,9 @@ class ExportStep:
                 "export": self.export or None, "why": self.why, "record": self.record}
 
 
-def export_step(c: CheckpointRecord, dst: str, state: WatchState) -> ExportStep:
-    """The export decision for a resumable checkpoint whose export goes to ``dst`` (nothing written)."""
+def export_step(c: CheckpointRecord, dst: str, state: WatchState, listed: set[str] | None = None) -> ExportStep:
+    """The export decision for a resumable checkpoint whose export goes to ``dst`` (nothing written). ``listed``:
+    on a URL, the paths the listing found (what lies at ``dst``)."""
     record = state.entries.get(c.path)
     if c.state == "writing":
         return ExportStep(c, WAITING, "", "being written", record=record)
@@ -186,6 +189,8 @@ def export_step(c: CheckpointRecord, dst: str, state: WatchState) -> ExportStep:
     done = state.verified(c)
     if done:
         return ExportStep(c, VERIFIED, done["export"], "its export is verified", record=record)
+    if is_url(dst) and listed is not None and dst in listed:
+        return ExportStep(c, EXISTS, dst, f"{dst} exists (on a URL the watch's record is not read)", record=record)
     ours = bool(record) and record["export"] == dst
     if not is_url(dst) and os.path.lexists(dst):
         if ours and record.get("identity") == identity(c):
@@ -350,7 +355,9 @@ class Watcher:
     def plan_run(self, run: RunRecord, listing: Listing, resumed: dict[str, str], state: WatchState) -> RunPlan:
         """What a pass does with one run, as it would do it (a removal assumes the exports before it succeed)."""
         folder = self.exports_folder(run)
-        steps = [export_step(c, self.export_path(folder, c), state) for c in run.checkpoints if c.kind == RESUMABLE]
+        listed = {x.path for x in listing.checkpoints} if is_url(folder) else None
+        steps = [export_step(c, self.export_path(folder, c), state, listed) for c in run.checkpoints
+                 if c.kind == RESUMABLE]
         will = {s.checkpoint.path for s in steps if s.will_export}
         decisions, leftovers = self.removals(run, listing, resumed,
                                              lambda c: c.path in will or state.verified(c) is not None)
@@ -501,6 +508,6 @@ def plan_watch(roots: list[str], fmt: str, rules: Rules | None = None, export_to
     return Watcher(roots, fmt, rules, export_to=export_to, log=lambda _line: None).plan(progress)
 
 
-__all__ = ["BLOCKED", "EXPORT", "NOT_EXPORTED", "RECOVERED", "URL_PLANS_ONLY", "VERIFIED", "WAITING", "ExportStep",
-           "PassReport", "RunPlan", "WatchPlan", "WatchState", "Watcher", "export_step", "identity",
+__all__ = ["BLOCKED", "EXISTS", "EXPORT", "NOT_EXPORTED", "RECOVERED", "URL_PLANS_ONLY", "VERIFIED", "WAITING",
+           "ExportStep", "PassReport", "RunPlan", "WatchPlan", "WatchState", "Watcher", "export_step", "identity",
            "live_resume_points", "model_prefixes", "plan_watch", "rules_text"]
