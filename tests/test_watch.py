@@ -116,6 +116,7 @@ def test_once_exports_each_complete_checkpoint_then_applies_the_rules(tmp_path, 
     kinds = {c["path"]: c["kind"] for c in json.loads(run_cli("ls", tmp_path / "root", "--json").stdout)["checkpoints"]}
     assert {kinds[str(exports / f"step_{s:06d}{suffix}")] for s in STEPS} == {"weights"}
     before = _snapshot(exports)
+    _fresh(run / "checkpoints" / "step_000040")  # still being written (a loaded machine took over 5 s so far)
     again = run_cli("watch", tmp_path / "root", "--export", fmt, "--once", "--keep-last", "2", "--delete")
     assert again.returncode == 0 and "exported" not in again.stdout and "removed" not in again.stdout, again.stdout
     assert _snapshot(exports) == before
@@ -354,6 +355,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, fixtures):
     assert as_json.returncode == 0 and _tree(tmp_path) == before
     got = json.loads(as_json.stdout)
     assert (got["export"], got["remove"], got["acted"]) == (3, 2, False)
+    bad = run_cli("watch", root, "--export", "torch", "--once", "--json")
+    assert bad.returncode == 2 and bad.stderr == "shardscope: watch: --json prints the plan of --dry-run; give " \
+        "both.\n" and _tree(tmp_path) == before
 
 
 def _cli_env(*args: object, env: dict[str, str]) -> subprocess.CompletedProcess:

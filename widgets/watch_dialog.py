@@ -18,12 +18,10 @@ from PySide6.QtWidgets import (
     QDialog,
     QGridLayout,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QLineEdit,
     QPushButton,
     QSpinBox,
-    QTableView,
     QVBoxLayout,
 )
 
@@ -42,6 +40,7 @@ from ..backend.library.watch import (
     rules_text,
 )
 from .form_wheel import wheel_only_when_focused
+from .prune_dialog import plan_table, rule_check, rule_spin
 from .rows_table import RowsTableModel
 from .workers import Worker, run_in_background
 
@@ -163,17 +162,7 @@ class WatchPlanDialog(QDialog):
         self.command.setWordWrap(True)
         lay.addWidget(self.command)
         self.model = WatchPlanModel(self)
-        self.table = QTableView()
-        self.table.setModel(self.model)
-        self.table.verticalHeader().hide()
-        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
-        self.table.setWordWrap(False)
-        self.table.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
-        header.setStretchLastSection(True)
-        for col, width in enumerate((80, 110, 45, 85, 170, 150, 230)):
-            header.resizeSection(col, width)
+        self.table = plan_table(self.model, (80, 110, 45, 85, 170, 150, 230))
         lay.addWidget(self.table, 1)
         self.summary = QLabel("Planning …")
         self.summary.setWordWrap(True)
@@ -203,18 +192,10 @@ class WatchPlanDialog(QDialog):
                     0, 2, 1, 3)
 
         def check(text: str, on: bool) -> QCheckBox:
-            box = QCheckBox(text)
-            box.setChecked(on)
-            box.toggled.connect(self._changed)
-            return box
+            return rule_check(text, on, self._changed)
 
         def spin(value: int) -> QSpinBox:
-            s = QSpinBox()
-            s.setRange(1, 10**9)
-            s.setValue(max(1, value))
-            s.valueChanged.connect(self._changed)
-            s.setMaximumWidth(110)
-            return s
+            return rule_spin(value, self._changed)
 
         self.last_on, self.last_n = check("Keep the last", rules.keep_last is not None), spin(rules.keep_last or 3)
         g.addWidget(self.last_on, 1, 0)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from shardscope.backend.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PROBLEMS
+from shardscope.backend.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PROBLEMS, ShardscopeError
 from shardscope.backend.filenames import is_url
 from shardscope.backend.format import escape_name
 
@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     given = any(v is not None for v in (args.keep_last, args.keep_every, args.keep_best)) or args.keep
     rules = rules_of(args) if given else None  # no rule: export only
     urls = [r for r in args.roots if is_url(r)]
+    if args.json and not args.dry_run:
+        raise ShardscopeError("watch: --json prints the plan of --dry-run; give both.")
     if args.dry_run or urls:
         apply_to_fsspec(args, args.roots)
         plan = plan_watch(args.roots, args.export, rules, export_to=args.export_to)
