@@ -276,7 +276,7 @@ def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive
     """The Library's Watch plan…: for the selected run, the plan ``watch --dry-run`` prints (the same decisions,
     line for line), with each checkpoint's record of what a watch did (exported and verified, removed)."""
     from conftest import run_cli
-    from shardscope.backend.library.watch import EXPORT, VERIFIED, WAITING
+    from shardscope.backend.library.watch import EXPORT, NOT_EXPORTED, VERIFIED
 
     root = tmp_path.resolve() / "root"
     ckpts = root / "runA" / "checkpoints"
@@ -288,8 +288,8 @@ def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive
     for s in (30, 40):
         _age(shutil.copytree(fixtures["fsdp2_r2"], ckpts / f"step_{s:06d}"))
     shutil.copytree(fixtures["fsdp2_r2"], ckpts / "step_000050")
-    for p in [ckpts / "step_000050", *(ckpts / "step_000050").rglob("*")]:
-        os.utime(p)  # being written
+    (ckpts / "step_000050" / ".metadata").unlink()  # a save that failed: never exported (no clock in the test)
+    _age(ckpts / "step_000050")
     view = LibraryView([str(root)], None)
     qtbot.addWidget(view)
     view.resize(1280, 720)
@@ -312,10 +312,10 @@ def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive
     assert by_name["step_000020"][7].startswith("exported ") and by_name["step_000020"][7].endswith(", verified")
     assert by_name["step_000030"][3:6] == ["will export", "step_000030.safetensors", "remove once exported"]
     assert by_name["step_000040"][5:7] == ["keep", "the newest resumable checkpoint of its run; keep-last 1"]
-    assert by_name["step_000050"][3] == "waiting"
+    assert by_name["step_000050"][3] == "not exported" and by_name["step_000050"][6].startswith("incomplete")
     assert by_name["step_000010"][4:6] == ["step_000010.safetensors", "removed"]
     assert "verified; removed " in by_name["step_000010"][7]
-    assert [s.action for r in dlg.plan.runs for s in r.exports] == [VERIFIED, EXPORT, EXPORT, WAITING]
+    assert [s.action for r in dlg.plan.runs for s in r.exports] == [VERIFIED, EXPORT, EXPORT, NOT_EXPORTED]
     assert "A watch would export 2 checkpoints to safetensors and remove 2 checkpoints" in dlg.summary.text()
     assert "1 verified export, 1 checkpoint removed" in dlg.summary.text()
     cmd = dlg.command_line()
