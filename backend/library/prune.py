@@ -409,19 +409,22 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
         fsync_folder(parent)
     _pause_for_tests(hidden)
     try:
-        if hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
-            _dispose(hidden_sidecar, mode)
         _dispose(hidden, mode)
     except OSError as exc:
         if mode == "trash":
             try:
                 os.rename(hidden, c.path)
+                if sidecar is not None and hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
+                    os.rename(hidden_sidecar, sidecar)
                 return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
                                "(--delete removes it for good)")
             except OSError:
                 pass
         return Outcome(c.path, "failed", 0, f"stopped half-way ({exc}); the rest is in {hidden}, which the next "
                        "prune removes")
+    if hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
+        with contextlib.suppress(OSError):  # else a leftover of its own: the next prune or ls removes it
+            _dispose(hidden_sidecar, mode)
     return Outcome(c.path, "trashed" if mode == "trash" else "deleted", c.bytes)
 
 
