@@ -20,6 +20,9 @@ from ..runs.rundir import state_of
 from .walk import RUN_FILES, FileFacts, FolderFacts
 
 log = logging.getLogger(__name__)
+# a sidecar's bytes by (URL, size, time): the Library lists a URL root on every poll; an unchanged sidecar is not
+# read again
+_sidecar_memo: dict[tuple[str, int, float], bytes] = {}
 
 
 def _mtime(info: dict[str, Any]) -> float:
@@ -89,8 +92,9 @@ class RemoteTree:
 
     def lineage(self, sidecar: str) -> Lineage | None:
         """The lineage in an export's sidecar object. NOTE: every sidecar under the root is read at the first
-        call, in one batch (fsspec's ``cat`` of a list: concurrent GETs, one per sidecar, in one round); a
-        listing without exports reads none. Its source is not compared: it names the writer's local path."""
+        call, in one batch (fsspec's ``cat`` of a list: concurrent GETs, one per sidecar, in one round), and
+        remembered by size and time (a poll reads only new or changed ones); a listing without exports reads
+        none. Its source is not compared: it names the writer's local path."""
         if self.sidecars is None:
             self.sidecars = self._read_sidecars()
         raw = self.sidecars.get(sidecar)
@@ -100,17 +104,26 @@ class RemoteTree:
     def _read_sidecars(self) -> dict[str, Any]:
         from ..checkpoint.remote import call  # imports numpy: only when a URL is listed
 
-        paths = [f"{parent}/{name}" for parent, files in self.files.items() for name, (size, _) in files.items()
-                 if name.endswith(LINEAGE_FILE_SUFFIX) and size <= MAX_SIDECAR_BYTES]
+        keys = {f"{parent}/{name}": (self.url(f"{parent}/{name}"), size, mtime)
+                for parent, files in self.files.items() for name, (size, mtime) in files.items()
+                if name.endswith(LINEAGE_FILE_SUFFIX) and size <= MAX_SIDECAR_BYTES}
+        out = {p: _sidecar_memo[k] for p, k in keys.items() if k in _sidecar_memo}
+        paths = [p for p in keys if p not in out]
         if not paths:
-            return {}
+            return out
         try:
             got = call(self.url(self.root), self.fs.cat, paths, on_error="omit", doing="cannot read its exports' "
                        "lineage sidecars")
         except CheckpointError as exc:  # the listing goes on: its exports show no source
             log.info("%s", exc)
-            return {}
-        return {k.split("://", 1)[-1]: v for k, v in got.items()} if isinstance(got, dict) else {}
+            return out
+        if len(_sidecar_memo) > 4096:
+            _sidecar_memo.clear()
+        for k, v in (got.items() if isinstance(got, dict) else ()):
+            path = k.split("://", 1)[-1]
+            if path in keys and isinstance(v, bytes):
+                out[path] = _sidecar_memo[keys[path]] = v
+        return out
 
     def usage(self, folder: str, files: dict[str, Any] | None = None, dirs: Any = None) -> tuple[int, float, int]:
         """Bytes, newest time and object count of everything under ``folder``."""
