@@ -147,13 +147,15 @@ def parse_sidecar(raw: bytes) -> dict[str, Any] | None:
     return doc
 
 
-def compare(doc: dict[str, Any]) -> Lineage:
-    """The lineage a parsed sidecar records, with its source compared to what is there now."""
+def compare(doc: dict[str, Any], check_source: bool = True) -> Lineage:
+    """The lineage a parsed sidecar records, with its source compared to what is there now (``check_source``
+    False: not compared, ``unknown``; a sidecar read from object storage names a path on the machine that wrote
+    it)."""
     src = doc["source"]
     path = src["path"]
     step = src.get("step")
     recorded = src.get("identity")
-    if is_url(path) or not isinstance(recorded, dict):
+    if not check_source or is_url(path) or not isinstance(recorded, dict):
         state = UNKNOWN
     else:
         try:
@@ -165,16 +167,23 @@ def compare(doc: dict[str, Any]) -> Lineage:
                    _text(src.get("run")), _text(src.get("format")), state)
 
 
-def read_lineage(sidecar: str) -> Lineage | None:
-    """The lineage in a local sidecar file, compared with its source now; None when there is none."""
+def read_sidecar(sidecar: str) -> dict[str, Any] | None:
+    """The document of a local sidecar file when it is one of ours (a regular file with our schema), else None."""
     try:
         with open(sidecar, "rb") as f:
+            if not os.path.isfile(sidecar):
+                return None
             raw = f.read(MAX_SIDECAR_BYTES + 1)
     except OSError:
         return None
-    doc = parse_sidecar(raw)
+    return parse_sidecar(raw)
+
+
+def read_lineage(sidecar: str) -> Lineage | None:
+    """The lineage in a local sidecar file, compared with its source now; None when there is none."""
+    doc = read_sidecar(sidecar)
     return None if doc is None else compare(doc)
 
 
 __all__ = ["CHANGED", "MISSING", "SAME", "UNKNOWN", "Lineage", "compare", "identity", "make_sidecar",
-           "parse_sidecar", "read_lineage", "sidecar_bytes"]
+           "parse_sidecar", "read_lineage", "read_sidecar", "sidecar_bytes"]

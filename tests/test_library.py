@@ -605,3 +605,77 @@ def test_keep_best_reads_tensorboard_event_files(tmp_path):
         names["epoch=1-step=10.ckpt"][1]
     assert names["epoch=2-step=20.ckpt"][0] == "remove"
     assert names["epoch=3-step=30.ckpt"][0] == "keep"  # the newest
+
+
+def _exported_run(tmp_path: Path, fixtures) -> tuple[Path, Path]:
+    """A run with two DCP checkpoints, each exported by ``watch --once`` (an export and its lineage sidecar)."""
+    root = tmp_path / "root"
+    for s in (10, 20):
+        shutil.copytree(fixtures["fsdp2_r2"], root / "run" / "checkpoints" / f"step_{s:06d}")
+    _age(root)
+    proc = run_cli("watch", root, "--export", "safetensors", "--once")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exports = root / "run" / "exports"
+    _age(exports)
+    assert (exports / "step_000010.safetensors.shardscope.json").is_file()
+    return root, exports
+
+
+PRUNE_WEIGHTS = ("--keep-last", "1", "--weights", "--keep", "*/checkpoints/*", "--delete")
+
+
+def test_prune_weights_removes_an_exports_sidecar_with_it(tmp_path, fixtures):
+    root, exports = _exported_run(tmp_path, fixtures)
+    mine = exports / "step_000020.safetensors.shardscope.json"
+    plan = run_cli("prune", root, *PRUNE_WEIGHTS)
+    assert plan.returncode == 0, plan.stderr
+    line = next(ln for ln in plan.stdout.splitlines() if "step_000010.safetensors" in ln)
+    assert line.lstrip().startswith("REMOVE") and \
+        line.endswith("(with its lineage sidecar step_000010.safetensors.shardscope.json)")
+    as_json = json.loads(run_cli("prune", root, *PRUNE_WEIGHTS, "--json").stdout)
+    assert {c["path"]: c["sidecar"] for c in as_json["checkpoints"] if c["action"] == "remove"} == {
+        str(exports / "step_000010.safetensors"): str(exports / "step_000010.safetensors.shardscope.json")}
+    kept = mine.read_bytes()
+    acted = run_cli("prune", root, *PRUNE_WEIGHTS, "--yes")
+    assert acted.returncode == 0, acted.stdout + acted.stderr
+    assert sorted(p.name for p in exports.iterdir()) == [
+        ".shardscope-watch.json", "step_000020.safetensors", "step_000020.safetensors.shardscope.json"]
+    assert mine.read_bytes() == kept
+    assert sorted(p.name for p in (root / "run" / "checkpoints").iterdir()) == ["step_000010", "step_000020"]
+
+
+def test_prune_killed_between_an_export_and_its_sidecar_is_finished_by_ls(tmp_path, fixtures):
+    """SIGKILL right after the export's rename, before its sidecar's: the export is gone, the sidecar still at its
+    name; the next ``ls`` finishes the removal, sidecar included. A file of that name that is not ours stays."""
+    root, exports = _exported_run(tmp_path, fixtures)
+    env = {**os.environ, **_trash_env(tmp_path), PAUSE_ENV: "120"}
+    proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "prune", root, *PRUNE_WEIGHTS, "--yes"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "renamed to" not in line:  # the hook pauses right after the export's rename
+            assert time.monotonic() < deadline and proc.poll() is None
+            line = proc.stderr.readline()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    hidden = Path(line.split("renamed to", 1)[1].strip())
+    assert hidden.name == f"{PRUNE_PREFIX}delete-step_000010.safetensors" and hidden.exists()
+    sidecar = exports / "step_000010.safetensors.shardscope.json"
+    assert sidecar.exists() and not (exports / "step_000010.safetensors").exists()
+    done = _cli_env("ls", root, "--json", env=_trash_env(tmp_path))
+    assert done.returncode == 0 and "finished an interrupted prune" in done.stderr, done.stderr
+    assert sorted(p.name for p in exports.iterdir()) == [
+        ".shardscope-watch.json", "step_000020.safetensors", "step_000020.safetensors.shardscope.json"]
+
+    # a user's file of a sidecar's name (not ours) is never taken for one: the export goes, the file stays
+    notes = exports / "step_000020.safetensors.shardscope.json"
+    notes.write_text('{"my": "notes"}')
+    (exports / "step_000030.safetensors").write_bytes((exports / "step_000020.safetensors").read_bytes())
+    _age(exports)
+    acted = run_cli("prune", root, *PRUNE_WEIGHTS, "--yes")
+    assert acted.returncode == 0, acted.stdout + acted.stderr
+    assert sorted(p.name for p in exports.iterdir()) == [
+        ".shardscope-watch.json", "step_000020.safetensors.shardscope.json", "step_000030.safetensors"]
+    assert notes.read_text() == '{"my": "notes"}'

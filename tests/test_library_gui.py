@@ -269,3 +269,68 @@ def test_a_run_folder_opened_by_hand_joins_the_library(qtbot, tmp_path):
     win.library.shutdown()
     panel.shutdown()
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
+
+
+def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive, qtmodeltester, tmp_path,
+                                                                fixtures):
+    """The Library's Watch plan…: for the selected run, the plan ``watch --dry-run`` prints (the same decisions,
+    line for line), with each checkpoint's record of what a watch did (exported and verified, removed)."""
+    from conftest import run_cli
+    from shardscope.backend.library.watch import EXPORT, NOT_EXPORTED, VERIFIED
+
+    root = tmp_path.resolve() / "root"
+    ckpts = root / "runA" / "checkpoints"
+    for s in (10, 20):
+        shutil.copytree(fixtures["fsdp2_r2"], ckpts / f"step_{s:06d}")
+    _age(root)
+    first = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert first.returncode == 0, first.stdout + first.stderr  # exports 10 and 20, removes 10
+    for s in (30, 40):
+        _age(shutil.copytree(fixtures["fsdp2_r2"], ckpts / f"step_{s:06d}"))
+    shutil.copytree(fixtures["fsdp2_r2"], ckpts / "step_000050")
+    (ckpts / "step_000050" / ".metadata").unlink()  # a save that failed: never exported (no clock in the test)
+    _age(ckpts / "step_000050")
+    view = LibraryView([str(root)], None)
+    qtbot.addWidget(view)
+    view.resize(1280, 720)
+    view.show()
+    qtbot.waitUntil(lambda: view.snapshot is not None and len(view.snapshot.listing.checkpoints) >= 4,
+                    timeout=TIMEOUT)
+    view.select_paths([str(ckpts / "step_000030")])
+    assert view.watch_roots() == [str(root / "runA")]
+    dlg = view.watch_dialog()
+    keep_alive.append(dlg)  # closed (and deleted) after qtmodeltester lets go of its model
+    dlg.last_n.setValue(1)
+    qtbot.waitUntil(lambda: dlg.plan is not None and dlg.plan.rules is not None and dlg.plan.rules.keep_last == 1
+                    and dlg._worker is None, timeout=TIMEOUT)
+    qtmodeltester.check(dlg.model, force_py=True)
+    rows = [[dlg.model.data(dlg.model.index(r, c)) for c in range(dlg.model.columnCount())]
+            for r in range(dlg.model.rowCount())]
+    by_name = {r[1]: r for r in rows}
+    assert [r[1] for r in rows] == ["step_000020", "step_000030", "step_000040", "step_000050", "step_000010"]
+    assert by_name["step_000020"][3:6] == ["exported", "step_000020.safetensors", "remove"]
+    assert by_name["step_000020"][7].startswith("exported ") and by_name["step_000020"][7].endswith(", verified")
+    assert by_name["step_000030"][3:6] == ["will export", "step_000030.safetensors", "remove once exported"]
+    assert by_name["step_000040"][5:7] == ["keep", "the newest resumable checkpoint of its run; keep-last 1"]
+    assert by_name["step_000050"][3] == "not exported" and by_name["step_000050"][6].startswith("incomplete")
+    assert by_name["step_000010"][4:6] == ["step_000010.safetensors", "removed"]
+    assert "verified; removed " in by_name["step_000010"][7]
+    assert [s.action for r in dlg.plan.runs for s in r.exports] == [VERIFIED, EXPORT, EXPORT, NOT_EXPORTED]
+    assert "A watch would export 2 checkpoints to safetensors and remove 2 checkpoints" in dlg.summary.text()
+    assert "1 verified export, 1 checkpoint removed" in dlg.summary.text()
+    cmd = dlg.command_line()
+    assert cmd == f"shardscope watch {root / 'runA'} --export safetensors --keep-last 1"
+    # the very plan the command line prints
+    dry = run_cli(*cmd.split()[1:], "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.splitlines() == dlg.plan.lines()
+    if os.environ.get("SHARDSCOPE_SCREENSHOT"):  # a picture of the Library with the plan (1280x720)
+        from PySide6.QtGui import QPainter
+
+        dlg.resize(1100, 560)
+        picture = view.grab()
+        painter = QPainter(picture)
+        painter.drawPixmap(90, 120, dlg.grab())
+        painter.end()
+        picture.save(os.environ["SHARDSCOPE_SCREENSHOT"])
+    view.shutdown()
+    assert QThreadPool.globalInstance().waitForDone(TIMEOUT)

@@ -141,6 +141,32 @@ def test_force_replaces_the_sidecar_with_its_output(fixtures, tmp_path):
     assert [p.name for p in folder.parent.iterdir()].count(folder.name + ".shardscope.json") == 1
 
 
+@pytest.mark.parametrize("folder", [False, True])
+def test_force_never_removes_a_file_of_the_sidecars_name_that_is_not_ours(fixtures, tmp_path, folder):
+    """``export --force`` replaces ``<dst>.shardscope.json`` by name: a user's own file of that name (no lineage
+    schema) is refused with one line and exit 2, before anything is written; our own sidecar is replaced."""
+    first = _run_with_checkpoint(fixtures, tmp_path, 10, "fsdp2_r2")
+    second = _run_with_checkpoint(fixtures, tmp_path, 30, "fsdp2_r4")
+    out = tmp_path / ("sharded" if folder else "weights.safetensors")
+    shard = ["--max-shard-size", "4KB"] if folder else []
+    run_cli("export", first, out, *shard, check=True)
+    sidecar = Path(lineage_sidecar(str(out), folder))
+    before = out.stat().st_mtime_ns
+    notes = b'{"my": "notes about these weights"}\n'
+    sidecar.write_bytes(notes)  # the user's own file, of our sidecar's name
+    proc = run_cli("export", second, out, *shard, "--force")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"shardscope: {sidecar}: exists and is not a Shardscope lineage sidecar (the export writes its sidecar "
+        "there); move it away. Nothing was written."]
+    assert sidecar.read_bytes() == notes and out.stat().st_mtime_ns == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shardscope-tmp-")]
+    sidecar.unlink()
+    run_cli("export", first, out, *shard, "--force", check=True)  # ours now: replaced by --force
+    run_cli("export", second, out, *shard, "--force", check=True)
+    assert _sidecar(out, folder)["source"]["step"] == 30
+
+
 def test_reshard_and_import_outputs_name_their_source(fixtures, tmp_path):
     ckpt = _run_with_checkpoint(fixtures, tmp_path)
     resharded = tmp_path / "r3"

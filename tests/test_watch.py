@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -115,6 +116,7 @@ def test_once_exports_each_complete_checkpoint_then_applies_the_rules(tmp_path, 
     kinds = {c["path"]: c["kind"] for c in json.loads(run_cli("ls", tmp_path / "root", "--json").stdout)["checkpoints"]}
     assert {kinds[str(exports / f"step_{s:06d}{suffix}")] for s in STEPS} == {"weights"}
     before = _snapshot(exports)
+    _fresh(run / "checkpoints" / "step_000040")  # still being written (a loaded machine took over 5 s so far)
     again = run_cli("watch", tmp_path / "root", "--export", fmt, "--once", "--keep-last", "2", "--delete")
     assert again.returncode == 0 and "exported" not in again.stdout and "removed" not in again.stdout, again.stdout
     assert _snapshot(exports) == before
@@ -267,3 +269,158 @@ def test_watch_over_a_live_run_killed_and_restarted(tmp_path):
     assert not _temporaries(tmp_path)
     for n in names[2:]:
         _assert_equal_values(run / "checkpoints" / n, exports / f"{n}.safetensors")
+
+
+def _tree(root: Path) -> dict[str, tuple[bool, int, int]]:
+    """Every path under ``root`` (folders too): (is a folder, size, mtime in ns)."""
+    return {str(p.relative_to(root)): (p.is_dir(), p.lstat().st_size, p.lstat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def _acted(stdout: str) -> tuple[set[tuple[str, str]], set[str], set[str]]:
+    """What a pass's log says it did: (checkpoint, export) exported, checkpoints removed, ``kept`` lines."""
+    exported = set(re.findall(r" exported (\S+) -> (\S+) \(", stdout))
+    removed = set(re.findall(r" removed (\S+) \(", stdout))
+    kept = {line.split(" ", 3)[3] for line in stdout.splitlines() if line.split(" ")[2:3] == ["kept"]}
+    return exported, removed, kept
+
+
+def test_the_plan_is_what_once_then_does(tmp_path, fixtures):
+    """``plan_watch`` (what --dry-run prints and the Library shows) takes the decisions a pass takes: what it says
+    is exported, removed and kept (and why) is what ``watch --once`` then does, and says, on the same run."""
+    from shardscope.backend.library import Rules
+    from shardscope.backend.library.watch import VERIFIED, WAITING, plan_watch
+
+    root = tmp_path / "root"
+    run = _run(root, fixtures, steps=[10, 20])
+    first = run_cli("watch", root, "--export", "safetensors", "--once")  # exports 10 and 20; no rules
+    assert first.returncode == 0, first.stdout + first.stderr
+    for s in (30, 40, 50):
+        _age(shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / f"step_{s:06d}"))
+    _fresh(shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000060"))  # being written
+    rules = ["--keep-last", "2", "--keep-every", "20"]
+    plan = plan_watch([str(root)], "safetensors", Rules(keep_last=2, keep_every=20))
+    (rp,) = plan.runs
+    ck = f"{run}/checkpoints"
+    assert {s.checkpoint.name: s.action for s in rp.exports} == {
+        "step_000010": VERIFIED, "step_000020": VERIFIED, "step_000030": "export", "step_000040": "export",
+        "step_000050": "export", "step_000060": WAITING}
+    assert rp.exports[0].record["state"] == "done"  # what a watch did, from its record
+    assert {d.checkpoint.name for d in plan.to_remove} == {"step_000010", "step_000030"}
+    assert "  remove " + f"{ck}/step_000010 after its export is verified: no rule keeps it" in plan.lines()
+
+    _fresh(run / "checkpoints" / "step_000060")  # still being written (a loaded machine may have passed 5 s)
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", *rules, "--delete")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exported, removed, kept = _acted(proc.stdout)
+    assert exported == {(s.checkpoint.path, s.export) for s in plan.to_export}
+    assert removed == {d.checkpoint.path for d in plan.to_remove}
+    assert kept == {f"{d.checkpoint.path}: {'; '.join(d.reasons)}" for r in plan.runs for d in r.decisions
+                    if not d.remove}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000020", "step_000040", "step_000050", "step_000060"]
+    # what it did, as the next plan shows it: every export verified, the removed ones in the record
+    after = plan_watch([str(root)], "safetensors", Rules(keep_last=2, keep_every=20)).runs[0]
+    assert {s.checkpoint.name: s.action for s in after.exports if s.checkpoint.name != "step_000060"} == dict.fromkeys(
+        ["step_000020", "step_000040", "step_000050"], VERIFIED)
+    assert sorted(after.removed) == [f"{ck}/step_000010", f"{ck}/step_000030"]
+    assert all(e["state"] == "done" and e["removed"] > 0 for e in after.removed.values())
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, fixtures):
+    root = tmp_path / "root"
+    run = _run(root, fixtures, writing=40)
+    exports = run / "exports"
+    exports.mkdir()
+    # what a pass would clean up or finish is left as it is by a plan
+    (exports / f".{WATCH_STATE}.abc123.tmp").write_text("{")
+    (exports / f"{TMP_PREFIX}999999-x.safetensors").write_bytes(b"half")
+    hidden = run / "checkpoints" / ".shardscope-prune-delete-step_000005"
+    shutil.copytree(fixtures["fsdp2_r2"], hidden)
+    _age(root)
+    _fresh(run / "checkpoints" / "step_000040")
+    before = _tree(tmp_path)
+    proc = run_cli("watch", root, "--export", "torch", "--keep-last", "1", "--delete", "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _tree(tmp_path) == before
+    ck = f"{run}/checkpoints"
+    for s in STEPS:
+        assert f"  export {ck}/step_{s:06d} -> {exports}/step_{s:06d}.pt" in proc.stdout
+    assert f"  wait: {ck}/step_000040 is being written" in proc.stdout
+    assert f"  finish an interrupted removal: {ck}/step_000005" in proc.stdout
+    assert f"  remove {ck}/step_000010 after its export is verified: no rule keeps it" in proc.stdout
+    assert f"  keep {ck}/step_000030: the newest resumable checkpoint of its run; keep-last 1" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "plan: export 3 checkpoints to torch, remove 2 checkpoints, rules: " \
+        "keep-last 1"
+    as_json = run_cli("watch", root, "--export", "torch", "--keep-last", "1", "--dry-run", "--json")
+    assert as_json.returncode == 0 and _tree(tmp_path) == before
+    got = json.loads(as_json.stdout)
+    assert (got["export"], got["remove"], got["acted"]) == (3, 2, False)
+    bad = run_cli("watch", root, "--export", "torch", "--once", "--json")
+    assert bad.returncode == 2 and bad.stderr == "shardscope: watch: --json prints the plan of --dry-run; give " \
+        "both.\n" and _tree(tmp_path) == before
+
+
+def _cli_env(*args: object, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardscope.app.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_watch_on_s3_only_plans_and_ls_reads_the_exports_lineage(tmp_path, fixtures):
+    """A real S3 API server (moto): a run folder watched locally, then uploaded. ``ls --json`` gives its exports'
+    kind, step and source (the sidecars read in one batch after the one listing); ``watch`` there lists, prints the
+    plan, writes and deletes nothing, and exits 2 with one line saying it only plans on URLs (``--dry-run``: 0)."""
+    import s3fs
+    from s3_server import S3Server
+
+    root = tmp_path / "root"
+    run = _run(root, fixtures, steps=[10, 20])
+    assert run_cli("watch", root, "--export", "safetensors", "--once").returncode == 0
+    shutil.copytree(fixtures["fsdp2_r2"], run / "checkpoints" / "step_000030")  # not exported yet
+    server = S3Server()
+    try:
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": server.endpoint})
+        fs.mkdir("lib")
+        fs.put(f"{run}/", "lib/runs/run/", recursive=True)
+        url = "s3://lib/runs/run"
+        deadline = time.monotonic() + 120
+        while True:  # objects uploaded seconds ago read as being written; wait until they settle
+            server.reset()
+            proc = _cli_env("ls", "s3://lib/runs", "--json", env=server.env())
+            assert proc.returncode == 0, proc.stderr
+            got = {c["path"]: c for c in json.loads(proc.stdout)["checkpoints"]}
+            if all(c["state"] != "writing" for c in got.values()) or time.monotonic() > deadline:
+                break
+        for s in (10, 20):
+            export = got[f"{url}/exports/step_{s:06d}.safetensors"]
+            assert (export["kind"], export["step"], export["source"], export["source_step"]) == \
+                ("weights", s, f"{run}/checkpoints/step_{s:06d}", s)
+            assert export["source_changed"] is False and export["source_missing"] is False  # not compared there
+        # one listing, a status.json per run (none here), one GET per sidecar (two), nothing else
+        assert server.requests() == {"GET": 3}, server.requests()
+
+        before = {k: v["ETag"] for k, v in fs.find("lib", detail=True).items()}
+        server.reset()
+        proc = _cli_env("watch", "s3://lib/runs", "--export", "safetensors", "--keep-last", "1", "--once",
+                        env=server.env())
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            "shardscope: s3://lib/runs: watch acts on local (or mounted network) folders only: on URLs it only "
+            "plans (object stores have no atomic rename); nothing was exported or removed (the plan above; "
+            "--dry-run shows it and exits 0)."]
+        ck, ex = f"{url}/checkpoints", f"{url}/exports"
+        for s in (10, 20):
+            assert f"  not exported {ck}/step_0000{s}: {ex}/step_0000{s}.safetensors exists (on a URL the watch's " \
+                "record is not read)" in proc.stdout
+        assert f"  export {ck}/step_000030 -> {ex}/step_000030.safetensors" in proc.stdout
+        assert f"  remove {ck}/step_000020 after its export is verified" not in proc.stdout  # its export unverified
+        assert f"  keep {ck}/step_000020: its export is not verified" in proc.stdout
+        assert f"  remove {ck}/step_000010" not in proc.stdout
+        assert set(server.requests()) == {"GET"}, server.requests()  # no PUT, POST nor DELETE
+        dry = _cli_env("watch", "s3://lib/runs", "--export", "safetensors", "--keep-last", "1", "--dry-run",
+                       env=server.env())
+        assert dry.returncode == 0 and dry.stderr == "" and dry.stdout == proc.stdout, dry.stderr
+        assert set(server.requests()) == {"GET"}
+        assert {k: v["ETag"] for k, v in fs.find("lib", detail=True).items()} == before
+    finally:
+        server.stop()

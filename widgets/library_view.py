@@ -4,7 +4,7 @@ A tree of runs -> checkpoints (step, time, size with a bar, writer ranks, format
 step, an export's source and a checkpoint's exports, warned when the source changed), refreshed by a
 scan in a worker every two seconds (so a network file system never blocks the window), a disk-usage
 table per root with what the prune rules would free, and the actions: Open, Export, Show in folder,
-Compare (two selected), Prune.
+Compare (two selected), Watch plan (what ``shardscope watch`` would do and what it did), Prune.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from ..backend.library.snapshot import LibrarySnapshot, take_snapshot
 from .library_model import COLUMNS, SIZE_COLUMN, LibraryModel, SortRole
 from .library_usage import DiskUsagePanel, SizeBarDelegate
 from .prune_dialog import PruneDialog
+from .watch_dialog import WatchPlanDialog
 from .workers import Worker, run_in_background
 
 POLL_MS = 2000
@@ -145,6 +146,9 @@ class LibraryView(QWidget):
         row.addWidget(self._button("Run the demo", self.demoRequested.emit,
                                    "Train a tiny FSDP model on 2 CPU ranks; its checkpoints appear here"))
         row.addStretch(1)
+        self.watch_button = self._button("Watch plan…", self.watch_dialog, "What `shardscope watch` would export and "
+                                         "remove under the selected runs (or every root), and what a watch did")
+        row.addWidget(self.watch_button)
         self.prune_button = self._button("Prune…", self.prune_dialog, "Remove checkpoints by rules, with a preview")
         row.addWidget(self.prune_button)
         row = QHBoxLayout()
@@ -348,6 +352,7 @@ class LibraryView(QWidget):
         paths = [c.path for c in self.selected_checkpoints()]
         menu.addAction("Copy path", lambda: QGuiApplication.clipboard().setText("\n".join(paths))).setEnabled(
             bool(paths))
+        menu.addAction("Watch plan…", self.watch_dialog)
         menu.addAction("Prune…", self.prune_dialog)
         menu.exec(self.tree.viewport().mapToGlobal(pos))
 
@@ -398,6 +403,23 @@ class LibraryView(QWidget):
             dlg.exec()
         finally:
             self.refreshed.disconnect(rescanned)
+
+    def watch_roots(self) -> list[str]:
+        """The runs of the selected rows (a run row or its checkpoints), else every root."""
+        runs: list[str] = []
+        for i in self.tree.selectionModel().selectedRows(0):
+            rec = self.model.record(self.proxy.mapToSource(i))
+            path = rec.run if isinstance(rec, CheckpointRecord) else rec.path if isinstance(rec, RunRecord) else None
+            if path and path not in runs:
+                runs.append(path)
+        return runs or self.roots()
+
+    def watch_dialog(self) -> WatchPlanDialog:
+        """Show the watch plan for the selected runs or the roots (modeless: the Library goes on polling)."""
+        dlg = WatchPlanDialog(self.watch_roots(), self.rules, parent=self)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dlg.show()
+        return dlg
 
     def _set_rules(self, rules: Rules) -> None:
         self.rules = rules

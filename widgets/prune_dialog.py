@@ -38,6 +38,40 @@ def plan_rules(listing: Listing, rules: Rules, progress: Any = None) -> Plan:
     return make_plan(listing, rules)
 
 
+def rule_check(text: str, on: bool, changed: Any) -> QCheckBox:
+    """A rule's check box (Prune…, Watch plan…)."""
+    box = QCheckBox(text)
+    box.setChecked(on)
+    box.toggled.connect(changed)
+    return box
+
+
+def rule_spin(value: int, changed: Any, hi: int = 10**9) -> QSpinBox:
+    """A rule's number (Prune…, Watch plan…)."""
+    s = QSpinBox()
+    s.setRange(1, hi)
+    s.setValue(max(1, value))
+    s.valueChanged.connect(changed)
+    s.setMaximumWidth(110)
+    return s
+
+
+def plan_table(model: RowsTableModel, widths: tuple[int, ...]) -> QTableView:
+    """A plan's table: one row per checkpoint, whole rows selected, the last column stretched."""
+    table = QTableView()
+    table.setModel(model)
+    table.verticalHeader().hide()
+    table.verticalHeader().setDefaultSectionSize(table.fontMetrics().height() + 6)
+    table.setWordWrap(False)
+    table.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
+    header = table.horizontalHeader()
+    header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+    header.setStretchLastSection(True)
+    for col, width in enumerate(widths):
+        header.resizeSection(col, width)
+    return table
+
+
 class PlanModel(RowsTableModel):
     """One row per checkpoint: keep or remove, and why (an adapter over the plan's decisions)."""
 
@@ -92,17 +126,7 @@ class PruneDialog(QDialog):
         lay = QVBoxLayout(self)
         lay.addLayout(self._build_rules(rules))
         self.model = PlanModel(self)
-        self.table = QTableView()
-        self.table.setModel(self.model)
-        self.table.verticalHeader().hide()
-        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 6)
-        self.table.setWordWrap(False)
-        self.table.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
-        header.setStretchLastSection(True)
-        for col, width in enumerate((60, 150, 200, 60, 80, 80)):
-            header.resizeSection(col, width)
+        self.table = plan_table(self.model, (60, 150, 200, 60, 80, 80))
         lay.addWidget(self.table, 1)
         self.summary = QLabel()
         self.summary.setWordWrap(True)
@@ -133,18 +157,10 @@ class PruneDialog(QDialog):
         g = QGridLayout()
 
         def check(text: str, on: bool) -> QCheckBox:
-            box = QCheckBox(text)
-            box.setChecked(on)
-            box.toggled.connect(self._changed)
-            return box
+            return rule_check(text, on, self._changed)
 
         def spin(value: int, hi: int = 10**9) -> QSpinBox:
-            s = QSpinBox()
-            s.setRange(1, hi)
-            s.setValue(max(1, value))
-            s.valueChanged.connect(self._changed)
-            s.setMaximumWidth(110)
-            return s
+            return rule_spin(value, self._changed, hi)
 
         self.last_on, self.last_n = check("Keep the last", rules.keep_last is not None), spin(rules.keep_last or 3)
         g.addWidget(self.last_on, 0, 0)

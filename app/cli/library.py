@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -136,8 +137,10 @@ def print_plan(plan: Any) -> None:
         print(escape_name(run))
         for d in decisions:
             c = d.checkpoint
+            also = f" (with its lineage sidecar {escape_name(os.path.basename(d.sidecar))})" \
+                if d.remove and d.sidecar else ""
             print(f"  {d.action.upper():<6}  {'-' if c.step is None else c.step:>8}  {human_bytes(c.bytes):>10}  "
-                  f"{c.state:<10}  {c.kind:<9}  {escape_name(c.name):<28}  {'; '.join(d.reasons)}")
+                  f"{c.state:<10}  {c.kind:<9}  {escape_name(c.name):<28}  {'; '.join(d.reasons)}{also}")
     print(f"plan: remove {len(plan.remove):,} of {count(len(plan.decisions), 'checkpoint')}, "
           f"freeing {human_bytes(plan.bytes_freed)}")
 

@@ -39,6 +39,7 @@ from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
 from ..filenames import LINEAGE_FILE_SUFFIX, TMP_PREFIX, export_owned, lineage_sidecar
 from ..format import human_bytes
+from ..lineage import read_sidecar
 from ..procs import orphaned
 from ..progress import Progress
 from .destination import check_destination
@@ -155,6 +156,12 @@ class AtomicOutput:
             self.remote.check(self.force)
         if not os.path.isdir(self.folder):
             raise OutputError(f"{self.folder}: the destination folder does not exist.")
+        sidecar = lineage_sidecar(self.dst, self.kind == "dir")
+        if not self.remote and _name_fits(sidecar) and os.path.lexists(sidecar) and read_sidecar(sidecar) is None:
+            # NOTE: the commit replaces the export's sidecar by name; a file of that name that is not one of ours
+            # (a user's own notes) is never removed
+            raise OutputError(f"{sidecar}: exists and is not a Shardscope lineage sidecar (the export writes its "
+                              "sidecar there); move it away. Nothing was written.")
         if not os.access(self.folder, os.W_OK):
             raise OutputError(f"{self.folder}: cannot write here (permission denied).")
         free = shutil.disk_usage(self.folder).free

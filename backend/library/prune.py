@@ -23,9 +23,10 @@ from typing import Any
 
 from ..atomic_file import fsync_folder
 from ..errors import ShardscopeError
-from ..filenames import is_url
+from ..filenames import is_url, lineage_sidecar
 from ..format import count, human_bytes
 from ..formats.base import RESUMABLE, WEIGHTS
+from ..lineage import read_sidecar
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, run_state
 from .names import within
@@ -101,6 +102,11 @@ class Decision:
     metric: float | None = None
 
     @property
+    def sidecar(self) -> str | None:
+        """The export's lineage sidecar that goes with it (removed in the same crash-safe way), when it has one."""
+        return sidecar_of(self.checkpoint)
+
+    @property
     def action(self) -> str:
         """The action as shown to the user: "remove" or "keep"."""
         return "remove" if self.remove else "keep"
@@ -109,7 +115,8 @@ class Decision:
         """The checkpoint, the action and its reasons as a JSON-ready dict."""
         c = self.checkpoint
         return {"path": c.path, "run": c.run, "step": c.step, "kind": c.kind, "bytes": c.bytes, "state": c.state,
-                "action": self.action, "reasons": list(self.reasons), "metric": self.metric}
+                "action": self.action, "reasons": list(self.reasons), "metric": self.metric,
+                "sidecar": self.sidecar}
 
 
 @dataclass(slots=True)
@@ -137,6 +144,11 @@ class Plan:
         return {"roots": list(self.roots), "checkpoints": [d.to_json() for d in self.decisions],
                 "remove": len(self.remove), "keep": len(self.decisions) - len(self.remove),
                 "bytes_freed": self.bytes_freed, "leftovers": [x.original for x in self.leftovers]}
+
+
+def sidecar_of(c: CheckpointRecord) -> str | None:
+    """Where the lineage sidecar of an export lies, when the listing found one of ours beside it."""
+    return lineage_sidecar(c.path, not c.is_file) if c.lineage is not None else None
 
 
 def make_plan(listing: Listing, rules: Rules, now: float | None = None, running_ok: bool = False) -> Plan:
@@ -321,6 +333,10 @@ def finish_leftovers(leftovers: list[Leftover]) -> list[Outcome]:
             continue
         try:
             _dispose(x.path, x.mode)
+            # a removal killed between its two renames left the export's sidecar under its own name
+            orphan = lineage_sidecar(x.original, False)
+            if not os.path.lexists(x.original) and read_sidecar(orphan) is not None:
+                _dispose(orphan, x.mode)
             out.append(Outcome(x.original, "trashed" if x.mode == "trash" else "deleted"))
         except OSError as exc:
             out.append(Outcome(x.original, "failed", 0, f"cannot finish removing {x.path}: {exc}"))
@@ -358,7 +374,10 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
     if why:
         return Outcome(c.path, "skipped", 0, why)
     parent = os.path.dirname(c.path)
-    if mode == "trash" and _trash_is_a_rename(c.path):
+    sidecar = sidecar_of(c)
+    if sidecar is not None and read_sidecar(sidecar) is None:
+        sidecar = None  # gone since the listing, or no longer ours: left as it is
+    if mode == "trash" and sidecar is None and _trash_is_a_rename(c.path):
         # NOTE: the trash on this device takes it in one rename (atomic), so it is whole or gone without our own
         # rename first, and the trash entry keeps the checkpoint's name (Restore brings back `step_100`, not a
         # hidden folder).
@@ -378,6 +397,14 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
         os.rename(c.path, hidden)
     except OSError as exc:
         return Outcome(c.path, "failed", 0, f"cannot rename it out of the way ({exc.strerror}); left as it was")
+    # NOTE: an export's sidecar follows it, after it (a kill between the renames leaves the export gone and its
+    # sidecar at its name: finish_leftovers removes that one with the export), never before it (an export
+    # without its lineage)
+    hidden_sidecar = lineage_sidecar(hidden, False) if sidecar is not None else None
+    if sidecar is not None and hidden_sidecar is not None:
+        _pause_for_tests(hidden)
+        with contextlib.suppress(OSError):  # left at its name: the next prune or ls removes it with the leftover
+            os.rename(sidecar, hidden_sidecar)
     with contextlib.suppress(OSError):  # the rename is done: a folder that cannot be synced keeps it anyway
         fsync_folder(parent)
     _pause_for_tests(hidden)
@@ -387,12 +414,17 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
         if mode == "trash":
             try:
                 os.rename(hidden, c.path)
+                if sidecar is not None and hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
+                    os.rename(hidden_sidecar, sidecar)
                 return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
                                "(--delete removes it for good)")
             except OSError:
                 pass
         return Outcome(c.path, "failed", 0, f"stopped half-way ({exc}); the rest is in {hidden}, which the next "
                        "prune removes")
+    if hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
+        with contextlib.suppress(OSError):  # else a leftover of its own: the next prune or ls removes it
+            _dispose(hidden_sidecar, mode)
     return Outcome(c.path, "trashed" if mode == "trash" else "deleted", c.bytes)
 
 

@@ -1,20 +1,28 @@
 """Checkpoints under an fsspec URL (``s3://bucket/runs``, ``gs://...``): one recursive listing of the
 prefix (:class:`RemoteTree`), walked by :mod:`.walk` as a local disk is. No object is opened except a
-Shardscope run's ``status.json``; sizes are the objects' sizes, times their last-modified stamps."""
+Shardscope run's ``status.json`` and the exports' small lineage sidecars (in one batch); sizes are the
+objects' sizes, times their last-modified stamps."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, ShardscopeError
-from ..filenames import step_from_name
+from ..filenames import LINEAGE_FILE_SUFFIX, step_from_name
 from ..formats import Format
+from ..lineage import MAX_SIDECAR_BYTES, Lineage, compare, parse_sidecar
 from ..runs.rundir import state_of
 from .walk import RUN_FILES, FileFacts, FolderFacts
+
+log = logging.getLogger(__name__)
+# a sidecar's bytes by (URL, size, time): the Library lists a URL root on every poll; an unchanged sidecar is not
+# read again
+_sidecar_memo: dict[tuple[str, int, float], bytes] = {}
 
 
 def _mtime(info: dict[str, Any]) -> float:
@@ -41,6 +49,7 @@ class RemoteTree:
     root: str
     files: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
     dirs: dict[str, set[str]] = field(default_factory=dict)
+    sidecars: dict[str, Any] | None = None  # every lineage sidecar's bytes by path, read at the first need
     sep = "/"
 
     def add(self, key: str, size: int, mtime: float) -> None:
@@ -81,8 +90,40 @@ class RemoteTree:
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind,
                            f.pinned)
 
-    def lineage(self, sidecar: str) -> None:
-        return None  # reading a sidecar costs a request per export: the listing stays one request
+    def lineage(self, sidecar: str) -> Lineage | None:
+        """The lineage in an export's sidecar object. NOTE: every sidecar under the root is read at the first
+        call, in one batch (fsspec's ``cat`` of a list: concurrent GETs, one per sidecar, in one round), and
+        remembered by size and time (a poll reads only new or changed ones); a listing without exports reads
+        none. Its source is not compared: it names the writer's local path."""
+        if self.sidecars is None:
+            self.sidecars = self._read_sidecars()
+        raw = self.sidecars.get(sidecar)
+        doc = parse_sidecar(raw) if isinstance(raw, bytes) else None
+        return None if doc is None else compare(doc, check_source=False)
+
+    def _read_sidecars(self) -> dict[str, Any]:
+        from ..checkpoint.remote import call  # imports numpy: only when a URL is listed
+
+        keys = {f"{parent}/{name}": (self.url(f"{parent}/{name}"), size, mtime)
+                for parent, files in self.files.items() for name, (size, mtime) in files.items()
+                if name.endswith(LINEAGE_FILE_SUFFIX) and size <= MAX_SIDECAR_BYTES}
+        out = {p: _sidecar_memo[k] for p, k in keys.items() if k in _sidecar_memo}
+        paths = [p for p in keys if p not in out]
+        if not paths:
+            return out
+        try:
+            got = call(self.url(self.root), self.fs.cat, paths, on_error="omit", doing="cannot read its exports' "
+                       "lineage sidecars")
+        except CheckpointError as exc:  # the listing goes on: its exports show no source
+            log.info("%s", exc)
+            return out
+        if len(_sidecar_memo) > 4096:
+            _sidecar_memo.clear()
+        for k, v in (got.items() if isinstance(got, dict) else ()):
+            path = k.split("://", 1)[-1]
+            if path in keys and isinstance(v, bytes):
+                out[path] = _sidecar_memo[keys[path]] = v
+        return out
 
     def usage(self, folder: str, files: dict[str, Any] | None = None, dirs: Any = None) -> tuple[int, float, int]:
         """Bytes, newest time and object count of everything under ``folder``."""

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic_file import write_atomic
@@ -33,7 +33,7 @@ from ..formats import RESUMABLE, open_checkpoint
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, default_runs_root, read_config, run_state
 from .prune import Decision, Plan, Rules, execute, make_plan
-from .records import CheckpointRecord, Listing, RunRecord
+from .records import CheckpointRecord, Leftover, Listing, RunRecord
 from .scan import is_shardscope_run, scan
 
 STATE_VERSION = 1
@@ -54,6 +54,8 @@ class WatchState:
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, WATCH_STATE)
         try:
+            if is_url(folder):  # a plan on object storage: no record is read there
+                raise OSError
             with open(self.path, encoding="utf-8") as f:
                 value = json.load(f)
         except (OSError, ValueError):
@@ -62,7 +64,11 @@ class WatchState:
         self.entries: dict[str, dict[str, Any]] = {
             k: v for k, v in (exports or {}).items()
             if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("export"), str)}
-        # a watch killed while writing this file left its temporary (``.<name>.<random>.tmp``): we hold the lock
+
+    def remove_temporaries(self) -> None:
+        """Remove what a watch killed while writing this file left (``.<name>.<random>.tmp``): only while we hold
+        the run's lock (reading the record for a plan writes nothing)."""
+        folder = os.path.dirname(self.path)
         for name in os.listdir(folder):
             if name.startswith(f".{WATCH_STATE}.") and name.endswith(SMALL_TMP_SUFFIX):
                 with contextlib.suppress(OSError):
@@ -127,6 +133,144 @@ def rules_text(rules: Rules) -> str:
     return ", ".join(p for p in parts if p)
 
 
+# ---------------------------------------------------------------------------------------------- decisions
+# what a watch does with a checkpoint's export (the one decision both a pass and a plan take)
+EXPORT = "export"  # to be exported now
+VERIFIED = "verified"  # its verified export exists (done by an earlier pass)
+RECOVERED = "verified before a restart"  # the export exists, a watch was killed before recording it
+WAITING = "waiting"  # being written
+NOT_EXPORTED = "not exported"  # incomplete or unreadable: never exported
+BLOCKED = "blocked"  # the export's name is taken by a file this watch did not write
+EXISTS = "exists"  # on a URL: something lies at the export's name (a plan there reads no watch record)
+
+URL_PLANS_ONLY = ("watch acts on local (or mounted network) folders only: on URLs it only plans (object stores have "
+                  "no atomic rename); nothing was exported or removed")
+
+
+@dataclass(slots=True)
+class ExportStep:
+    """What a watch does with one resumable checkpoint's export, why, and what its record says a watch did."""
+
+    checkpoint: CheckpointRecord
+    action: str  # EXPORT, VERIFIED, RECOVERED, WAITING, NOT_EXPORTED, BLOCKED
+    export: str  # the export's path ("" when it is never exported)
+    why: str = ""
+    force: bool = False  # an earlier export of this watch under this name (the checkpoint was saved again)
+    record: dict[str, Any] | None = None  # the watch state's entry for this checkpoint (what a watch did)
+
+    @property
+    def will_export(self) -> bool:
+        """True when a pass exports it now (or records the export a killed watch left)."""
+        return self.action in (EXPORT, RECOVERED)
+
+    def text(self) -> str:
+        """The action in the log's words."""
+        c = self.checkpoint
+        return {EXPORT: f"export {c.path} -> {self.export}", VERIFIED: f"exported {c.path} -> {self.export} "
+                "(verified earlier)", RECOVERED: f"record {c.path} -> {self.export} (verified before a restart)",
+                WAITING: f"wait: {c.path} is being written", NOT_EXPORTED: f"not exported {c.path}: {self.why}",
+                BLOCKED: f"FAILS export of {c.path}: {self.why}",
+                EXISTS: f"not exported {c.path}: {self.why}"}[self.action]
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.checkpoint
+        return {"path": c.path, "step": c.step, "state": c.state, "export_action": self.action,
+                "export": self.export or None, "why": self.why, "record": self.record}
+
+
+def export_step(c: CheckpointRecord, dst: str, state: WatchState, listed: set[str] | None = None) -> ExportStep:
+    """The export decision for a resumable checkpoint whose export goes to ``dst`` (nothing written). ``listed``:
+    on a URL, the paths the listing found (what lies at ``dst``)."""
+    record = state.entries.get(c.path)
+    if c.state == "writing":
+        return ExportStep(c, WAITING, "", "being written", record=record)
+    if c.state != "complete":
+        return ExportStep(c, NOT_EXPORTED, "", f"{c.state} ({c.reason})", record=record)
+    done = state.verified(c)
+    if done:
+        return ExportStep(c, VERIFIED, done["export"], "its export is verified", record=record)
+    if is_url(dst) and listed is not None and dst in listed:
+        return ExportStep(c, EXISTS, dst, f"{dst} exists (on a URL the watch's record is not read)", record=record)
+    ours = bool(record) and record["export"] == dst
+    if not is_url(dst) and os.path.lexists(dst):
+        if ours and record.get("identity") == identity(c):
+            # NOTE: the file exists only by AtomicOutput's rename, which follows its verification: a watch
+            # killed between that rename and recording it left a verified export; it is not made twice
+            return ExportStep(c, RECOVERED, dst, "verified before a restart", record=record)
+        if not ours:
+            return ExportStep(c, BLOCKED, dst, f"{dst} exists and this watch did not write it; move it away",
+                              record=record)
+        return ExportStep(c, EXPORT, dst, "saved again since its export", force=True, record=record)
+    return ExportStep(c, EXPORT, dst, "complete, not exported yet", record=record)
+
+
+@dataclass(slots=True)
+class RunPlan:
+    """A watch's decisions for one run: each resumable checkpoint's export, then the rules' keep or remove (a
+    checkpoint is removed only once its export is verified), and what the run's watch record says was done."""
+
+    run: RunRecord
+    exports_folder: str
+    exports: list[ExportStep]
+    decisions: list[Decision]  # complete resumable checkpoints only; empty without rules
+    leftovers: list[Leftover] = field(default_factory=list)  # interrupted removals the pass finishes
+    removed: dict[str, dict[str, Any]] = field(default_factory=dict)  # record entries of checkpoints now gone
+
+    @property
+    def plan_only(self) -> bool:
+        """True for a run on object storage: a watch only plans there."""
+        return is_url(self.run.path)
+
+    @property
+    def remove(self) -> list[Decision]:
+        return [d for d in self.decisions if d.remove]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run.path, "exports_folder": self.exports_folder, "plan_only": self.plan_only,
+                "exports": [s.to_json() for s in self.exports], "checkpoints": [d.to_json() for d in self.decisions],
+                "leftovers": [x.original for x in self.leftovers], "removed_earlier": self.removed}
+
+
+@dataclass(slots=True)
+class WatchPlan:
+    """What one ``watch`` pass would do under some roots, run by run (computed by :meth:`Watcher.plan`, the
+    decisions a pass takes; nothing written)."""
+
+    roots: list[str]
+    format: str
+    rules: Rules | None
+    runs: list[RunPlan]
+
+    @property
+    def to_export(self) -> list[ExportStep]:
+        return [s for r in self.runs for s in r.exports if s.will_export]
+
+    @property
+    def to_remove(self) -> list[Decision]:
+        return [d for r in self.runs for d in r.remove]
+
+    def lines(self) -> list[str]:
+        """The plan in the log's words, one line per checkpoint and action."""
+        out = []
+        for r in self.runs:
+            out.append(f"{r.run.path}: exports in {r.exports_folder}" +
+                       (" (a URL: plan only)" if r.plan_only else ""))
+            out += [f"  {s.text()}" for s in r.exports]
+            out += [f"  finish an interrupted removal: {x.original}" for x in r.leftovers]
+            for d in r.decisions:
+                when = " after its export is verified" if d.remove else ""
+                out.append(f"  {d.action} {d.checkpoint.path}{when}: {'; '.join(d.reasons)}")
+        rules = f", rules: {rules_text(self.rules)}" if self.rules else ", no rules: nothing is removed"
+        out.append(f"plan: export {count(len(self.to_export), 'checkpoint')} to {self.format}, remove "
+                   f"{count(len(self.to_remove), 'checkpoint')}{rules}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"roots": list(self.roots), "format": self.format,
+                "rules": rules_text(self.rules) if self.rules else None, "runs": [r.to_json() for r in self.runs],
+                "export": len(self.to_export), "remove": len(self.to_remove)}
+
+
 @dataclass(slots=True)
 class PassReport:
     """What one pass did."""
@@ -138,7 +282,7 @@ class PassReport:
 
 class Watcher:
     """One pass at a time over the roots (``run_pass``); ``stop()`` (from a signal handler) cancels an export in
-    flight through its :class:`Progress` and ends the pass."""
+    flight through its :class:`Progress` and ends the pass. ``plan()`` takes a pass's decisions and does nothing."""
 
     def __init__(self, roots: list[str], fmt: str, rules: Rules | None = None, export_to: str | None = None,
                  delete: bool = False, log: Callable[[str], None] = print) -> None:
@@ -176,29 +320,79 @@ class Watcher:
         return f"{folder}/{c.name}{self.writer.suffixes[0]}" if is_url(folder) else \
             os.path.join(folder, c.name + self.writer.suffixes[0])
 
-    def run_pass(self) -> PassReport:
-        """Export what became complete and apply the rules, run by run."""
-        report = PassReport()
-        listing = scan(self.roots, missing_ok=self.passes > 0)  # a root missing at the start is an error
-        self.passes += 1
-        said: set[str] = set()
+    # ------------------------------------------------------------------ the decisions (a pass and a plan)
+    def _listing(self, progress: Progress | None = None) -> tuple[Listing, dict[str, str]]:
+        """The runs under the roots and the checkpoints live runs resumed from."""
+        listing = scan(self.roots, missing_ok=self.passes > 0, progress=progress)  # missing at the start: an error
         runs_dir = default_runs_root()
         others = [str(runs_dir / n) for n in os.listdir(runs_dir)] if runs_dir.is_dir() else []
         resumed = live_resume_points([r.path for r in listing.runs if r.kind == "shardscope"
                                       and not is_url(r.path)] + others)
+        return listing, resumed
+
+    def removals(self, run: RunRecord, listing: Listing, resumed: dict[str, str],
+                 verified: Callable[[CheckpointRecord], bool]) -> tuple[list[Decision], list[Leftover]]:
+        """The rules' keep or remove for the run's complete resumable checkpoints: never one a live run resumed
+        from, nor one whose export is not ``verified``; and the run's interrupted removals."""
+        if not self.rules:
+            return [], []
+        own = Listing(listing.roots, [run], [x for x in listing.leftovers if within(x.path, run.path)])
+        plan = make_plan(own, self.rules, running_ok=True)
+        out = []
+        for d in plan.decisions:
+            c = d.checkpoint
+            if c.kind != RESUMABLE or c.state != "complete":
+                continue  # weights are never pruned by watch; the others had their line (waiting, not exported)
+            if d.remove:
+                live = None if is_url(c.path) else resumed.get(os.path.realpath(c.path))
+                if live:
+                    d.remove, d.reasons = False, [f"a live run resumed from it ({live})"]
+                elif not verified(c):
+                    d.remove, d.reasons = False, ["its export is not verified"]
+            out.append(d)
+        return out, plan.leftovers
+
+    def plan_run(self, run: RunRecord, listing: Listing, resumed: dict[str, str], state: WatchState) -> RunPlan:
+        """What a pass does with one run, as it would do it (a removal assumes the exports before it succeed)."""
+        folder = self.exports_folder(run)
+        listed = {x.path for x in listing.checkpoints} if is_url(folder) else None
+        steps = [export_step(c, self.export_path(folder, c), state, listed) for c in run.checkpoints
+                 if c.kind == RESUMABLE]
+        will = {s.checkpoint.path for s in steps if s.will_export}
+        decisions, leftovers = self.removals(run, listing, resumed,
+                                             lambda c: c.path in will or state.verified(c) is not None)
+        listed = {c.path for c in run.checkpoints}
+        gone = {k: v for k, v in state.entries.items() if k not in listed and "removed" in v}
+        return RunPlan(run, folder, steps, decisions, leftovers, gone)
+
+    def plan(self, progress: Progress | None = None) -> WatchPlan:
+        """What one pass would do now, run by run; nothing is written, made or removed (any roots: URLs too)."""
+        listing, resumed = self._listing(progress)
+        runs = []
+        for run in listing.runs:
+            if not any(c.kind == RESUMABLE for c in run.checkpoints):
+                continue  # nothing to export (weights files, exports themselves, are never exported again)
+            runs.append(self.plan_run(run, listing, resumed, WatchState(self.exports_folder(run))))
+        return WatchPlan(list(listing.roots), self.writer.name, self.rules, runs)
+
+    # ------------------------------------------------------------------ a pass
+    def run_pass(self) -> PassReport:
+        """Export what became complete and apply the rules, run by run (local folders only)."""
+        remote = next((r for r in self.roots if is_url(r)), None)
+        if remote:
+            raise ShardscopeError(f"{remote}: {URL_PLANS_ONLY}.")
+        report = PassReport()
+        listing, resumed = self._listing()
+        self.passes += 1
+        said: set[str] = set()
         for run in listing.runs:
             if self.stopping:
                 break
-            if not any(c.kind == RESUMABLE for c in run.checkpoints):
-                continue  # nothing to export (weights files, exports themselves, are never exported again)
-            if is_url(run.path):
-                self._plan_only(run, listing, said)
-            else:
+            if any(c.kind == RESUMABLE for c in run.checkpoints):
                 self._watch_run(run, listing, resumed, report, said)
         self._said = said
         return report
 
-    # ------------------------------------------------------------------ one run
     def _watch_run(self, run: RunRecord, listing: Listing, resumed: dict[str, str], report: PassReport,
                    said: set[str]) -> None:
         folder = self.exports_folder(run)
@@ -214,37 +408,31 @@ class Watcher:
                 return
             clean_leftovers(folder)  # a killed watch's export temporary, even when nothing is exported here again
             state = WatchState(folder)
+            state.remove_temporaries()
             for c in run.checkpoints:
                 if c.kind == RESUMABLE and not self.stopping:
-                    self._export_one(c, folder, state, report, said)
+                    self._export_one(export_step(c, self.export_path(folder, c), state), state, report, said)
             if self.rules and not self.stopping:
-                self._prune(run, listing, state, resumed, report, said)
+                decisions, leftovers = self.removals(run, listing, resumed, lambda c: state.verified(c) is not None)
+                self._prune(decisions, leftovers, state, report, said)
 
-    def _export_one(self, c: CheckpointRecord, folder: str, state: WatchState, report: PassReport,
-                    said: set[str]) -> None:
-        if c.state == "writing":
+    def _export_one(self, step: ExportStep, state: WatchState, report: PassReport, said: set[str]) -> None:
+        c, dst = step.checkpoint, step.export
+        if step.action == WAITING:
             self._say(f"waiting: {c.path} is being written", said)
             return
-        if c.state != "complete":
-            self._say(f"kept {c.path}: {c.state} ({c.reason}); not exported", said)
+        if step.action == NOT_EXPORTED:
+            self._say(f"kept {c.path}: {step.why}; not exported", said)
             return
-        if state.verified(c):
+        if step.action == VERIFIED:
             return
-        dst = self.export_path(folder, c)
-        entry = state.entries.get(c.path)
-        ours = bool(entry) and entry["export"] == dst
-        force = False
-        if os.path.lexists(dst):
-            if ours and entry.get("identity") == identity(c):
-                # NOTE: the file exists only by AtomicOutput's rename, which follows its verification: a watch
-                # killed between that rename and recording it left a verified export; it is not made twice
-                self._done(c, state, entry, report, "verified before a restart")
-                return
-            if not ours:
-                report.failed += 1
-                self.log(f"FAILED export of {c.path}: {dst} exists and this watch did not write it; move it away")
-                return
-            force = True  # our export of an earlier checkpoint under this name (it was saved again)
+        if step.action == RECOVERED:
+            self._done(c, state, state.entries[c.path], report, RECOVERED)
+            return
+        if step.action == BLOCKED:
+            report.failed += 1
+            self.log(f"FAILED export of {c.path}: {step.why}")
+            return
         entry = None  # this export's own entry, once recorded
         try:
             src, _ = find_model_folder(c.path)
@@ -255,7 +443,7 @@ class Watcher:
                 "identity": identity(c), "export": dst, "state": EXPORTING, "format": self.writer.name,
                 "step": c.step, "tensors": len(plan.items), "bytes": plan.total_bytes, "time": time.time()}
             state.save()
-            result = export(plan, dst, force=force, verify=True, progress=self.progress)
+            result = export(plan, dst, force=step.force, verify=True, progress=self.progress)
         except (Cancelled, KeyboardInterrupt) as exc:  # the export's own signal handler took the signal
             self.stop("SIGINT" if isinstance(exc, KeyboardInterrupt) else
                       next((w.strip(";,") for w in str(exc).split() if w.startswith("SIG")), "a signal"))
@@ -283,32 +471,16 @@ class Watcher:
         self.log(f"exported {c.path} -> {entry['export']} ({how}, {count(tensors, 'tensor')}, "
                  f"{human_bytes(size)})")
 
-    # ------------------------------------------------------------------ the rules
-    def _decisions(self, run: RunRecord, listing: Listing) -> Plan:
-        own = Listing(listing.roots, [run], [x for x in listing.leftovers if within(x.path, run.path)])
-        return make_plan(own, self.rules, running_ok=True)
-
-    def _prune(self, run: RunRecord, listing: Listing, state: WatchState, resumed: dict[str, str],
-               report: PassReport, said: set[str]) -> None:
-        plan = self._decisions(run, listing)
-        todo: list[Decision] = []
-        for d in plan.decisions:
-            c = d.checkpoint
-            if c.kind != RESUMABLE or c.state != "complete":
-                continue  # weights are never pruned by watch; the others had their line (waiting, not exported)
-            if d.remove:
-                live = resumed.get(os.path.realpath(c.path))
-                if live:
-                    d.remove, d.reasons = False, [f"a live run resumed from it ({live})"]
-                elif not state.verified(c):
-                    d.remove, d.reasons = False, ["its export is not verified"]
-            if d.remove:
-                todo.append(d)
-            else:
-                self._say(f"kept {c.path}: {'; '.join(d.reasons)}", said)
-        if not todo and not plan.leftovers:
+    def _prune(self, decisions: list[Decision], leftovers: list[Leftover], state: WatchState, report: PassReport,
+               said: set[str]) -> None:
+        todo = [d for d in decisions if d.remove]
+        for d in decisions:
+            if not d.remove:
+                self._say(f"kept {d.checkpoint.path}: {'; '.join(d.reasons)}", said)
+        if not todo and not leftovers:
             return
-        result = execute(Plan(plan.roots, plan.rules, todo, plan.leftovers, running_ok=True), delete=self.delete)
+        assert self.rules is not None
+        result = execute(Plan(self.roots, self.rules, todo, leftovers, running_ok=True), delete=self.delete)
         rules = rules_text(self.rules)
         for o in result.leftovers:
             self.log(f"finished an interrupted removal: {o.path} {o.result}" if o.result != "failed" else
@@ -328,17 +500,14 @@ class Watcher:
         if result.outcomes:
             state.save()
 
-    def _plan_only(self, run: RunRecord, listing: Listing, said: set[str]) -> None:
-        """A run on object storage: what a watch would do, nothing done (as ``prune`` on a URL)."""
-        folder = self.exports_folder(run)
-        for c in run.checkpoints:
-            if c.kind == RESUMABLE and c.state == "complete":
-                self._say(f"plan (URL, nothing done): export {c.path} -> {self.export_path(folder, c)}", said)
-        if self.rules:
-            for d in self._decisions(run, listing).decisions:
-                if d.checkpoint.kind == RESUMABLE:
-                    self._say(f"plan (URL, nothing done): {d.action} {d.checkpoint.path}: {'; '.join(d.reasons)}",
-                              said)
+
+def plan_watch(roots: list[str], fmt: str, rules: Rules | None = None, export_to: str | None = None,
+               progress: Progress | None = None) -> WatchPlan:
+    """What ``shardscope watch`` would do now under ``roots`` (``watch --dry-run``, the Library's Watch plan):
+    the decisions of a pass, computed by the same code, with nothing written."""
+    return Watcher(roots, fmt, rules, export_to=export_to, log=lambda _line: None).plan(progress)
 
 
-__all__ = ["PassReport", "WatchState", "Watcher", "identity", "live_resume_points", "model_prefixes", "rules_text"]
+__all__ = ["BLOCKED", "EXISTS", "EXPORT", "NOT_EXPORTED", "RECOVERED", "URL_PLANS_ONLY", "VERIFIED", "WAITING",
+           "ExportStep", "PassReport", "RunPlan", "WatchPlan", "WatchState", "Watcher", "export_step", "identity",
+           "live_resume_points", "model_prefixes", "plan_watch", "rules_text"]
