@@ -1,7 +1,7 @@
 """Huge but legal single files: ``shardscope import`` of a safetensors file with many entries and of a ``.pt``
 with many tiny tensors (not timed here: benchmarks/huge_files.py times 300,000 and 100,000 of them; the sizes here
-keep the suite short and still cross the limits that mattered: the ``.pt``'s zip directory is over 1 MiB). Every value round-trips: all of them
-read back from the written DCP items, and a sample through torch's own ``dcp.load``."""
+keep the suite short and still cross the limits that mattered: the ``.pt``'s zip directory is over 1 MiB).
+Every value round-trips: all of them read back from the written DCP items, and a sample through ``dcp.load``."""
 
 from __future__ import annotations
 
