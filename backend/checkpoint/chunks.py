@@ -16,6 +16,7 @@ import math
 import threading
 import warnings
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CheckpointError
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 
 COPY_BLOCK = 16 << 20
+REMOTE_COPY_BLOCK = 4 << 20  # remote bytes are already in memory (a planned segment): a small block is one memcpy
 MAX_OBJECT_BYTES = 1 << 30  # a non-tensor entry (an optimizer step, an lr) is small; refuse a 1 GiB pickle
 
 
@@ -76,6 +78,13 @@ def _thread_buffer() -> memoryview:
     return buf
 
 
+def _small_buffer() -> memoryview:
+    buf = getattr(_local, "small", None)
+    if buf is None:
+        buf = _local.small = memoryview(bytearray(REMOTE_COPY_BLOCK))
+    return buf
+
+
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     import os
 
@@ -105,6 +114,16 @@ class ChunkReader:
     def close(self) -> None:
         """Close the files this reader opened."""
         self.handles.close()
+
+    def plan_reads(self, chunks: Iterable[Chunk], objects: Iterable[ObjectEntry] = ()) -> int | None:
+        """Tell remote handles every item this job will read, each once (an export's tensors and entries, a
+        deep verify's chunks): their bytes then come in fixed segments, one GET each, the same on every run
+        (see ``remote_reads.plan_segments``). Returns the planned GETs (None for local files: nothing to plan)."""
+        if self.handles.local:
+            return None
+        ranges = [(c.file, c.offset, c.offset + c.length) for c in chunks if c.file and c.length > 0]
+        ranges += [(o.file, o.offset, o.offset + o.length) for o in objects if o.file and not o.inline and o.length > 0]
+        return self.handles.plan_reads(ranges)
 
     def __enter__(self) -> ChunkReader:
         return self
@@ -270,6 +289,7 @@ class ChunkReader:
             raise self._error(fqn, chunk, f"item storage of {st.nbytes} bytes is not a whole number of {dtype}.")
         buf = bytearray(st.nbytes)
         self._read_checked(fqn, chunk, st, memoryview(buf))
+        self._release(chunk)
         if not st.nbytes:
             return torch.empty(st.shape, dtype=tdtype)
         return torch.frombuffer(buf, dtype=tdtype).as_strided(st.shape, st.stride, st.storage_offset)
@@ -300,6 +320,7 @@ class ChunkReader:
         Reads in blocks (memory bounded by the block, not the chunk)."""
         st = self.locate(fqn, chunk)
         self._stream(fqn, chunk, st, None, 0, 0, 0, None)
+        self._release(chunk)
         return st
 
     def copy_range(self, fqn: str, chunk: Chunk, fd: int, dst_offset: int, progress: Progress | None = None,
@@ -321,7 +342,13 @@ class ChunkReader:
         if not check_crc and st.crc32 is not None and self.handles.local and \
                 self._kernel_copy(chunk, st.data_offset + start, count, fd, dst_offset, progress):
             return count, None
-        return count, self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
+        crc = self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
+        self._release(chunk)
+        return count, crc
+
+    def _release(self, chunk: Chunk) -> None:
+        """This job has read the chunk's item for the last time (remote: its planned segment may go)."""
+        self.handles.release(chunk.file, chunk.offset, chunk.offset + chunk.length)
 
     def _kernel_copy(self, chunk: Chunk, src_offset: int, count: int, fd: int, dst_offset: int,
                      progress: Progress | None) -> bool:
@@ -351,7 +378,7 @@ class ChunkReader:
                 count: int, progress: Progress | None) -> int | None:
         """Read the storage record block by block: CRC over all of it, bytes [start, start+count) to fd.
         Returns the CRC32 of the bytes written when the record has no stored CRC32, else None."""
-        buf = _thread_buffer()
+        buf = _thread_buffer() if self.handles.local else _small_buffer()
         crc = 0
         copied = 0
         pos = 0
@@ -387,6 +414,7 @@ class ChunkReader:
                                       "implausible.", path=self.handles.where(obj.file))
             self._check_range(obj.file, obj.offset, obj.length, "the entry")
             data = self.handles.read(obj.file, obj.offset, obj.length)
+            self.handles.release(obj.file, obj.offset, obj.offset + obj.length)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (entry {obj.fqn})", path=exc.path, fqn=obj.fqn) from None
         if data[:4] == ZIP_LOCAL:

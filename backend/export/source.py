@@ -159,8 +159,20 @@ class TensorSource:
         return tensor_bytes(self.tensor(item))
 
     def write_all(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None) -> list[int]:
-        """Write (item, fd, offset) jobs on a thread pool; each item has its own byte range. Returns CRCs."""
-        return run_parallel([(self.write, (it, fd, off, progress)) for it, fd, off in jobs], progress, self.budget)
+        """Write (item, fd, offset) jobs on a thread pool; each item has its own byte range. Returns CRCs
+        (in the order of ``jobs``). A remote source is read front to back: the jobs start in the order of
+        their items' places in the source files, so each planned segment is released soon after it came."""
+        order = list(range(len(jobs)))
+        if not self.reader.handles.local:
+            sizes = {f.name: max(1, f.bytes or 0) for f in self.reader.ckpt.files}
+            order.sort(key=lambda i: min((c.offset / sizes.get(c.file, 1) for c in jobs[i][0].entry.chunks),
+                                         default=0.0))
+        crcs = run_parallel([(self.write, (jobs[i][0], jobs[i][1], jobs[i][2], progress)) for i in order], progress,
+                            self.budget)
+        out = [0] * len(jobs)
+        for i, crc in zip(order, crcs, strict=True):
+            out[i] = crc
+        return out
 
 
 def tensor_bytes(t: Any) -> memoryview:

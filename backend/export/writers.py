@@ -48,6 +48,8 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
                       lineage=lineage) as out:
         progress.start(2 * total, "exporting")  # writing, then re-reading
         with ChunkReader(plan.ckpt) as reader:
+            # remote: every item this export reads, planned into fixed segments before the first read
+            reader.plan_reads((c for it in plan.items for c in it.entry.chunks), (o for _, o in plan.objects))
             source = TensorSource(reader, list(plan.items), kernel_copy=True)
             names, expect = w.write(plan, out.path, dst, source, progress, left_out)
             out.hold_for_tests("written")
