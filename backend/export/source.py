@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..checkpoint.chunks import ChunkReader, StoredTensor, torch_dtype
 from ..checkpoint.model import Chunk, itemsize
-from ..crc import crc32_combine
+from ..crc import crc32, crc32_combine
 from ..errors import CheckpointError
 from ..progress import Progress
 from .atomic import start_writeback
@@ -75,6 +74,7 @@ class TensorSource:
         # re-reads the output and compares with the CRC32 stored in the checkpoint (one pass instead of two).
         self.kernel_copy = kernel_copy
         self.kernel_copied: set[str] = set()  # keys whose bytes only the verifier's re-read has checked
+        self.verifier: Any = None  # a verify.Verifier: each tensor written to a named file is checked at once
 
     def _copyable(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
         """The chunk's stored tensor when it can be copied byte for byte in blocks: the whole storage record
@@ -158,17 +158,27 @@ class TensorSource:
         """The raw bytes of output tensor ``item``, ready to write."""
         return tensor_bytes(self.tensor(item))
 
-    def write_all(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None) -> list[int]:
+    def write_all(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None,
+                  path: str | None = None) -> list[int]:
         """Write (item, fd, offset) jobs on a thread pool; each item has its own byte range. Returns CRCs
-        (in the order of ``jobs``). A remote source is read front to back: the jobs start in the order of
-        their items' places in the source files, so each planned segment is released soon after it came."""
+        (in the order of ``jobs``). With ``path`` (the file ``fd`` writes) and a verifier, each item's range is
+        handed to the verifier as soon as it is written. A remote source is read front to back: the jobs start
+        in the order of their items' places in the source files, so each planned segment is released soon
+        after it came."""
         order = list(range(len(jobs)))
         if not self.reader.handles.local:
             sizes = {f.name: max(1, f.bytes or 0) for f in self.reader.ckpt.files}
             order.sort(key=lambda i: min((c.offset / sizes.get(c.file, 1) for c in jobs[i][0].entry.chunks),
                                          default=0.0))
-        crcs = run_parallel([(self.write, (jobs[i][0], jobs[i][1], jobs[i][2], progress)) for i in order], progress,
-                            self.budget)
+        verifier = self.verifier if path is not None else None
+
+        def job(item: ExportItem, fd: int, offset: int) -> int:
+            crc = self.write(item, fd, offset, progress)
+            if verifier is not None:
+                verifier.submit(path, offset, item.nbytes, crc, item.key)
+            return crc
+
+        crcs = run_parallel([(job, jobs[i]) for i in order], progress, self.budget)
         out = [0] * len(jobs)
         for i, crc in zip(order, crcs, strict=True):
             out[i] = crc
@@ -186,7 +196,7 @@ def tensor_bytes(t: Any) -> memoryview:
 
 def write_buffer(fd: int, offset: int, buf: memoryview, progress: Progress | None) -> int:
     """pwrite a buffer; returns its CRC32 (computed before the write, from the source bytes)."""
-    crc = zlib.crc32(buf)
+    crc = crc32(buf)
     pwrite_all(fd, buf, offset)
     if progress:
         progress.advance(len(buf))
