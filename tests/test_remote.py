@@ -305,6 +305,59 @@ def test_planned_reads_return_exact_bytes_under_threads_and_small_budgets():
         assert handles.stats.requests < len(reads)  # planned: fewer requests than reads
 
 
+def test_planned_segments_are_fetched_once_whatever_the_thread_order():
+    """plan_reads against fsspec's real in-memory filesystem: items read by 4 threads in a different random order
+    each time, each item in a few reads, then released: the requests are exactly the planned segments (each
+    fetched once, none dropped before its items were released), every read returns the file's bytes, and
+    nothing stays held. The segments depend on the ranges alone."""
+    import itertools
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fsspec
+    from shardscope.backend.checkpoint.remote_reads import SEGMENT, RemoteHandles, plan_segments
+
+    fs = fsspec.filesystem("memory")
+    rng = random.Random(11)
+    files = {f"__{r}_0.distcp": rng.randbytes(20 << 20) for r in range(3)}
+    for name, data in files.items():
+        fs.pipe(f"/planned/{name}", data)
+    items = []
+    for name in files:  # items of many sizes, back to back, a few bytes left between some
+        bounds = sorted({0, 20 << 20, *(rng.randrange(20 << 20) for _ in range(40))})
+        items += [(name, a + (i % 3), b) for i, (a, b) in enumerate(itertools.pairwise(bounds)) if b > a + 3]
+    shuffled = items[:]
+    rng.shuffle(shuffled)
+    for name in files:
+        mine = [(a, b) for n, a, b in items if n == name]
+        assert plan_segments(mine) == plan_segments([(a, b) for n, a, b in shuffled if n == name])
+        assert all(e - s <= SEGMENT for s, e, _ in plan_segments(mine))
+    counts = set()
+    for trial in range(3):
+        handles = RemoteHandles(fs, "/planned", "memory://planned", sizes={n: len(d) for n, d in files.items()})
+        planned = handles.plan_reads(items)
+        order = items[:]
+        random.Random(trial).shuffle(order)
+
+        def read_item(item: tuple[str, int, int], handles: RemoteHandles = handles) -> None:
+            name, a, b = item
+            head = min(b, a + 64)
+            assert handles.read(name, a, head - a) == files[name][a:head]  # a header, then the rest
+            if b > head:
+                buf = bytearray(b - head)
+                handles.readinto(name, head, memoryview(buf))
+                assert bytes(buf) == files[name][head:b]
+            handles.release(name, a, b)
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(read_item, order))
+        assert handles.stats.requests == planned, (handles.stats, planned)
+        assert handles._planned_used == 0 and not handles._dropped_early
+        counts.add(handles.stats.requests)
+        handles.close()
+    assert len(counts) == 1
+
+
 def test_window_opens_s3_with_storage_options(s3, tmp_path):
     server, _, _ = s3
     shot = tmp_path / "window.png"

@@ -41,6 +41,8 @@ MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
 CACHE_BUDGET = 96 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
 SERVE_SLACK = 4096  # unread gaps this small do not keep a fetch in the cache
 SEGMENT = 16 << 20  # planned reads (plan_reads): the most bytes one segment, one GET, holds
+PLAN_MEMORY = 128 << 20  # planned segments: an export reads each tensor from every file at once, so with many files
+MIN_SEGMENT = 256 << 10  # segments shrink to PLAN_MEMORY / files (not below this): 16 MiB up to 8 files
 PLANNED_BUDGET = 512 << 20  # planned segments held at once before the oldest unfinished one is dropped
 
 
@@ -222,6 +224,10 @@ class RemoteHandles:
         by_file: dict[str, list[tuple[int, int]]] = {}
         for name, start, end in ranges:
             by_file.setdefault(name, []).append((start, end))
+        # NOTE: a job holds about two segments per file (the tensors in flight have a chunk in every file), so
+        # with many files the segments are smaller: memory stays bounded and nothing is dropped before it is read
+        # (which would make the count depend on timing again), at the price of more requests (see the README).
+        segment = max(MIN_SEGMENT, min(SEGMENT, PLAN_MEMORY // max(1, len(by_file))))
         count = 0
         with self._lock:
             for f in self._files.values():
@@ -230,7 +236,7 @@ class RemoteHandles:
                 self._drop_planned(key)
             for name, pairs in by_file.items():
                 f = self._file(name)
-                for s, e, wanted in plan_segments(pairs):
+                for s, e, wanted in plan_segments(pairs, segment):
                     f.seg_starts.append(s)
                     f.segments.append(_segment(s, e, wanted))
                 count += len(f.segments)
