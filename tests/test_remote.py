@@ -356,6 +356,12 @@ def test_planned_segments_are_fetched_once_whatever_the_thread_order():
         counts.add(handles.stats.requests)
         handles.close()
     assert len(counts) == 1
+    # many files read at once (an export reads each tensor from every rank's file): smaller segments, so the held
+    # ones stay bounded; files read one after the other (a deep verify) keep whole segments
+    many = RemoteHandles(fs, "/planned", "memory://planned")
+    ranges = [(f"__{r}_0.distcp", 0, 3 << 20) for r in range(64)]
+    assert many.plan_reads(ranges) == 64 * 2  # 128 MiB / 64 files: 2 MiB segments
+    assert many.plan_reads(ranges, files_at_once=1) == 64
 
 
 def test_window_opens_s3_with_storage_options(s3, tmp_path):

@@ -119,15 +119,17 @@ class ChunkReader:
         """Close the files this reader opened."""
         self.handles.close()
 
-    def plan_reads(self, chunks: Iterable[Chunk], objects: Iterable[ObjectEntry] = ()) -> int | None:
+    def plan_reads(self, chunks: Iterable[Chunk], objects: Iterable[ObjectEntry] = (),
+                   files_at_once: int | None = None) -> int | None:
         """Tell remote handles every item this job will read, each once (an export's tensors and entries, a
         deep verify's chunks): their bytes then come in fixed segments, one GET each, the same on every run
-        (see ``remote_reads.plan_segments``). Returns the planned GETs (None for local files: nothing to plan)."""
+        (see ``remote_reads.plan_segments``); ``files_at_once`` as ``RemoteHandles.plan_reads`` takes it. Returns the
+        planned GETs (None for local files: nothing to plan)."""
         if self.handles.local:
             return None
         ranges = [(c.file, c.offset, c.offset + c.length) for c in chunks if c.file and c.length > 0]
         ranges += [(o.file, o.offset, o.offset + o.length) for o in objects if o.file and not o.inline and o.length > 0]
-        return self.handles.plan_reads(ranges)
+        return self.handles.plan_reads(ranges, files_at_once)
 
     def __enter__(self) -> ChunkReader:
         return self

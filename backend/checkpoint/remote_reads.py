@@ -216,18 +216,21 @@ class RemoteHandles:
             if 0 <= idx < len(names):
                 self.plan_items(names[idx], pairs[file == idx])
 
-    def plan_reads(self, ranges: Iterable[tuple[str, int, int]]) -> int:
+    def plan_reads(self, ranges: Iterable[tuple[str, int, int]], files_at_once: int | None = None) -> int:
         """Every ``(name, start, end)`` range a job is about to read (each about once): from now on a read
         inside them is served from fixed segments (:func:`plan_segments`), each fetched by one GET on its
         first read and dropped once all its wanted bytes have been read; replaces an earlier plan. Returns
-        the number of segments: the GETs the job will make for these ranges."""
+        the number of segments: the GETs the job will make for these ranges. ``files_at_once``: how many files
+        the job reads at the same time (None: all of them, as an export reading each tensor from every rank's
+        file does; 1: a job that reads the files one after the other)."""
         by_file: dict[str, list[tuple[int, int]]] = {}
         for name, start, end in ranges:
             by_file.setdefault(name, []).append((start, end))
         # NOTE: a job holds about two segments per file (the tensors in flight have a chunk in every file), so
         # with many files the segments are smaller: memory stays bounded and nothing is dropped before it is read
         # (which would make the count depend on timing again), at the price of more requests (see the README).
-        segment = max(MIN_SEGMENT, min(SEGMENT, PLAN_MEMORY // max(1, len(by_file))))
+        at_once = len(by_file) if files_at_once is None else min(len(by_file), files_at_once)
+        segment = max(MIN_SEGMENT, min(SEGMENT, PLAN_MEMORY // max(1, at_once)))
         count = 0
         with self._lock:
             for f in self._files.values():

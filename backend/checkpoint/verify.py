@@ -135,13 +135,12 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
                                                                          or seen.add((c.file, c.offset)))]
         # remote: every item read once, in fixed segments planned before the first read (the same GETs every run)
         reader.plan_reads((c for _, c in chunks if c.file not in missing),
-                          (o for o in ckpt.objects if o.file not in missing))
+                          (o for o in ckpt.objects if o.file not in missing), files_at_once=1)
         items = [(e.fqn, c.file, partial(reader.check_chunk, e.fqn, c)) for e, c in chunks]
         items += [(o.fqn, o.file, partial(reader.read_object, o)) for o in ckpt.objects]
-        if not reader.handles.local:  # read front to back, so each planned segment is released soon after it came
-            sizes = {f.name: max(1, f.bytes or 0) for f in ckpt.files}
+        if not reader.handles.local:  # one file after the other, front to back: one planned segment held at a time
             where = [c.offset for _, c in chunks] + [o.offset for o in ckpt.objects]
-            order = sorted(range(len(items)), key=lambda i: (where[i] / sizes.get(items[i][1] or "", 1), i))
+            order = sorted(range(len(items)), key=lambda i: (items[i][1] or "", where[i], i))
             items = [items[i] for i in order]
         unopenable: dict[str, list] = {}  # file -> [the error, entries not checked]: one problem per file
         for fqn, file, check in items:
