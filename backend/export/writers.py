@@ -48,9 +48,10 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
                       lineage=lineage) as out:
         progress.start(2 * total, "exporting")  # writing, then re-reading
         with ChunkReader(plan.ckpt) as reader:
-            # remote: every item this export reads, planned into fixed segments before the first read
-            reader.plan_reads((c for it in plan.items for c in it.entry.chunks), (o for _, o in plan.objects))
             source = TensorSource(reader, list(plan.items), kernel_copy=True)
+            # remote: every item this export reads, planned into fixed segments before the first read
+            reader.plan_reads((c for it in plan.items for c in it.entry.chunks), (o for _, o in plan.objects),
+                              files_at_once=source.files_at_once())
             # Each tensor is re-read from the written file and checked as soon as it is written, while the next
             # ones are written. --no-verify still re-reads what the kernel copied: that is where its stored CRC32
             # is checked.
