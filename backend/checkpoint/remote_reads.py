@@ -41,8 +41,8 @@ MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
 CACHE_BUDGET = 96 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
 SERVE_SLACK = 4096  # unread gaps this small do not keep a fetch in the cache
 SEGMENT = 16 << 20  # planned reads (plan_reads): the most bytes one segment, one GET, holds
-PLAN_MEMORY = 128 << 20  # planned segments: an export reads each tensor from every file at once, so with many files
-MIN_SEGMENT = 256 << 10  # segments shrink to PLAN_MEMORY / files (not below this): 16 MiB up to 8 files
+PLAN_MEMORY = 128 << 20  # planned segments of a job that reads many files at once shrink to this / files ...
+MIN_SEGMENT = 256 << 10  # ... but not below this (16 MiB up to 8 files at once)
 PLANNED_BUDGET = 512 << 20  # planned segments held at once before the oldest unfinished one is dropped
 
 
@@ -219,16 +219,18 @@ class RemoteHandles:
     def plan_reads(self, ranges: Iterable[tuple[str, int, int]], files_at_once: int | None = None) -> int:
         """Every ``(name, start, end)`` range a job is about to read (each about once): from now on a read
         inside them is served from fixed segments (:func:`plan_segments`), each fetched by one GET on its
-        first read and dropped once all its wanted bytes have been read; replaces an earlier plan. Returns
+        first read and dropped once the job has released (:meth:`release`) every range it planned in it;
+        replaces an earlier plan. Returns
         the number of segments: the GETs the job will make for these ranges. ``files_at_once``: how many files
         the job reads at the same time (None: all of them, as an export reading each tensor from every rank's
         file does; 1: a job that reads the files one after the other)."""
         by_file: dict[str, list[tuple[int, int]]] = {}
         for name, start, end in ranges:
             by_file.setdefault(name, []).append((start, end))
-        # NOTE: a job holds about two segments per file (the tensors in flight have a chunk in every file), so
-        # with many files the segments are smaller: memory stays bounded and nothing is dropped before it is read
-        # (which would make the count depend on timing again), at the price of more requests (see the README).
+        # NOTE: a job holds about two segments per file it reads at once (a cast export's tensors in flight have a
+        # chunk in every file), so with many such files the segments are smaller: memory stays bounded and nothing
+        # is dropped before it is read (which would make the count depend on timing again), at the price of more
+        # requests (see the benchmarks README). Jobs that read file after file keep 16 MiB segments.
         at_once = len(by_file) if files_at_once is None else min(len(by_file), files_at_once)
         segment = max(MIN_SEGMENT, min(SEGMENT, PLAN_MEMORY // max(1, at_once)))
         count = 0
@@ -551,8 +553,11 @@ class RemoteHandles:
             if f.size is None or f.size > got:
                 f.size = got
             fetch.end = got
-        if fetch.wanted is not None:  # a planned segment: held until its wanted bytes are read
+        if fetch.wanted is not None:  # a planned segment: held until its wanted ranges are released
             self._planned[id(fetch)] = (name, fetch)
+            if not fetch.pending:  # every range released already (read again after its last release): not held
+                self._drop_planned(id(fetch))
+                return
             self._planned_used += fetch.end - fetch.start
             while self._planned_used > PLANNED_BUDGET and len(self._planned) > 1:  # reads far from the plan
                 self._dropped_early += 1
