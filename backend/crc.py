@@ -1,10 +1,31 @@
-"""CRC32 arithmetic the readers and writers share: the CRC32 of concatenated pieces from the pieces'
-CRC32s (zlib's ``crc32_combine``, which Python's zlib lacks), and S3's text form of a CRC32."""
+"""CRC32 arithmetic the readers and writers share: the CRC32 of bytes (:func:`crc32`), of concatenated pieces
+from the pieces' CRC32s (zlib's ``crc32_combine``, which Python's zlib lacks), and S3's text form of a CRC32."""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+try:  # ISA-L's CRC32 (carry-less multiply folding): the same CRC-32 as zlib's, 3-4x as fast on large buffers
+    from isal.isal_zlib import crc32 as _fast_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values, slower
+    _fast_crc32 = None
+
+FAST_BELOW = 1 << 16  # smaller buffers: zlib's (the call costs more than the bytes)
+
+
+def _crc32(data: Any, value: int = 0) -> int:
+    """CRC-32 (the zip and gzip one) of ``data`` continuing from ``value``, as ``zlib.crc32``; ISA-L's for large
+    buffers. NOTE: ISA-L holds the GIL while it runs (zlib's lets go above 5 KiB), at about 7 GB/s: 0.15 s per
+    GiB, against zlib's 0.4-0.5 s per GiB of one core."""
+    if len(data) < FAST_BELOW:
+        return zlib.crc32(data, value)
+    return _fast_crc32(data, value)  # type: ignore[misc]
+
+
+crc32: Callable[..., int] = _crc32 if _fast_crc32 is not None else zlib.crc32
 
 
 def _gf2_times(mat: Sequence[int], vec: int) -> int:
@@ -54,4 +75,4 @@ def crc32_b64(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
-__all__ = ["crc32_b64", "crc32_combine"]
+__all__ = ["crc32", "crc32_b64", "crc32_combine"]

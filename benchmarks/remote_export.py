@@ -1,16 +1,21 @@
 """Export a checkpoint that lives on S3, side by side with torch's own remote reader.
 
-A 4-rank FSDP2 checkpoint (gloo processes, ``dcp.save``, model weights only, ~SIZE MiB) is uploaded to a
-local S3 API server (moto's server mode, in its own process, counting every request it answers), then:
+A 4-rank FSDP2 checkpoint (gloo processes, ``dcp.save`` of the model and its AdamW state after one step,
+~SIZE MiB in 4 ``.distcp`` files + ``.metadata``) is uploaded to a local S3 API server (moto's server mode,
+in its own process, counting every request it answers, by kind), then:
 
 * torch:       ``FsspecReader`` + ``_EmptyStateDictLoadPlanner`` (what ``dcp_to_torch_save`` does) and
-               ``safetensors.torch.save_file``, output fsynced (same durability as Shardscope)
-* shardscope:  ``shardscope export s3://... out.safetensors`` (verified: the default), and ``--no-verify``
-* verify:      ``shardscope verify --deep s3://...`` (every item read, CRC32 checked)
+               ``safetensors.torch.save_file`` of every tensor it read, output fsynced (same durability as
+               Shardscope)
+* shardscope:  ``shardscope export s3://... out.safetensors --only model --only optimizer`` (the same tensors,
+               verified: the default), and the same with ``--no-verify``
+* verify-deep: ``shardscope verify --deep s3://...`` (every item read, CRC32 checked)
 
-each in a fresh process: wall time, requests at the server, peak RSS (VmHWM).
+each in a fresh process, the steps alternating, ``--repeat`` rounds: wall time, requests at the server (LIST,
+GET, HEAD, other), peak RSS (VmHWM); a table per run, then medians, and whether each step made the same
+requests on every run.
 
-    python benchmarks/remote_export.py [--size-mib 512] [--dir DIR] [--repeat 1] [--steps torch,shardscope]
+    python benchmarks/remote_export.py [--size-mib 480] [--dir DIR] [--repeat 3] [--steps torch,shardscope]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +50,7 @@ def _worker(rank: int, world: int, port: int, out: str, layers: int, vocab: int)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -60,18 +66,38 @@ def _worker(rank: int, world: int, port: int, out: str, layers: int, vocab: int)
     for m in model[1:-1]:
         fully_shard(m)
     fully_shard(model)
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=out)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randint(0, vocab, (1, 4))).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def make_checkpoint(out: Path, size_mib: int) -> None:
+    """About ``size_mib`` MiB of model weights and AdamW state (3 fp32 copies of every parameter)."""
     import torch.multiprocessing as mp
 
-    vocab = 16000 if size_mib >= 256 else 4000
-    per_layer = (14 * 1024 * 1024 + 11 * 1024) * 4
-    layers = max(1, round((size_mib * 2**20 - 2 * vocab * 1024 * 4) / per_layer))
+    vocab = 16000 if size_mib >= 768 else 4000
+    params = size_mib * 2**20 / 4 / 3 * 1.11  # dcp.save's files hold a little less than params x 12 bytes here
+    per_layer = 14 * 1024 * 1024 + 11 * 1024
+    layers = max(1, round((params - 2 * vocab * 1024) / per_layer))
     mp.start_processes(_worker, args=(4, _port(), str(out), layers, vocab), nprocs=4, start_method="spawn")
+
+
+def _flat(prefix: str, value, out: dict) -> None:
+    """torch's nested state dict as flat dotted keys (safetensors holds a flat dict of tensors)."""
+    import torch
+
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _flat(f"{prefix}.{i}", v, out)
+    elif isinstance(value, torch.Tensor):
+        out[prefix] = value.contiguous()
 
 
 # ------------------------------------------------------------------ the measured steps (fresh processes)
@@ -88,7 +114,9 @@ def child(what: str, url: str, out: str) -> None:
         state: dict = {}
         _load_state_dict(state, storage_reader=FsspecReader(url), planner=_EmptyStateDictLoadPlanner(),
                          no_dist=True)
-        save_file(state["model"], out)
+        flat: dict = {}
+        _flat("", state, flat)
+        save_file(flat, out)
         fd = os.open(out, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
@@ -96,7 +124,9 @@ def child(what: str, url: str, out: str) -> None:
     else:
         from shardscope.app.cli import main
 
-        args = {"shardscope": ["export", url, out], "shardscope-no-verify": ["export", url, out, "--no-verify"],
+        same = ["--only", "model", "--only", "optimizer"]  # the tensors torch's step writes
+        args = {"shardscope": ["export", url, out, *same],
+                "shardscope-no-verify": ["export", url, out, *same, "--no-verify"],
                 "verify-deep": ["verify", "--deep", url, "--no-cache"]}[what]
         code = main(args)
     emit(time.perf_counter() - t0, code=code)
@@ -113,28 +143,40 @@ def measure(server, what: str, url: str, out: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{what} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     row = json.loads(proc.stdout.strip().splitlines()[-1])
-    row.update(what=what, wall=wall, requests=server.total())
-    if os.path.exists(out):
-        os.unlink(out)
+    kinds = server.kinds()
+    row.update(what=what, wall=wall, requests=sum(kinds.values()), kinds=kinds)
+    for path in (out, out + ".shardscope.json"):  # the output and its lineage sidecar
+        if os.path.exists(path):
+            os.unlink(path)
     return row
+
+
+def _vs(a: float, b: float | None) -> str:
+    return f"{a / b:.2f}x" if b else ""
+
+
+def _kinds(r: dict) -> str:
+    k = dict(r["kinds"])
+    parts = [f"{k.pop(name, 0)} {name}" for name in ("LIST", "GET", "HEAD")]
+    return ", ".join(parts + [f"{v} {name}" for name, v in sorted(k.items())])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mib", type=int, default=512)
+    ap.add_argument("--size-mib", type=int, default=480)
     ap.add_argument("--dir", help="work folder (default: a temporary one)")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", default="torch,shardscope,shardscope-no-verify,verify-deep",
-                    help="comma-separated steps to run")
+                    help="comma-separated steps to run (alternating, --repeat rounds)")
     args = ap.parse_args()
 
     import s3fs
     from s3_server import S3Server
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="ss-remote-bench-"))
-    ckpt = work / f"fsdp2_r4_{args.size_mib}mib"
+    ckpt = work / f"fsdp2_adamw_r4_{args.size_mib}mib"
     if not (ckpt / ".metadata").exists():
-        print(f"writing the checkpoint ({args.size_mib} MiB, 4 gloo ranks) ...", flush=True)
+        print(f"writing the checkpoint (~{args.size_mib} MiB: model + AdamW state, 4 gloo ranks) ...", flush=True)
         make_checkpoint(ckpt, args.size_mib)
     size = sum(p.stat().st_size for p in ckpt.iterdir())
     server = S3Server()
@@ -144,18 +186,36 @@ def main() -> None:
         for f in ckpt.iterdir():  # one PUT per file (moto's multipart assembly is not thread-safe)
             fs.pipe(f"{BUCKET}/ckpt/{f.name}", f.read_bytes())
         url = f"s3://{BUCKET}/ckpt"
-        print(f"checkpoint: {size / 2**20:.0f} MiB in {sum(1 for _ in ckpt.iterdir())} files at {url} "
-              f"(moto server {server.endpoint})\n")
+        objects = sum(1 for _ in ckpt.iterdir())
+        print(f"checkpoint: {size / 2**20:.0f} MiB in {objects} objects at {url} (moto server {server.endpoint}); "
+              f"load average {os.getloadavg()[0]:.1f}\n")
+        steps = args.steps.split(",")
         rows = []
-        for _ in range(args.repeat):
-            for what in args.steps.split(","):
-                rows.append(measure(server, what, url, str(work / "out.safetensors")))
-                r = rows[-1]
-                print(f"  {what:22s} {r['wall']:7.1f} s  {r['requests']:6d} requests  "
-                      f"{r['peak_rss'] / 2**20:7.0f} MiB peak RSS", flush=True)
-        print("\n| step | wall time | requests | peak RSS |\n|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['what']} | {r['wall']:.1f} s | {r['requests']} | {r['peak_rss'] / 2**20:.0f} MiB |")
+        print("| run | step | wall time | requests | by kind | peak RSS |\n|---:|---|---:|---:|---|---:|")
+        for i in range(args.repeat):
+            for what in steps:
+                r = measure(server, what, url, str(work / "out.safetensors"))
+                r["run"] = i + 1
+                rows.append(r)
+                print(f"| {i + 1} | {what} | {r['wall']:.1f} s | {r['requests']} | {_kinds(r)} | "
+                      f"{r['peak_rss'] / 2**20:.0f} MiB |", flush=True)
+        ref = [r for r in rows if r["what"] == "torch"]
+        ref_wall = statistics.median(r["wall"] for r in ref) if ref else None
+        ref_req = statistics.median(r["requests"] for r in ref) if ref else None
+        ref_rss = statistics.median(r["peak_rss"] for r in ref) if ref else None
+        print(f"\nmedians of {args.repeat} runs, alternating; load average {os.getloadavg()[0]:.1f} at the end\n")
+        print("| step | wall time | vs torch | requests | vs torch | same count every run | peak RSS | vs torch |\n"
+              "|---|---:|---:|---:|---:|---|---:|---:|")
+        for what in steps:
+            mine = [r for r in rows if r["what"] == what]
+            wall = statistics.median(r["wall"] for r in mine)
+            req = statistics.median(r["requests"] for r in mine)
+            rss = statistics.median(r["peak_rss"] for r in mine)
+            counts = sorted({r["requests"] for r in mine})
+            same = "yes" if len({json.dumps(r["kinds"], sort_keys=True) for r in mine}) == 1 \
+                else f"no ({', '.join(map(str, counts))})"
+            print(f"| {what} | {wall:.1f} s | {_vs(wall, ref_wall)} | {req:g} | {_vs(req, ref_req)} | {same} | "
+                  f"{rss / 2**20:.0f} MiB | {_vs(rss, ref_rss)} |")
     finally:
         server.stop()
         if not args.dir:

@@ -13,6 +13,8 @@ or as the trailer of an ``aws-chunked`` body) is refused with ``400 BadDigest`` 
 do not match it. moto stores such a value unchecked (a TODO in its ``_get_checksum``), so without this
 the server would accept what real S3 refuses. ``PUT /_requests/corrupt`` with a body flips one byte of
 every later PUT body whose path contains that text (damage in transit; an empty body clears it).
+``GET /_requests/kinds`` counts the same requests by kind: ``LIST`` (a GET of a bucket: listings, location),
+``GET`` (of an object), ``HEAD``, ``PUT``, ``POST``, ``DELETE``; ``DELETE /_requests`` resets both.
 ``GET /_requests/checks`` counts PUT bodies by how they were checked (``crc32``, ``none``, ``bad_digest``).
 ``PUT /_requests/hold`` with a body holds every later request whose ``METHOD path?query`` contains it (a
 server-side copy as ``PUT /bucket/key<-bucket/source-key?query``) until the hold is cleared (an empty body) or
@@ -41,6 +43,7 @@ COUNTER_PATH = "/_requests"
 FAIL_PATH = "/_requests/fail"
 CORRUPT_PATH = "/_requests/corrupt"
 CHECKS_PATH = "/_requests/checks"
+KINDS_PATH = "/_requests/kinds"
 HOLD_PATH = "/_requests/hold"
 HELD_PATH = "/_requests/held"
 HOLD_SECONDS = 600  # a hold nobody clears ends by itself: a failed test does not hang the server
@@ -79,6 +82,7 @@ class RequestCounter:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.counts: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()
         self.fail_match = ""
         self.corrupt_match = ""
         self.hold_match = ""
@@ -111,9 +115,9 @@ class RequestCounter:
             start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
             return [body]
         self.hold_if_asked(environ, path)
-        if path == CHECKS_PATH:
+        if path in (CHECKS_PATH, KINDS_PATH):
             with self.lock:
-                body = json.dumps(dict(self.checks)).encode()
+                body = json.dumps(dict(self.checks if path == CHECKS_PATH else self.kinds)).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         copied = environ.get("HTTP_X_AMZ_COPY_SOURCE")
@@ -128,11 +132,15 @@ class RequestCounter:
             with self.lock:
                 if environ["REQUEST_METHOD"] == "DELETE":
                     self.counts.clear()
+                    self.kinds.clear()
                 body = json.dumps(dict(self.counts)).encode()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
+        method = environ["REQUEST_METHOD"]
+        on_bucket = "/" not in path.strip("/")  # /bucket (a listing, the bucket's location), not /bucket/key
         with self.lock:
-            self.counts[environ["REQUEST_METHOD"]] += 1
+            self.counts[method] += 1
+            self.kinds["LIST" if method == "GET" and on_bucket else method] += 1
         if environ["REQUEST_METHOD"] == "PUT" and "HTTP_X_AMZ_COPY_SOURCE" not in environ:
             refused = self.check_body(environ, path)
             if refused:
@@ -218,6 +226,11 @@ class S3Server:
 
     def requests(self) -> dict[str, int]:
         with urllib.request.urlopen(self.endpoint + COUNTER_PATH, timeout=30) as r:
+            return json.loads(r.read())
+
+    def kinds(self) -> dict[str, int]:
+        """The requests so far by kind: LIST (GET of a bucket), GET (of an object), HEAD, PUT, ..."""
+        with urllib.request.urlopen(self.endpoint + KINDS_PATH, timeout=30) as r:
             return json.loads(r.read())
 
     def total(self) -> int:

@@ -85,6 +85,54 @@ def test_inspect_verify_show_read_few_requests(s3):
     assert proc.stdout.replace(url, "X") == local_proc.stdout.replace(str(local["fsdp2_r4"]), "X")
 
 
+def model_and_adam_checkpoint(out: Path) -> Path:
+    """Model weights and Adam-like state (exp_avg, exp_avg_sq, step per parameter: large and tiny items side by
+    side), about 100 MiB written by dcp.save into 4 files (FileSystemWriter's threads), each larger than one
+    planned segment."""
+    script = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "model = {}\n"
+        "for i in range(8):\n"
+        "    model[f'layers.{i}.weight'] = torch.randn(1024, 1024, generator=g)\n"
+        "    model[f'layers.{i}.bias'] = torch.randn(1024, generator=g)\n"
+        "opt = {k: {'exp_avg': torch.randn_like(v), 'exp_avg_sq': torch.rand_like(v), 'step': torch.tensor(3.0)}\n"
+        "       for k, v in model.items()}\n"
+        "dcp.save({'model': model, 'optimizer': {'state': opt, 'param_groups': [{'lr': 0.001}]}},\n"
+        "         storage_writer=dcp.FileSystemWriter(sys.argv[1], thread_count=4), no_dist=True)\n")
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, capture_output=True, timeout=600)
+    return out
+
+
+def test_export_from_s3_makes_the_same_planned_requests_every_time(s3, tmp_path):
+    """Two identical exports of a model + optimizer checkpoint make the same requests, kind by kind (the reads
+    are planned into fixed segments before the first read, whichever thread reads first), and no more than one
+    listing, one GET of the .metadata and one GET per planned segment of each data file: its size over the
+    segment size, rounded up. Before the planned segments, the count changed from run to run (threads raced
+    to coalesce, the cache dropped and fetched items again) and exceeded this bound."""
+    from shardscope.backend.checkpoint.remote_reads import SEGMENT
+
+    server, fs, _ = s3
+    ckpt = model_and_adam_checkpoint(tmp_path / "adam")
+    fs.put(f"{ckpt}/", f"{BUCKET}/adam/", recursive=True)
+    sizes = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.suffix == ".distcp"}
+    assert len(sizes) == 4 and min(sizes.values()) > SEGMENT, sizes
+    bound = 1 + 1 + sum(-(-size // SEGMENT) for size in sizes.values())
+    seen = []
+    for i in range(2):
+        out = tmp_path / f"out{i}.safetensors"
+        proc, total = shardscope(server, "--no-cache", "export", f"s3://{BUCKET}/adam", str(out), "--only", "model",
+                                 "--only", "optimizer")
+        assert proc.returncode == 0, proc.stderr
+        kinds = server.kinds()
+        assert sum(kinds.values()) == total
+        seen.append(kinds)
+    assert seen[0] == seen[1], seen
+    assert seen[0].get("LIST") == 1 and not seen[0].get("HEAD"), seen[0]
+    assert sum(seen[0].values()) <= bound, (seen[0], bound)
+    assert (tmp_path / "out0.safetensors").read_bytes() == (tmp_path / "out1.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("name", ["fsdp2_r4", "fsdp_safetensors_r2", "hf_r2", "big"])
 def test_export_from_s3_equals_local_export(s3, tmp_path, name):
     server, _, local = s3
@@ -255,6 +303,65 @@ def test_planned_reads_return_exact_bytes_under_threads_and_small_budgets():
             handles.read("small", 299_000, 2000)
         handles.close()
         assert handles.stats.requests < len(reads)  # planned: fewer requests than reads
+
+
+def test_planned_segments_are_fetched_once_whatever_the_thread_order():
+    """plan_reads against fsspec's real in-memory filesystem: items read by 4 threads in a different random order
+    each time, each item in a few reads, then released: the requests are exactly the planned segments (each
+    fetched once, none dropped before its items were released), every read returns the file's bytes, and
+    nothing stays held. The segments depend on the ranges alone."""
+    import itertools
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fsspec
+    from shardscope.backend.checkpoint.remote_reads import SEGMENT, RemoteHandles, plan_segments
+
+    fs = fsspec.filesystem("memory")
+    rng = random.Random(11)
+    files = {f"__{r}_0.distcp": rng.randbytes(20 << 20) for r in range(3)}
+    for name, data in files.items():
+        fs.pipe(f"/planned/{name}", data)
+    items = []
+    for name in files:  # items of many sizes, back to back, a few bytes left between some
+        bounds = sorted({0, 20 << 20, *(rng.randrange(20 << 20) for _ in range(40))})
+        items += [(name, a + (i % 3), b) for i, (a, b) in enumerate(itertools.pairwise(bounds)) if b > a + 3]
+    shuffled = items[:]
+    rng.shuffle(shuffled)
+    for name in files:
+        mine = [(a, b) for n, a, b in items if n == name]
+        assert plan_segments(mine) == plan_segments([(a, b) for n, a, b in shuffled if n == name])
+        assert all(e - s <= SEGMENT for s, e, _ in plan_segments(mine))
+    counts = set()
+    for trial in range(3):
+        handles = RemoteHandles(fs, "/planned", "memory://planned", sizes={n: len(d) for n, d in files.items()})
+        planned = handles.plan_reads(items)
+        order = items[:]
+        random.Random(trial).shuffle(order)
+
+        def read_item(item: tuple[str, int, int], handles: RemoteHandles = handles) -> None:
+            name, a, b = item
+            head = min(b, a + 64)
+            assert handles.read(name, a, head - a) == files[name][a:head]  # a header, then the rest
+            if b > head:
+                buf = bytearray(b - head)
+                handles.readinto(name, head, memoryview(buf))
+                assert bytes(buf) == files[name][head:b]
+            handles.release(name, a, b)
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(read_item, order))
+        assert handles.stats.requests == planned, (handles.stats, planned)
+        assert handles._planned_used == 0 and not handles._dropped_early
+        counts.add(handles.stats.requests)
+        handles.close()
+    assert len(counts) == 1
+    # many files read at once (an export reads each tensor from every rank's file): smaller segments, so the held
+    # ones stay bounded; files read one after the other (a deep verify) keep whole segments
+    many = RemoteHandles(fs, "/planned", "memory://planned")
+    ranges = [(f"__{r}_0.distcp", 0, 3 << 20) for r in range(64)]
+    assert many.plan_reads(ranges) == 64 * 2  # 128 MiB / 64 files: 2 MiB segments
+    assert many.plan_reads(ranges, files_at_once=1) == 64
 
 
 def test_window_opens_s3_with_storage_options(s3, tmp_path):

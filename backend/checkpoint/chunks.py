@@ -16,9 +16,10 @@ import math
 import threading
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ..crc import crc32
 from ..errors import CheckpointError
 from ..progress import Progress
 from .items import (
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 
 COPY_BLOCK = 16 << 20
+REMOTE_COPY_BLOCK = 4 << 20  # remote bytes are already in memory (a planned segment): a small block is one memcpy
 MAX_OBJECT_BYTES = 1 << 30  # a non-tensor entry (an optimizer step, an lr) is small; refuse a 1 GiB pickle
 
 
@@ -68,12 +70,23 @@ def safe_name(name: str) -> bool:
 
 
 _local = threading.local()
+# One kernel copy at a time: copies into one output serialise on its inode lock anyway, and several at once on
+# 2 cores took 2-3x longer in all than one after the other (the other export threads meanwhile locate items,
+# assemble tensors or verify).
+_KERNEL_COPIES = threading.Lock()
 
 
 def _thread_buffer() -> memoryview:
     buf = getattr(_local, "buf", None)
     if buf is None:
         buf = _local.buf = memoryview(bytearray(COPY_BLOCK))
+    return buf
+
+
+def _small_buffer() -> memoryview:
+    buf = getattr(_local, "small", None)
+    if buf is None:
+        buf = _local.small = memoryview(bytearray(REMOTE_COPY_BLOCK))
     return buf
 
 
@@ -106,6 +119,18 @@ class ChunkReader:
     def close(self) -> None:
         """Close the files this reader opened."""
         self.handles.close()
+
+    def plan_reads(self, chunks: Iterable[Chunk], objects: Iterable[ObjectEntry] = (),
+                   files_at_once: int | None = None) -> int | None:
+        """Tell remote handles every item this job will read, each once (an export's tensors and entries, a
+        deep verify's chunks): their bytes then come in fixed segments, one GET each, the same on every run
+        (see ``remote_reads.plan_segments``); ``files_at_once`` as ``RemoteHandles.plan_reads`` takes it. Returns the
+        planned GETs (None for local files: nothing to plan)."""
+        if self.handles.local:
+            return None
+        ranges = [(c.file, c.offset, c.offset + c.length) for c in chunks if c.file and c.length > 0]
+        ranges += [(o.file, o.offset, o.offset + o.length) for o in objects if o.file and not o.inline and o.length > 0]
+        return self.handles.plan_reads(ranges, files_at_once)
 
     def __enter__(self) -> ChunkReader:
         return self
@@ -253,7 +278,7 @@ class ChunkReader:
     def _read_checked(self, fqn: str, chunk: Chunk, st: StoredTensor, buf: memoryview) -> None:
         self.handles.readinto(chunk.file, st.data_offset, buf)
         if st.crc32 is not None:
-            crc = zlib.crc32(buf)
+            crc = crc32(buf)
             if crc != st.crc32:
                 raise self._corrupt(fqn, chunk, st, crc)
 
@@ -271,6 +296,7 @@ class ChunkReader:
             raise self._error(fqn, chunk, f"item storage of {st.nbytes} bytes is not a whole number of {dtype}.")
         buf = bytearray(st.nbytes)
         self._read_checked(fqn, chunk, st, memoryview(buf))
+        self._release(chunk)
         if not st.nbytes:
             return torch.empty(st.shape, dtype=tdtype)
         return torch.frombuffer(buf, dtype=tdtype).as_strided(st.shape, st.stride, st.storage_offset)
@@ -476,6 +502,7 @@ class ChunkReader:
         Reads in blocks (memory bounded by the block, not the chunk)."""
         st = self.locate(fqn, chunk)
         self._stream(fqn, chunk, st, None, 0, 0, 0, None)
+        self._release(chunk)
         return st
 
     def copy_range(self, fqn: str, chunk: Chunk, fd: int, dst_offset: int, progress: Progress | None = None,
@@ -497,15 +524,26 @@ class ChunkReader:
         if not check_crc and st.crc32 is not None and self.handles.local and \
                 self._kernel_copy(chunk, st.data_offset + start, count, fd, dst_offset, progress):
             return count, None
-        return count, self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
+        crc = self._stream(fqn, chunk, st, fd, dst_offset, start, count, progress)
+        self._release(chunk)
+        return count, crc
+
+    def _release(self, chunk: Chunk) -> None:
+        """This job has read the chunk's item for the last time (remote: its planned segment may go)."""
+        self.handles.release(chunk.file, chunk.offset, chunk.offset + chunk.length)
 
     def _kernel_copy(self, chunk: Chunk, src_offset: int, count: int, fd: int, dst_offset: int,
                      progress: Progress | None) -> bool:
         """os.copy_file_range in blocks; False when the file systems cannot (the caller streams instead)."""
+        src = self.handles.fd(chunk.file)
+        with _KERNEL_COPIES:
+            return self._kernel_copy_locked(src, chunk, src_offset, count, fd, dst_offset, progress)
+
+    def _kernel_copy_locked(self, src: int, chunk: Chunk, src_offset: int, count: int, fd: int, dst_offset: int,
+                            progress: Progress | None) -> bool:
         import errno
         import os
 
-        src = self.handles.fd(chunk.file)
         done = 0
         while done < count:
             try:
@@ -527,7 +565,7 @@ class ChunkReader:
                 count: int, progress: Progress | None) -> int | None:
         """Read the storage record block by block: CRC over all of it, bytes [start, start+count) to fd.
         Returns the CRC32 of the bytes written when the record has no stored CRC32, else None."""
-        buf = _thread_buffer()
+        buf = _thread_buffer() if self.handles.local else _small_buffer()
         crc = 0
         copied = 0
         pos = 0
@@ -536,10 +574,10 @@ class ChunkReader:
             view = buf[:n]
             self.handles.readinto(chunk.file, st.data_offset + pos, view)
             if st.crc32 is not None:
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
             lo, hi = max(pos, start), min(pos + n, start + count)
             if st.crc32 is None and hi > lo:
-                copied = zlib.crc32(view[lo - pos:hi - pos], copied)
+                copied = crc32(view[lo - pos:hi - pos], copied)
             if fd is not None and hi > lo:
                 _pwrite_all(fd, view[lo - pos:hi - pos], dst_offset + lo - start)
                 if progress:
@@ -563,6 +601,7 @@ class ChunkReader:
                                       "implausible.", path=self.handles.where(obj.file))
             self._check_range(obj.file, obj.offset, obj.length, "the entry")
             data = self.handles.read(obj.file, obj.offset, obj.length)
+            self.handles.release(obj.file, obj.offset, obj.offset + obj.length)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (entry {obj.fqn})", path=exc.path, fqn=obj.fqn) from None
         if data[:4] == ZIP_LOCAL:

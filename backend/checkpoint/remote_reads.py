@@ -5,6 +5,14 @@ item it falls in (when the reader told us the item boundaries), or a whole small
 ahead; neighbouring ranges are coalesced into one GET, batches go out concurrently, and the bytes
 stay in a bounded LRU cache so the zip header, pickle, data and tail reads of one item cost one
 request. Errors of the remote backend become one-line :class:`CheckpointError` (exit 2).
+
+A job that knows every range it will read (an export, a deep verify) says so first
+(:meth:`RemoteHandles.plan_reads`): each file's wanted ranges are then cut, once and before any read, into
+fixed segments of at most ``SEGMENT`` bytes (neighbours closer than ``MAX_GAP`` share one), each fetched
+by one ranged GET on its first read and dropped once the job has released (:meth:`RemoteHandles.release`)
+every range it planned in it. Which segments exist and when one is dropped depend on the ranges and the
+releases only, never on which thread reads first or how fast, so the same job makes the same requests on
+every run: one per segment.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ MAX_GAP = 1 << 20  # neighbouring ranges closer than this are fetched as one
 MAX_REQUEST = 64 << 20  # larger fetches are split into concurrent parts
 CACHE_BUDGET = 96 << 20  # fetched bytes kept for later reads (LRU); items up to a quarter of it are read whole
 SERVE_SLACK = 4096  # unread gaps this small do not keep a fetch in the cache
+SEGMENT = 16 << 20  # planned reads (plan_reads): the most bytes one segment, one GET, holds
+PLAN_MEMORY = 128 << 20  # planned segments of a job that reads many files at once shrink to this / files ...
+MIN_SEGMENT = 256 << 10  # ... but not below this (16 MiB up to 8 files at once)
+PLANNED_BUDGET = 512 << 20  # planned segments held at once before the oldest unfinished one is dropped
 
 
 def merge_ranges(ranges: Iterable[tuple[str, int, int]], max_gap: int = MAX_GAP,
@@ -48,14 +60,44 @@ def merge_ranges(ranges: Iterable[tuple[str, int, int]], max_gap: int = MAX_GAP,
     return out
 
 
+def plan_segments(ranges: Iterable[tuple[int, int]], segment: int = SEGMENT, max_gap: int = MAX_GAP
+                  ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Fixed segments ``(start, end, wanted)`` for the wanted ``[start, end)`` ranges (items) of one file:
+    ranges closer than ``max_gap`` form one run, and a run is cut into the fewest equal parts of at most
+    ``segment`` bytes; ``wanted`` are the ranges that meet each segment (a range planned twice is listed
+    twice). A function of the ranges alone: the request count of a planned job is known before it starts."""
+    runs: list[list[Any]] = []  # [start, end, wanted ranges]
+    for a, b in sorted((int(a), int(b)) for a, b in ranges if b > a):
+        if runs and a - runs[-1][1] <= max_gap:
+            runs[-1][1] = max(runs[-1][1], b)
+            runs[-1][2].append((a, b))
+        else:
+            runs.append([a, b, [(a, b)]])
+    out = []
+    for start, end, wanted in runs:
+        parts = -(-(end - start) // segment)
+        step = -(-(end - start) // parts)
+        for s in range(start, end, step):
+            e = min(end, s + step)
+            out.append((s, e, [(a, b) for a, b in wanted if a < e and b > s]))
+    return out
+
+
 class _Fetch:
     """Bytes ``[start, end)`` of one file: being fetched (``done`` not set) or fetched."""
 
-    __slots__ = ("cached", "data", "done", "end", "error", "item_starts", "served", "start", "sticky", "unread")
+    __slots__ = ("cached", "data", "done", "end", "error", "item_starts", "pending", "served", "start", "sticky",
+                 "unread", "wanted")
 
     def __init__(self, start: int, end: int, cached: bool, sticky: bool = False,
-                 item_starts: np.ndarray | None = None) -> None:
+                 item_starts: np.ndarray | None = None, wanted: list[tuple[int, int]] | None = None) -> None:
         self.start, self.end, self.cached = start, end, cached
+        self.wanted = wanted  # a planned segment: the ranges some read will want (None: an unplanned fetch)
+        self.pending: dict[tuple[int, int], int] | None = None  # planned ranges not released yet (and how often)
+        if wanted is not None:
+            self.pending = {}
+            for r in wanted:
+                self.pending[r] = self.pending.get(r, 0) + 1
         self.sticky = sticky  # part of a small file read whole: its headers are read again, keep it
         self.data: bytes | None = None
         self.error: BaseException | None = None
@@ -86,6 +128,11 @@ class _Fetch:
                 and self.served[0][1] >= self.end - SERVE_SLACK and (self.unread is None or not self.unread.any()))
 
 
+def _segment(start: int, end: int, wanted: list[tuple[int, int]]) -> _Fetch:
+    """A planned segment, not fetched yet, held once fetched until each of its wanted ranges is released."""
+    return _Fetch(start, end, cached=False, wanted=wanted)
+
+
 @dataclass
 class _File:
     """What the planner knows of one remote file: its fetched extents (sorted, disjoint) and item bounds."""
@@ -97,6 +144,8 @@ class _File:
     item_end: np.ndarray | None = None
     next_seq: int = -1  # where the last read ended (sequential read-ahead)
     ahead: int = READ_AHEAD
+    seg_starts: list[int] = field(default_factory=list)  # planned segments (plan_reads), sorted, disjoint
+    segments: list[_Fetch] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +173,9 @@ class RemoteHandles:
         self._pool: ThreadPoolExecutor | None = None
         self._requests = 0
         self._bytes = 0
+        self._planned: OrderedDict[int, tuple[str, _Fetch]] = OrderedDict()  # planned segments holding bytes
+        self._planned_used = 0
+        self._dropped_early = 0
 
     # -- public
     def where(self, name: str) -> str:
@@ -163,6 +215,58 @@ class RemoteHandles:
         for idx in np.unique(file[file >= 0]).tolist():
             if 0 <= idx < len(names):
                 self.plan_items(names[idx], pairs[file == idx])
+
+    def plan_reads(self, ranges: Iterable[tuple[str, int, int]], files_at_once: int | None = None) -> int:
+        """Every ``(name, start, end)`` range a job is about to read (each about once): from now on a read
+        inside them is served from fixed segments (:func:`plan_segments`), each fetched by one GET on its
+        first read and dropped once the job has released (:meth:`release`) every range it planned in it;
+        replaces an earlier plan. Returns
+        the number of segments: the GETs the job will make for these ranges. ``files_at_once``: how many files
+        the job reads at the same time (None: all of them, as an export reading each tensor from every rank's
+        file does; 1: a job that reads the files one after the other)."""
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for name, start, end in ranges:
+            by_file.setdefault(name, []).append((start, end))
+        # NOTE: a job holds about two segments per file it reads at once (a cast export's tensors in flight have a
+        # chunk in every file), so with many such files the segments are smaller: memory stays bounded and nothing
+        # is dropped before it is read (which would make the count depend on timing again), at the price of more
+        # requests (see the benchmarks README). Jobs that read file after file keep 16 MiB segments.
+        at_once = len(by_file) if files_at_once is None else min(len(by_file), files_at_once)
+        segment = max(MIN_SEGMENT, min(SEGMENT, PLAN_MEMORY // max(1, at_once)))
+        count = 0
+        with self._lock:
+            for f in self._files.values():
+                f.seg_starts, f.segments = [], []
+            for key in list(self._planned):
+                self._drop_planned(key)
+            for name, pairs in by_file.items():
+                f = self._file(name)
+                for s, e, wanted in plan_segments(pairs, segment):
+                    f.seg_starts.append(s)
+                    f.segments.append(_segment(s, e, wanted))
+                count += len(f.segments)
+        return count
+
+    def release(self, name: str, start: int, end: int) -> None:
+        """The job is done with the planned range ``[start, end)`` of ``name`` (as passed to :meth:`plan_reads`);
+        a segment whose every planned range is released drops its bytes. Other ranges are ignored."""
+        with self._lock:
+            f = self._files.get(name)
+            if f is None or not f.segments:
+                return
+            i = max(0, bisect.bisect_right(f.seg_starts, start) - 1)
+            while i < len(f.segments) and f.segments[i].start < end:
+                seg = f.segments[i]
+                i += 1
+                left = seg.pending.get((start, end), 0) if seg.pending is not None else 0
+                if not left:
+                    continue
+                if left == 1:
+                    del seg.pending[(start, end)]  # type: ignore[union-attr]
+                else:
+                    seg.pending[(start, end)] = left - 1  # type: ignore[index]
+                if not seg.pending and id(seg) in self._planned:
+                    self._drop_planned(id(seg))
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes of file ``name`` from ``offset``, through the planned range cache."""
@@ -229,6 +333,8 @@ class RemoteHandles:
             pool.shutdown(wait=True)
         with self._lock:
             self._evict(0)
+            for key in list(self._planned):
+                self._drop_planned(key)
 
     def __enter__(self) -> RemoteHandles:
         return self
@@ -249,6 +355,14 @@ class RemoteHandles:
         covers = []
         with self._lock:
             for name, start, end in ranges:
+                planned = self._planned_cover(name, start, end)
+                if planned is not None:
+                    for fetch in planned:
+                        if not fetch.cached and id(fetch) not in self._planned and not fetch.done.is_set():
+                            fetch.cached = True  # marks "asked for": its GET is in this batch
+                            todo.append((name, fetch))
+                    covers.append(planned)
+                    continue
                 new = self._plan(name, start, end, readahead=True)
                 todo.extend((name, f) for f in new)
                 covers.append(self._covering(name, start, end))
@@ -263,6 +377,33 @@ class RemoteHandles:
                 if f.error is not None:
                     raise f.error
         return covers
+
+    def _planned_cover(self, name: str, start: int, end: int) -> list[_Fetch] | None:
+        """The planned segments that together hold ``[start, end)``, or None when it is not all inside them."""
+        f = self._files.get(name)
+        if f is None or not f.segments:
+            return None
+        i = bisect.bisect_right(f.seg_starts, start) - 1
+        if i < 0:
+            return None
+        out = []
+        pos = start
+        while pos < end:
+            if i >= len(f.segments) or f.segments[i].start > pos or f.segments[i].end <= pos:
+                return None
+            out.append(f.segments[i])
+            pos = f.segments[i].end
+            i += 1
+        return out
+
+    def _drop_planned(self, key: int) -> None:
+        """Forget a planned segment's bytes: a later read of it fetches it again (a fresh segment)."""
+        name, fetch = self._planned.pop(key)
+        self._planned_used -= fetch.end - fetch.start
+        f = self._files[name]
+        i = bisect.bisect_left(f.seg_starts, fetch.start)
+        if i < len(f.segments) and f.segments[i] is fetch:
+            f.segments[i] = _segment(fetch.start, fetch.end, fetch.wanted)
 
     def _check_end(self, name: str, start: int, end: int) -> None:
         size = self._file(name).size
@@ -384,7 +525,13 @@ class RemoteHandles:
                     continue
                 if isinstance(data, BaseException):
                     fetch.error = self._error(name, data)
-                    self._forget(name, fetch)
+                    if fetch.wanted is not None:  # the next read asks again
+                        f = self._file(name)
+                        i = bisect.bisect_left(f.seg_starts, fetch.start)
+                        if i < len(f.segments) and f.segments[i] is fetch:
+                            f.segments[i] = _segment(fetch.start, fetch.end, fetch.wanted)
+                    else:
+                        self._forget(name, fetch)
                 else:
                     self._bytes += len(data)
                     fetch.data = data
@@ -406,6 +553,17 @@ class RemoteHandles:
             if f.size is None or f.size > got:
                 f.size = got
             fetch.end = got
+        if fetch.wanted is not None:  # a planned segment: held until its wanted ranges are released
+            self._planned[id(fetch)] = (name, fetch)
+            if not fetch.pending:  # every range released already (read again after its last release): not held
+                self._drop_planned(id(fetch))
+                return
+            self._planned_used += fetch.end - fetch.start
+            while self._planned_used > PLANNED_BUDGET and len(self._planned) > 1:  # reads far from the plan
+                self._dropped_early += 1
+                log.info("%s: planned segment dropped before it was read (%d so far)", self.url, self._dropped_early)
+                self._drop_planned(next(iter(self._planned)))
+            return
         if fetch.cached:
             self._lru[id(fetch)] = (name, fetch)
             self._used += fetch.end - fetch.start
@@ -438,9 +596,11 @@ class RemoteHandles:
         keeping them would only hold memory (headers and small files stay until evicted)."""
         with self._lock:
             for f in pieces:
+                if f.wanted is not None:
+                    continue  # a planned segment: dropped when released
                 if not f.sticky and f.serve(start, end) and f.cached and self._lru.pop(id(f), None) is not None:
                     self._used -= f.end - f.start
                     self._forget(name, f)
 
 
-__all__ = ["RemoteHandles", "RequestStats", "merge_ranges"]
+__all__ = ["RemoteHandles", "RequestStats", "merge_ranges", "plan_segments"]

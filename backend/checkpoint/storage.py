@@ -117,6 +117,9 @@ class LocalHandles:
     def plan_items(self, name: str, extents: Iterable[tuple[int, int]]) -> None:
         """Item boundaries of a file (used by remote handles only)."""
 
+    def release(self, name: str, start: int, end: int) -> None:
+        """A planned range read for the last time (used by remote handles only)."""
+
     def plan_table(self, names: Sequence[str], file: Any, offset: Any, length: Any) -> None:
         """Item boundaries of a chunk table (used by remote handles only)."""
 

@@ -133,8 +133,15 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
             seen: set[tuple[str, int]] = set()
             chunks = [(e, c) for e, c in chunks if not c.length or not ((c.file, c.offset) in seen
                                                                          or seen.add((c.file, c.offset)))]
+        # remote: every item read once, in fixed segments planned before the first read (the same GETs every run)
+        reader.plan_reads((c for _, c in chunks if c.file not in missing),
+                          (o for o in ckpt.objects if o.file not in missing), files_at_once=1)
         items = [(e.fqn, c.file, partial(reader.check_chunk, e.fqn, c)) for e, c in chunks]
         items += [(o.fqn, o.file, partial(reader.read_object, o)) for o in ckpt.objects]
+        if not reader.handles.local:  # one file after the other, front to back: one planned segment held at a time
+            where = [c.offset for _, c in chunks] + [o.offset for o in ckpt.objects]
+            order = sorted(range(len(items)), key=lambda i: (items[i][1] or "", where[i], i))
+            items = [items[i] for i in order]
         unopenable: dict[str, list] = {}  # file -> [the error, entries not checked]: one problem per file
         for fqn, file, check in items:
             if progress:

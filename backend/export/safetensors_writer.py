@@ -86,7 +86,7 @@ def write_file(path: str, items: list[ExportItem], metadata: dict[str, str], sou
         pwrite_all(fd, head, 0)
         os.ftruncate(fd, len(head) + sum(i.nbytes for i in items))
         crcs = source.write_all([(it, fd, len(head) + off) for it, off in zip(items, offsets, strict=True)],
-                                progress)
+                                progress, path)
     finally:
         os.close(fd)  # fsynced by the atomic output while the verifier reads
     check_header(path, head)

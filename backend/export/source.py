@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..checkpoint.chunks import ChunkReader, StoredTensor, torch_dtype
 from ..checkpoint.model import Chunk, itemsize
-from ..crc import crc32_combine
+from ..crc import crc32, crc32_combine
 from ..errors import CheckpointError
 from ..progress import Progress
 from .atomic import start_writeback
@@ -70,11 +69,13 @@ class TensorSource:
 
     def __init__(self, reader: ChunkReader, items: list[ExportItem], kernel_copy: bool = False) -> None:
         self.reader = reader
+        self.items = items
         self.budget = ByteBudget(max(BUDGET_FLOOR, max((i.nbytes for i in items), default=0)))
         # kernel_copy: whole records are copied by the kernel and proven afterwards, when the verifier
         # re-reads the output and compares with the CRC32 stored in the checkpoint (one pass instead of two).
         self.kernel_copy = kernel_copy
         self.kernel_copied: set[str] = set()  # keys whose bytes only the verifier's re-read has checked
+        self.verifier: Any = None  # a verify.Verifier: each tensor written to a named file is checked at once
 
     def _copyable(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
         """The chunk's stored tensor when it can be copied byte for byte in blocks: the whole storage record
@@ -158,9 +159,121 @@ class TensorSource:
         """The raw bytes of output tensor ``item``, ready to write."""
         return tensor_bytes(self.tensor(item))
 
-    def write_all(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None) -> list[int]:
-        """Write (item, fd, offset) jobs on a thread pool; each item has its own byte range. Returns CRCs."""
-        return run_parallel([(self.write, (it, fd, off, progress)) for it, fd, off in jobs], progress, self.budget)
+    def write_all(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None,
+                  path: str | None = None) -> list[int]:
+        """Write (item, fd, offset) jobs on a thread pool; each item has its own byte range. Returns CRCs
+        (in the order of ``jobs``). With ``path`` (the file ``fd`` writes) and a verifier, each item's range is
+        handed to the verifier as soon as it is written. A remote source is read file after file (see
+        :meth:`_copy_by_file`); what is left is read front to back: the jobs start in the order of their items'
+        places in the source files, so each planned segment is released soon after it came."""
+        out = [0] * len(jobs)
+        order = list(range(len(jobs)))
+        if not self.reader.handles.local:
+            order = self._copy_by_file(jobs, progress, path, out)
+            sizes = {f.name: max(1, f.bytes or 0) for f in self.reader.ckpt.files}
+            order.sort(key=lambda i: min((c.offset / sizes.get(c.file, 1) for c in jobs[i][0].entry.chunks),
+                                         default=0.0))
+        verifier = self.verifier if path is not None else None
+
+        def job(item: ExportItem, fd: int, offset: int) -> int:
+            crc = self.write(item, fd, offset, progress)
+            if verifier is not None:
+                verifier.submit(path, offset, item.nbytes, crc, item.key)
+            return crc
+
+        crcs = run_parallel([(job, jobs[i]) for i in order], progress, self.budget)
+        for i, crc in zip(order, crcs, strict=True):
+            out[i] = crc
+        return out
+
+    def files_at_once(self) -> int | None:
+        """How many source files an export of these items reads at the same time: one per thread when every
+        item is a set of row bands (copied file after file) or in one file, else all of them (tensor after
+        tensor)."""
+        return io_threads() if all(row_bands(it) is not None or len({c.file for c in it.entry.chunks}) <= 1
+                                   for it in self.items) else None
+
+    def _copy_by_file(self, jobs: list[tuple[ExportItem, int, int]], progress: Progress | None, path: str | None,
+                      out: list[int]) -> list[int]:
+        """Remote sources: copy every row-band chunk (what the metadata says is one) in the order of the source
+        files and of its place in its file, whatever tensor it belongs to, so the threads move through one file
+        at a time and hold one or two planned segments each, however many files there are; an item's CRC32 is
+        combined from its chunks' once they are all copied. An item of another layout is written whole in the
+        same order, where its first chunk lies. Returns the jobs left to write item by item (a row-band item
+        with a chunk whose stored bytes cannot be copied as they are)."""
+        bands = [row_bands(item) for item, _, _ in jobs]
+        parts: list[list[tuple[int, int] | None]] = [[None] * len(b) if b else [] for b in bands]
+        failed: set[int] = set()
+
+        def copy(i: int, k: int) -> None:
+            item, fd, base = jobs[i]
+            chunk, dst = bands[i][k]  # type: ignore[index]
+            try:
+                st = self._copyable(item.entry.fqn, chunk, item.dtype)
+                if st is None:
+                    failed.add(i)  # set.add is atomic under the GIL; the item is assembled below
+                    return
+                n, read = self.reader.copy_range(item.entry.fqn, chunk, fd, base + dst, progress)
+            except CheckpointError as exc:
+                if exc.fqn:
+                    raise
+                raise CheckpointError(f"{exc} (while exporting tensor {item.entry.fqn})", path=exc.path,
+                                      fqn=item.entry.fqn) from None
+            parts[i][k] = (st.crc32 if st.crc32 is not None else read, n)  # type: ignore[assignment]
+
+        def whole(i: int) -> None:  # an item of another layout, written at once where its first chunk lies
+            item, fd, base = jobs[i]
+            out[i] = self.write(item, fd, base, progress)
+            if path is not None and self.verifier is not None:
+                self.verifier.submit(path, base, item.nbytes, out[i], item.key)
+
+        todo: list[tuple[tuple[str, int, int, int], Callable, tuple]] = []
+        for i, b in enumerate(bands):
+            if b:
+                todo += [((c.file, c.offset, i, k), copy, (i, k)) for k, (c, _) in enumerate(b)]
+            else:
+                first = min(((c.file, c.offset) for c in jobs[i][0].entry.chunks), default=("", 0))
+                todo.append(((*first, i, -1), whole, (i,)))
+        todo.sort(key=lambda t: t[0])
+        run_parallel([(fn, args) for _, fn, args in todo], progress, self.budget)
+        left = []
+        for i, b in enumerate(bands):
+            if not b:
+                continue  # written by whole()
+            if i in failed:
+                left.append(i)
+                continue
+            item, fd, base = jobs[i]
+            crc = 0
+            for part_crc, n in parts[i]:  # type: ignore[misc]
+                crc = crc32_combine(crc, part_crc, n)
+            out[i] = crc
+            start_writeback(fd, base, item.nbytes)
+            if path is not None and self.verifier is not None:
+                self.verifier.submit(path, base, item.nbytes, crc, item.key)
+        return left
+
+
+def row_bands(item: ExportItem) -> list[tuple[Chunk, int]] | None:
+    """From the metadata alone: ``(chunk, offset in the output tensor)`` when the item's chunks are whole rows
+    (every dimension but the first complete) that tile it exactly and no cast is asked, sorted by offset; else
+    None. Whether each chunk's stored bytes can be copied as they are is known only once it is located."""
+    e = item.entry
+    if item.dtype != e.dtype or e.ndim == 0 or not e.numel or not e.chunks:
+        return None
+    row_bytes = math.prod(e.shape[1:]) * (item.nbytes // e.numel)
+    out = []
+    for c in e.chunks:
+        if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(e.shape[1:]):
+            return None
+        out.append((c, c.offsets[0] * row_bytes))
+    out.sort(key=lambda x: x[1])
+    pos = 0
+    for c, dst in out:
+        if dst != pos:
+            return None
+        pos += c.sizes[0] * row_bytes
+    return out if pos == item.nbytes else None
 
 
 def tensor_bytes(t: Any) -> memoryview:
@@ -174,7 +287,7 @@ def tensor_bytes(t: Any) -> memoryview:
 
 def write_buffer(fd: int, offset: int, buf: memoryview, progress: Progress | None) -> int:
     """pwrite a buffer; returns its CRC32 (computed before the write, from the source bytes)."""
-    crc = zlib.crc32(buf)
+    crc = crc32(buf)
     pwrite_all(fd, buf, offset)
     if progress:
         progress.advance(len(buf))

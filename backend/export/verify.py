@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..crc import crc32
 from ..progress import Progress
 from .source import run_parallel
 
@@ -47,7 +49,7 @@ def _crc_of_range(fd: int, offset: int, length: int, progress: Progress | None) 
         n = os.preadv(fd, [buf[:min(len(buf), length - done)]], offset + done)
         if n <= 0:
             return None  # the file is shorter than it should be
-        crc = zlib.crc32(buf[:n], crc)
+        crc = crc32(buf[:n], crc)
         done += n
         if progress:
             progress.advance(n)
@@ -74,4 +76,62 @@ def check_written(expectations: list[Expectation], progress: Progress | None = N
     return [name for name in bad if name is not None]
 
 
-__all__ = ["WHAT", "Expectation", "check_written"]
+class Verifier:
+    """Re-reads written ranges while the export goes on writing (its own threads): a tensor's range is checked
+    as soon as its last byte is written, so the re-read of one tensor overlaps the writing of the next ones
+    instead of being a second pass after all of them. Same check as :func:`check_written`: the bytes read back
+    from the written file (``pread``, its own read-only descriptor) against the CRC32 of the source bytes.
+    ``want`` picks the ranges to check (``--no-verify``: only those the kernel copied)."""
+
+    def __init__(self, progress: Progress | None = None, threads: int = 2,
+                 want: Callable[[Expectation], bool] | None = None) -> None:
+        self.progress = progress
+        self.want = want
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="export-verify")
+        self._futures: list[Future] = []
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.submitted: set[tuple[str, int]] = set()  # (file, offset) of every range handed in
+
+    def submit(self, file: str, offset: int, length: int, crc32: int, name: str) -> None:
+        """Check that ``length`` bytes of ``file`` at ``offset`` have this CRC32, soon (returns at once)."""
+        self.check(Expectation(file, offset, length, crc32, name))
+
+    def check(self, e: Expectation) -> None:
+        """Check ``e`` soon (returns at once)."""
+        with self._lock:
+            self.submitted.add((e.file, e.offset))
+        if self.want is None or self.want(e):
+            self._futures.append(self._pool.submit(self._one, e))
+
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    def _one(self, e: Expectation) -> str | None:
+        if self.progress is not None and self.progress.cancelled:
+            return None
+        return None if _crc_of_range(self._fd(e.file), e.offset, e.length, self.progress) == e.crc32 else e.name
+
+    def finish(self) -> list[str]:
+        """Wait for every check; the names whose bytes differ (empty: all proven equal)."""
+        try:
+            return [name for name in (f.result() for f in self._futures) if name is not None]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop (queued checks are dropped) and close the descriptors."""
+        for f in self._futures:
+            f.cancel()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+__all__ = ["WHAT", "Expectation", "Verifier", "check_written"]

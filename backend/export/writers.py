@@ -17,7 +17,7 @@ from .plan import ExportPlan
 from .registry import writer
 from .result import ExportResult
 from .source import TensorSource
-from .verify import WHAT, check_written
+from .verify import WHAT, Verifier
 
 
 def check_sources(plan: ExportPlan) -> None:
@@ -49,15 +49,27 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
         progress.start(2 * total, "exporting")  # writing, then re-reading
         with ChunkReader(plan.ckpt) as reader:
             source = TensorSource(reader, list(plan.items), kernel_copy=True)
-            names, expect = w.write(plan, out.path, dst, source, progress, left_out)
-            out.hold_for_tests("written")
-            # The data goes to disk (fsync) while it is re-read from the page cache and checked.
-            with ThreadPoolExecutor(1, thread_name_prefix="export-fsync") as syncer:
-                synced = syncer.submit(out.sync)
-                # --no-verify still re-reads what the kernel copied: that is where its stored CRC32 is checked
-                must = expect if verify else [e for e in expect if e.name in source.kernel_copied]
-                mismatches = check_written(must, progress)
-                synced.result()
+            # remote: every item this export reads, planned into fixed segments before the first read
+            reader.plan_reads((c for it in plan.items for c in it.entry.chunks), (o for _, o in plan.objects),
+                              files_at_once=source.files_at_once())
+            # Each tensor is re-read from the written file and checked as soon as it is written, while the next
+            # ones are written. --no-verify still re-reads what the kernel copied: that is where its stored CRC32
+            # is checked.
+            source.verifier = verifier = Verifier(progress, want=None if verify else
+                                                  (lambda e: e.name in source.kernel_copied))
+            try:
+                names, expect = w.write(plan, out.path, dst, source, progress, left_out)
+                out.hold_for_tests("written")
+                for e in expect:  # what a writer wrote without handing it over as it went (none for safetensors)
+                    if (e.file, e.offset) not in verifier.submitted:
+                        verifier.check(e)
+                # The data goes to disk (fsync) while the last tensors are re-read from the page cache and checked.
+                with ThreadPoolExecutor(1, thread_name_prefix="export-fsync") as syncer:
+                    synced = syncer.submit(out.sync)
+                    mismatches = verifier.finish()
+                    synced.result()
+            finally:
+                verifier.close()
             by_key = {it.key: it for it in plan.items}
             for key in mismatches:  # a kernel-copied record that fails its stored CRC: name the bad source
                 if key in by_key:
