@@ -409,11 +409,11 @@ class ChunkReader:
         if not pending:
             return
         data = memoryview(self.handles.read(pending[0][1], start, end - start))
-        for e, _, chunk, lo, nbytes, crc32, vstart, vlen in pending:
+        for e, _, chunk, lo, nbytes, stored, vstart, vlen in pending:
             record = data[lo - start:lo - start + nbytes]
-            if crc32 is not None:
-                crc = zlib.crc32(record)
-                if crc != crc32:
+            if stored is not None:
+                crc = crc32(record)
+                if crc != stored:
                     chunk = chunk or e.chunks[0]
                     raise self._corrupt(e.fqn, chunk, self.locate(e.fqn, chunk), crc)
             yield e, record[vstart:vstart + vlen]
