@@ -40,11 +40,13 @@ from .tensor_tree import (
     TextFilterProxy,
     fit_name_column,
     size_columns,
+    tree_room,
 )
 from .workers import Worker, run_in_background
 
 AUTO_LOAD_BYTES = 64 << 20
 TREE_SHARE = 0.46  # of the view's width, for the tree (unless the user's layout was saved)
+ROOM_DEPTH = 8  # the depth of names the first layout keeps room for (a model's optimizer state: 8 levels)
 
 
 class CheckpointView(QWidget):
@@ -143,6 +145,7 @@ class CheckpointView(QWidget):
         self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
+        size_columns(self.tree)  # from the font: known before any entry, so the first layout can make room
         ll.addWidget(self.tree, 1)
         return left
 
@@ -192,11 +195,29 @@ class CheckpointView(QWidget):
         if not self.layout_restored and self.width() > 400:
             # NOTE: sizes only mean something once the view has its real width (first resize)
             self.layout_restored = True
-            # NOTE: 46 %: at 1280 px the tree then shows every column and names 8 levels deep (the demo's optimizer
-            # state) whole; it is not widened when the entries arrive, as nothing moves once shown
-            self.main_split.setSizes([int(self.width() * TREE_SHARE), self.width() - int(self.width() * TREE_SHARE)])
+            # NOTE: 46 %, and at least what every column and names 8 levels deep (the demo's optimizer state) need
+            # while the detail side keeps its least width: at 1024 px 46 % cut the ranks column off
+            total = self.main_split.width() - self.main_split.handleWidth()
+            tree = min(max(int(total * TREE_SHARE), tree_room(self.tree, ROOM_DEPTH)), self._tree_side_most(total))
+            self.main_split.setSizes([tree, total - tree])
             self.right_split.setSizes([int(self.height() * 0.5), int(self.height() * 0.5)])
         self._place_progress()
+
+    def _tree_side_most(self, total: int) -> int:
+        """The most the tree side may take of ``total``: the detail side keeps its least width."""
+        return max(0, total - self.main_split.widget(1).minimumSizeHint().width())
+
+    def make_tree_room(self) -> None:
+        """Widen the tree side if its columns and deepest names do not fit (a layout saved at another window
+        size, a checkpoint deeper than the first layout planned for), as far as the detail side allows; a
+        tree that fits is never moved."""
+        sizes = self.main_split.sizes()
+        total = sum(sizes)
+        if total <= 0:
+            return
+        need = min(tree_room(self.tree, self._depth), self._tree_side_most(total))
+        if sizes[0] < need:
+            self.main_split.setSizes([need, total - need])
 
     def _place_progress(self) -> None:
         top_left = self.tree.mapTo(self, self.tree.rect().bottomLeft())
@@ -221,6 +242,7 @@ class CheckpointView(QWidget):
         self.model.set_root(data.tree, {})
         self._depth = max((e.fqn.count(".") for e in (*ck.tensors, *ck.objects)), default=0)
         size_columns(self.tree)
+        self.make_tree_room()
         fit_name_column(self.tree, self._depth)
         if data.tree.children and len(data.tree.children) <= 4:
             for r in range(self.proxy.rowCount()):
@@ -294,7 +316,7 @@ class CheckpointView(QWidget):
             self.inspector.set_tensor(None)
             if node.entry is not None:
                 value = (self.data.values or {}).get(node.path, "(loading)")
-                self.inspector.title.setText(f"<b>{rich_name(node.path)}</b> = {rich_name(value)}")
+                self.inspector.title.set_title(node.path, f" = {value}")
         if self.ranks.selected_rank is not None:
             self.map.set_highlight_rank(self.ranks.selected_rank)
 

@@ -224,6 +224,16 @@ def name_floor(tree: QTreeView, depth: int) -> int:
     return tree.indentation() * (depth + 1) + tree.fontMetrics().horizontalAdvance(NAME_ROOM) + 12
 
 
+def tree_room(tree: QTreeView, depth: int) -> int:
+    """The width the tree widget needs to show every column, and names ``depth`` levels deep whole, without
+    scrolling sideways: the number columns, the name column's floor, the frame and a vertical scroll bar."""
+    from PySide6.QtWidgets import QStyle
+
+    others = sum(tree.columnWidth(c) for c in range(1, tree.header().count()))
+    chrome = 2 * tree.frameWidth() + tree.style().pixelMetric(QStyle.PixelMetric.PM_ScrollBarExtent, None, tree)
+    return name_floor(tree, depth) + others + chrome + 2
+
+
 def fit_name_column(tree: QTreeView, depth: int) -> None:
     """The name column takes what the numbers leave, never less than the deepest names need (then the tree
     scrolls sideways), so sizes and counts are never cut and deep names stay apart."""
