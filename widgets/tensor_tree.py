@@ -210,7 +210,8 @@ def size_columns(tree: QTreeView) -> None:
     """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
     fm = tree.fontMetrics()
     pad = 2 * fm.averageCharWidth() + 4
-    samples = ("bfloat16", "4096×4096", "1023.9 MiB", "00000", "000–000")
+    # NOTE: the shape column holds a module's count too: "2,001 tensors" was cut to "2,001…nsors" at 512 ranks
+    samples = ("bfloat16", "20,000 tensors", "1023.9 MiB", "00000", "000–000")
     header = tree.header()
     header.setStretchLastSection(False)
     header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
