@@ -186,6 +186,12 @@ def test_run_and_checkpoint_names_are_whole_in_the_library_at_1280x720(qtbot, tm
                 names.append((text, shown_name(lib.tree, idx)))
         assert {t for t, _ in names} >= {"run-20261126-133538", "step_000010", "step_000020", "step_000030"}
         assert all(t == shown for t, shown in names), (size, names)
+        header = lib.tree.header()  # every column but the last (source / exports) in view, the loss too
+        last = header.count() - 1
+        assert header.sectionViewportPosition(last) <= lib.tree.viewport().width(), size
+        loss = header.logicalIndex(last - 1)
+        fm = lib.tree.fontMetrics()
+        assert fm.horizontalAdvance(lib.model.headerData(loss, Qt.Orientation.Horizontal)) < header.sectionSize(loss)
 
 
 def _rows(model, parent):

@@ -42,9 +42,10 @@ from .library_usage import DiskUsagePanel, SizeBarDelegate
 from .prune_dialog import PruneDialog
 from .workers import Worker, run_in_background
 
-NAME_SAMPLE = "run-20261126-133538"  # a run's name as `shardscope train` makes it; checkpoints are shorter
+NAME_SAMPLE = "run-20261126-133538"  # a run's name as `shardscope train` makes it (the tree's first level)
+CHECKPOINT_SAMPLE = "step_00000030"  # a checkpoint's, one level deeper
 # what each column after the name must show whole (its header too)
-COLUMN_SAMPLES = ("10000000", "2026-11-26 13:35", "1023.9 MiB", "000–000", "resumable", "lightning", "incomplete",
+COLUMN_SAMPLES = ("000000", "2026-11-26 13:35", "1023.9 MiB", "000–000", "resumable", "lightning", "incomplete",
                   "00.0000", "source / exports")
 
 POLL_MS = 2000
@@ -184,8 +185,10 @@ class LibraryView(QWidget):
         # NOTE: widths from the font, the name column first: stretched into what fixed widths (970 px) left, it
         # was 90 px at 1280x720 and every checkpoint read "step_0…"; the source column, last, takes the rest
         header.setStretchLastSection(True)
-        fm, pad = self.tree.fontMetrics(), 2 * self.tree.fontMetrics().averageCharWidth() + 8
-        name = 2 * self.tree.indentation() + fm.horizontalAdvance(NAME_SAMPLE) + pad
+        fm, pad = self.tree.fontMetrics(), self.tree.fontMetrics().averageCharWidth() + 10
+        indent = self.tree.indentation()
+        name = pad + max(indent + fm.horizontalAdvance(NAME_SAMPLE),
+                         2 * indent + fm.horizontalAdvance(CHECKPOINT_SAMPLE))
         header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
         for col, sample in enumerate((None, *COLUMN_SAMPLES)):
             header.setSectionResizeMode(col, QHeaderView.ResizeMode.Interactive)
