@@ -24,12 +24,14 @@ class Progress:
         self.total = 0
         self.message = ""
         self._hooks: list[Callable[[], None]] = []
+        # NOTE: its own lock: a progress callback may cancel (under ``_lock``, held while it reports)
+        self._hooks_lock = threading.Lock()
 
     def cancel(self) -> None:
         """Ask the operation to stop; it raises Cancelled at its next check. Work that cannot check (a wait on
         another process) registered what stops it with ``on_cancel``: that runs now, on this thread."""
         self._cancel.set()
-        with self._lock:
+        with self._hooks_lock:
             hooks = list(self._hooks)
         for hook in hooks:
             hook()
@@ -37,13 +39,13 @@ class Progress:
     def on_cancel(self, hook: Callable[[], None]) -> Callable[[], None]:
         """Call ``hook`` when the operation is cancelled (at once if it already is); returns what removes it.
         The hook runs on the cancelling thread: it must only stop something (kill a helper process)."""
-        with self._lock:
+        with self._hooks_lock:
             self._hooks.append(hook)
         if self.cancelled:
             hook()
 
         def remove() -> None:
-            with self._lock, contextlib.suppress(ValueError):
+            with self._hooks_lock, contextlib.suppress(ValueError):
                 self._hooks.remove(hook)
 
         return remove
