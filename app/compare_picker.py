@@ -44,12 +44,21 @@ class ComparePicker(QDialog):
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)
         boxes = self.boxes
+        # NOTE: OK with A or B empty closed the picker and compared nothing, without a word: it waits for both
+        self.ok_button = buttons.button(QDialogButtonBox.StandardButton.Ok)
+        self.ok_button.setToolTip("Compare A with B (both must name a checkpoint)")
+        for box in boxes:
+            box.currentTextChanged.connect(lambda _t: self._update_ok())
+        self._update_ok()
 
         def accepted() -> None:
             if boxes[0].currentText() and boxes[1].currentText():
                 compare(boxes[0].currentText(), boxes[1].currentText())
 
         self.accepted.connect(accepted)
+
+    def _update_ok(self) -> None:
+        self.ok_button.setEnabled(all(box.currentText().strip() for box in self.boxes))
 
     def showEvent(self, event) -> None:
         """A arrives with the focus and its text selected: typing replaces the proposal (it used to append to

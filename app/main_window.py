@@ -138,6 +138,7 @@ class MainWindow(QMainWindow):
             path = os.path.abspath(os.path.expanduser(path))
         view = CheckpointView(path)
         view.failed.connect(lambda msg, v=view: self._on_failed(v, msg))
+        view.openCancelled.connect(lambda: self.statusBar().showMessage("Opening cancelled: nothing was read", 5000))
         view.loaded.connect(lambda _d, v=view: self._on_loaded(v))
         view.healthChanged.connect(self._update_badge)
         view.exportRequested.connect(self.export_current)

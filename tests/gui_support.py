@@ -54,3 +54,11 @@ def min_width(widget) -> int:
     for _ in range(5):
         QApplication.processEvents()
     return widget.minimumSizeHint().width()
+
+
+def label_fits(label) -> bool:
+    """Every line of a label's text is shown whole: one line no wider than the label, or wrapped lines no taller."""
+    rect = label.contentsRect()
+    if label.wordWrap():
+        return label.heightForWidth(rect.width()) <= rect.height()
+    return label.sizeHint().width() <= rect.width()

@@ -70,3 +70,29 @@ def test_typing_in_a_replaces_the_proposal_and_a_failed_pair_gets_its_own_title(
     assert "runB" in failed.summary.text() and failed.result is None  # the error names the path that failed
     title = window.tabs.tabText(window.tabs.indexOf(failed))
     assert title == "✕ runB/step_000020 ↔ runA/step_000030" and title != first_title
+
+
+def test_ok_waits_for_both_checkpoints(qtbot, window, fixtures):
+    """With one checkpoint open and the Library not scanned yet, A arrived empty; OK (or Enter) closed the picker
+    and compared nothing, without a word. OK is enabled once A and B both name a checkpoint."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtTest import QTest
+    from PySide6.QtWidgets import QApplication, QDialogButtonBox
+
+    view = window.open_path(str(fixtures["fsdp2_r2"]))
+    qtbot.waitUntil(lambda: view.data is not None, timeout=SLOW)
+    picker = window.compare_dialog()
+    ok = picker.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok)
+    try:
+        a, b = picker.boxes
+        a.setCurrentText("")
+        assert b.currentText() == view.path and not ok.isEnabled()
+        QTest.keyClick(a, Qt.Key.Key_Return)  # Enter does not compare nothing either
+        QApplication.processEvents()
+        assert picker.isVisible()
+        a.setFocus()
+        QTest.keyClicks(a, str(fixtures["fsdp2_r4"]))
+        assert ok.isEnabled()
+    finally:
+        picker.reject()
+        window.library.shutdown()

@@ -51,7 +51,7 @@ def test_long_tensor_name_does_not_widen_the_window(qtbot, tmp_path):
     before = min_width(view)
     with qtbot.waitSignal(view.valuesDone, timeout=120000):
         assert view.select_path(name)
-    assert name in view.inspector.title.text()
+    assert name in view.inspector.title.toolTip()  # the whole name; the title cuts it to the room it has
     assert min_width(view) <= max(before, 700)
 
 
@@ -65,3 +65,38 @@ def test_statistics_table_is_not_clipped_in_a_narrow_pane(qtbot, fixtures):
     min_width(view)
     stats = view.inspector.stats
     assert stats.width() >= stats.sizeHint().width() > 0
+
+
+def painted_width(label) -> float:
+    """The width of a rich-text label's text as Qt lays it out on one line."""
+    from PySide6.QtGui import QTextDocument
+
+    doc = QTextDocument()
+    doc.setDefaultFont(label.font())
+    doc.setDocumentMargin(0)
+    doc.setHtml(label.text())
+    return doc.idealWidth()
+
+
+def test_the_title_end_is_never_clipped_under_the_buttons(qtbot, fixtures):
+    """At 1280x720 the title of a deep optimizer tensor ran under "Reload values": its dtype, shape and size
+    were cut off. The name is cut in the middle to the room left; what follows it is always whole."""
+    from PySide6.QtWidgets import QApplication
+
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    name = "optimizer.state.blocks.0.fc1.weight.exp_avg_sq"
+    with qtbot.waitSignal(view.valuesDone, timeout=120000):
+        assert view.select_path(name)
+    title, button = view.inspector.title, view.inspector.load_button
+    for width in (1280, 1024, 900, 1920):
+        view.resize(width, 680)
+        for _ in range(5):
+            QApplication.processEvents()
+        assert title.geometry().right() < button.geometry().left()
+        assert painted_width(title) <= title.contentsRect().width(), (width, title.text())
+        assert "float32 [" in title.text() and ("KiB" in title.text() or " B" in title.text()), title.text()
+        assert name in title.toolTip()
+    view.resize(1920, 680)
+    for _ in range(5):
+        QApplication.processEvents()
+    assert name in title.text()  # room enough: the whole name

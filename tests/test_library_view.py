@@ -158,3 +158,44 @@ def test_enter_opens_the_selected_checkpoint_in_the_library_and_the_training_pan
         assert opened.args[0].endswith("step_000001")
     finally:
         panel.shutdown()
+
+
+def test_run_and_checkpoint_names_are_whole_in_the_library_at_1280x720(qtbot, tmp_path, fixtures):
+    """At 1280x720 the Library's name column was what ten fixed-width columns left (90 px): every checkpoint read
+    "step_0…" and every run "run-2026…". The name column is as wide as a run's name from `shardscope train`."""
+    from PySide6.QtWidgets import QApplication
+    from shardscope.widgets.library_view import LibraryView
+    from test_tensor_tree import shown_name
+
+    run = tmp_path / "runs" / "run-20261126-133538"
+    for i in (10, 20, 30):
+        aged_copy(fixtures["fsdp2_r2"], run / "checkpoints" / f"step_{i:06d}")
+    lib = LibraryView([str(tmp_path / "runs")], None)
+    qtbot.addWidget(lib)
+    for size in ((1262, 640), (1902, 1000)):  # what the window's tab gives it at 1280x720 and 1920x1080
+        lib.resize(*size)
+        lib.show()
+        qtbot.waitUntil(lambda: lib.snapshot is not None and len(lib.snapshot.listing.checkpoints) >= 3, timeout=SLOW)
+        lib.tree.expandAll()
+        for _ in range(5):
+            QApplication.processEvents()
+        names = []
+        for idx in _rows(lib.tree.model(), QModelIndex()):
+            text = idx.data(Qt.ItemDataRole.DisplayRole)
+            if text and (text.startswith("step_") or text.startswith("run-2026")):
+                names.append((text, shown_name(lib.tree, idx)))
+        assert {t for t, _ in names} >= {"run-20261126-133538", "step_000010", "step_000020", "step_000030"}
+        assert all(t == shown for t, shown in names), (size, names)
+        header = lib.tree.header()  # every column but the last (source / exports) in view, the loss too
+        last = header.count() - 1
+        assert header.sectionViewportPosition(last) <= lib.tree.viewport().width(), size
+        loss = header.logicalIndex(last - 1)
+        fm = lib.tree.fontMetrics()
+        assert fm.horizontalAdvance(lib.model.headerData(loss, Qt.Orientation.Horizontal)) < header.sectionSize(loss)
+
+
+def _rows(model, parent):
+    for r in range(model.rowCount(parent)):
+        idx = model.index(r, 0, parent)
+        yield idx
+        yield from _rows(model, idx)

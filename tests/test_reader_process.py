@@ -109,3 +109,123 @@ def test_metadata_helper_process_answers_like_this_process(copy_of, tmp_path, mo
         here, there = model(False, streaming), model(True, streaming)
         assert type(here) is type(there), (here, there)
         assert (here == there) if case == "good" else isinstance(here, str), (here, there)
+
+
+def helper_pids() -> set[int]:
+    """The metadata helper processes this process started (found in /proc, whatever started them)."""
+    import os
+
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"helper_main" in cmd:
+            found.add(int(entry))
+    return found
+
+
+def gone(pid: int) -> bool:
+    """The process has ended and was reaped (no zombie left either)."""
+    import os
+
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def wait_for(condition, seconds: float):
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.fixture(scope="module")
+def big_metadata(tmp_path_factory):
+    """A 512-rank checkpoint whose .metadata (88,000 chunks, about 48 MB) takes the helper seconds to load."""
+    from scale_checkpoint import write_scale_checkpoint
+
+    return write_scale_checkpoint(tmp_path_factory.mktemp("big") / "r512", ranks=512, layers=250, dim=32)
+
+
+def test_a_cancelled_load_ends_its_helper_process_at_once(big_metadata, monkeypatch):
+    """A metadata load waits on its helper process and could not be cancelled: the helper kept loading (and
+    holding its memory) for seconds after the window gave up on it. Cancelling the operation kills it."""
+    import threading
+    import time
+
+    from shardscope.backend.checkpoint import reader_process
+    from shardscope.backend.errors import Cancelled
+    from shardscope.backend.progress import Progress
+
+    monkeypatch.setattr(reader_process, "ISOLATE", True)
+    reader_process._close_idle()  # no waiting helper: the load starts its own
+    before = helper_pids()
+    operation = Progress()
+    outcome: list[str] = []
+
+    def load() -> None:
+        with operation.current():
+            try:
+                open_checkpoint(big_metadata, progress=operation, use_cache=False)
+                outcome.append("loaded")
+            except Cancelled:
+                outcome.append("cancelled")
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    (pid,) = wait_for(lambda: helper_pids() - before, 30)
+    time.sleep(0.5)  # well into the load (it takes seconds)
+    assert not outcome
+    cancelled_at = time.monotonic()
+    operation.cancel()
+    thread.join(30)
+    assert outcome == ["cancelled"]
+    assert wait_for(lambda: gone(pid), 5), "the helper process outlived the cancel"
+    assert time.monotonic() - cancelled_at < 5
+    monkeypatch.setattr(reader_process, "ISOLATE", None)
+    assert open_checkpoint(big_metadata, use_cache=False).chunk_table is not None  # a later load is whole
+
+
+def test_cancel_and_closing_the_tab_end_the_helper_of_an_opening_checkpoint(qtbot, big_metadata, tmp_path):
+    """In the window: Cancel under the tree while the metadata is read, and closing the tab, each end the helper
+    process at once; the header says the opening was cancelled."""
+    import shutil
+
+    from PySide6.QtCore import QThreadPool
+    from shardscope.app.main_window import MainWindow
+    from shardscope.backend.checkpoint import reader_process
+    from shardscope.widgets.checkpoint_view import CheckpointView
+
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.quiet = True
+    win.show()
+    for how in ("cancel", "close"):
+        copy = tmp_path / how  # not in the metadata cache: read from the file
+        shutil.copytree(big_metadata, copy)
+        reader_process._close_idle()  # no waiting helper: the load starts its own
+        before = helper_pids()
+        view = win.open_path(str(copy))
+        (pid,) = wait_for(lambda b=before: (qtbot.wait(20), helper_pids() - b)[1], 30)
+        assert view.opening() and view.progress.cancel_button.isVisible()
+        if how == "cancel":
+            with qtbot.waitSignal(view.openCancelled, timeout=10000):
+                view.progress.cancel_button.click()
+            assert "cancelled" in view.header.text() and not view.progress.isVisible()
+        else:
+            win.close_tab(win.tabs.indexOf(view))
+            assert not any(isinstance(win.tabs.widget(i), CheckpointView) and win.tabs.widget(i).path == str(copy)
+                           for i in range(win.tabs.count()))
+        assert wait_for(lambda p=pid: gone(p), 5), f"the helper outlived {how}"
+    assert QThreadPool.globalInstance().waitForDone(30000)

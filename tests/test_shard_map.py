@@ -200,3 +200,34 @@ def test_a_scalar_is_one_square_cell(qtbot, fixtures):
         assert cell.width() == pytest.approx(cell.height())
         widest = max(ci.rect.width() for ci in view.map.chunk_items)
         assert path == fqn or cell.width() < widest / 4
+
+
+def test_arrow_keys_draw_the_map_once_the_selection_rests(qtbot, fixtures):
+    """Each Down over the modules of a 512-rank checkpoint redrew the whole map, the chunk table and the values
+    at once (about 200 ms a step: the key repeat fell behind). The tree moves at once; the map, the Inspector and
+    the values follow once the selection rests."""
+    from PySide6.QtTest import QTest
+
+    view = open_view(qtbot, fixtures["fsdp2_r4"])
+    assert view.select_path("model.emb")
+    view.tree.expandAll()
+    view.tree.setFocus()
+    drawn: list[int] = []
+    real = view.map.show_tensors
+
+    def counted(ckpt, entries):
+        drawn.append(len(entries))
+        real(ckpt, entries)
+
+    view.map.show_tensors = counted
+    paths = []
+    for _ in range(12):  # as fast as a held key: no rest in between
+        QTest.keyClick(view.tree, Qt.Key.Key_Down)
+        paths.append(view.selected_node().path)
+    assert len(set(paths)) == 12, paths  # the tree moved on every key
+    assert view.map_caption.text() and len(drawn) <= 1, drawn
+    qtbot.waitUntil(lambda: not view.detail_pending(), timeout=10000)
+    assert len(drawn) == 1  # once, for where the selection came to rest
+    last = view.selected_node()
+    assert {ci.fqn for ci in view.map.chunk_items} == {t.fqn for t in last.iter_tensors()}
+    qtbot.waitUntil(lambda: not view.values_pending(), timeout=120000)

@@ -82,3 +82,57 @@ def test_deep_names_stay_apart_in_the_tree(qtbot, fixtures):
     src = view.model.index_for_path(stem + "exp_avg_sq")
     shown = shown_name(view.tree, view.proxy.mapFromSource(view.rank_proxy.mapFromSource(src)))
     assert delegate is not None and shown.startswith("…") and shown.endswith("sq"), shown
+
+
+def _narrow_saved_layout() -> None:
+    """The splitter state a session at another size left: the tree at 40 % of 1262 px (503 px)."""
+    from PySide6.QtWidgets import QLabel, QSplitter
+    from shardscope.app.settings import settings
+
+    split = QSplitter()
+    split.addWidget(QLabel())
+    split.addWidget(QLabel())
+    split.resize(1262, 400)
+    split.setSizes([503, 755])
+    settings().setValue("splitters/main", split.saveState())
+
+
+def test_every_column_and_the_deepest_names_fit_at_1280_and_1024(qtbot, fixtures):
+    """At 1280x720 with the layout an earlier session saved, the ranks column was cut at the tree's right edge
+    ("ran", "0-1") once the name column kept room for the deepest names; at 1024x768 the tree scrolled sideways
+    from the start. The tree side is widened to what its columns need, as far as the detail side allows."""
+    from gui_support import wait_loaded
+    from PySide6.QtWidgets import QApplication
+    from shardscope.app.main_window import MainWindow
+    from shardscope.app.settings import settings
+
+    stem = "optimizer.state.blocks.0.fc1.weight."
+    try:
+        for (width, height), saved in (((1280, 720), True), ((1024, 768), False), ((1920, 1080), True)):
+            settings().remove("splitters")
+            if saved:
+                _narrow_saved_layout()
+            win = MainWindow()
+            qtbot.addWidget(win)
+            win.quiet = True
+            win.resize(width, height)
+            win.show()
+            qtbot.waitExposed(win)
+            view = win.open_path(str(fixtures["fsdp2_r2"]))
+            wait_loaded(qtbot, view)
+            assert view.select_path(stem + "exp_avg_sq")
+            qtbot.waitUntil(lambda v=view: not v.values_pending(), timeout=120000)
+            for _ in range(5):
+                QApplication.processEvents()
+            tree, header = view.tree, view.tree.header()
+            right = header.sectionViewportPosition(5) + header.sectionSize(5)
+            assert right <= tree.viewport().width(), (width, right, tree.viewport().width())
+            assert tree.horizontalScrollBar().maximum() == 0, (width, "the tree scrolls sideways")
+            names = []
+            for leaf in ("exp_avg", "exp_avg_sq"):
+                src = view.model.index_for_path(stem + leaf)
+                names.append(shown_name(tree, view.proxy.mapFromSource(view.rank_proxy.mapFromSource(src))))
+            assert names == ["exp_avg", "exp_avg_sq"], (width, names)
+            win.close()
+    finally:
+        settings().remove("splitters")

@@ -689,3 +689,40 @@ def test_resume_from_the_window_runs_on_the_forms_processes_and_says_so(qtbot, p
     seen = sorted((run / f"seen_{r}").read_text() for r in range(3))
     assert seen == ["3 step_000020"] * 3  # three ranks resumed from it
     assert said in (run / "logs" / "launcher.log").read_text()
+
+
+def test_the_mean_of_ranks_is_taken_step_by_step_after_a_resume_on_more_ranks(qtbot, panel, tmp_path):
+    """A 2-rank run resumed from step 10 on 3 ranks: the mean of ranks was taken record by record, so rank 2's
+    steps 11-30 were averaged into steps 1-20 (the black curve lay below both ranks before the resume)."""
+    run = tmp_path / "run"
+    for rank, value in ((0, 1.0), (1, 3.0)):
+        write_metrics(run, rank, range(1, 21), t0=time.time() - 86400, loss=lambda s, v=value: v)
+    for rank, value in ((0, 1.0), (1, 3.0), (2, 5.0)):
+        write_metrics(run, rank, range(11, 31), loss=lambda s, v=value: v)
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 2)) == 20 and
+                    panel.plots.curve_points(("mean",)) >= 30, timeout=10000)
+    curve = panel.plots._curves[("mean",)]
+    by_step: dict[float, list[float]] = {}
+    for x, y in zip(curve.xData, curve.yData, strict=True):
+        if x == x and y == y:
+            by_step.setdefault(float(x), []).append(float(y))
+    assert all(v == pytest.approx(2.0) for s in range(1, 11) for v in by_step[s]), by_step  # ranks 0 and 1
+    assert all(v == pytest.approx(3.0) for s in range(21, 31) for v in by_step[s]), by_step  # ranks 0, 1 and 2
+
+
+def test_a_run_without_steps_says_so_instead_of_empty_axes(qtbot, panel, tmp_path):
+    """A run started from the panel showed empty loss and memory axes from 0 to 1 (0.1 ... 0.9) until its first
+    step, as if that were data; the loss plot says no step was reported yet, until one is drawn."""
+    from shardscope.widgets.run_plots import NO_STEPS
+
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: panel.plots.follower is not None, timeout=10000)
+    note = panel.plots.no_steps
+    assert note.isVisible() and note.toPlainText() == NO_STEPS and note in panel.plots.loss.getPlotItem().items
+    write_metrics(run, 0, range(1, 11))
+    write_metrics(run, 1, range(1, 11))
+    qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 0)) == 10, timeout=10000)
+    assert not note.isVisible()

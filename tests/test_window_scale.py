@@ -175,7 +175,7 @@ def test_progress_and_rank_filter_do_not_move_the_tree(qtbot, fixtures):
 def test_tree_columns_fit_their_text(qtbot, fixtures):
     view = open_view(qtbot, fixtures["fsdp2_r4"], size=(1280, 680))
     fm = view.tree.fontMetrics()
-    for col, text in ((3, "1023.9 MiB"), (1, "bfloat16")):
+    for col, text in ((3, "1023.9 MiB"), (1, "bfloat16"), (2, "4096×4096"), (2, "10,000 tensors")):
         assert fm.horizontalAdvance(text) < view.tree.columnWidth(col)
     total = sum(view.tree.columnWidth(c) for c in range(6))
     assert total <= view.tree.viewport().width(), "the tree scrolls sideways at 1280 px: numbers are cut"

@@ -40,17 +40,21 @@ from .tensor_tree import (
     TextFilterProxy,
     fit_name_column,
     size_columns,
+    tree_room,
 )
 from .workers import Worker, run_in_background
 
 AUTO_LOAD_BYTES = 64 << 20
 TREE_SHARE = 0.46  # of the view's width, for the tree (unless the user's layout was saved)
+DETAIL_DELAY_MS = 60  # the map and the Inspector follow the selection once it rests this long (key repeat: 30 ms)
+ROOM_DEPTH = 8  # the depth of names the first layout keeps room for (a model's optimizer state: 8 levels)
 
 
 class CheckpointView(QWidget):
     treeReady = Signal(object)  # BrowseData with the tree only
     loaded = Signal(object)  # BrowseData, analysis done
     failed = Signal(str)
+    openCancelled = Signal()  # Cancel while the metadata was read: nothing was opened
     statsReady = Signal(object)
     valuesDone = Signal()  # a values load ended (statistics shown, an error, or cancelled)
     contentsVerified = Signal(object)  # list[Problem] from "Verify contents", or None if it did not finish
@@ -87,6 +91,11 @@ class CheckpointView(QWidget):
         self._depth = 0  # the deepest entry's level in the tree (its names need that much indentation)
         layout.addWidget(self.main_split, 1)
 
+        self._detail_timer = QTimer(self)
+        self._detail_timer.setSingleShot(True)
+        self._detail_timer.setInterval(DETAIL_DELAY_MS)
+        self._detail_timer.timeout.connect(self.show_selected_now)
+        self.detail_draws = 0  # how many times the selection's map and Inspector were drawn (tests count them)
         self._filter_timer = QTimer(self)
         self._filter_timer.setSingleShot(True)
         self._filter_timer.setInterval(150)
@@ -143,6 +152,7 @@ class CheckpointView(QWidget):
         self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.tree.selectionModel().currentChanged.connect(self._current_changed)
+        size_columns(self.tree)  # from the font: known before any entry, so the first layout can make room
         ll.addWidget(self.tree, 1)
         return left
 
@@ -192,11 +202,29 @@ class CheckpointView(QWidget):
         if not self.layout_restored and self.width() > 400:
             # NOTE: sizes only mean something once the view has its real width (first resize)
             self.layout_restored = True
-            # NOTE: 46 %: at 1280 px the tree then shows every column and names 8 levels deep (the demo's optimizer
-            # state) whole; it is not widened when the entries arrive, as nothing moves once shown
-            self.main_split.setSizes([int(self.width() * TREE_SHARE), self.width() - int(self.width() * TREE_SHARE)])
+            # NOTE: 46 %, and at least what every column and names 8 levels deep (the demo's optimizer state) need
+            # while the detail side keeps its least width: at 1024 px 46 % cut the ranks column off
+            total = self.main_split.width() - self.main_split.handleWidth()
+            tree = min(max(int(total * TREE_SHARE), tree_room(self.tree, ROOM_DEPTH)), self._tree_side_most(total))
+            self.main_split.setSizes([tree, total - tree])
             self.right_split.setSizes([int(self.height() * 0.5), int(self.height() * 0.5)])
         self._place_progress()
+
+    def _tree_side_most(self, total: int) -> int:
+        """The most the tree side may take of ``total``: the detail side keeps its least width."""
+        return max(0, total - self.main_split.widget(1).minimumSizeHint().width())
+
+    def make_tree_room(self) -> None:
+        """Widen the tree side if its columns and deepest names do not fit (a layout saved at another window
+        size, a checkpoint deeper than the first layout planned for), as far as the detail side allows; a
+        tree that fits is never moved."""
+        sizes = self.main_split.sizes()
+        total = sum(sizes)
+        if total <= 0:
+            return
+        need = min(tree_room(self.tree, self._depth), self._tree_side_most(total))
+        if sizes[0] < need:
+            self.main_split.setSizes([need, total - need])
 
     def _place_progress(self) -> None:
         top_left = self.tree.mapTo(self, self.tree.rect().bottomLeft())
@@ -208,19 +236,35 @@ class CheckpointView(QWidget):
 
     # ------------------------------------------------------------------ loading
     def load(self) -> None:
-        self.progress.start("reading metadata", cancellable=False)
+        # NOTE: cancellable: a large .metadata loads in a helper process for seconds; Cancel (and closing the
+        # tab) ends that process, as it could not be stopped before
+        self.progress.start("reading metadata", cancellable=True)
         self._load_worker = run_in_background(
             load_any, self.path, owner=self, on_result=self._on_tree, on_error=self._on_failed,
-            on_progress=self.progress.set_progress)
+            on_progress=self.progress.set_progress, on_cancelled=self._on_open_cancelled)
+
+    def _on_open_cancelled(self) -> None:
+        self._load_worker = None
+        self.progress.finish()
+        self._set_header(f"<b>{rich_name(self.path)}</b><br>Opening cancelled: nothing was read. "
+                         "File › Reload opens it again.")
+        self.map.clear_map("Opening was cancelled.")
+        self.openCancelled.emit()
+
+    def opening(self) -> bool:
+        """The checkpoint's metadata is being read (the tree is not shown yet)."""
+        return self._load_worker is not None and self.data is None
 
     def _on_tree(self, data: BrowseData) -> None:
         """The tree goes up as soon as the metadata is read; the analysis follows in the background."""
         self.data = data
         ck = data.ckpt
+        self.progress.start("analysing", cancellable=False)  # the analysis is quick and is not cancelled
         self._set_header(summary_html(ck, self.path))
         self.model.set_root(data.tree, {})
         self._depth = max((e.fqn.count(".") for e in (*ck.tensors, *ck.objects)), default=0)
         size_columns(self.tree)
+        self.make_tree_room()
         fit_name_column(self.tree, self._depth)
         if data.tree.children and len(data.tree.children) <= 4:
             for r in range(self.proxy.rowCount()):
@@ -277,10 +321,22 @@ class CheckpointView(QWidget):
         self._selected = node
         self.cancel_values()
         if node is None or self.data is None:
+            self._detail_timer.stop()
+            return
+        self.map_caption.setText(map_caption(self.data.ckpt, node, list(node.iter_tensors())))
+        # NOTE: the map, the chunk table and the values follow once the selection rests: drawn for every row an
+        # arrow key passed, a 512-rank module cost about 200 ms a step (the key repeat fell behind)
+        self._detail_timer.start()
+
+    def show_selected_now(self) -> None:
+        """Draw the map, the Inspector and the values of the selected entry now (not when the timer ends)."""
+        self._detail_timer.stop()
+        node = self._selected
+        if node is None or self.data is None:
             return
         ck = self.data.ckpt
         tensors = list(node.iter_tensors())
-        self.map_caption.setText(map_caption(ck, node, tensors))
+        self.detail_draws += 1
         if isinstance(node.entry, TensorEntry):
             self.map.show_tensors(ck, [node.entry])
             self.inspector.set_tensor(node.entry)
@@ -294,9 +350,13 @@ class CheckpointView(QWidget):
             self.inspector.set_tensor(None)
             if node.entry is not None:
                 value = (self.data.values or {}).get(node.path, "(loading)")
-                self.inspector.title.setText(f"<b>{rich_name(node.path)}</b> = {rich_name(value)}")
+                self.inspector.title.set_title(node.path, f" = {value}")
         if self.ranks.selected_rank is not None:
             self.map.set_highlight_rank(self.ranks.selected_rank)
+
+    def detail_pending(self) -> bool:
+        """The selection moved and its map and Inspector are not drawn yet."""
+        return self._detail_timer.isActive()
 
     def select_path(self, path: str) -> bool:
         src = self.model.index_for_path(path)
@@ -311,6 +371,7 @@ class CheckpointView(QWidget):
         self.tree.scrollTo(idx)
         self.tree.selectionModel().setCurrentIndex(
             idx, QItemSelectionModel.SelectionFlag.ClearAndSelect | QItemSelectionModel.SelectionFlag.Rows)
+        self.show_selected_now()  # a selection asked for by name is shown at once
         return True
 
     def selected_node(self) -> TreeNode | None:
@@ -444,8 +505,11 @@ class CheckpointView(QWidget):
     def _cancel_background(self) -> None:
         if self._verify_worker is not None:
             self._verify_worker.quit()
+        if self.opening():
+            self._load_worker.quit()
 
     def shutdown(self) -> None:
+        self._detail_timer.stop()
         self.cancel_values()
         self._cancel_background()
         if self._load_worker is not None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import html
 import time
 from typing import Any
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QGuiApplication, QKeySequence
+from PySide6.QtGui import QFont, QFontMetrics, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -24,9 +25,51 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.checkpoint.model import TensorEntry
-from ..backend.format import human_bytes, plain_tooltip, rich_name
+from ..backend.format import escape_name, human_bytes, plain_tooltip, rich_name
 from .palette import rank_color
 from .plot_style import themed_plot
+
+
+class TitleLabel(QLabel):
+    """The Inspector's title: a bold name and what follows it (dtype, shape, size; or a value). What follows is
+    always whole; the name is cut in the middle to the room left, again at every resize, so the title's end is
+    never clipped under the buttons beside it. The whole text is in its tooltip."""
+
+    def __init__(self, text: str = "", parent=None) -> None:
+        super().__init__(parent)
+        self._name, self._rest = "", text
+        self.setTextFormat(Qt.TextFormat.RichText)
+        self._fit()
+
+    def set_title(self, name: str, rest: str = "") -> None:
+        """``name`` (plain, shown bold) and ``rest`` (plain, after it); both escaped here."""
+        self._name, self._rest = name, rest
+        self.setToolTip(plain_tooltip(name + rest) if name else "")
+        self._fit()
+
+    def shown(self) -> tuple[str, str]:
+        """(the name as shown, what follows it)."""
+        return self._shown_name, self._rest
+
+    def needed_width(self) -> int:
+        """The pixels the shown text takes."""
+        return self._bold().horizontalAdvance(self._shown_name) + self.fontMetrics().horizontalAdvance(self._rest)
+
+    def _bold(self) -> QFontMetrics:
+        font = QFont(self.font())
+        font.setBold(True)
+        return QFontMetrics(font)
+
+    def _fit(self) -> None:
+        room = self.contentsRect().width() - self.fontMetrics().horizontalAdvance(self._rest) - 2
+        name = escape_name(self._name)  # a U+202E or newline in a stored name must not reorder or split the title
+        self._shown_name = self._bold().elidedText(name, Qt.TextElideMode.ElideMiddle, max(room, 0)) or "…" \
+            if name else ""
+        self.setText((f"<b>{html.escape(self._shown_name)}</b>" if name else "") + rich_name(self._rest))
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit()
 
 
 class InspectorView(QWidget):
@@ -39,7 +82,7 @@ class InspectorView(QWidget):
         super().__init__(parent)
         layout = QVBoxLayout(self)
         top = QHBoxLayout()
-        self.title = QLabel("No tensor selected")
+        self.title = TitleLabel("No tensor selected")
         self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         # NOTE: a long name (an optimizer key of a transformers model) set the window's minimum width;
         # the title is clipped instead, the full text in its tooltip.
@@ -102,16 +145,12 @@ class InspectorView(QWidget):
         self.read_note.setText("")
         self.load_button.setText("Load values")
         if entry is None:
-            self.title.setText("No tensor selected")
-            self.title.setToolTip("")
+            self.title.set_title("", "No tensor selected")
             self.chunks.setRowCount(0)
             self.load_button.setEnabled(False)
             return
         self.load_button.setEnabled(True)
-        self.title.setText(f"<b>{rich_name(entry.fqn)}</b> — {entry.dtype} {list(entry.shape)}, "
-                           f"{human_bytes(entry.nbytes)}")
-        self.title.setToolTip(plain_tooltip(f"{entry.fqn} — {entry.dtype} {list(entry.shape)}, "
-                                            f"{human_bytes(entry.nbytes)}"))
+        self.title.set_title(entry.fqn, f" — {entry.dtype} {list(entry.shape)}, {human_bytes(entry.nbytes)}")
         chunks = entry.chunks
         # NOTE: emptied first. Refilling rows that still held items replaced them one by one, and each
         # replacement made the shown table re-measure its ResizeToContents columns over every row:

@@ -37,11 +37,17 @@ from ..backend.format import count, human_bytes
 from ..backend.library.prune import Rules
 from ..backend.library.records import CheckpointRecord, RunRecord
 from ..backend.library.snapshot import LibrarySnapshot, take_snapshot
-from .library_model import COLUMNS, SIZE_COLUMN, LibraryModel, SortRole
+from .library_model import SIZE_COLUMN, LibraryModel, SortRole
 from .library_usage import DiskUsagePanel, SizeBarDelegate
 from .prune_dialog import PruneDialog
 from .watch_dialog import WatchPlanDialog
 from .workers import Worker, run_in_background
+
+NAME_SAMPLE = "run-20261126-133538"  # a run's name as `shardscope train` makes it (the tree's first level)
+CHECKPOINT_SAMPLE = "step_00000030"  # a checkpoint's, one level deeper
+# what each column after the name must show whole (its header too)
+COLUMN_SAMPLES = ("000000", "2026-11-26 13:35", "1023.9 MiB", "000–000", "resumable", "lightning", "incomplete",
+                  "00.0000", "source / exports")
 
 POLL_MS = 2000
 OPENABLE = ("complete",)
@@ -180,11 +186,19 @@ class LibraryView(QWidget):
         self.tree.setItemDelegateForColumn(SIZE_COLUMN, SizeBarDelegate(
             lambda i: self.model.bar_fraction(self.proxy.mapToSource(i)), self.tree))
         header = self.tree.header()
-        header.setStretchLastSection(False)
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for col, width in zip(range(1, len(COLUMNS)), (70, 130, 110, 60, 80, 110, 90, 130, 190)):
+        # NOTE: widths from the font, the name column first: stretched into what fixed widths (970 px) left, it
+        # was 90 px at 1280x720 and every checkpoint read "step_0…"; the source column, last, takes the rest
+        header.setStretchLastSection(True)
+        fm, pad = self.tree.fontMetrics(), self.tree.fontMetrics().averageCharWidth() + 10
+        indent = self.tree.indentation()
+        name = pad + max(indent + fm.horizontalAdvance(NAME_SAMPLE),
+                         2 * indent + fm.horizontalAdvance(CHECKPOINT_SAMPLE))
+        header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
+        for col, sample in enumerate((None, *COLUMN_SAMPLES)):
             header.setSectionResizeMode(col, QHeaderView.ResizeMode.Interactive)
-            header.resizeSection(col, width)
+            header.resizeSection(col, name if sample is None else max(
+                fm.horizontalAdvance(sample), fm.horizontalAdvance(self.model.headerData(col, Qt.Orientation.Horizontal)
+                                                                   or "")) + pad)
         self.tree.selectionModel().selectionChanged.connect(lambda *_: self._update_buttons())
         # NOTE: activated, not doubleClicked: Enter opens the selected checkpoint too (keyboard-only use)
         self.tree.activated.connect(lambda _i: self.open_selected())

@@ -86,7 +86,11 @@ class RanksView(QWidget):
         self.note_text = WRITER_RANKS
         self.hover = QLabel(self.note_text)
         self.hover.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        # NOTE: two lines, wrapped, at a fixed height: on one line the note was cut under "log scale" at 1280 px
+        # ("hover for exact v"); fixed, so the plots never move when the hover text changes
+        self.hover.setWordWrap(True)
+        self.hover.setFixedHeight(2 * self.fontMetrics().lineSpacing() + 2)
         top.addWidget(self.hover, 1)
         self.log_box = QCheckBox("log scale")
         self.log_box.setToolTip("Bytes on a logarithmic scale (on by itself when one rank writes over "

@@ -5,6 +5,7 @@ against the step, so a resumed run's segments keep their width; curves split whe
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pyqtgraph as pg
@@ -26,6 +27,7 @@ from .plot_style import themed_plot
 from .workers import Worker, run_in_background
 
 MIB = 2**-20
+NO_STEPS = "No step reported yet"
 BACKGROUND_POINTS = 200_000  # smoothing more points than this at once happens off the GUI thread
 # memory curves: field -> (pen style, what the legend calls it)
 MEMORY = {"rss": (Qt.PenStyle.SolidLine, "RSS"), "cuda_allocated": (Qt.PenStyle.DashLine, "CUDA allocated"),
@@ -114,6 +116,11 @@ class RunPlots(QWidget):
         self._speed_seen = False
         self.speed.hide()
         self._dirty = False
+        # NOTE: before a run's first step the plots showed empty 0-1 axes (0.1 ... 0.9 steps), as if that were data
+        self.no_steps = pg.TextItem(NO_STEPS, color=QGuiApplication.palette().mid().color(), anchor=(0.5, 0.5))
+        self.loss.addItem(self.no_steps, ignoreBounds=True)
+        self.no_steps.setPos(0.5, 0.5)
+        self.no_steps.hide()
         for plot in (self.loss, self.memory, self.speed):
             plot.getViewBox().sigXRangeChanged.connect(lambda *_a: self.mark_dirty())
         self._smooth_worker: Worker | None = None
@@ -140,6 +147,9 @@ class RunPlots(QWidget):
         self.legend.clear()
         self._speed_seen = False
         self.speed.hide()  # shown once a series reports tokens/s (a script may never)
+        self.loss.addItem(self.no_steps, ignoreBounds=True)  # plot.clear() took it out
+        self.no_steps.setPos(0.5, 0.5)
+        self.no_steps.setVisible(follower is not None)  # until the first step is drawn
         self._dirty = True
 
     def _set(self, key: tuple, plot: pg.PlotWidget, x: np.ndarray, y: np.ndarray, restarts: list[int],
@@ -189,15 +199,20 @@ class RunPlots(QWidget):
             self._dirty = True
             return
         w = self.weight
-        ranks = [r for r in series if is_rank(r)]
+        ranks = sorted(r for r in series if is_rank(r))
+        if len(ranks) >= 2:  # the mean of ranks (key -1), each rank at its place (taken here, on this thread)
+            rank_series = [self.follower.series[r] for r in ranks]
+            places = _places(rank_series)
+            n = _mean_length(rank_series, places)
+            mean = _aligned_mean(rank_series, places, 0, n)
+        else:
+            mean = None
 
         def smooth_all(progress=None):
             table = {r: (*smooth_segments(v, w, (0.0, 0), 0, restarts.get(r, [])), len(v))
                      for r, v in series.items()}
-            if len(ranks) >= 2:  # the mean of ranks is key -1
-                n = min(len(series[r]) for r in ranks)
-                mean = np.mean([series[r][:n] for r in ranks], axis=0)
-                table[-1] = (*smooth_segments(mean, w, (0.0, 0), 0, restarts.get(min(ranks), [])), n)
+            if mean is not None:
+                table[-1] = (*smooth_segments(mean, w, (0.0, 0), 0, restarts.get(ranks[0], [])), len(mean))
             return w, table
 
         self._smooth_worker = run_in_background(smooth_all, owner=self, on_result=self._smoothed)
@@ -245,6 +260,7 @@ class RunPlots(QWidget):
         self._draw_restarts(ranks)
         self._draw_overlay()
         self._update_legend(drawn)
+        self.no_steps.setVisible(not drawn)
         return True
 
     def _draw_series(self, key: int, s: Series) -> None:
@@ -306,7 +322,8 @@ class RunPlots(QWidget):
     def _draw_mean(self, series: list[Series]) -> None:
         if len(series) < 2:
             return
-        n = min(len(s) for s in series)
+        places = _places(series)
+        n = _mean_length(series, places)
         if not n:
             return
         steps = series[0].column("step")[:n]
@@ -319,7 +336,7 @@ class RunPlots(QWidget):
         done = have[2] if have is not None and have[2] <= n else 0
         if n - done > BACKGROUND_POINTS:  # being smoothed in the background (see _smoothed_loss)
             return
-        mean_new = np.mean([s.column("loss")[done:n] for s in series], axis=0)
+        mean_new = _aligned_mean(series, places, done, n)
         restarts = series[0].restarts
         if have is None or done == 0:
             smooth, state = smooth_segments(mean_new, self.weight, (0.0, 0), 0, restarts)
@@ -353,8 +370,9 @@ class RunPlots(QWidget):
             [s for s in self.overlay.series.values() if len(s)]
         if not series:
             return
-        n = min(len(s) for s in series)
-        mean = np.mean([s.column("loss")[:n] for s in series], axis=0)
+        places = _places(series)
+        n = _mean_length(series, places)
+        mean = _aligned_mean(series, places, 0, n)
         smooth, _ = debiased_ema(mean, self.weight)
         if ("overlay",) not in self._curves:
             self._curves[("overlay",)] = _curve(self.loss, QColor("#7f7f7f"), 2.0, Qt.PenStyle.DashLine)
@@ -372,3 +390,43 @@ class RunPlots(QWidget):
             return 0
         column = "loss" if key[0] in ("raw", "smooth") else key[0] if key[0] in MEMORY else "tokens_per_s"
         return int(np.isfinite(s.column(column)).sum())
+
+
+def _places(series: list[Series]) -> list[int | None]:
+    """Where each rank's first record lies among rank 0's records (None: nowhere). A rank that joined at a resume
+    on more processes starts at that restart, not at rank 0's first step."""
+    s0 = series[0]
+    steps0 = s0.column("step")
+    out: list[int | None] = []
+    for s in series:
+        if not len(s):
+            out.append(None)
+            continue
+        first = s.column("step")[0]
+        starts = [0, *s0.restarts]
+        out.append(next((r for r in starts if r < len(steps0) and steps0[r] == first), None))
+    return out
+
+
+def _mean_length(series: list[Series], places: list[int | None]) -> int:
+    """How many of rank 0's records every rank of the latest segment has reported too (a rank that lags a step
+    holds the mean back; one that only took part before the last resume does not)."""
+    s0 = series[0]
+    last = s0.restarts[-1] if s0.restarts else 0
+    ends = [p + len(s) for s, p in zip(series, places, strict=True) if p is not None and p + len(s) > last]
+    return min(ends, default=0)
+
+
+def _aligned_mean(series: list[Series], places: list[int | None], lo: int, hi: int) -> np.ndarray:
+    """The mean of the ranks' losses at rank 0's records ``lo:hi``, each rank at its own place (NOTE: by index
+    alone, after a resume on 3 ranks of a 2-rank run, rank 2's steps 41-80 were averaged into steps 1-40)."""
+    values = np.full((len(series), hi - lo), np.nan)
+    for k, (s, p) in enumerate(zip(series, places, strict=True)):
+        if p is None:
+            continue
+        a, b = max(lo, p), min(hi, p + len(s))
+        if a < b:
+            values[k, a - lo:b - lo] = s.column("loss")[a - p:b - p]
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a record no rank has: NaN, a gap in the curve
+        return np.nanmean(values, axis=0)

@@ -210,7 +210,8 @@ def size_columns(tree: QTreeView) -> None:
     """Widths from the font, so "1023.9 MiB" and "float32" fit at any DPI and font size."""
     fm = tree.fontMetrics()
     pad = 2 * fm.averageCharWidth() + 4
-    samples = ("bfloat16", "4096×4096", "1023.9 MiB", "00000", "000–000")
+    # NOTE: the shape column holds a module's count too: "2,001 tensors" was cut to "2,001…nsors" at 512 ranks
+    samples = ("bfloat16", "20,000 tensors", "1023.9 MiB", "00000", "000–000")
     header = tree.header()
     header.setStretchLastSection(False)
     header.setMinimumSectionSize(fm.horizontalAdvance("0000") + pad)
@@ -222,6 +223,16 @@ def size_columns(tree: QTreeView) -> None:
 def name_floor(tree: QTreeView, depth: int) -> int:
     """The name column's least width: the indentation of the deepest level (``depth``) and NAME_ROOM."""
     return tree.indentation() * (depth + 1) + tree.fontMetrics().horizontalAdvance(NAME_ROOM) + 12
+
+
+def tree_room(tree: QTreeView, depth: int) -> int:
+    """The width the tree widget needs to show every column, and names ``depth`` levels deep whole, without
+    scrolling sideways: the number columns, the name column's floor, the frame and a vertical scroll bar."""
+    from PySide6.QtWidgets import QStyle
+
+    others = sum(tree.columnWidth(c) for c in range(1, tree.header().count()))
+    chrome = 2 * tree.frameWidth() + tree.style().pixelMetric(QStyle.PixelMetric.PM_ScrollBarExtent, None, tree)
+    return name_floor(tree, depth) + others + chrome + 2
 
 
 def fit_name_column(tree: QTreeView, depth: int) -> None:

@@ -76,7 +76,8 @@ class Worker:
     def run(self) -> None:  # worker thread
         self.signals.started.emit()
         try:
-            result = self.func(*self.args, progress=self.progress, **self.kwargs)
+            with self.progress.current():  # what it runs in a helper process is cancelled with it
+                result = self.func(*self.args, progress=self.progress, **self.kwargs)
         except Cancelled:
             self.signals.cancelled.emit()
         except ShardscopeError as exc:

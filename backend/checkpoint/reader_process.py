@@ -27,7 +27,7 @@ import tempfile
 import threading
 from typing import Any
 
-from .. import errors
+from .. import errors, progress
 from . import safe_pickle
 from .safe_pickle import NotStreamable, Record, gc_paused, unpickle_metadata
 
@@ -84,6 +84,11 @@ class _Helper:
         except OSError:
             return None, False
 
+    def kill(self) -> None:
+        """End the helper at once, from any thread (a cancelled load); the waiting call then gets no reply."""
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+
     def close(self, kill: bool = False) -> tuple[int, str]:
         """End the helper (it leaves when its socket closes); its exit code and the end of what it printed."""
         self.replies.close()
@@ -102,14 +107,24 @@ class _Helper:
 
 _IDLE: list[_Helper] = []
 _IDLE_LOCK = threading.Lock()
+_BUSY: set[_Helper] = set()  # helpers serving a load now
+_BUSY_LOCK = threading.Lock()
+
+
+def busy_helpers() -> list[int]:
+    """The process ids of the helpers serving a load now."""
+    with _BUSY_LOCK:
+        return [h.proc.pid for h in _BUSY]
 
 
 def _forget_helpers() -> None:
     """NOTE: a forked child must not talk to its parent's helpers (two processes on one socket), and the
     lock may have been held by a thread that does not exist in the child: it starts afresh."""
-    global _IDLE_LOCK
+    global _IDLE_LOCK, _BUSY_LOCK
     _IDLE.clear()
     _IDLE_LOCK = threading.Lock()
+    _BUSY.clear()
+    _BUSY_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_helpers)
@@ -129,16 +144,32 @@ def run_isolated(func: Any, data: Any, source: str) -> Any:
     name = f"{func.__module__}:{func.__qualname__}"
     if name not in _FUNCS:
         raise ValueError(f"{name} cannot run in the metadata helper process")
+    operation = progress.current()
+    if operation is not None:
+        operation.check()
     with _as_file(data) as (fd, pos):
         for _attempt in range(2):
             with _IDLE_LOCK:
                 helper = _IDLE.pop() if _IDLE else None
             helper = helper or _Helper()
+            # NOTE: the load cannot check for a cancel while it waits on the helper: a cancel kills the helper
+            # (a 50 MB .metadata kept loading, and its helper kept its memory, after the tab was closed)
+            stop = operation.on_cancel(helper.kill) if operation is not None else None
+            with _BUSY_LOCK:
+                _BUSY.add(helper)
             try:
                 blob, stays = helper.call(name, source, fd, pos)
             except BaseException:
                 helper.close(kill=True)
                 raise
+            finally:
+                with _BUSY_LOCK:
+                    _BUSY.discard(helper)
+                if stop is not None:
+                    stop()
+            if operation is not None and operation.cancelled:
+                helper.close(kill=True)
+                raise errors.Cancelled()
             if blob is not None or helper.fresh:
                 break
             helper.close()  # a waiting helper that had ended meanwhile: once more with a new one

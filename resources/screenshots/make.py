@@ -56,7 +56,8 @@ def main() -> None:
         "ranks-512ranks": ("gui", big, "--select", "model.layers.0.mlp.up.weight", "--tab", "ranks"),
         "compare": ("gui", "--compare", run / "checkpoints" / "step_000010", last,
                     "--select", "model.blocks.0.mlp.0.weight"),
-    }  # the Training panel's and the Library's pictures are made with their own tests (issues 12, 13)
+    }  # the Training panel's and the Library's pictures (training*.png, library.png) are grabs of a session in the
+    #    real window under Xvfb: the demo mid-run, `gui RUN_DIR --screenshot PNG --size 1280x720`, `gui --screenshot`
     for name, cmd in shots.items():
         for size in SIZES:
             shardscope(*cmd, "--screenshot", args.out / f"{name}-{size}.png", "--size", size, env=env)
