@@ -302,6 +302,8 @@ def test_the_dialog_offers_to_create_a_missing_destination_folder(qtbot, fixture
     dlg.dst.setText(str(dst))
     offer = dlg.make_folders
     assert offer.isVisibleTo(dlg) and offer.isChecked()
+    QApplication.processEvents()
+    format_at = dlg.format.mapTo(dlg, dlg.format.rect().topLeft()).y()
     assert offer.text().endswith("/new (and 1 folder in it)") and str(tmp_path / "new") in offer.toolTip()
     offer.setChecked(False)
     with qtbot.waitSignal(dlg.finished_export, timeout=120000) as refused:
@@ -313,3 +315,5 @@ def test_the_dialog_offers_to_create_a_missing_destination_folder(qtbot, fixture
     assert done.args[0] is not None and dst.is_file(), dlg.message.text()
     dlg.dst.setText(str(tmp_path / "new" / "again.safetensors"))  # its folder is there now: nothing to offer
     assert not offer.isVisibleTo(dlg)
+    QApplication.processEvents()  # the rows below did not move as the offer came and went
+    assert dlg.format.mapTo(dlg, dlg.format.rect().topLeft()).y() == format_at

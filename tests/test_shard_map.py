@@ -231,3 +231,20 @@ def test_arrow_keys_draw_the_map_once_the_selection_rests(qtbot, fixtures):
     last = view.selected_node()
     assert {ci.fqn for ci in view.map.chunk_items} == {t.fqn for t in last.iter_tensors()}
     qtbot.waitUntil(lambda: not view.values_pending(), timeout=120000)
+
+
+def test_a_long_name_in_the_caption_does_not_move_the_map(qtbot, fixtures):
+    """At 1280 px a long tensor name wrapped the map's caption onto a second line and pushed the map down a
+    line as the selection moved: the caption keeps room for three lines (a wrapped name, the legend)."""
+    view = open_view(qtbot, fixtures["fsdp2_r2"])
+    view.resize(1280, 680)
+    tensors = sorted((t.fqn for t in view.data.ckpt.tensors), key=len)
+    tops = []
+    for path in (tensors[0], tensors[-1], tensors[0]):
+        assert view.select_path(path)
+        qtbot.wait(50)
+        QApplication.processEvents()
+        tops.append(view.map.mapTo(view, view.map.rect().topLeft()).y())
+    caption = view.map_caption
+    assert caption.heightForWidth(caption.width()) > caption.fontMetrics().lineSpacing() * 1.5, caption.text()
+    assert tops[0] == tops[1] == tops[2], tops

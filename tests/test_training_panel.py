@@ -144,6 +144,33 @@ def test_memory_axis_labels_do_not_run_together_at_1280x720(qtbot, panel, tmp_pa
         for upper, lower in pairwise(rects):  # a clear half line between two labels
             assert lower.top() - upper.bottom() >= upper.height() / 2, (plot, [(t, r.top()) for r, _f, t in texts])
 
+def test_throughput_ticks_are_short_enough_not_to_touch_the_axis_title(qtbot, panel, tmp_path):
+    """At 1280x720 "50000" on the throughput axis touched its "tokens/s" title: large values read 50k, 1.5M."""
+    from PySide6.QtGui import QImage, QPainter
+
+    run = tmp_path / "run"
+    for step in range(1, 31):
+        write_metrics(run, 0, [step], tokens_per_s=40_000.0 + 500 * step)
+    panel.resize(1280, 640)
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.follow(str(run))
+    qtbot.waitUntil(lambda: panel.plots.speed.isVisible() and
+                    panel.plots.speed.getViewBox().viewRange()[1][1] > 10_000, timeout=10000)
+    axis = panel.plots.speed.getAxis("left")
+    image = QImage(10, 10, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    try:
+        _axis, _ticks, texts = axis.generateDrawSpecs(painter)
+    finally:
+        painter.end()
+    shown = [t for _r, _f, t in texts if t]
+    assert shown and all(t.endswith("k") for t in shown), shown
+    assert axis.tickStrings([10_000, 12_500], 1, 2_500) == ["10.0k", "12.5k"]
+    assert axis.tickStrings([0, 1.5e6], 1, 5e5) == ["0", "1.5M"]
+    assert axis.tickStrings([330, 335], 1, 5) == ["330", "335"]
+
+
 def test_stall_detection_waits_for_the_resumed_ranks(tmp_path):
     run = tmp_path / "run"
     now = time.time()
@@ -726,3 +753,18 @@ def test_a_run_without_steps_says_so_instead_of_empty_axes(qtbot, panel, tmp_pat
     write_metrics(run, 1, range(1, 11))
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 0)) == 10, timeout=10000)
     assert not note.isVisible()
+
+
+def test_a_resume_stopped_before_its_first_step_is_not_still_resuming(tmp_path):
+    """The header said "resuming step 40 ..." above "stopped by the user" after a resumed run was stopped early:
+    once the run is over it says what is true then."""
+    from shardscope.backend.runs.follow import RunSnapshot
+    from shardscope.widgets.run_header import header_html
+
+    note = "resuming step 40 of a 2-rank run on 3 ranks (DCP reshards it as it loads)"
+    follower = RunFollower(tmp_path)
+    live = header_html(follower, RunSnapshot(status={"state": "running", "resumed": note}), False, {})
+    assert note in live
+    over = header_html(follower, RunSnapshot(status={"state": "stopped", "resumed": note,
+                                                     "explanation": "stopped by the user"}), False, {})
+    assert "resuming" not in over and "launched to resume step 40 of a 2-rank run on 3 ranks<br>" in over

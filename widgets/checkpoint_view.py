@@ -166,6 +166,9 @@ class CheckpointView(QWidget):
         self.map_caption.setWordWrap(True)
         # NOTE: a long tensor name cannot wrap; it used to become the window's minimum width
         self.map_caption.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        # room for three lines (a name line that may wrap, the legend): a long name must not push the map down
+        self.map_caption.setMinimumHeight(3 * self.map_caption.fontMetrics().lineSpacing() + 2)
+        self.map_caption.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
         ml.addWidget(self.map_caption)
         self.map = ShardMapView()
         ml.addWidget(self.map, 1)

@@ -136,7 +136,14 @@ class ExportDialog(QDialog):
         # RUN/exports/ often is), and says so before anything is written
         self.make_folders = QCheckBox()
         self.make_folders.setChecked(True)
-        form.addRow("", self.make_folders)
+        keep = self.make_folders.sizePolicy()  # the rows below stay put when the offer comes and goes
+        keep.setRetainSizeWhenHidden(True)  # (a form row with its field hidden collapses: a box keeps the room)
+        self.make_folders.setSizePolicy(keep)
+        offer_row = QWidget()
+        offer_box = QHBoxLayout(offer_row)
+        offer_box.setContentsMargins(0, 0, 0, 0)
+        offer_box.addWidget(self.make_folders)
+        form.addRow("", offer_row)
         self.format = QComboBox()
         self.format.addItem(FROM_THE_NAME, None)
         for w in WRITERS.values():

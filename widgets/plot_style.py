@@ -35,6 +35,17 @@ class ValueAxis(pg.AxisItem):
         self.setStyle(maxTextLevel=0)  # minor ticks are marks only: the labels are spaced here
         self.enableAutoSIPrefix(False)
 
+    def tickStrings(self, values: list[float], scale: float, spacing: float) -> list[str]:
+        """Values of 10,000 and more in thousands or millions ("50k", "1.25M"): a throughput axis labelled 50000
+        was wider than its room and touched its title at 1280x720."""
+        top = max((abs(v * scale) for v in values), default=0.0)
+        if top < 10_000 or spacing <= 0:
+            return super().tickStrings(values, scale, spacing)
+        unit, suffix = next((u, s) for u, s in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")) if top >= u)
+        step = spacing * scale / unit
+        digits = next(d for d in range(7) if d == 6 or abs(round(step, d) - step) <= 1e-9 * step)
+        return [f"{v * scale / unit:.{digits}f}{suffix}" if v else "0" for v in values]
+
     def tickSpacing(self, minVal: float, maxVal: float, size: float):
         levels = super().tickSpacing(minVal, maxVal, size)
         span = abs(maxVal - minVal)

@@ -27,6 +27,14 @@ def failures_of(snap: RunSnapshot) -> dict[int, str]:
             if tb or r != -1}  # the launcher's log with nothing but notices says nothing more
 
 
+def resume_words(note: str, over: bool) -> str:
+    """The launcher's "resuming step 40 of a 2-rank run on 3 ranks (...)" while the run lives; once it is over
+    (perhaps stopped before it loaded anything) what is true of it then: "launched to resume step 40 ..."."""
+    if not over or not note.startswith("resuming "):
+        return note
+    return "launched to resume " + note.removeprefix("resuming ").split(" (", 1)[0].removesuffix(", as it was saved")
+
+
 def header_html(follower: RunFollower, snap: RunSnapshot, stopping: bool, failures: dict[int, str]) -> str:
     """The header of the followed run (``stopping``: a Stop is on its way or was asked for)."""
     st = snap.status
@@ -41,7 +49,7 @@ def header_html(follower: RunFollower, snap: RunSnapshot, stopping: bool, failur
     if line:
         parts.append(line.replace("  ", " · "))
     if st.get("resumed"):
-        parts.append(escape(st["resumed"]))
+        parts.append(escape(resume_words(st["resumed"], state in OVER_STATES)))
     if state == "queued":
         parts.append(f"waiting: {escape(st.get('explanation', ''))}")
     if state in ACTIVE_STATES and stopping:
