@@ -423,11 +423,13 @@ def parse_torch_item(src: ByteSource, name: str, offset: int, length: int) -> St
                         rec.crc)
 
 
-class _InMemory:
-    """A ByteSource over bytes already read (a non-tensor entry); a read past them is an ItemFormatError."""
+class InMemory:
+    """A ByteSource over bytes already read (a non-tensor entry, an archive template); a read past them is an
+    ItemFormatError. ``label`` is what errors call it (else the name asked for)."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, label: str | None = None) -> None:
         self.data = data
+        self.label = label
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > len(self.data):
@@ -435,14 +437,14 @@ class _InMemory:
         return self.data[offset:offset + length]
 
     def where(self, name: str) -> str:
-        return name
+        return self.label or name
 
 
 def check_object_archive(data: bytes) -> None:
     """A non-tensor entry stored as a ``torch.save`` archive, checked as :func:`parse_torch_item` checks a
     tensor item's, and every record's CRC32 too (``torch.load`` checks none): ItemFormatError (RecordCrcError
     for a CRC32 mismatch) when any record is damaged. ``torch.load`` then unpickles it."""
-    src = _InMemory(data)
+    src = InMemory(data)
     records = _zip_directory(src, "", 0, len(data))
     _check_records(src, "", 0, len(data), records)
     with memoryview(data) as view:

@@ -84,10 +84,11 @@ class _Template:
     def __init__(self, dtype: Any, shape: tuple[int, ...]) -> None:
         import torch
 
-        from ..checkpoint.items import StoredTensor, parse_torch_item
+        from ..checkpoint.items import InMemory, StoredTensor, parse_torch_item
 
         self.bytes = _saved(torch.zeros(shape, dtype=dtype))
-        st: StoredTensor = parse_torch_item(_Bytes(self.bytes), "", 0, len(self.bytes))  # what the reader finds
+        st: StoredTensor = parse_torch_item(InMemory(self.bytes, "a torch.save archive"), "", 0,
+                                                     len(self.bytes))  # what the reader finds
         self.stored = st
         self.data_start, self.nbytes = st.data_offset, st.nbytes
         self.local_crc, self.central_crc = _crc_fields(self.bytes, st.data_offset, st.nbytes, st.crc32)
@@ -101,23 +102,6 @@ class _Template:
         out[self.local_crc:self.local_crc + 4] = packed
         out[self.central_crc:self.central_crc + 4] = packed
         return out, crc
-
-
-class _Bytes:
-    """A ByteSource over an archive in memory (a template)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def read(self, name: str, offset: int, length: int) -> bytes:
-        from ..checkpoint.items import ItemFormatError
-
-        if offset < 0 or length < 0 or offset + length > len(self.data):
-            raise ItemFormatError(f"the archive needs bytes {offset}..{offset + length} of {len(self.data)}")
-        return self.data[offset:offset + length]
-
-    def where(self, name: str) -> str:
-        return "a torch.save archive"
 
 
 def _crc_fields(data: bytes, data_start: int, nbytes: int, crc: int) -> tuple[int, int]:

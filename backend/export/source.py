@@ -90,25 +90,16 @@ class TensorSource:
     def _direct_ranges(self, item: ExportItem) -> list[tuple[Chunk, int, int | None]] | None:
         """(chunk, offset in the output tensor) for chunks that are contiguous row bands stored as-is,
         tiling the tensor exactly; None when the tensor must be assembled."""
-        e = item.entry
-        if item.dtype != e.dtype or e.ndim == 0 or not e.numel:
+        bands = row_bands(item)  # a gap or an overlap: None, the reader assembles (and reports) it
+        if bands is None:
             return None
-        row_bytes = math.prod(e.shape[1:]) * (item.nbytes // e.numel)
         out = []
-        for c in e.chunks:
-            if any(o != 0 for o in c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(e.shape[1:]):
-                return None
-            st = self._copyable(e.fqn, c, e.dtype)
+        for c, dst in bands:
+            st = self._copyable(item.entry.fqn, c, item.entry.dtype)
             if st is None:
                 return None
-            out.append((c, c.offsets[0] * row_bytes, st.crc32))
-        out.sort(key=lambda x: x[1])
-        pos = 0
-        for c, dst, _ in out:
-            if dst != pos:
-                return None  # a gap or an overlap: let the reader assemble (and report) it
-            pos += c.sizes[0] * row_bytes
-        return out if pos == item.nbytes else None
+            out.append((c, dst, st.crc32))
+        return out
 
     def write(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> int:
         """Write the item's bytes at ``base``; returns their CRC32. Their writeback to disk starts at once."""
