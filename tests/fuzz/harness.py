@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import io
 import os
 import random
@@ -171,7 +170,6 @@ def run_case(folder: Path, timeout: float = 30.0, oracle: bool = False,
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-        gc.collect()  # what the case left behind is freed (and prints, if it does) while stderr is watched
         sys.stderr = real_stderr
     if kind != "crash" and any(s in printed.getvalue() for s in STRAY):
         kind, detail = "crash", f"printed on stderr: {printed.getvalue()[-1500:]}"
