@@ -387,21 +387,26 @@ def test_a_checkpoint_that_starts_changing_is_skipped(tree, tmp_path):
     assert (target / ".metadata").exists()
 
 
-def test_killed_prune_leaves_no_half_checkpoint(tree, tmp_path):
-    before = _snapshot(tree)
-    env = {**os.environ, **_trash_env(tmp_path), PAUSE_ENV: "120"}
-    proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "prune", tree, "--keep-last", "1", "--yes",
-                             "--delete"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+def kill_after_first_rename(proc: subprocess.Popen) -> Path:
+    """SIGKILL a prune once it says it renamed something (its test hook pauses it there); where that went."""
     try:
         deadline = time.monotonic() + 120
         line = ""
-        while "renamed to" not in line:  # the hook pauses right after the first rename
+        while "renamed to" not in line:
             assert time.monotonic() < deadline and proc.poll() is None
             line = proc.stderr.readline()
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    hidden = Path(line.split("renamed to", 1)[1].strip())
+    return Path(line.split("renamed to", 1)[1].strip())
+
+def test_killed_prune_leaves_no_half_checkpoint(tree, tmp_path):
+    before = _snapshot(tree)
+    env = {**os.environ, **_trash_env(tmp_path), PAUSE_ENV: "120"}
+    proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "prune", tree, "--keep-last", "1", "--yes",
+                             "--delete"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    hidden = kill_after_first_rename(proc)  # the hook pauses right after the first rename
     assert hidden.name.startswith(PRUNE_PREFIX + "delete-") and hidden.exists()
     after = _snapshot(tree)
     gone = set(before) - set(after)
@@ -651,16 +656,7 @@ def test_prune_killed_between_an_export_and_its_sidecar_is_finished_by_ls(tmp_pa
     env = {**os.environ, **_trash_env(tmp_path), PAUSE_ENV: "120"}
     proc = subprocess.Popen([sys.executable, "-m", "shardscope.app.cli", "prune", root, *PRUNE_WEIGHTS, "--yes"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while "renamed to" not in line:  # the hook pauses right after the export's rename
-            assert time.monotonic() < deadline and proc.poll() is None
-            line = proc.stderr.readline()
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    hidden = Path(line.split("renamed to", 1)[1].strip())
+    hidden = kill_after_first_rename(proc)  # the hook pauses right after the export's rename
     assert hidden.name == f"{PRUNE_PREFIX}delete-step_000010.safetensors" and hidden.exists()
     sidecar = exports / "step_000010.safetensors.shardscope.json"
     assert sidecar.exists() and not (exports / "step_000010.safetensors").exists()

@@ -116,11 +116,21 @@ def test_resumed_run_is_split_and_memory_is_plotted_per_step(qtbot, panel, tmp_p
 
 
 
+def tick_texts(axis) -> list:
+    """(rect, flags, text) of each tick label the axis would draw now."""
+    from PySide6.QtGui import QImage, QPainter
+
+    image = QImage(10, 10, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    try:
+        return axis.generateDrawSpecs(painter)[2]
+    finally:
+        painter.end()
+
+
 def test_memory_axis_labels_do_not_run_together_at_1280x720(qtbot, panel, tmp_path):
     """At 1280x720 the memory plot is about 50 px tall, and its y axis labelled 330, 332, ... 338 one against the
     next: a value axis labels only as many values as fit, half a line apart at least."""
-    from PySide6.QtGui import QImage, QPainter
-
     run = tmp_path / "run"
     t0 = time.time()
     for step in range(1, 31):  # RSS creeping from 330 to 338 MiB, as the demo's did
@@ -133,12 +143,7 @@ def test_memory_axis_labels_do_not_run_together_at_1280x720(qtbot, panel, tmp_pa
     for plot in (panel.plots.memory, panel.plots.loss):
         qtbot.waitUntil(lambda p=plot: p.getViewBox().viewRange()[1][1] > 1, timeout=10000)
         axis = plot.getAxis("left")
-        image = QImage(10, 10, QImage.Format.Format_ARGB32)
-        painter = QPainter(image)
-        try:
-            _axis, _ticks, texts = axis.generateDrawSpecs(painter)
-        finally:
-            painter.end()
+        texts = tick_texts(axis)
         rects = sorted((r for r, _flags, text in texts if text), key=lambda r: r.top())
         assert len(rects) >= 2, [t for _r, _f, t in texts]
         for upper, lower in pairwise(rects):  # a clear half line between two labels
@@ -146,8 +151,6 @@ def test_memory_axis_labels_do_not_run_together_at_1280x720(qtbot, panel, tmp_pa
 
 def test_throughput_ticks_are_short_enough_not_to_touch_the_axis_title(qtbot, panel, tmp_path):
     """At 1280x720 "50000" on the throughput axis touched its "tokens/s" title: large values read 50k, 1.5M."""
-    from PySide6.QtGui import QImage, QPainter
-
     run = tmp_path / "run"
     for step in range(1, 31):
         write_metrics(run, 0, [step], tokens_per_s=40_000.0 + 500 * step)
@@ -158,12 +161,7 @@ def test_throughput_ticks_are_short_enough_not_to_touch_the_axis_title(qtbot, pa
     qtbot.waitUntil(lambda: panel.plots.speed.isVisible() and
                     panel.plots.speed.getViewBox().viewRange()[1][1] > 10_000, timeout=10000)
     axis = panel.plots.speed.getAxis("left")
-    image = QImage(10, 10, QImage.Format.Format_ARGB32)
-    painter = QPainter(image)
-    try:
-        _axis, _ticks, texts = axis.generateDrawSpecs(painter)
-    finally:
-        painter.end()
+    texts = tick_texts(axis)
     shown = [t for _r, _f, t in texts if t]
     assert shown and all(t.endswith("k") for t in shown), shown
     assert axis.tickStrings([10_000, 12_500], 1, 2_500) == ["10.0k", "12.5k"]
