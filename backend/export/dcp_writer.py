@@ -5,11 +5,10 @@ Written into a temporary folder and renamed at the end; ``.metadata`` last, as D
 
 from __future__ import annotations
 
-import copyreg
+import gc
 import io
 import math
 import os
-import pickle
 import time
 import uuid
 import zlib
@@ -18,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.chunks import ChunkReader
-from ..checkpoint.reader import open_checkpoint
+from ..crc import crc32
 from ..filenames import METADATA
 from ..formats import open_checkpoint as open_any
 from ..formats import open_source
 from ..progress import Progress
 from .atomic import AtomicOutput
+from .dcp_metadata import MetadataColumns, check_metadata, write_metadata
 from .lineage import lineage_for
 from .plan import ExportError
 from .planner import require_nesting
@@ -59,17 +59,6 @@ def row_chunks(rows: int, ranks: int) -> list[tuple[int, int]]:
     return [(min(rows, r * per), min(rows, (r + 1) * per)) for r in range(ranks)]
 
 
-@dataclass(slots=True)
-class _Written:
-    """What was written for one piece: where the verifier will find it and the CRC of its bytes."""
-
-    fqn: str
-    offsets: tuple[int, ...]
-    crc32: int
-    # a templated item (see _Template): (file, item offset, item length, its template), else None
-    item: tuple[str, int, int, _Template] | None = None
-
-
 # Tensors of at most this many bytes are written from their bytes through a per-shape template of torch.save's
 # archive (a file of 300,000 small tensors made 300,000 torch.save calls, 0.1 ms each, and the verifier parsed
 # 300,000 archives back); larger ones through torch.save, whose fixed cost is then negligible.
@@ -92,16 +81,16 @@ class _Template:
         self.stored = st
         self.data_start, self.nbytes = st.data_offset, st.nbytes
         self.local_crc, self.central_crc = _crc_fields(self.bytes, st.data_offset, st.nbytes, st.crc32)
+        self.first: tuple[int, int] | None = None  # (file, offset) of the first item written from it
 
-    def item(self, data: memoryview) -> tuple[bytearray, int]:
-        """(the archive of these values, their CRC32)."""
-        crc = zlib.crc32(data)
+    def item(self, data: memoryview) -> bytearray:
+        """The archive of these values."""
+        packed = zlib.crc32(data).to_bytes(4, "little")
         out = bytearray(self.bytes)
         out[self.data_start:self.data_start + self.nbytes] = data
-        packed = crc.to_bytes(4, "little")
         out[self.local_crc:self.local_crc + 4] = packed
         out[self.central_crc:self.central_crc + 4] = packed
-        return out, crc
+        return out
 
 
 def _crc_fields(data: bytes, data_start: int, nbytes: int, crc: int) -> tuple[int, int]:
@@ -131,177 +120,121 @@ def _crc_fields(data: bytes, data_start: int, nbytes: int, crc: int) -> tuple[in
     raise ExportError("torch.save wrote an archive this writer does not know (no directory entry).")
 
 
-RUN_BYTES = 8 << 20  # templated items written back to back are verified as one range of at most this
+RUN_BYTES = 8 << 20  # templated items are gathered and written (and later re-read) this many bytes at a time
 
 
-class _Runs:
-    """Ranges of templated items written back to back in each file, with the CRC32 of their bytes as written:
-    the verifier re-reads each range once (every byte of the items, headers and pickles too)."""
+class _DataFiles:
+    """The ``.distcp`` files being written. Templated items are gathered in memory and written ``RUN_BYTES`` at a
+    time, the CRC32 of each such range taken as written (:attr:`runs`: the verifier re-reads each range once,
+    every byte of the items, headers and pickles too); torch.save's items are written as they come."""
 
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.open: dict[str, list] = {}  # file -> [start, end, crc32, first fqn, last fqn]
-        self.done: list[Expectation] = []
+    def __init__(self, folder: str, names: list[str]) -> None:
+        self.folder, self.names = folder, names
+        self.files = [open(os.path.join(folder, n), "wb") for n in names]
+        self.pos = [0] * len(names)  # where the next item of each file goes
+        self.pending: list[list] = [[bytearray(), "", ""] for _ in names]  # per file: bytes, first, last name
+        self.runs: list[Expectation] = []
 
-    def add(self, file: str, offset: int, item: bytes | bytearray, fqn: str) -> None:
-        run = self.open.get(file)
-        if run is not None and (run[1] != offset or run[1] - run[0] + len(item) > RUN_BYTES):
-            self.close(file)
-            run = None
-        if run is None:
-            self.open[file] = [offset, offset + len(item), zlib.crc32(item), fqn, fqn]
-        else:
-            run[1] += len(item)
-            run[2] = zlib.crc32(item, run[2])
-            run[4] = fqn
+    def add(self, r: int, item: bytes | bytearray, name: str, gather: bool = True) -> int:
+        """Write ``item`` at the end of file ``r`` (gathered with its neighbours when ``gather``); its offset."""
+        off = self.pos[r]
+        self.pos[r] += len(item)
+        if not gather:
+            self.flush(r)
+            self.files[r].write(item)
+            return off
+        buf = self.pending[r]
+        if not buf[0]:
+            buf[1] = name
+        buf[0] += item
+        buf[2] = name
+        if len(buf[0]) >= RUN_BYTES:
+            self.flush(r)
+        return off
 
-    def close(self, file: str | None = None) -> None:
-        """End the run of ``file`` (every file's when None)."""
-        for f in [file] if file is not None else list(self.open):
-            run = self.open.pop(f, None)
-            if run is not None:
-                start, end, crc, first, last = run
-                self.done.append(Expectation(os.path.join(self.folder, f), start, end - start, crc,
-                                             first if first == last else f"{first} … {last}"))
+    def flush(self, r: int) -> None:
+        data, first, last = self.pending[r]
+        if data:
+            start = self.files[r].tell()
+            self.files[r].write(data)
+            self.runs.append(Expectation(os.path.join(self.folder, self.names[r]), start, len(data),
+                                         crc32(data), first if first == last else f"{first} … {last}"))
+            self.pending[r] = [bytearray(), "", ""]
+
+    def close(self, sync: bool) -> None:
+        try:
+            for r, f in enumerate(self.files):
+                if sync:
+                    self.flush(r)
+                    f.flush()
+                    os.fsync(f.fileno())
+        finally:
+            for f in self.files:
+                f.close()
 
 
-def _save_small(t: TensorIn, files: list[Any], names: list[str], storage: dict, ranks: int, written: list[_Written],
-                templates: dict, sizes: dict, runs: _Runs, torch: Any) -> tuple[Any, list]:
-    """Write a small tensor from its bytes as row-wise pieces, one templated torch.save item per rank; returns
-    (its torch dtype, chunk metas). No torch tensor is made."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+def _pieces(shape: tuple[int, ...], ranks: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...], int, int]]:
+    """(rank, offsets, sizes, first row, stop row) of each row-wise piece (one piece for 0-d or empty tensors)."""
+    if not shape or shape[0] == 0 or ranks == 1:
+        return [(0, (0,) * len(shape), shape, 0, shape[0] if shape else 1)]
+    rest = (0,) * (len(shape) - 1)
+    return [(r, (a, *rest), (b - a, *shape[1:]), a, b) for r, (a, b) in enumerate(row_chunks(shape[0], ranks))
+            if b > a]
 
+
+def _save_small(t: TensorIn, out: _DataFiles, cols: MetadataColumns, ranks: int, templates: dict, torch: Any) -> None:
+    """Write a small tensor from its bytes as row-wise pieces, one templated torch.save item per rank. No torch
+    tensor is made."""
     from ..checkpoint.chunks import torch_dtype
 
     dtype = torch_dtype(t.dtype)
-    shape = t.shape
     raw = t.raw
     assert raw is not None
-    if len(raw) != math.prod(shape) * dtype.itemsize:
-        raise ExportError(f"{t.fqn}: read {len(raw)} bytes for shape {list(shape)} of {t.dtype}.")
-    if not shape or shape[0] == 0 or ranks == 1:
-        pieces = [(0, (0,) * len(shape), shape, raw)]
-    else:
-        row = len(raw) // shape[0]
-        pieces = [(r, (a, *([0] * (len(shape) - 1))), (b - a, *shape[1:]), raw[a * row:b * row])
-                  for r, (a, b) in enumerate(row_chunks(shape[0], ranks)) if b > a]
-    chunks = []
-    for r, offsets, piece_shape, data in pieces:
-        key = (dtype, piece_shape)
+    if len(raw) != math.prod(t.shape) * dtype.itemsize:
+        raise ExportError(f"{t.fqn}: read {len(raw)} bytes for shape {list(t.shape)} of {t.dtype}.")
+    row = len(raw) // t.shape[0] if t.shape and t.shape[0] else len(raw)
+    for r, offsets, sizes, a, b in _pieces(t.shape, ranks):
+        key = (dtype, sizes)
         tpl = templates.get(key)
         if tpl is None:
-            tpl = templates[key] = _Template(dtype, piece_shape)
-        item, crc = tpl.item(data)
-        f = files[r]
-        off = f.tell()
-        f.write(item)
-        runs.add(names[r], off, item, t.fqn)
-        written.append(_Written(t.fqn, offsets, crc, (names[r], off, len(item), tpl)))
-        meta = ChunkStorageMetadata(_size(sizes, offsets, torch), _size(sizes, piece_shape, torch))
-        chunks.append(meta)
-        index = MetadataIndex(t.fqn)
-        object.__setattr__(index, "offset", meta.offsets)  # the shared Size (its __init__ makes a new one)
-        storage[index] = _StorageInfo(names[r], off, len(item))
-    return dtype, chunks
+            tpl = templates[key] = _Template(dtype, sizes)
+        item = tpl.item(raw[a * row:b * row])
+        off = out.add(r, item, t.fqn)
+        if tpl.first is None:
+            tpl.first = (r, off)
+        cols.add_chunk(offsets, sizes, r, off, len(item))
 
 
-def _size(cache: dict, dims: tuple[int, ...], torch: Any) -> Any:
-    """One torch.Size per distinct value (the .metadata pickle then stores it once and refers to it)."""
-    size = cache.get(dims)
-    if size is None:
-        size = cache[dims] = torch.Size(dims)
-    return size
-
-
-def _save_pieces(t: TensorIn, files: list[Any], names: list[str], storage: dict, ranks: int,
-                 written: list[_Written]) -> tuple[Any, list]:
-    """Write one tensor as row-wise pieces, one ``torch.save`` item per rank; returns (value, chunk metas)."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-
+def _save_pieces(t: TensorIn, out: _DataFiles, cols: MetadataColumns, ranks: int,
+                 expect: list[tuple[int, int, int, int, str]]) -> Any:
+    """Write one tensor as row-wise pieces, one ``torch.save`` item per rank; returns its value. ``expect`` gets
+    (file, item offset, item length, CRC32 of the values, name) per piece, for the verifier."""
     value = t.load()
-    if tuple(value.shape) != tuple(t.shape):
-        raise ExportError(f"{t.fqn}: read a tensor of shape {list(value.shape)}, expected {list(t.shape)}.")
-    if value.dim() == 0 or value.shape[0] == 0:
-        pieces = [(0, (0,) * value.dim(), value)]
-    else:
-        pieces = [(r, (a, *([0] * (value.dim() - 1))), value[a:b])
-                  for r, (a, b) in enumerate(row_chunks(value.shape[0], ranks)) if b > a]
-    chunks = []
-    for r, offsets, piece in pieces:
-        f = files[r]
-        off = f.tell()
-        piece = piece.contiguous().clone()
-        written.append(_Written(t.fqn, offsets, zlib.crc32(tensor_bytes(piece))))
+    if tuple(value.shape) != tuple(t.shape) or str(value.dtype).removeprefix("torch.") != t.dtype:
+        raise ExportError(f"{t.fqn}: read a tensor of shape {list(value.shape)} and {value.dtype}, expected "
+                          f"{list(t.shape)} of {t.dtype}.")
+    for r, offsets, sizes, a, b in _pieces(tuple(value.shape), ranks):
+        piece = (value[a:b] if value.dim() and value.shape[0] else value).contiguous().clone()
+        crc = zlib.crc32(tensor_bytes(piece))
         # NOTE: serialised in memory, then written by Python: a failing write (disk full) inside torch's zip
         # writer ended in a C++ terminate for .pt exports (issue 10); here it stays an OSError.
-        f.write(_saved(piece))
-        meta = ChunkStorageMetadata(torch.Size(offsets), torch.Size(piece.shape))
-        chunks.append(meta)
-        storage[MetadataIndex(t.fqn, meta.offsets)] = _StorageInfo(names[r], off, f.tell() - off)
-    return value, chunks
-
-
-def _write_metadata(folder: str, sdm: dict, storage: dict, planner_data: dict, dst: str) -> None:
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    md = Metadata(sdm, planner_data=planner_data or {k: (k,) for k in sdm}, storage_data=storage,
-                  storage_meta=StorageMeta(checkpoint_id=os.path.basename(dst), save_id=str(uuid.uuid4())),
-                  version=DCP_VERSION)
-    buf = io.BytesIO()
-    pickler = pickle.Pickler(buf)  # writing with torch's classes; Shardscope itself never unpickles this way
-    pickler.dispatch_table = _reducers()
-    pickler.dump(md)
-    with open(os.path.join(folder, METADATA), "wb") as f:
-        f.write(buf.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _newobj(obj: Any) -> tuple:
-    """What ``object.__reduce_ex__(2+)`` returns for an object of a plain class, without its failed lookups of
-    ``__getnewargs_ex__`` and friends (each an exception raised and cleared: most of the time of pickling a
-    .metadata of 300,000 entries): the same pickle bytes, 30% sooner."""
-    return copyreg.__newobj__, (type(obj),), obj.__getstate__()
-
-
-def _reducers() -> dict:
-    """The pickler's dispatch table: copyreg's, plus :func:`_newobj` for the DCP metadata classes that reduce
-    the default way (a class that defines its own reduction keeps it)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    table = dict(copyreg.dispatch_table)
-    for cls in (TensorStorageMetadata, ChunkStorageMetadata, MetadataIndex, _StorageInfo, TensorProperties):
-        if cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__ and \
-                not hasattr(cls, "__getnewargs_ex__") and not hasattr(cls, "__getnewargs__"):
-            table[cls] = _newobj
-    return table
+        item = _saved(piece)
+        off = out.add(r, item, t.fqn, gather=False)
+        expect.append((r, off, len(item), crc, t.fqn))
+        cols.add_chunk(offsets, sizes, r, off, len(item))
+    return value
 
 
 def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ranks: int,
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
               progress: Progress | None = None, total_bytes: int = 0,
               storage_options: dict | None = None, sources: list[str] | None = None,
-              source_format: str = "") -> ExportResult:
+              source_format: str = "", release: Callable[[], None] | None = None) -> ExportResult:
     """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last.
     ``sources``: what the tensors are read from (the destination may not overlap them; the first is recorded
-    in the output's lineage sidecar, opened as ``source_format``)."""
+    in the output's lineage sidecar, opened as ``source_format``). ``planner_data`` None: every entry's key path
+    is its own name. ``release`` is called once every tensor is written (the source can go)."""
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
 
     if ranks < 1:
         raise ExportError("the number of ranks must be at least 1.")
@@ -312,56 +245,48 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     lineage = lineage_for(sources[0], "dcp", source_format) if sources else None
     with AtomicOutput(dst, kind="dir", force=force, need_bytes=need, storage_options=storage_options,
                       sources=sources or [], progress=progress, lineage=lineage) as out:
-        sdm: dict[str, Any] = {}
-        storage: dict[Any, Any] = {}
-        written: list[_Written] = []
+        cols = MetadataColumns(names)
+        expect: list[tuple[int, int, int, int, str]] = []  # torch.save's items (see _save_pieces)
+        templates: dict = {}
         count = nbytes = 0
         progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
-        files = [open(os.path.join(out.path, n), "wb") for n in names]
+        files = _DataFiles(out.path, names)
+        done = False
         try:
             for obj in objects:
                 progress.check()
-                off = files[0].tell()
-                files[0].write(obj.data)
-                sdm[obj.fqn] = BytesStorageMetadata()
-                storage[MetadataIndex(obj.fqn)] = _StorageInfo(names[0], off, len(obj.data))
-            templates: dict = {}
-            runs = _Runs(out.path)
-            sizes: dict = {}
-            props: dict = {}  # one TensorProperties per dtype, one torch.Size per value: pickled once each
+                cols.add_object(obj.fqn, 0, files.add(0, obj.data, obj.fqn, gather=False), len(obj.data))
             for t in tensors:
                 if t.raw is not None:
-                    dtype, chunks = _save_small(t, files, names, storage, ranks, written, templates, sizes, runs,
-                                                torch)
-                    shape, size = t.shape, len(t.raw)
+                    cols.add_tensor(t.fqn, t.dtype, t.shape)
+                    _save_small(t, files, cols, ranks, templates, torch)
+                    size = len(t.raw)
                 else:
-                    runs.close()  # torch.save's items come between
-                    value, chunks = _save_pieces(t, files, names, storage, ranks, written)
-                    dtype, shape, size = value.dtype, tuple(value.shape), value.numel() * value.element_size()
+                    cols.add_tensor(t.fqn, t.dtype, t.shape)
+                    value = _save_pieces(t, files, cols, ranks, expect)
+                    size = value.numel() * value.element_size()
                     del value
-                prop = props.get(dtype)
-                if prop is None:
-                    prop = props[dtype] = TensorProperties(dtype=dtype)
-                sdm[t.fqn] = TensorStorageMetadata(prop, _size(sizes, shape, torch), chunks)
                 count += 1
                 nbytes += size
                 progress.advance(size, t.fqn)
                 if count == 1:
                     out.hold_for_tests("written")
-            runs.close()
-            for f in files:
-                f.flush()
-                os.fsync(f.fileno())
+            done = True
         finally:
-            for f in files:
-                f.close()
+            files.close(sync=done)
+        if release is not None:
+            release()
         progress.check()
-        _write_metadata(out.path, sdm, storage, planner_data or {}, dst)
+        planner = planner_data or None
+        write_metadata(out.path, cols, planner, os.path.basename(dst), str(uuid.uuid4()), DCP_VERSION)
         progress.check()
-        mismatches = check_written(_expectations(out.path, written) + runs.done, progress) if verify else []
-        if mismatches:
-            return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
-                                verified=False, mismatches=mismatches)
+        if verify:
+            problem = check_metadata(out.path, cols, planner, DCP_VERSION)
+            mismatches = [problem] if problem else check_written(
+                _expectations(out.path, names, expect, templates) + files.runs, progress)
+            if mismatches:
+                return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
+                                    verified=False, mismatches=mismatches)
         out.commit()
     return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, METADATA]], count, nbytes,
                         time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
@@ -369,43 +294,38 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
                         uploaded=out.uploaded, kept=out.kept)
 
 
-def _expectations(folder: str, written: list[_Written]) -> list[Expectation]:
-    """Open the written folder with the checkpoint reader and locate every piece's bytes in it, so the
-    metadata and the items are proven along with the values. A templated item is found where the metadata
-    says it was written, and the reader parses one item of each template (the others differ from it only in
-    their values and CRC32, and their bytes are proven by :class:`_Runs`' ranges)."""
-    ckpt = open_checkpoint(folder, use_cache=False)
-    expect = []
-    parsed: set[int] = set()
-    t = ckpt.chunk_table
-    names = [f.name for f in ckpt.files]
-    files, offsets, lengths = [names[i] if i >= 0 else "" for i in t.file.tolist()], t.byte_offset.tolist(), \
-        t.length.tolist()
-    dim_start, dims = t.dim_start.tolist(), t.dims.tolist()
-    with ChunkReader(ckpt) as reader:
-        for w in written:
-            entry = ckpt.tensor(w.fqn) if ckpt.has_tensor(w.fqn) else None
-            nd = len(w.offsets)
-            j = next((j for j in range(entry.first_chunk, entry.first_chunk + entry.chunk_count)
-                      if tuple(dims[dim_start[j]:dim_start[j] + nd]) == w.offsets), None) if entry else None
-            if j is None:
-                raise ExportError(f"{folder}: the written metadata lacks {w.fqn} at {list(w.offsets)}.")
-            if w.item is not None:
-                file, offset, length, tpl = w.item
-                if (files[j], offsets[j], lengths[j]) != (file, offset, length):
-                    raise ExportError(f"{folder}: the written metadata puts {w.fqn} at {files[j]}:{offsets[j]} "
-                                      f"({lengths[j]} bytes), not where it was written.")
-                if id(tpl) in parsed:
-                    continue
-                parsed.add(id(tpl))
-            chunk = ckpt.chunks_of(entry)[j - entry.first_chunk]
-            st = reader.locate(w.fqn, chunk)
-            if w.item is not None and (st.data_offset, st.nbytes, st.dtype, tuple(st.shape)) != (
-                    w.item[1] + w.item[3].data_start, w.item[3].nbytes, w.item[3].stored.dtype,
-                    tuple(w.item[3].stored.shape)):
-                raise ExportError(f"{folder}: {w.fqn}'s item does not read back as written.")
-            expect.append(Expectation(os.path.join(folder, chunk.file), st.data_offset, st.nbytes, w.crc32, w.fqn))
-    return expect
+def _expectations(folder: str, names: list[str], expect: list[tuple[int, int, int, int, str]],
+                  templates: dict) -> list[Expectation]:
+    """Each torch.save item parsed where the metadata (already proven to say what was written) puts it, its
+    values' range to re-read against the CRC32 of the values; and one item of each template parsed, to prove the
+    reader finds the dtype, shape and values where the template has them (the other items differ from it only
+    in their values and CRC32, and every byte of them is proven by the runs' CRC32)."""
+    from ..checkpoint.items import ItemFormatError, parse_torch_item
+    from ..checkpoint.storage import LocalHandles
+
+    out = []
+    handles = LocalHandles(folder)
+    try:
+        for tpl in templates.values():
+            if tpl.first is None:
+                continue
+            r, off = tpl.first
+            try:
+                st = parse_torch_item(handles, names[r], off, len(tpl.bytes))
+            except ItemFormatError as exc:
+                raise ExportError(f"{folder}: a written item does not parse ({exc}).") from None
+            if (st.data_offset, st.nbytes, st.dtype, tuple(st.shape)) != (
+                    off + tpl.data_start, tpl.nbytes, tpl.stored.dtype, tuple(tpl.stored.shape)):
+                raise ExportError(f"{folder}: {names[r]}:{off}: a written item does not read back as written.")
+        for r, off, length, crc, name in expect:
+            try:
+                st = parse_torch_item(handles, names[r], off, length)
+            except ItemFormatError as exc:
+                raise ExportError(f"{folder}: {name}'s item does not parse ({exc}).") from None
+            out.append(Expectation(os.path.join(folder, names[r]), st.data_offset, st.nbytes, crc, name))
+    finally:
+        handles.close()
+    return out
 
 
 # ------------------------------------------------------------------ sources
@@ -415,42 +335,48 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
     """Any checkpoint the window opens (a ``.pt``, a ``.safetensors`` file or an HF folder, typically) becomes a
     DCP checkpoint. ``prefix`` nests every key (``model``), so ``dcp.load({"model": model.state_dict()})`` finds
     them."""
-    import torch
-
+    from ..checkpoint.model import itemsize
     from ..checkpoint.safe_pickle import gc_paused
 
     # NOTE: the cyclic GC paused: a file of 300,000 tensors makes millions of acyclic objects (the model, the
-    # .metadata's torch objects), which it would rescan over and over (3x the time of the whole import)
-    with gc_paused(), open_source(src, storage_options) as source:
-        pre = prefix.strip(".") if prefix else ""
+    # .metadata's columns), which it would rescan over and over (3x the time of the whole import)
+    with gc_paused():
+        source = open_source(src, storage_options)
+        try:
+            ckpt = source.ckpt
+            pre = prefix.strip(".") if prefix else ""
 
-        def key(fqn: str) -> str:
-            return f"{pre}.{fqn}" if pre else fqn
+            def key(fqn: str) -> str:
+                return f"{pre}.{fqn}" if pre else fqn
 
-        entries = source.entries()
-        names = [k for k, e in entries.items() if e.kind == "tensor"]
-        objects = [ObjectIn(key(k), _saved(source.object(k))) for k, e in entries.items() if e.kind == "object"]
-        planner = {}
-        for k in entries:
-            path = source.nested_path(k) or (k,)
-            planner[key(k)] = ((pre, *map(_key_part, path)) if pre else tuple(map(_key_part, path)))
-        sizes: dict[str, int] = {}
-        total = 0
-        for k in names:
-            e = entries[k]
-            dtype = e.dtype or ""
-            if dtype not in sizes:
-                sizes[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            total += math.prod(e.shape or ()) * sizes[dtype]
+            objects = [ObjectIn(key(o.fqn), _saved(source.object(o.fqn))) for o in ckpt.objects]
+            planner: dict[str, tuple] | None = None  # None: every entry's path is its own name (a flat file)
+            if pre or ckpt.planner_data:
+                planner = {}
+                for k in [o.fqn for o in ckpt.objects] + [t.fqn for t in ckpt.tensors]:
+                    path = source.nested_path(k) or (k,)
+                    planner[key(k)] = ((pre, *map(_key_part, path)) if pre else tuple(map(_key_part, path)))
+            total = sum(t.numel * itemsize(t.dtype) for t in ckpt.tensors)
+            kind = source.kind
 
-        def tensors() -> Iterator[TensorIn]:
-            # small tensors come with their bytes, read many at a time (memory: one block); others load one by one
-            for k, raw in source.small_values(names, SMALL_TENSOR):
-                e = entries[k]
-                yield TensorIn(key(k), e.dtype or "", tuple(e.shape or ()), lambda k=k: source.tensor(k), raw)
+            def tensors() -> Iterator[TensorIn]:
+                # small tensors come with their bytes, read many at a time (memory: one block); others one by one
+                by_name = ckpt.tensor
+                for k, raw in source.small_values([t.fqn for t in ckpt.tensors], SMALL_TENSOR):
+                    e = by_name(k)
+                    yield TensorIn(key(k), e.dtype, e.shape, lambda k=k: source.tensor(k), raw)
 
-        return write_dcp(tensors(), objects, dst, ranks, planner, force, verify, progress, total, storage_options,
-                         sources=[src], source_format=source.kind)
+            def release() -> None:
+                """The source is read: free its model before the verification (whose peak would add to it)."""
+                nonlocal ckpt
+                source.close()
+                ckpt = None  # type: ignore[assignment]
+                gc.collect()  # the model's entries refer back to it: a cycle
+
+            return write_dcp(tensors(), objects, dst, ranks, planner, force, verify, progress, total,
+                             storage_options, sources=[src], source_format=kind, release=release)
+        finally:
+            source.close()
 
 
 def _key_part(p: Any) -> Any:
