@@ -76,22 +76,25 @@ def main() -> None:
         write_metadata(ckpt, args.tensors, args.ranks)
     size = (ckpt / ".metadata").stat().st_size
     base = measure("baseline", ckpt)["peak_rss"]
-    rows = {}
-    for what in ("torch", "shardscope", "inspect-json"):
-        runs = [measure(what, ckpt) for _ in range(args.repeat)]
-        rows[what] = min(runs, key=lambda r: r["seconds"])
+    steps = ["torch", "shardscope", "inspect-json"]
+    runs: dict[str, list[dict]] = {s: [] for s in steps}
+    for i in range(args.repeat):  # alternating, the order reversed every other round
+        for what in steps if i % 2 == 0 else steps[::-1]:
+            runs[what].append(measure(what, ckpt))
     measure("shardscope-cached", ckpt)  # fills the cache
-    rows["shardscope (cached)"] = min((measure("shardscope-cached", ckpt) for _ in range(args.repeat)),
-                                      key=lambda r: r["seconds"])
+    runs["shardscope (cached)"] = [measure("shardscope-cached", ckpt) for _ in range(args.repeat)]
+    rows = {name: sorted(r, key=lambda x: x["seconds"])[len(r) // 2] for name, r in runs.items()}  # medians
     t_ref, m_ref = rows["torch"]["seconds"], rows["torch"]["peak_rss"] - base
-    print(f"\n.metadata: {size / 2**20:.1f} MiB, {rows['torch']['chunks']} chunks; best of {args.repeat}; "
-          f"peak RSS above a process that imported torch ({base / 2**20:.0f} MiB)\n")
-    print("| reader | wall time | vs torch | peak RSS added | vs torch |\n|---|---:|---:|---:|---:|")
-    rows["shardscope inspect --json (whole command, no cache)"] = rows.pop("inspect-json")
+    print(f"\n.metadata: {size / 2**20:.1f} MiB, {rows['torch']['chunks']} chunks; median of {args.repeat} "
+          f"alternating runs; load average {os.getloadavg()[0]:.1f} at the end; peak RSS above a process that "
+          f"imported torch ({base / 2**20:.0f} MiB)\n")
+    print("| reader | wall time | vs torch | peak RSS added | vs torch | runs (s) |\n|---|---:|---:|---:|---:|---|")
+    names = {"inspect-json": "shardscope inspect --json (whole command, no cache)"}
     for name, r in rows.items():
         mem = r["peak_rss"] - base
-        print(f"| {name} | {r['seconds']:.2f} s | {r['seconds'] / t_ref:.2f}x | {mem / 2**20:.0f} MiB | "
-              f"{mem / m_ref:.2f}x |")
+        every = " ".join(f"{x['seconds']:.1f}" for x in runs[name])
+        print(f"| {names.get(name, name)} | {r['seconds']:.2f} s | {r['seconds'] / t_ref:.2f}x | "
+              f"{mem / 2**20:.0f} MiB | {mem / m_ref:.2f}x | {every} |")
 
 
 if __name__ == "__main__":

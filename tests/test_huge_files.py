@@ -25,9 +25,9 @@ def _every_value(out, expected: dict[str, torch.Tensor]) -> None:
     ckpt = open_checkpoint(str(out), use_cache=False)
     assert sorted(t.fqn for t in ckpt.tensors) == sorted(expected)
     with CheckpointSource(ckpt) as source:
-        for fqn, data in source.small_values(list(expected), 1 << 20):
-            got = data.tobytes() if data is not None else _bytes(source.tensor(fqn))
-            assert got == _bytes(expected[fqn]), fqn
+        for e, data in source.small_values([ckpt.tensor(k) for k in expected], 1 << 20):
+            got = data.tobytes() if data is not None else _bytes(source.tensor(e.fqn))
+            assert got == _bytes(expected[e.fqn]), e.fqn
 
 
 def _bytes(t: torch.Tensor) -> bytes:

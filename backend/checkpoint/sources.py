@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .chunks import ChunkReader
-from .model import Checkpoint, Problem
+from .model import Checkpoint, Problem, TensorEntry
 from .verify import overlap_problems
 
 
@@ -80,12 +80,11 @@ class CheckpointSource(Source):
         """Non-tensor entry ``fqn``, decoded safely (or the value a single file's header or pickle held)."""
         return self.reader.read_object(self.ckpt.object(fqn))
 
-    def small_values(self, fqns: list[str], limit: int) -> Iterator[tuple[str, memoryview | None]]:
-        """(fqn, its values as C-contiguous bytes) in the given order, for tensors of at most ``limit`` bytes
-        stored whole and contiguous, read many at a time with stored checksums checked; (fqn, None) for the
+    def small_values(self, entries: list[TensorEntry], limit: int) -> Iterator[tuple[TensorEntry, memoryview | None]]:
+        """(entry, its values as C-contiguous bytes) in the given order, for tensors of at most ``limit`` bytes
+        stored whole and contiguous, read many at a time with stored checksums checked; (entry, None) for the
         others (read them with :meth:`tensor`)."""
-        for e, data in self.reader.whole_values([self.ckpt.tensor(f) for f in fqns], limit):
-            yield e.fqn, data
+        return self.reader.whole_values(entries, limit)
 
     def nested_path(self, fqn: str) -> tuple | None:
         """The nested key path the entry was flattened from (DCP's planner data, a torch file's keys), or None."""

@@ -182,27 +182,41 @@ def _pieces(shape: tuple[int, ...], ranks: int) -> list[tuple[int, tuple[int, ..
             if b > a]
 
 
-def _save_small(t: TensorIn, out: _DataFiles, cols: MetadataColumns, ranks: int, templates: dict, torch: Any) -> None:
+def _save_small(t: TensorIn, out: _DataFiles, cols: MetadataColumns, ranks: int, plans: dict) -> None:
     """Write a small tensor from its bytes as row-wise pieces, one templated torch.save item per rank. No torch
-    tensor is made."""
-    from ..checkpoint.chunks import torch_dtype
-
-    dtype = torch_dtype(t.dtype)
+    tensor is made; what depends only on the dtype and shape (the pieces, their templates) is worked out once."""
+    plan = plans.get((t.dtype, t.shape))
+    if plan is None:
+        plan = plans[(t.dtype, t.shape)] = _small_plan(t.dtype, t.shape, ranks, plans)
+    nbytes, pieces = plan
     raw = t.raw
     assert raw is not None
-    if len(raw) != math.prod(t.shape) * dtype.itemsize:
+    if len(raw) != nbytes:
         raise ExportError(f"{t.fqn}: read {len(raw)} bytes for shape {list(t.shape)} of {t.dtype}.")
-    row = len(raw) // t.shape[0] if t.shape and t.shape[0] else len(raw)
-    for r, offsets, sizes, a, b in _pieces(t.shape, ranks):
-        key = (dtype, sizes)
-        tpl = templates.get(key)
-        if tpl is None:
-            tpl = templates[key] = _Template(dtype, sizes)
-        item = tpl.item(raw[a * row:b * row])
+    cols.add_tensor(t.fqn, t.dtype, t.shape)
+    for r, offsets, sizes, lo, hi, tpl in pieces:
+        item = tpl.item(raw[lo:hi])
         off = out.add(r, item, t.fqn)
         if tpl.first is None:
             tpl.first = (r, off)
         cols.add_chunk(offsets, sizes, r, off, len(item))
+
+
+def _small_plan(dtype_name: str, shape: tuple[int, ...], ranks: int, plans: dict) -> tuple[int, list]:
+    """(bytes of the values, [(rank, offsets, sizes, first byte, end byte, template)]) for a small tensor."""
+    from ..checkpoint.chunks import torch_dtype
+
+    dtype = torch_dtype(dtype_name)
+    nbytes = math.prod(shape) * dtype.itemsize
+    row = nbytes // shape[0] if shape and shape[0] else nbytes
+    templates = plans.setdefault("templates", {})
+    pieces = []
+    for r, offsets, sizes, a, b in _pieces(shape, ranks):
+        tpl = templates.get((dtype, sizes))
+        if tpl is None:
+            tpl = templates[(dtype, sizes)] = _Template(dtype, sizes)
+        pieces.append((r, offsets, sizes, a * row, b * row, tpl))
+    return nbytes, pieces
 
 
 def _save_pieces(t: TensorIn, out: _DataFiles, cols: MetadataColumns, ranks: int,
@@ -234,8 +248,6 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
     ``sources``: what the tensors are read from (the destination may not overlap them; the first is recorded
     in the output's lineage sidecar, opened as ``source_format``). ``planner_data`` None: every entry's key path
     is its own name. ``release`` is called once every tensor is written (the source can go)."""
-    import torch
-
     if ranks < 1:
         raise ExportError("the number of ranks must be at least 1.")
     t0 = time.monotonic()
@@ -247,8 +259,8 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
                       sources=sources or [], progress=progress, lineage=lineage) as out:
         cols = MetadataColumns(names)
         expect: list[tuple[int, int, int, int, str]] = []  # torch.save's items (see _save_pieces)
-        templates: dict = {}
-        count = nbytes = 0
+        plans: dict = {}  # per (dtype, shape) of small tensors: their pieces and templates
+        count = nbytes = shown = 0
         progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
         files = _DataFiles(out.path, names)
         done = False
@@ -258,8 +270,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
                 cols.add_object(obj.fqn, 0, files.add(0, obj.data, obj.fqn, gather=False), len(obj.data))
             for t in tensors:
                 if t.raw is not None:
-                    cols.add_tensor(t.fqn, t.dtype, t.shape)
-                    _save_small(t, files, cols, ranks, templates, torch)
+                    _save_small(t, files, cols, ranks, plans)
                     size = len(t.raw)
                 else:
                     cols.add_tensor(t.fqn, t.dtype, t.shape)
@@ -268,9 +279,12 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
                     del value
                 count += 1
                 nbytes += size
-                progress.advance(size, t.fqn)
+                if size > (1 << 20) or count & 255 == 1:  # small ones reported a few hundred at a time
+                    progress.advance(nbytes - shown, t.fqn)
+                    shown = nbytes
                 if count == 1:
                     out.hold_for_tests("written")
+            progress.advance(nbytes - shown)
             done = True
         finally:
             files.close(sync=done)
@@ -283,7 +297,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         if verify:
             problem = check_metadata(out.path, cols, planner, DCP_VERSION)
             mismatches = [problem] if problem else check_written(
-                _expectations(out.path, names, expect, templates) + files.runs, progress)
+                _expectations(out.path, names, expect, plans.get("templates", {})) + files.runs, progress)
             if mismatches:
                 return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
                                     verified=False, mismatches=mismatches)
@@ -361,10 +375,8 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
 
             def tensors() -> Iterator[TensorIn]:
                 # small tensors come with their bytes, read many at a time (memory: one block); others one by one
-                by_name = ckpt.tensor
-                for k, raw in source.small_values([t.fqn for t in ckpt.tensors], SMALL_TENSOR):
-                    e = by_name(k)
-                    yield TensorIn(key(k), e.dtype, e.shape, lambda k=k: source.tensor(k), raw)
+                for e, raw in source.small_values(ckpt.tensors, SMALL_TENSOR):
+                    yield TensorIn(key(e.fqn), e.dtype, e.shape, lambda k=e.fqn: source.tensor(k), raw)
 
             def release() -> None:
                 """The source is read: free its model before the verification (whose peak would add to it)."""
