@@ -302,7 +302,7 @@ def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive
     keep_alive.append(dlg)  # closed (and deleted) after qtmodeltester lets go of its model
     dlg.last_n.setValue(1)
     qtbot.waitUntil(lambda: dlg.plan is not None and dlg.plan.rules is not None and dlg.plan.rules.keep_last == 1
-                    and dlg._worker is None, timeout=TIMEOUT)
+                    and not dlg.planning, timeout=TIMEOUT)
     qtmodeltester.check(dlg.model, force_py=True)
     rows = [[dlg.model.data(dlg.model.index(r, c)) for c in range(dlg.model.columnCount())]
             for r in range(dlg.model.rowCount())]

@@ -118,3 +118,34 @@ def test_closing_tabs_while_their_work_is_queued(qtbot, fixtures, tmp_path):
     go.set()
     wait_ended(qtbot, blockers + list(queued))
     assert not win.all_views()
+
+
+def test_rerun_makes_one_more_run_with_the_latest_inputs_however_often_it_is_asked(qtbot):
+    """Rerun (the watch and prune dialogs' plans): asks while a run is held up make exactly one more run, which
+    reads the inputs as they are when it starts; nothing runs twice at once."""
+    from shardscope.widgets.workers import Rerun
+
+    owner = QLabel()
+    go = threading.Event()
+    inputs = {"value": 1}
+    started: list[int] = []
+    shown: list[int] = []
+
+    def work(value, progress=None):
+        if value == 1 and not go.wait(DEADLINE_MS / 1000):  # the first run is held up
+            raise TimeoutError("the test never released the work")
+        return value
+
+    def start(done):
+        started.append(inputs["value"])
+        return run_in_background(work, inputs["value"], owner=owner, on_result=shown.append, on_finished=done)
+
+    rerun = Rerun(start)
+    rerun.ask()
+    for v in (2, 3, 4):  # while the first run is held up
+        inputs["value"] = v
+        rerun.ask()
+    assert started == [1] and rerun.worker is not None
+    go.set()
+    qtbot.waitUntil(lambda: shown == [1, 4] and rerun.worker is None, timeout=DEADLINE_MS)
+    assert started == [1, 4]

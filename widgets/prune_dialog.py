@@ -3,6 +3,7 @@ acts as the CLI does (to the desktop trash, or for good), in a worker, with prog
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QModelIndex, QPersistentModelIndex, Qt, QTimer, Signal
@@ -30,7 +31,7 @@ from ..backend.library.prune import Plan, PruneResult, Rules, execute, make_plan
 from ..backend.library.records import Listing
 from .form_wheel import wheel_only_when_focused
 from .rows_table import RowsTableModel
-from .workers import Worker, run_in_background
+from .workers import Rerun, Worker, run_in_background
 
 
 def plan_rules(listing: Listing, rules: Rules, progress: Any = None) -> Plan:
@@ -117,8 +118,7 @@ class PruneDialog(QDialog):
         self.listing = listing
         self.plan: Plan | None = None
         self.result: PruneResult | None = None
-        self._plan_worker: Worker | None = None
-        self._again = False
+        self._plans = Rerun(self._start_plan)
         self._act_worker: Worker | None = None
         self._plan_listing: Listing | None = None  # the listing the plan in progress (or shown) was made from
         self._acted_on: Listing | None = None  # the listing of the last removal: its plan is spent
@@ -248,19 +248,12 @@ class PruneDialog(QDialog):
             self._show_plan(None, str(exc))
             return
         self.current_rules = rules
-        if self._plan_worker is not None:
-            self._again = True
-            return
-        self._plan_listing = self.listing
-        self._plan_worker = run_in_background(plan_rules, self.listing, rules, owner=self, on_result=self._show_plan,
-                                              on_error=lambda m: self._show_plan(None, m),
-                                              on_finished=self._plan_done)
+        self._plans.ask()
 
-    def _plan_done(self) -> None:
-        self._plan_worker = None
-        if self._again:
-            self._again = False
-            self.update_preview()
+    def _start_plan(self, done: Callable[[], None]) -> Worker:
+        self._plan_listing = self.listing
+        return run_in_background(plan_rules, self.listing, self.current_rules, owner=self, on_result=self._show_plan,
+                                 on_error=lambda m: self._show_plan(None, m), on_finished=done)
 
     def _show_plan(self, plan: Plan | None, error: str = "") -> None:
         self.plan = plan

@@ -42,7 +42,7 @@ from ..backend.library.watch import (
 from .form_wheel import wheel_only_when_focused
 from .prune_dialog import plan_table, rule_check, rule_spin
 from .rows_table import RowsTableModel
-from .workers import Worker, run_in_background
+from .workers import Rerun, run_in_background
 
 EXPORT_WORDS = {EXPORT: "will export", VERIFIED: "exported", RECOVERED: "exported (to record)", WAITING: "waiting",
                 BLOCKED: "fails: name taken"}
@@ -152,8 +152,9 @@ class WatchPlanDialog(QDialog):
         self.resize(1100, 600)
         self.roots = list(roots)
         self.plan: WatchPlan | None = None
-        self._worker: Worker | None = None
-        self._again = False
+        self._plans = Rerun(lambda done: run_in_background(
+            plan_watch, self.roots, self.format.currentText(), self.rules(), owner=self, on_result=self._show,
+            on_error=lambda m: self._show(None, m), on_finished=done))
         rules = rules or Rules(keep_last=3)
         lay = QVBoxLayout(self)
         lay.addLayout(self._build_form(rules, fmt))
@@ -245,18 +246,12 @@ class WatchPlanDialog(QDialog):
         """Plan in a worker (one at a time; a change meanwhile plans again after it)."""
         self.command.setText(f"<code>{self.command_line()} --dry-run</code> prints this plan; without "
                              "<code>--dry-run</code> it is done.")
-        if self._worker is not None:
-            self._again = True
-            return
-        self._worker = run_in_background(plan_watch, self.roots, self.format.currentText(), self.rules(), owner=self,
-                                         on_result=self._show, on_error=lambda m: self._show(None, m),
-                                         on_finished=self._done)
+        self._plans.ask()
 
-    def _done(self) -> None:
-        self._worker = None
-        if self._again:
-            self._again = False
-            self.update_plan()
+    @property
+    def planning(self) -> bool:
+        """A plan is being made (its result not shown yet)."""
+        return self._plans.worker is not None
 
     def _show(self, plan: WatchPlan | None, error: str = "") -> None:
         self.plan = plan

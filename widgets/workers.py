@@ -125,6 +125,31 @@ def run_in_background(func: Callable[..., Any], *args: Any, owner: QObject, on_r
     return w.start()
 
 
+class Rerun:
+    """One background computation at a time for a widget that recomputes as its inputs change (a dialog's plan):
+    :meth:`ask` while one runs makes exactly one more run when it ends, ``start`` reading the inputs as they are
+    then, so what is shown is never older than the last ask. ``start(done)`` starts the work with
+    :func:`run_in_background`, passing ``done`` as its ``on_finished``, and returns the worker."""
+
+    def __init__(self, start: Callable[[Callable[[], None]], Worker]) -> None:
+        self._start = start
+        self.worker: Worker | None = None  # the run in progress
+        self._again = False
+
+    def ask(self) -> None:
+        """Run now, or once more when the run in progress ends."""
+        if self.worker is not None:
+            self._again = True
+            return
+        self.worker = self._start(self._done)
+
+    def _done(self) -> None:
+        self.worker = None
+        if self._again:
+            self._again = False
+            self.ask()
+
+
 _collector: object | None = None
 
 
