@@ -77,3 +77,63 @@ def test_partly_overlapping_ranges_are_found_without_reading(copy_of):
     a.length += 100  # runs into the next item
     save_metadata(ckpt, md)
     assert "storage_overlap" in [p.kind for p in verify(open_checkpoint(ckpt, use_cache=False))]
+
+
+def _checkpoints_of_every_layout(fixtures, tmp_path):
+    """DCP at 2 and 4 ranks (FSDP2, DDP), a DCP safetensors folder, an HF folder, and single safetensors and
+    torch files (0-d, empty and multi-dim tensors), each written by its own library."""
+    from safetensors.torch import save_file
+
+    sd = {"scalar": torch.tensor(3.0), "empty": torch.zeros(0, 4), "w": torch.randn(5, 3, 2),
+          "b": torch.arange(7, dtype=torch.int16), "h": torch.ones(2, 2, dtype=torch.bfloat16)}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    torch.save({"model": sd, "step": 4}, str(tmp_path / "m.pt"))
+    names = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "fsdp_safetensors_r2", "hf_r2"]
+    return [open_checkpoint(fixtures[n]) for n in names] + [
+        open_checkpoint(str(tmp_path / "m.safetensors")), open_checkpoint(str(tmp_path / "m.pt"))]
+
+
+def test_the_all_at_once_checks_agree_with_the_one_by_one_ones(fixtures, tmp_path):
+    """whole_single_chunks and chunk_nbytes (numpy over every tensor at once) against coverage() and the
+    product of each chunk's sizes, tensor by tensor, on every layout."""
+    import math
+
+    import numpy as np
+    from shardscope.backend.checkpoint.layout import chunk_nbytes, whole_single_chunks
+    from shardscope.backend.checkpoint.model import itemsize
+
+    seen_whole = seen_sharded = 0
+    for ckpt in _checkpoints_of_every_layout(fixtures, tmp_path):
+        whole = whole_single_chunks(ckpt)
+        nbytes = chunk_nbytes(ckpt)
+        for i, e in enumerate(ckpt.tensors):
+            one = e.chunk_count == 1 and all(o == 0 for o in e.chunks[0].offsets) and \
+                tuple(e.chunks[0].sizes) == tuple(e.shape)
+            assert bool(whole[i]) == one, (ckpt.path, e.fqn)
+            if one:
+                assert coverage(ckpt, e).exact
+            seen_whole += one
+            seen_sharded += e.chunk_count > 1
+            for j, c in enumerate(e.chunks):
+                assert nbytes[e.first_chunk + j] == math.prod(c.sizes) * itemsize(e.dtype), (ckpt.path, e.fqn)
+        assert int(np.sum(nbytes)) == ckpt.total_bytes
+    assert seen_whole > 10 and seen_sharded > 10
+
+
+def test_a_lone_chunk_that_does_not_cover_its_tensor_is_still_a_gap(copy_of):
+    """A single chunk at offset 0 that is one row short is not taken for the whole tensor."""
+    ckpt = copy_of("ddp_r2")
+    script = textwrap.dedent(f"""
+        import pickle, torch
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        md = FileSystemReader({str(ckpt)!r}).read_metadata()
+        w = md.state_dict_metadata["model.emb.weight"]
+        assert len(w.chunks) == 1
+        c = w.chunks[0]
+        w.chunks[0] = ChunkStorageMetadata(c.offsets, torch.Size([c.sizes[0] - 1, *c.sizes[1:]]))
+        pickle.dump(md, open({str(ckpt / ".metadata")!r}, "wb"))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    kinds = {(p.kind, p.fqn) for p in verify(open_checkpoint(str(ckpt), use_cache=False))}
+    assert ("gap", "model.emb.weight") in kinds

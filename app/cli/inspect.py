@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -70,15 +71,20 @@ def write_inspect_json(ckpt: Any, problems: list, out: Any) -> None:
     json's C encoder for everything but the tensors, which are written from the chunk table's columns (turned
     into Python lists once) as text with json's own separators, in pieces of about 1 MiB. (json.dump to a
     stream runs the pure-Python encoder and makes millions of small writes.)"""
+    from shardscope.backend.checkpoint.model import itemsize
+
     head, tail = json.dumps(inspect_json(ckpt, problems, with_tensors=False)).split(json.dumps(LAZY_TENSORS), 1)
     out.write(head)
     t = ckpt.chunk_table
     dims, starts, files = t.dims.tolist(), t.dim_start.tolist(), t.file.tolist()
     offsets, lengths = t.byte_offset.tolist(), t.length.tolist()
     where = [(json.dumps(f.name), "null" if f.rank is None else str(f.rank)) for f in ckpt.files]
+    quoted = json.encoder.encode_basestring_ascii  # what json.dumps does to a str (ensure_ascii), without its call
+    dtypes = {d: (json.dumps(d), itemsize(d)) for d in {e.dtype for e in ckpt.tensors}}
     parts, size = ["["], 1
     for i, e in enumerate(ckpt.tensors):
-        nd = e.ndim
+        nd = len(e.shape)
+        dtype, item = dtypes[e.dtype]
         chunks = []
         for j in range(e.first_chunk, e.first_chunk + e.chunk_count):
             s, fi = starts[j], files[j]
@@ -86,8 +92,9 @@ def write_inspect_json(ckpt: Any, problems: list, out: Any) -> None:
             name, rank = where[fi] if fi >= 0 else ('""', "null")
             chunks.append(f'{{"offsets": [{", ".join(map(str, d[:nd]))}], "sizes": [{", ".join(map(str, d[nd:]))}], '
                           f'"rank": {rank}, "file": {name}, "offset": {offsets[j]}, "length": {lengths[j]}}}')
-        piece = (f'{", " if i else ""}{{"fqn": {json.dumps(e.fqn)}, "dtype": {json.dumps(e.dtype)}, "shape": '
-                 f'{json.dumps(list(e.shape))}, "nbytes": {e.nbytes}, "chunks": [{", ".join(chunks)}]}}')
+        piece = (f'{", " if i else ""}{{"fqn": {quoted(e.fqn)}, "dtype": {dtype}, "shape": '
+                 f'[{", ".join(map(str, e.shape))}], "nbytes": {math.prod(e.shape) * item}, '
+                 f'"chunks": [{", ".join(chunks)}]}}')
         parts.append(piece)
         size += len(piece)
         if size >= WRITE_PIECE:

@@ -153,10 +153,40 @@ def _regions(cells: np.ndarray, bounds: list[np.ndarray], keep: list[int], shape
     return out[:MAX_REPORTED_REGIONS]
 
 
+def whole_single_chunks(ckpt: Checkpoint) -> np.ndarray:
+    """Per tensor, True when it is one chunk at offset 0 of exactly its shape (a safetensors or torch file's
+    every tensor): such a tensor is tiled exactly, which :func:`coverage` would find one tensor at a time (40 µs
+    each: 12 s for a file of 300,000 tensors). Worked out for all tensors at once, grouped by rank."""
+    tensors = ckpt.tensors
+    n = len(tensors)
+    out = np.zeros(n, bool)
+    if not n:
+        return out
+    t = ckpt.chunk_table
+    ndim = np.fromiter((len(e.shape) for e in tensors), np.int64, n)
+    first = np.fromiter((e.first_chunk for e in tensors), np.int64, n)
+    single = np.fromiter((e.chunk_count == 1 for e in tensors), bool, n)
+    for nd in np.unique(ndim[single]).tolist():
+        which = np.nonzero(single & (ndim == nd))[0]
+        if nd == 0:
+            out[which] = True
+            continue
+        starts = t.dim_start[first[which]]
+        if starts.min() < 0 or starts.max() + 2 * nd > len(t.dims):
+            continue  # a malformed table: the one-by-one check says what is wrong
+        d = t.dims[starts[:, None] + np.arange(2 * nd)[None, :]]
+        shapes = np.array([tensors[i].shape for i in which.tolist()], np.int64).reshape(len(which), nd)
+        out[which] = (d[:, :nd] == 0).all(axis=1) & (d[:, nd:] == shapes).all(axis=1)
+    return out
+
+
 def coverage_problems(ckpt: Checkpoint) -> list[Problem]:
     """A gap, overlap or out-of-bounds problem for every tensor whose chunks do not tile it."""
     problems = []
-    for e in ckpt.tensors:
+    whole = whole_single_chunks(ckpt)
+    for i, e in enumerate(ckpt.tensors):
+        if whole[i]:
+            continue
         cov = coverage(ckpt, e)
         if cov.exact:
             continue
@@ -187,14 +217,26 @@ class RankBalance:
 
 
 def chunk_nbytes(ckpt: Checkpoint) -> np.ndarray:
-    """Value bytes of every chunk (elements × item size), from the metadata."""
+    """Value bytes of every chunk (elements × item size), from the metadata: the product of its sizes, worked
+    out for all chunks of a rank at once (one tensor at a time took 2 s for 300,000 tensors)."""
     t = ckpt.chunk_table
     out = np.zeros(len(t), np.int64)
-    for e in ckpt.tensors:
-        if not e.chunk_count:
+    tensors = ckpt.tensors
+    if not len(t) or not tensors:
+        return out
+    sizes = {d: itemsize(d) for d in {e.dtype for e in tensors}}
+    ndim = np.fromiter((len(e.shape) for e in tensors), np.int64, len(tensors))
+    item = np.fromiter((sizes[e.dtype] for e in tensors), np.int64, len(tensors))
+    owner = t.tensor.astype(np.int64)
+    ok = (owner >= 0) & (owner < len(tensors))
+    chunk_nd = np.where(ok, ndim[np.clip(owner, 0, len(tensors) - 1)], -1)
+    for nd in np.unique(chunk_nd[ok]).tolist():
+        which = np.nonzero(chunk_nd == nd)[0]
+        if nd == 0:
+            out[which] = item[owner[which]]
             continue
-        lo, hi = _chunk_boxes(ckpt, e)
-        out[e.first_chunk:e.first_chunk + e.chunk_count] = np.prod(hi - lo, axis=1) * itemsize(e.dtype)
+        idx = t.dim_start[which][:, None] + nd + np.arange(nd)[None, :]
+        out[which] = np.prod(t.dims[idx], axis=1) * item[owner[which]]
     return out
 
 
