@@ -252,3 +252,29 @@ def test_export_from_a_safetensors_folder_streams_its_largest_tensor(tmp_path):
         assert torch.equal(f.get_tensor("w"), torch.arange(96 << 20, dtype=torch.int32).view(-1, 1024))
     assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True, mmap=True)["w"][-1],
                        torch.arange((96 << 20) - 1024, 96 << 20, dtype=torch.int32))
+
+
+def test_safetensors_header_is_the_json_of_its_entries_and_small_tensors_come_out_whole(tmp_path):
+    """The header written entry by entry is exactly json.dumps of the dict it stands for (names with quotes,
+    backslashes and non-ASCII characters, 0-d and empty tensors), and many small tensors written a run at a
+    time come out equal, verified."""
+    from safetensors.torch import load_file, save_file
+    from shardscope.backend.export.safetensors_writer import build_header
+
+    sd = {f"layer.{i}.w": torch.randn(3) for i in range(5000)}
+    sd.update({'q"uote\\d': torch.arange(4), "naïve.π": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+               "big": torch.randn(300_000), "h": torch.ones(2, 2, dtype=torch.bfloat16)})
+    save_file(sd, str(tmp_path / "in.safetensors"))
+    plan = plan_export(open_checkpoint(str(tmp_path / "in.safetensors")), "safetensors")
+    meta = {"format": "pt", 'k"ey': "välue\n"}
+    head, offsets = build_header(list(plan.items), meta)
+    expected: dict = {"__metadata__": meta}
+    for it, off in zip(plan.items, offsets, strict=True):
+        expected[it.key] = {"dtype": {"float32": "F32", "int64": "I64", "bfloat16": "BF16"}[it.dtype],
+                            "shape": list(it.shape), "data_offsets": [off, off + it.nbytes]}
+    text = json.dumps(expected, separators=(",", ":")).encode()
+    assert head[8:].rstrip(b" ") == text
+    result = export(plan, str(tmp_path / "out.safetensors"))
+    assert result.verified
+    out = load_file(str(tmp_path / "out.safetensors"))
+    assert out.keys() == sd.keys() and all(torch.equal(out[k], v) for k, v in sd.items())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,6 +19,9 @@ from ..progress import Progress
 from .atomic import start_writeback
 from .plan import ExportItem
 
+SMALL_ITEM = 1 << 20  # tensors of at most this many bytes are written many at a time (TensorSource._small_runs)
+SMALL_RUN = 8 << 20
+SMALL_RUN_ITEMS = 4096
 BUDGET_FLOOR = 128 << 20  # bytes of assembled tensors in flight, or the largest tensor if bigger
 
 
@@ -172,10 +175,77 @@ class TensorSource:
                 verifier.submit(path, offset, item.nbytes, crc, item.key)
             return crc
 
-        crcs = run_parallel([(job, jobs[i]) for i in order], progress, self.budget)
-        for i, crc in zip(order, crcs, strict=True):
-            out[i] = crc
+        # a remote source's leftovers go one by one (whole_values would read outside the planned segments)
+        groups = list(self._small_runs(order, jobs)) if self.reader.handles.local else [[i] for i in order]
+        calls: list[tuple[Callable, tuple]] = []
+        for group in groups:
+            if len(group) == 1:
+                calls.append((lambda i: [job(*jobs[i])], (group[0],)))
+            else:
+                calls.append((self._write_small, (group, jobs, progress, path)))
+        results = run_parallel(calls, progress, self.budget)
+        for group, crcs in zip(groups, results, strict=True):
+            for i, crc in zip(group, crcs, strict=True):
+                out[i] = crc
         return out
+
+    def _small_runs(self, order: list[int], jobs: list[tuple[ExportItem, int, int]]) -> Iterator[list[int]]:
+        """``order`` cut into groups: runs of small tensors (at most SMALL_ITEM bytes, no cast) written back to back
+        in one file, up to SMALL_RUN bytes or SMALL_RUN_ITEMS each, and every other job alone. One thread-pool job
+        and one write per tensor cost 100 µs: 40 s for a file of 300,000 tensors."""
+        group: list[int] = []
+        size = end = 0
+        fd = -1
+        for i in order:
+            item, f, offset = jobs[i]
+            small = item.nbytes <= SMALL_ITEM and item.dtype == item.entry.dtype
+            if group and (not small or f != fd or offset != end or size + item.nbytes > SMALL_RUN or
+                          len(group) >= SMALL_RUN_ITEMS):
+                yield group
+                group, size = [], 0
+            if not small:
+                yield [i]
+                continue
+            group.append(i)
+            fd, size, end = f, size + item.nbytes, offset + item.nbytes
+        if group:
+            yield group
+
+    def _write_small(self, group: list[int], jobs: list[tuple[ExportItem, int, int]], progress: Progress | None,
+                     path: str | None) -> list[int]:
+        """Small tensors written back to back from ``jobs[group[0]]``'s offset with one write: their values read
+        many at a time (stored CRC32s checked, :meth:`ChunkReader.whole_values`), or assembled the general way
+        where they are not stored whole; one verifier check for the whole range. Returns each one's CRC32."""
+        from .verify import Expectation
+
+        items = [jobs[i][0] for i in group]
+        _, fd, base = jobs[group[0]]
+        buf = bytearray(sum(it.nbytes for it in items))
+        crcs = []
+        pos = 0
+        try:
+            for item, (_, raw) in zip(items, self.reader.whole_values([it.entry for it in items], SMALL_ITEM),
+                                      strict=True):
+                data = raw if raw is not None else self.tensor_bytes(item)
+                if len(data) != item.nbytes:
+                    raise CheckpointError(f"{item.entry.fqn}: read {len(data)} bytes, expected {item.nbytes}.",
+                                          fqn=item.entry.fqn)
+                buf[pos:pos + len(data)] = data
+                crcs.append(crc32(data))
+                pos += len(data)
+        except CheckpointError as exc:
+            if exc.fqn:
+                raise
+            raise CheckpointError(f"{exc} (while exporting tensors {items[0].key} … {items[-1].key})",
+                                  path=exc.path) from None
+        pwrite_all(fd, buf, base)
+        start_writeback(fd, base, len(buf))
+        if progress:
+            progress.advance(len(buf))
+        if path is not None and self.verifier is not None:
+            self.verifier.check(Expectation(path, base, len(buf), crc32(buf), f"{items[0].key} … {items[-1].key}"),
+                                holds=[jobs[i][2] for i in group])
+        return crcs
 
     def files_at_once(self) -> int | None:
         """How many source files an export of these items reads at the same time: one per thread when every

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,10 +97,12 @@ class Verifier:
         """Check that ``length`` bytes of ``file`` at ``offset`` have this CRC32, soon (returns at once)."""
         self.check(Expectation(file, offset, length, crc32, name))
 
-    def check(self, e: Expectation) -> None:
-        """Check ``e`` soon (returns at once)."""
+    def check(self, e: Expectation, holds: Iterable[int] = ()) -> None:
+        """Check ``e`` soon (returns at once). ``holds``: the offsets of the items ``e``'s range is made of (small
+        tensors written and checked as one range), each then counted as submitted."""
         with self._lock:
             self.submitted.add((e.file, e.offset))
+            self.submitted.update((e.file, o) for o in holds)
         if self.want is None or self.want(e):
             self._futures.append(self._pool.submit(self._one, e))
 
