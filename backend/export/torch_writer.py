@@ -185,6 +185,10 @@ def _directory(records: list[_Record], cd_at: int) -> bytes:
     return cd + tail + eocd
 
 
+RUN_BYTES = 8 << 20  # records written by one pool job: up to this many bytes or RUN_ITEMS records
+RUN_ITEMS = 1024
+
+
 def archive_name(dst: str) -> str:
     """The folder name inside the archive, as torch.save picks it (the file's stem)."""
     stem = os.path.splitext(os.path.basename(dst))[0]
@@ -219,8 +223,20 @@ def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progr
                 return source.write(what, fd, r.data_at, progress)
             return write_buffer(fd, r.data_at, tensor_bytes(what), None)
 
-        crcs = run_parallel([(one, (r, what)) for r, (_, what) in zip(data_records, storages, strict=True)],
-                            progress, source.budget)
+        def many(pairs: list[tuple[_Record, Any]]) -> list[int]:
+            return [one(r, what) for r, what in pairs]
+
+        # small records go to the pool a run at a time (a job per tensor cost more than its write: 300,000 tensors)
+        runs: list[list[tuple[_Record, Any]]] = [[]]
+        size = 0
+        for r, (_, what) in zip(data_records, storages, strict=True):
+            if runs[-1] and (size + r.size > RUN_BYTES or len(runs[-1]) >= RUN_ITEMS):
+                runs.append([])
+                size = 0
+            runs[-1].append((r, what))
+            size += r.size
+        crcs = [c for run in run_parallel([(many, (run,)) for run in runs if run], progress, source.budget)
+                for c in run]
         for r, crc in zip(data_records, crcs, strict=True):
             r.crc = crc
         for r in records:
