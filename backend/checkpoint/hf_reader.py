@@ -63,14 +63,15 @@ def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str
 def _whole_tensors(ckpt: Checkpoint, tables: list[SafetensorsTable], problems: list[Problem]) -> None:
     """The tensors and chunk table when each tensor is one entry of one file (a single file, HF's sharded
     ``model-0000K-of-0000N``): built from the headers' columns, one chunk per tensor at offsets zero."""
-    names = [k for t in tables for k in t.names]
-    dtypes = [d for t in tables for d in t.dtypes]
-    ndim = np.concatenate([t.ndim for t in tables])
-    sizes = np.concatenate([t.dims for t in tables])
+    names = tables[0].names if len(tables) == 1 else [k for t in tables for k in t.names]
+    dtypes = tables[0].dtypes if len(tables) == 1 else [d for t in tables for d in t.dtypes]
+
+    def joined(column: str) -> np.ndarray:  # one file's columns are taken as they are
+        return getattr(tables[0], column) if len(tables) == 1 else np.concatenate([getattr(t, column) for t in tables])
+
+    ndim, sizes, b_off, b_len = joined("ndim"), joined("dims"), joined("data_offset"), joined("nbytes")
     n = len(names)
     f_idx = np.repeat(np.arange(len(tables), dtype=np.int32), [len(t) for t in tables])
-    b_off = np.concatenate([t.data_offset for t in tables])
-    b_len = np.concatenate([t.nbytes for t in tables])
     starts = np.zeros(n, np.int64)
     np.cumsum(ndim[:-1], out=starts[1:])
     shapes: list = [()] * n

@@ -155,24 +155,35 @@ def _canonical_table(raw: bytes, base: int, data_limit: int) -> SafetensorsTable
         count, last = count + 1, m
     if last.group(2) is None:
         return None
-    names, codes = [first.group(1)[1:-1], *_NAMES.findall(text, pos + 1)], _CODES.findall(text, pos)
-    shapes, offsets = _SHAPES.findall(text, pos), _OFFSETS.findall(text, pos)
-    if not count == len(names) == len(codes) == len(shapes) == len(offsets):
+    first_name, meta_text = first.group(1)[1:-1], head.group(1)
+    # one column at a time, each list dropped once it is an array: the peak stays near the header's size
+    dtypes = [SAFETENSORS_DTYPES.get(c) for c in _CODES.findall(text, pos)]
+    if len(dtypes) != count or None in dtypes:
         return None
-    del text
-    names = [json.loads(f'"{s}"') if "\\" in s else s for s in names]  # escapes decoded exactly as JSON does
-    if len(set(names)) != count or "__metadata__" in names:  # JSON keeps the last of duplicates: its way
-        return None
-    dtypes = [SAFETENSORS_DTYPES.get(c) for c in codes]
-    if None in dtypes:
+    shapes = _SHAPES.findall(text, pos)
+    if len(shapes) != count:
         return None
     ndim = np.fromiter((s.count(",") + 1 if s else 0 for s in shapes), np.int64, count)
     dims = _ints(",".join(s for s in shapes if s))
+    del shapes
+    offsets = _OFFSETS.findall(text, pos)
+    if len(offsets) != count:
+        return None
     ab = _ints(",".join(offsets)).reshape(count, 2)
+    del offsets
     a, b = ab[:, 0], ab[:, 1]
     if (ndim > MAX_NDIM).any() or (dims >= MAX_INDEX).any() or (a > b).any() or (base + b > data_limit).any():
         return None
-    meta = json.loads(head.group(1)) if head.group(1) else {}
+    names = _NAMES.findall(text, pos + 1)
+    del text
+    names.insert(0, first_name)
+    if len(names) != count:
+        return None
+    if any("\\" in s for s in names):
+        names = [json.loads(f'"{s}"') if "\\" in s else s for s in names]  # escapes decoded exactly as JSON does
+    if len(set(names)) != count or "__metadata__" in names:  # JSON keeps the last of duplicates: its way
+        return None
+    meta = json.loads(meta_text) if meta_text else {}
     return SafetensorsTable(names, dtypes, ndim, dims, base + a, b - a, meta, max(base, base + int(b.max())))
 
 
