@@ -300,3 +300,39 @@ def test_overlap_check_in_numpy_finds_what_the_sweep_finds():
         assert _may_overlap(file, start, length) == want, rows
         found += want
     assert 300 < found < 2700  # both answers were tried often
+
+
+def test_sharded_folder_is_read_from_every_files_columns(tmp_path):
+    """An HF folder of shards (each tensor whole in one file): every tensor's one chunk is where the JSON parser
+    says, in its own file, tensors in file then header order; a wrong length names the shard it is in."""
+    g = torch.Generator().manual_seed(1)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    shards = {"model-00001-of-00002.safetensors": {"a.weight": torch.randn(3, 4, generator=g),
+                                                   "a.bias": torch.zeros(3)},
+              "model-00002-of-00002.safetensors": {"b.weight": torch.randn(2, 2, generator=g).half(),
+                                                   "b.scale": torch.tensor(1.5)}}
+    for name, sd in shards.items():
+        save_file(sd, folder / name)
+    weight_map = {k: name for name, sd in shards.items() for k in sd}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ckpt = open_checkpoint(folder, use_cache=False)
+    assert ckpt.problems == []
+    expected = []
+    for name in shards:
+        with open_folder(str(folder)).handles() as h:
+            header = parse_safetensors_header(h, name, 0, (folder / name).stat().st_size)
+        expected += [(k, st.dtype, st.shape, [{"offsets": [0] * len(st.shape), "sizes": list(st.shape), "rank": None,
+                                                "file": name, "offset": st.data_offset, "length": st.nbytes}])
+                     for k, st in header.tensors.items()]
+    assert _model(ckpt) == expected
+    with ChunkReader(ckpt) as reader:
+        for sd in shards.values():
+            for k, v in sd.items():
+                assert torch.equal(reader.read_tensor(ckpt.tensor(k)), v), k
+    second = folder / "model-00002-of-00002.safetensors"
+    _, header, data = _header(second)
+    _write(second, header.replace(b'"shape":[2,2]', b'"shape":[2,1]'), data)
+    problems = open_checkpoint(folder, use_cache=False).problems
+    assert [(p.kind, p.message, p.file) for p in problems] == [
+        ("unreadable", f"b.weight: 8 bytes in {second.name} for shape [2, 1] of float16.", second.name)]
