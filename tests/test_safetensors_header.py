@@ -375,3 +375,17 @@ def test_mutated_headers_read_as_the_json_parser_reads_them(written, tmp_path):
             _same_entries(got, want)
         fast += _canonical_table(bytes(h), 8 + len(h), MAX_INDEX) is not None
     assert fast > 100  # many mutants stay in the canonical layout (other names, dims, offsets)
+
+
+def test_shardscope_exports_are_read_as_columns(written, tmp_path, capsys):
+    """Shardscope's own safetensors writer spells headers compactly (non-ASCII names as JSON escapes): its exports
+    open through the columnar reader too, with the same entries as the JSON parser's."""
+    from shardscope.app.cli.main import main
+
+    out = tmp_path / "exported.safetensors"
+    assert main(["export", str(written), str(out)]) == 0, capsys.readouterr()
+    assert b"\\u" in _header(out)[1]  # the escapes are there to decode
+    assert _fast(out) is not None
+    table, reference = _table(out)
+    _same_entries(table, reference)
+    assert set(table.names) == set(_state())
