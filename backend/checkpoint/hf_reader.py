@@ -37,7 +37,9 @@ def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str
     with folder.handles() as handles:
         for name in names:
             files.append(FileInfo(name, hf_shard_rank(name), listing[name]))
-            table = (headers or {}).get(name) or parse_safetensors_file(handles, name, listing[name])
+            table = (headers or {}).get(name)
+            if table is None:  # (a table of no entries is falsy)
+                table = parse_safetensors_file(handles, name, listing[name])
             version = version or table.metadata.get("DCP_VERSION")
             tables.append((table, _sharding_info(table.metadata, name, problems)))
     if not any(len(t) for t, _ in tables):
