@@ -76,7 +76,8 @@ def _whole_tensors(ckpt: Checkpoint, tables: list[SafetensorsTable], problems: l
     f_idx = np.repeat(np.arange(len(tables), dtype=np.int32), [len(t) for t in tables])
     starts = np.zeros(n, np.int64)
     np.cumsum(ndim[:-1], out=starts[1:])
-    shapes: list = [()] * n
+    kinds: list[tuple[int, ...]] = [()]  # one tuple per distinct shape, shared by its tensors
+    kind = np.zeros(n, np.int64)  # each row's index into kinds
     numel = np.ones(n, np.float64)  # exact below 2**53; larger ones are checked exactly in Python
     for k in np.unique(ndim).tolist():
         if k == 0:
@@ -85,9 +86,9 @@ def _whole_tensors(ckpt: Checkpoint, tables: list[SafetensorsTable], problems: l
         block = sizes[starts[rows][:, None] + np.arange(k)]
         numel[rows] = block.prod(axis=1, dtype=np.float64)
         unique, which = np.unique(block, axis=0, return_inverse=True)
-        kinds = [tuple(u) for u in unique.tolist()]  # one tuple per distinct shape, shared by its tensors
-        for r, w in zip(rows.tolist(), which.reshape(-1).tolist(), strict=True):
-            shapes[r] = kinds[w]
+        kind[rows] = len(kinds) + which.reshape(-1)
+        kinds += [tuple(u) for u in unique.tolist()]
+    shapes = list(map(kinds.__getitem__, kind.tolist()))
     sizes_of = {d: max(1, itemsize(d)) for d in set(dtypes)}
     item = np.fromiter((sizes_of[d] for d in dtypes), np.float64, n)
     expected = numel * item
