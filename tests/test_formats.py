@@ -121,11 +121,13 @@ def test_detect_and_probe_import_neither_numpy_nor_torch(fixtures, paths):
         "f = detect_folder('step', names, [])\n"
         "facts = f.probe_folder(d, names, [])\n"
         f"t = detect_file('model.pt').probe_file({str(paths['pt'])!r}, os.path.getsize({str(paths['pt'])!r}))\n"
-        "print(facts.state, facts.kind, t.state, t.kind)\n"
+        f"s = {str(paths['safetensors'])!r}\n"
+        "st = detect_file('model.safetensors').probe_file(s, os.path.getsize(s))\n"
+        "print(facts.state, facts.kind, t.state, t.kind, st.state, st.kind)\n"
         "assert 'numpy' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["complete", "resumable", "complete", "weights"]
+    assert proc.stdout.split() == ["complete", "resumable", "complete", "weights", "complete", "weights"]
 
 
 def test_torch_file_values_go_through_the_chunk_reader(capsys, tmp_path, paths):

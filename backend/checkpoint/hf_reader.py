@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Container
+from itertools import repeat
 
 import numpy as np
 
@@ -19,35 +21,107 @@ from ..filenames import SAFETENSORS_INDEX as INDEX
 from ..format import count
 from .chunks import safe_name
 from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize
-from .safetensors_items import SafetensorsHeader, parse_safetensors_file
+from .safetensors_items import SafetensorsTable, parse_safetensors_file
 from .storage import Folder, why_absent
 
 
 def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str, str] | None = None,
-                   headers: dict[str, SafetensorsHeader] | None = None) -> Checkpoint:
+                   headers: dict[str, SafetensorsTable] | None = None) -> Checkpoint:
     """The checkpoint model of a HuggingFaceStorageWriter (or plain safetensors) folder, from its headers
     (``headers``: those already parsed, by file name)."""
     names = sorted(n for n in listing if is_safetensors_file(n))
     files: list[FileInfo] = []
-    pieces: dict[str, list[tuple]] = {}
-    dtypes: dict[str, str] = {}
+    tables: list[tuple[SafetensorsTable, dict]] = []
     problems: list[Problem] = []
     version = None
     with folder.handles() as handles:
-        for fi, name in enumerate(names):
+        for name in names:
             files.append(FileInfo(name, hf_shard_rank(name), listing[name]))
-            header = (headers or {}).get(name) or parse_safetensors_file(handles, name, listing[name])
-            version = version or header.metadata.get("DCP_VERSION")
-            sharding = _sharding_info(header.metadata, name, problems)
-            for key, st in header.tensors.items():
-                offsets = _saved_offsets(sharding.get(key), len(st.shape), folder.join(name), key)
-                if dtypes.setdefault(key, st.dtype) != st.dtype:
-                    raise CheckpointError(f"{folder.join(name)}: {key} is {st.dtype} here and {dtypes[key]} "
-                                          "in another file.", path=folder.join(name), fqn=key)
-                pieces.setdefault(key, []).append((offsets, st.shape, fi, st.data_offset, st.nbytes))
-    if not pieces:
+            table = (headers or {}).get(name)
+            if table is None:  # (a table of no entries is falsy)
+                table = parse_safetensors_file(handles, name, listing[name])
+            version = version or table.metadata.get("DCP_VERSION")
+            tables.append((table, _sharding_info(table.metadata, name, problems)))
+    if not any(len(t) for t, _ in tables):
         raise CheckpointError(f"{folder.path}: safetensors files hold no tensors.", path=folder.path)
     ckpt = Checkpoint(folder.path, "hf-safetensors", version, files, [], [], ChunkTable.empty(), raw_values=True)
+    whole = len(tables) == 1 or len({k for t, _ in tables for k in t.names}) == sum(len(t) for t, _ in tables)
+    pieces = None
+    if whole and not any(sharding for _, sharding in tables):  # every tensor stored whole, in one file
+        _whole_tensors(ckpt, [t for t, _ in tables], problems)
+    else:
+        pieces = _pieced_tensors(ckpt, folder, tables, problems)
+    if METADATA in listing:
+        files.append(FileInfo(METADATA, None, listing[METADATA], "metadata"))
+        ckpt.metadata_files = [METADATA]
+    if INDEX in listing:
+        held = pieces if pieces is not None else {t.fqn for t in ckpt.tensors}
+        problems += _index_problems(folder, listing, held, weight_map)
+    ckpt.problems = problems
+    ckpt.reindex()
+    return ckpt
+
+
+def _whole_tensors(ckpt: Checkpoint, tables: list[SafetensorsTable], problems: list[Problem]) -> None:
+    """The tensors and chunk table when each tensor is one entry of one file (a single file, HF's sharded
+    ``model-0000K-of-0000N``): built from the headers' columns, one chunk per tensor at offsets zero."""
+    names = tables[0].names if len(tables) == 1 else [k for t in tables for k in t.names]
+    dtypes = tables[0].dtypes if len(tables) == 1 else [d for t in tables for d in t.dtypes]
+
+    def joined(column: str) -> np.ndarray:  # one file's columns are taken as they are
+        return getattr(tables[0], column) if len(tables) == 1 else np.concatenate([getattr(t, column) for t in tables])
+
+    ndim, sizes, b_off, b_len = joined("ndim"), joined("dims"), joined("data_offset"), joined("nbytes")
+    n = len(names)
+    f_idx = np.repeat(np.arange(len(tables), dtype=np.int32), [len(t) for t in tables])
+    starts = np.zeros(n, np.int64)
+    np.cumsum(ndim[:-1], out=starts[1:])
+    kinds: list[tuple[int, ...]] = [()]  # one tuple per distinct shape, shared by its tensors
+    kind = np.zeros(n, np.int64)  # each row's index into kinds
+    numel = np.ones(n, np.float64)  # exact below 2**53; larger ones are checked exactly in Python
+    for k in np.unique(ndim).tolist():
+        if k == 0:
+            continue
+        rows = np.flatnonzero(ndim == k)
+        block = sizes[starts[rows][:, None] + np.arange(k)]
+        numel[rows] = block.prod(axis=1, dtype=np.float64)
+        unique, which = np.unique(block, axis=0, return_inverse=True)
+        kind[rows] = len(kinds) + which.reshape(-1)
+        kinds += [tuple(u) for u in unique.tolist()]
+    shapes = list(map(kinds.__getitem__, kind.tolist()))
+    sizes_of = {d: max(1, itemsize(d)) for d in set(dtypes)}
+    item = np.fromiter((sizes_of[d] for d in dtypes), np.float64, n)
+    expected = numel * item
+    for r in np.flatnonzero((expected != b_len) | (expected >= 2.0**53)).tolist():
+        length, shape, dtype = int(b_len[r]), shapes[r], dtypes[r]
+        if length != math.prod(shape) * sizes_of[dtype]:
+            problems.append(Problem("unreadable", f"{names[r]}: {length} bytes in {ckpt.files[f_idx[r]].name} for "
+                                    f"shape {list(shape)} of {dtype}.", fqn=names[r], file=ckpt.files[f_idx[r]].name))
+    dims = np.zeros(2 * len(sizes), np.int64)  # each chunk's offsets (zeros) then its sizes
+    row = np.repeat(np.arange(n), ndim)
+    dims[2 * starts[row] + ndim[row] + (np.arange(len(sizes)) - starts[row])] = sizes
+    ckpt.tensors = list(map(TensorEntry, names, dtypes, shapes, range(n), repeat(1, n), repeat(ckpt, n)))
+    ckpt.chunk_table = ChunkTable(np.arange(n, dtype=np.int32), f_idx, b_off, b_len, 2 * starts, dims)
+
+
+def _pieced_tensors(ckpt: Checkpoint, folder: Folder, tables: list[tuple[SafetensorsTable, dict]],
+                    problems: list[Problem]) -> dict[str, list[tuple]]:
+    """The tensors and chunk table when a tensor is in pieces across files (DCP_SHARDING_INFO's offsets)."""
+    files = ckpt.files
+    pieces: dict[str, list[tuple]] = {}
+    dtypes: dict[str, str] = {}
+    for fi, (table, sharding) in enumerate(tables):
+        where = folder.join(files[fi].name)
+        dims, starts = table.dims.tolist(), table.dim_start().tolist()
+        for i, (key, dtype, nd, off, length) in enumerate(zip(table.names, table.dtypes, table.ndim.tolist(),
+                                                              table.data_offset.tolist(), table.nbytes.tolist(),
+                                                              strict=True)):
+            shape = tuple(dims[starts[i]:starts[i] + nd])
+            offsets = _saved_offsets(sharding.get(key), nd, where, key)
+            if dtypes.setdefault(key, dtype) != dtype:
+                raise CheckpointError(f"{where}: {key} is {dtype} here and {dtypes[key]} "
+                                      "in another file.", path=where, fqn=key)
+            pieces.setdefault(key, []).append((offsets, shape, fi, off, length))
     t_idx, f_idx = array("i"), array("i")
     b_off, b_len, dim_start, dims = array("q"), array("q"), array("q"), array("q")
     for key, parts in pieces.items():
@@ -71,14 +145,7 @@ def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str
     ckpt.chunk_table = ChunkTable(np.frombuffer(t_idx, np.int32), np.frombuffer(f_idx, np.int32),
                                   np.frombuffer(b_off, np.int64), np.frombuffer(b_len, np.int64),
                                   np.frombuffer(dim_start, np.int64), np.frombuffer(dims, np.int64))
-    if METADATA in listing:
-        files.append(FileInfo(METADATA, None, listing[METADATA], "metadata"))
-        ckpt.metadata_files = [METADATA]
-    if INDEX in listing:
-        problems += _index_problems(folder, listing, pieces, weight_map)
-    ckpt.problems = problems
-    ckpt.reindex()
-    return ckpt
+    return pieces
 
 
 def index_weight_map(where: Folder) -> dict[str, str]:
@@ -103,7 +170,7 @@ def index_weight_map(where: Folder) -> dict[str, str]:
     return weight_map
 
 
-def _index_problems(folder: Folder, listing: dict[str, int], pieces: dict[str, list],
+def _index_problems(folder: Folder, listing: dict[str, int], pieces: Container[str],
                     weight_map: dict[str, str] | None = None) -> list[Problem]:
     """What the folder's index promises and the shards do not hold: a shard file that is absent (or refused),
     a tensor in none of the shards. Without this a folder missing a shard would look healthy."""

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .chunks import ChunkReader
 from .model import Checkpoint, Problem, TensorEntry
 from .verify import overlap_problems
@@ -105,7 +107,32 @@ def header_problem(ckpt: Checkpoint) -> Problem | None:
     bad = next((p for p in ckpt.problems if p.kind == "unreadable" and p.fqn), None)
     if bad is not None:
         return bad
-    t, names, fqns = ckpt.chunk_table, [f.name for f in ckpt.files], [e.fqn for e in ckpt.tensors]
+    t = ckpt.chunk_table
+    if not _may_overlap(t.file, t.byte_offset, t.length):
+        return None
+    names, fqns = [f.name for f in ckpt.files], [e.fqn for e in ckpt.tensors]  # the first one, named as before
     ranges = [(names[f], o, o + n, fqns[ti]) for f, o, n, ti in zip(
         t.file.tolist(), t.byte_offset.tolist(), t.length.tolist(), t.tensor.tolist(), strict=True) if n > 0]
     return next(iter(overlap_problems(ranges, same_start=False)), None)
+
+
+def _may_overlap(file: np.ndarray, start: np.ndarray, length: np.ndarray) -> bool:
+    """Whether :func:`overlap_problems` (``same_start`` False) finds any overlap among the non-empty ranges, in
+    numpy: sorted by file, start and end, a range overlaps when it starts before the end of the range reaching
+    furthest before it in its file, at another byte than that range starts."""
+    keep = length > 0
+    file, start = file[keep], start[keep]
+    end = start + length[keep]
+    order = np.lexsort((end, start, file))
+    file, start, end = file[order], start[order], end[order]
+    bounds = np.flatnonzero(np.r_[True, file[1:] != file[:-1], True])
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        s, e = start[lo:hi], end[lo:hi]
+        if len(s) < 2:
+            continue
+        reach = np.maximum.accumulate(e)  # how far the ranges up to each one reach
+        first = e > np.r_[-1, reach[:-1]]  # the first range to reach that far: the sweep's "far"
+        far = np.maximum.accumulate(np.where(first, np.arange(len(e)), 0))
+        if ((s[1:] < reach[:-1]) & (s[1:] != s[far[:-1]])).any():
+            return True
+    return False
