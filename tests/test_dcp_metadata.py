@@ -112,3 +112,17 @@ def test_an_unknown_dtype_is_refused_with_its_name():
 
     with pytest.raises(ExportError, match="w: dtype 'float128'"):
         MetadataColumns(FILES).add_tensor("w", "float128", (1,))
+
+
+def test_the_read_back_check_runs_in_the_metadata_helper_process_too(tmp_path, monkeypatch):
+    """Where a load must not run in this process (another thread runs: the window's import), the compact
+    streaming load runs in the helper process and gives the same answers."""
+    from shardscope.backend.checkpoint import reader_process
+
+    monkeypatch.setattr(reader_process, "ISOLATE", True)
+    cols, planner = _columns()
+    write_metadata(str(tmp_path), cols, planner, "ckpt", "s", "1.0.0")
+    assert check_metadata(str(tmp_path), cols, planner, "1.0.0") is None
+    other, _ = _columns()
+    other.item_length[0] += 1
+    assert "where the items are" in check_metadata(str(tmp_path), other, planner, "1.0.0")

@@ -34,7 +34,8 @@ from .safe_pickle import NotStreamable, Record, gc_paused, unpickle_metadata
 ISOLATE: bool | None = None  # None: decide per call (see must_isolate); True/False: always/never isolate
 _IN_HELPER = False
 _FUNCS = ("shardscope.backend.checkpoint.safe_pickle:unpickle_metadata",
-          "shardscope.backend.checkpoint.streaming:stream_metadata")
+          "shardscope.backend.checkpoint.streaming:stream_metadata",
+          "shardscope.backend.checkpoint.streaming:stream_metadata_compact")
 _HELPER_MAIN = "from shardscope.backend.checkpoint.reader_process import helper_main; helper_main()"
 RETIRE_RSS = 512 << 20  # a helper that holds more than this after a load ends instead of waiting for the next
 MAX_IDLE = 2  # helpers kept waiting (the Compare view opens two checkpoints at once)

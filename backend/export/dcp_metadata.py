@@ -316,13 +316,13 @@ def check_metadata(folder: str, cols: MetadataColumns, planner_data: dict[str, t
     import numpy as np
 
     from ..checkpoint.safe_pickle import NotStreamable
-    from ..checkpoint.streaming import stream_metadata
+    from ..checkpoint.streaming import stream_metadata_compact
     from ..errors import ShardscopeError
 
     path = os.path.join(folder, METADATA)
     try:
         with open(path, "rb") as fh:
-            md, ev = stream_metadata(fh, path)
+            md, ev = stream_metadata_compact(fh, path)
     except (NotStreamable, ShardscopeError, OSError) as exc:
         return f"{path} does not read back ({exc})"
     sdm = md.get("state_dict_metadata")
@@ -331,14 +331,15 @@ def check_metadata(folder: str, cols: MetadataColumns, planner_data: dict[str, t
     names = [o[0] for o in cols.objects] + cols.fqns
     if list(sdm) != names:
         return f"{path}: its entries are not the ones written"
-    values = list(sdm.values())
-    if any(getattr(v, "kind", "") != "BytesStorageMetadata" for v in values[:len(cols.objects)]):
+    if any(getattr(v, "kind", "") != "BytesStorageMetadata" for v in list(sdm.values())[:len(cols.objects)]):
         return f"{path}: a non-tensor entry does not read back as one"
     codes = cols.dtype.tolist()
     shapes = _rows(cols.shape.tolist(), cols.ndim.tolist(), 1)
-    for i, v in enumerate(values[len(cols.objects):]):
-        props = v.get("properties")
-        if v.get("count") != cols.nchunks[i] or tuple(v.get("size") or ()) != shapes[i] or \
+    tensors = ev.tensors or []
+    if len(tensors) != len(cols.fqns):
+        return f"{path} does not hold the {len(cols.fqns)} tensors written"
+    for i, (props, size, n) in enumerate(tensors):
+        if n != cols.nchunks[i] or tuple(size or ()) != shapes[i] or \
                 getattr(props, "dtype", None) != DTYPE_NAMES[codes[i]]:
             return f"{path}: {cols.fqns[i]} does not read back as written (dtype, shape or chunk count)"
     if ev.chunk_ndim.tolist() != np.repeat(cols.ndim, cols.nchunks).tolist() or ev.chunk_dims != cols.chunk_dims:
