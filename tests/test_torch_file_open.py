@@ -14,6 +14,7 @@ import zipfile
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_cli
@@ -57,7 +58,8 @@ def _leaves() -> dict:
     return {"step": 3, "lr": 0.5, "name": "run-1", "flags": [1, 2, 3], "nothing": None, "ok": True,
             "pair": (1, "b"), "bytes": b"\x00\xff", "blob": io.BytesIO(b"train state"),  # how an export keeps one
             "shape": torch.Size([2, 3]), "dtype": torch.bfloat16, "device": torch.device("cpu"), "ids": {4, 5},
-            "z": 1 + 2j, "raw": bytearray(b"ab"), "nested": {"deep": {"deeper": [0.5, "x"]}}, "sd": meta}
+            "z": 1 + 2j, "raw": bytearray(b"ab"), "nested": {"deep": {"deeper": [0.5, "x"]}}, "sd": meta,
+            "rng": np.random.RandomState(0).get_state(), "array": np.arange(6, dtype=np.float32).reshape(2, 3)}
 
 
 def _lightning() -> dict:
@@ -77,9 +79,15 @@ FILES = {"module.pt": _module_state, "views.pt": _views_and_values, "leaves.pt":
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, io.BytesIO) or isinstance(b, io.BytesIO):
-        return type(a) is type(b) and a.getvalue() == b.getvalue() and a.tell() == b.tell()
-    return type(a) is type(b) and a == b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, io.BytesIO):
+        return a.getvalue() == b.getvalue() and a.tell() == b.tell()
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 @pytest.mark.parametrize("file", list(FILES))
@@ -256,3 +264,24 @@ def test_a_set_built_many_times_from_one_list_is_refused(tmp_path):
     path = _with_pickle(tmp_path, pkl + b"u.")
     with pytest.raises(CheckpointError, match="allocation bomb"):
         TorchFileLoad(str(path))
+
+
+def test_build_on_a_rebuild_function_changes_nothing(tmp_path):
+    """BUILD (set attributes) on the rebuild function a global names: weights_only refuses it; the reader's
+    functions have no attributes to set, so the file goes to torch.load, which refuses it, and the function the
+    next file is read with is unchanged."""
+    from shardscope.backend.checkpoint import torch_load
+
+    pkl = b"\x80\x02}" + _uni("x") + b"ctorch._utils\n_rebuild_tensor_v2\n}" + _uni("a") + b"K\x01sbs."
+    path = _with_pickle(tmp_path, pkl)
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        TorchFileLoad(str(path))
+    assert not hasattr(torch_load._REBUILDS["torch._utils._rebuild_tensor_v2"], "a")
+
+
+def test_a_memo_index_past_the_pickle_is_left_to_torch_load(tmp_path):
+    """Python's unpickler sizes its memo table by a LONG_BINPUT's index (16 million: 256 MB); torch's weights-only
+    unpickler keeps a dict, so torch.load reads the file."""
+    path = _with_pickle(tmp_path, b"\x80\x02}r\xf0\xff\xff\x00" + _uni("a") + b"K\x01s.")
+    loaded = TorchFileLoad(str(path))
+    assert loaded.fallback and "memo" in loaded.fallback and loaded.objects() == {"a": 1}

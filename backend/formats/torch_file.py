@@ -99,6 +99,13 @@ class _CopyKeeper:
 
 def _open_local(path: str, shown: str) -> Any:
     """The checkpoint model of a local torch file: one chunk per tensor at its storage record."""
+    from ..checkpoint.safe_pickle import gc_paused
+
+    with gc_paused():  # 100,000 entries: the cyclic GC would rescan every object made so far, again and again
+        return _model(path, shown)
+
+
+def _model(path: str, shown: str) -> Any:
     import numpy as np
 
     from ..checkpoint.items import StoredTensor
