@@ -208,10 +208,12 @@ def test_sparse_tensors_are_refused_in_the_same_words(tmp_path):
 
 
 # ---------------------------------------------------------------- hostile pickles
-def _with_pickle(tmp_path: Path, pkl: bytes, name: str = "hostile.pt") -> Path:
-    """A real torch.save archive whose data.pkl is replaced (CRC32 recomputed; the other records kept)."""
-    good = tmp_path / "good.pt"
-    torch.save({"t": torch.ones(4)}, good)
+def _with_pickle(tmp_path: Path, pkl: bytes, name: str = "hostile.pt", good: Path | None = None) -> Path:
+    """A real torch.save archive (``good``, else one of a tensor) whose data.pkl is replaced (CRC32 recomputed;
+    the other records kept)."""
+    if good is None:
+        good = tmp_path / "good.pt"
+        torch.save({"t": torch.ones(4)}, good)
     path = tmp_path / name
     with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w") as zout:
         for info in zin.infolist():
@@ -285,3 +287,64 @@ def test_a_memo_index_past_the_pickle_is_left_to_torch_load(tmp_path):
     path = _with_pickle(tmp_path, b"\x80\x02}r\xf0\xff\xff\x00" + _uni("a") + b"K\x01s.")
     loaded = TorchFileLoad(str(path))
     assert loaded.fallback and "memo" in loaded.fallback and loaded.objects() == {"a": 1}
+
+
+# ---------------------------------------------------------------- mutated pickles against torch's own loader
+def _mutated(data: bytes, rng) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        i = rng.randrange(len(out))
+        how = rng.randrange(4)
+        if how == 0:
+            out[i] = rng.randrange(256)
+        elif how == 1:
+            del out[i]
+        elif how == 2:
+            out.insert(i, rng.randrange(256))
+        else:  # a small number changed: a length, an index, a memo slot
+            out[i] = (out[i] + rng.choice((-1, 1))) % 256
+    return bytes(out)
+
+
+def test_mutated_pickles_read_as_torch_load_reads_them_or_not_at_all(tmp_path):
+    """A fixed-seed pass over data.pkl mutations of a real file: the reader gives entries or one CheckpointError;
+    what it reads without torch.load, torch.load reads too, to the same names, key paths, tensors and values;
+    what it refuses, torch.load refuses."""
+    import random
+
+    rng = random.Random(0)
+    src = tmp_path / "seed.pt"
+    state = _views_and_values() | {k: v for k, v in _leaves().items() if k not in ("rng", "array", "sd")}
+    torch.save(state, src)
+    with zipfile.ZipFile(src) as z:
+        pkl_name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+        pkl = z.read(pkl_name)
+    allow_safe_globals()
+    outcomes: dict[str, int] = {}
+    for case in range(600):
+        path = _with_pickle(tmp_path, _mutated(pkl, rng), f"case{case}.pt", src)
+        try:
+            loaded = TorchFileLoad(str(path))
+            kind = "torch.load" if loaded.fallback else "read"
+        except CheckpointError as exc:
+            loaded, kind = None, "refused" if "weights_only refuses" in str(exc) else "error"
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+        if kind in ("read", "refused"):
+            try:
+                ref = torch.load(path, weights_only=True)
+            except Exception as exc:  # any failure of torch's loader
+                ref = exc
+            if kind == "refused":
+                assert isinstance(ref, Exception), (case, "torch.load reads what the reader refused")
+                continue
+            assert not isinstance(ref, Exception), (case, f"torch.load refuses what the reader read: {ref}")
+            flat = {dotted(k): (k, v) for k, v in flatten(ref).items()}
+            assert loaded.paths() == {n: k for n, (k, _) in flat.items()}, case
+            for n, view in loaded.tensors().items():
+                t = flat[n][1]
+                assert (view.dtype, view.shape, view.stride, view.storage_offset) == (
+                    str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride(), t.storage_offset()), (case, n)
+            for n, v in loaded.objects().items():
+                assert _same(v, flat[n][1]), (case, n, v, flat[n][1])
+        path.unlink()
+    assert outcomes.get("read", 0) > 0 and outcomes.get("error", 0) + outcomes.get("torch.load", 0) > 0, outcomes
