@@ -15,7 +15,12 @@ it does not build: sparse, quantized or meta tensors, a tensor saved with attrib
 with_state``; a legacy (pre-zip) file; records torch's own checks would refuse; a storage whose record has
 another size; a tensor or storage used as a key or inside a non-tensor leaf; anything its rebuilds refuse) is
 loaded as before, ``torch.load(weights_only=True, mmap=True)`` after the checks torch's own loader lacks, and
-``TorchFileLoad.fallback`` says why. The values are then torch's own, exactly as before this reader existed."""
+``TorchFileLoad.fallback`` says why. The values are then torch's own, exactly as before this reader existed.
+
+NOTE: past its globals and opcodes, Python's unpickler is more lenient than torch's in what a hand-made pickle
+may do with the objects it made: SETITEM on a list, bytearray or numpy array, APPEND on a bytearray (torch's
+refuses those opcodes on anything but a dict or list). That changes values a pickle built, never what runs: no
+global outside weights_only's is ever reached, and the reader's own callables have no attributes to set."""
 
 from __future__ import annotations
 
