@@ -553,45 +553,57 @@ _CONTAINERS.update({f"__builtin__.{k.removeprefix('builtins.')}": v for k, v in 
 _COPYING.update({k: v for k, v in _CONTAINERS.items() if k.startswith("__builtin__.") and v is not complex})
 
 
+class _Budget:
+    """Elements a pickle may still build through copying constructors: its size plus an allowance."""
+
+    __slots__ = ("left", "source")
+
+    def __init__(self, left: int, source: str) -> None:
+        self.left, self.source = left, source
+
+    def charge(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise RefusedPickleError(f"{self.source}: the pickle builds far more data than the file holds (an "
+                                     "allocation bomb); refused.", path=self.source)
+
+
+def _charged(full: str, ctor: Any, budget: _Budget) -> _Frozen:
+    """Constructor ``ctor`` (global ``full``) charged against ``budget`` for what it builds."""
+    reconstruct = full.endswith("._reconstruct")  # numpy allocates the shape it is given, then fills it
+
+    def build(*args: Any) -> Any:
+        if not args:  # OrderedDict(): every tensor's backward hooks
+            return ctor()
+        if reconstruct:
+            n = 1
+            for d in args[1] if len(args) > 1 and type(args[1]) is tuple else ():
+                n *= d if type(d) is int and d > 0 else 1
+            budget.charge(n)
+            return ctor(*args)
+        if ctor is bytearray and type(args[0]) is int:
+            budget.charge(args[0])  # before it allocates
+            return ctor(*args)
+        out = ctor(*args)
+        budget.charge(len(out))
+        return out
+
+    return _call(build)
+
+
 class _FileUnpickler(pickle.Unpickler):
     """Python's C unpickler with only the globals :func:`_walk` resolved (names as written: no Python 2 renames);
     constructors that copy what they are given are charged for what they build, so that a small pickle cannot
-    make a big object many times over (a memo reference costs 2 bytes)."""
+    make a big object many times over (a memo reference costs 2 bytes).
+    NOTE: nothing it hands out refers back to it, so it and its memo (every object the pickle made) go as soon
+    as the load returns, not at the next garbage collection (an import runs with the collector paused)."""
 
     def __init__(self, data: bytes, source: str, found: dict[str, Any]) -> None:
         super().__init__(io.BytesIO(data), fix_imports=False, encoding="utf-8")
-        self._source = source
-        self._budget = len(data) + ELEMENT_ALLOWANCE
-        self._found = {k: self._charged(k, v) if k in _COPYING or k == "torch.Size" or "_reconstruct" in k else v
+        budget = _Budget(len(data) + ELEMENT_ALLOWANCE, source)
+        self._found = {k: _charged(k, v, budget) if k in _COPYING or k == "torch.Size" or "_reconstruct" in k else v
                        for k, v in found.items()}
         self.storages: dict[str, _Storage] = {}
-
-    def _charged(self, full: str, ctor: Any) -> _Frozen:
-        reconstruct = full.endswith("._reconstruct")  # numpy allocates the shape it is given, then fills it
-
-        def build(*args: Any) -> Any:
-            if not args:  # OrderedDict(): every tensor's backward hooks
-                return ctor()
-            if reconstruct:
-                n = 1
-                for d in args[1] if len(args) > 1 and type(args[1]) is tuple else ():
-                    n *= d if type(d) is int and d > 0 else 1
-                self._charge(n)
-                return ctor(*args)
-            if ctor is bytearray and args and type(args[0]) is int:
-                self._charge(args[0])  # before it allocates
-                return ctor(*args)
-            out = ctor(*args)
-            self._charge(len(out))
-            return out
-
-        return _call(build)
-
-    def _charge(self, n: int) -> None:
-        self._budget -= n
-        if self._budget < 0:
-            raise RefusedPickleError(f"{self._source}: the pickle builds far more data than the file holds (an "
-                                     "allocation bomb); refused.", path=self._source)
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
