@@ -388,7 +388,7 @@ def _native(module: str, attr: str, name: str) -> Any:
     what = full if full.isprintable() else repr(full)
     raise RefusedPickleError(
         f"{name}: cannot be loaded safely with weights_only=True (its pickled data names the global {what[:200]}, "
-        "which weights_only refuses: the file is damaged or hostile; nothing from it was run).", path=name)
+        "which weights_only refuses; nothing from the file was run).", path=name)
 
 
 def _torch_accepts(module: str, attr: str) -> bool:
