@@ -639,22 +639,30 @@ NUMPY_NUMBER_DTYPES = ("Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt
                        "Float32", "Float64")
 
 
-def allow_safe_globals() -> None:
-    """Let ``torch.load(weights_only=True)`` accept the plain types DCP checkpoints hold beyond torch's own
-    list; every weights-only load of checkpoint data (entries here, ``.pt`` files in compare) calls this.
+def safe_globals() -> list[Any]:
+    """What :func:`allow_safe_globals` adds to ``torch.load(weights_only=True)``'s own list, as
+    ``torch.serialization.add_safe_globals`` takes it (a class, or a (function, name) pair); numpy, not torch,
+    is imported. The torch-file reader accepts exactly these besides torch's defaults.
     NOTE: io.BytesIO holds only bytes; DCP pickles a Stateful's BytesIO (torchtitan's train_state) as one and
-    dcp_to_torch_save keeps it, so it is allowed (add_safe_globals is a set: adding it again is free). numpy
-    arrays of numbers are data too: an RNG state holds one (Megatron's ``rng_state`` entries, a Trainer's
-    ``rng_state.pth``); they are allowed as torch's own refusal message advises and Megatron-Core itself does
-    (``megatron/core/safe_globals.py``). An object array stays refused: its dtype's class is not allowed."""
+    dcp_to_torch_save keeps it, so it is allowed. numpy arrays of numbers are data too: an RNG state holds one
+    (Megatron's ``rng_state`` entries, a Trainer's ``rng_state.pth``); they are allowed as torch's own refusal
+    message advises and Megatron-Core itself does (``megatron/core/safe_globals.py``). An object array stays
+    refused: its dtype's class is not allowed."""
     import numpy as np
-    import torch
 
     reconstruct = getattr(np, "_core", np).multiarray._reconstruct
-    torch.serialization.add_safe_globals(
-        [io.BytesIO, np.ndarray, np.dtype, (reconstruct, "numpy.core.multiarray._reconstruct"),
-         (reconstruct, "numpy._core.multiarray._reconstruct")]
-        + [c for n in NUMPY_NUMBER_DTYPES if (c := getattr(getattr(np, "dtypes", None), f"{n}DType", None))])
+    return ([io.BytesIO, np.ndarray, np.dtype, (reconstruct, "numpy.core.multiarray._reconstruct"),
+             (reconstruct, "numpy._core.multiarray._reconstruct")]
+            + [c for n in NUMPY_NUMBER_DTYPES if (c := getattr(getattr(np, "dtypes", None), f"{n}DType", None))])
+
+
+def allow_safe_globals() -> None:
+    """Let ``torch.load(weights_only=True)`` accept the plain types DCP checkpoints hold beyond torch's own
+    list (:func:`safe_globals`); every weights-only load of checkpoint data (entries here, ``.pt`` files in
+    compare) calls this (add_safe_globals is a set: adding them again is free)."""
+    import torch
+
+    torch.serialization.add_safe_globals(safe_globals())
 
 
 def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str | None = None) -> Any:

@@ -15,11 +15,12 @@ MAX_FLAT_DEPTH = 1000  # torch.save itself cannot pickle deeper (Python's recurs
 _EXIT = object()
 
 
-def flatten(obj: Any, prefix: tuple = (), limit: int = MAX_FLAT_VISITS) -> dict[tuple, Any]:
+def flatten(obj: Any, prefix: tuple = (), limit: int = MAX_FLAT_VISITS, tensors: Any = None) -> dict[tuple, Any]:
     """Nested dicts and lists to {key path: leaf}, as DCP's ``flatten_state_dict`` does. Iterative; raises
     FlattenError on a container that holds itself (pickle memo references make cycles), nesting deeper
     than torch.save writes, or more than ``limit`` visits (a dict referenced twice at each of 40 levels
-    expands to 2**40 paths from a few hundred bytes)."""
+    expands to 2**40 paths from a few hundred bytes). ``tensors``: the type (or types) that count as tensors
+    in :func:`is_terminal` (torch.Tensor by default)."""
     out: dict[tuple, Any] = {}
     stack: list[tuple[Any, tuple]] = [(obj, prefix)]
     active: set[int] = set()  # containers on the current path
@@ -32,7 +33,8 @@ def flatten(obj: Any, prefix: tuple = (), limit: int = MAX_FLAT_VISITS) -> dict[
         visits += 1
         if visits > limit:
             raise FlattenError(f"expands to more than {limit:,} entries (containers referenced many times)")
-        container = isinstance(node, dict) or (isinstance(node, list | tuple) and not (path and is_terminal(node)))
+        container = isinstance(node, dict) or \
+            (isinstance(node, list | tuple) and not (path and is_terminal(node, tensors)))
         if not container:
             if path:
                 visits += _leaf_size(node, limit - visits)
@@ -69,11 +71,14 @@ def _leaf_size(value: Any, budget: int) -> int:
     return n
 
 
-def is_terminal(value: Any) -> bool:
+def is_terminal(value: Any, tensors: Any = None) -> bool:
     """torch's ``_traverse._is_terminal``: a list is a leaf unless it holds tensors or mappings (also inside
-    lists it holds). Iterative, and safe on lists that hold themselves."""
-    import torch
+    lists it holds). Iterative, and safe on lists that hold themselves. ``tensors``: the type (or types) that
+    count as tensors, torch.Tensor by default (torch is then imported)."""
+    if tensors is None:
+        import torch
 
+        tensors = torch.Tensor
     if isinstance(value, dict):
         return False
     if not isinstance(value, list):
@@ -85,7 +90,7 @@ def is_terminal(value: Any) -> bool:
             continue
         seen.add(id(node))
         for entry in node:
-            if isinstance(entry, dict | torch.Tensor):
+            if isinstance(entry, dict) or isinstance(entry, tensors):
                 return False
             if isinstance(entry, list):
                 stack.append(entry)

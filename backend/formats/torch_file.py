@@ -1,7 +1,8 @@
-"""One torch.save file (``.pt``, ``.pth``, ``.bin``, Lightning's ``.ckpt``): loaded with ``weights_only=True`` and
-memory-mapped to learn its structure (:mod:`..checkpoint.torch_load`), then each tensor is one chunk at its
-storage record's bytes in the zip archive, with the record's stored CRC32, so the one chunk reader reads and
-checks its values like any other checkpoint's. torch memory-maps the whole file, so every storage sits at its
+"""One torch.save file (``.pt``, ``.pth``, ``.bin``, Lightning's ``.ckpt``): its pickle read safely without torch
+(:mod:`..checkpoint.torch_load`: what ``torch.load(weights_only=True)`` accepts, no tensor made), then each tensor
+is one chunk at its storage record's bytes in the zip archive, with the record's stored CRC32, so the one chunk
+reader reads and checks its values like any other checkpoint's. A file that reader leaves to torch is loaded with
+``weights_only=True`` and memory-mapped as before: torch maps the whole file, so every storage sits at its
 record's offset from one base address; the records are only used when every storage matches one that way.
 
 A file on a URL is copied to the temp folder once (torch's loader needs a local file) and the copy lives as long
@@ -98,6 +99,13 @@ class _CopyKeeper:
 
 def _open_local(path: str, shown: str) -> Any:
     """The checkpoint model of a local torch file: one chunk per tensor at its storage record."""
+    from ..checkpoint.safe_pickle import gc_paused
+
+    with gc_paused():  # 100,000 entries: the cyclic GC would rescan every object made so far, again and again
+        return _model(path, shown)
+
+
+def _model(path: str, shown: str) -> Any:
     import numpy as np
 
     from ..checkpoint.items import StoredTensor
@@ -111,17 +119,16 @@ def _open_local(path: str, shown: str) -> Any:
     name = os.path.basename(path)
     tensors = loaded.tensors()
     size = os.stat(path).st_size
-    records = _locate_records(folder, name, size, tensors, loaded.records)
+    records = loaded.storage_records  # by storage key, when read without torch.load
+    if records is None:
+        records = _locate_records(folder, name, size, tensors, loaded.records)
     ckpt = Checkpoint(shown, TORCH_FILE.name, None, [FileInfo(name, None, size)], [], [], ChunkTable.empty())
     ckpt.folder = folder
-    ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
-    ranges = [records.get(p, (0, 0, 0)) for p in ptrs]
-    ckpt.chunk_table = _one_chunk_each([tuple(t.shape) for t in tensors.values()], ranges, np)
-    ckpt.tensors = [TensorEntry(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), i, 1, ckpt)
-                    for i, (k, t) in enumerate(tensors.items())]
-    ckpt.located = {(k, name, r[0]): StoredTensor(e.dtype, e.shape, tuple(t.stride()), t.storage_offset(), r[0],
-                                                  r[1], r[2])
-                    for (k, t), e, r in zip(tensors.items(), ckpt.tensors, ranges, strict=True) if records}
+    ranges = [records.get(t.storage, (0, 0, 0)) for t in tensors.values()]
+    ckpt.chunk_table = _one_chunk_each([t.shape for t in tensors.values()], ranges, np)
+    ckpt.tensors = [TensorEntry(k, t.dtype, t.shape, i, 1, ckpt) for i, (k, t) in enumerate(tensors.items())]
+    ckpt.located = {(k, name, r[0]): StoredTensor(t.dtype, t.shape, t.stride, t.storage_offset, r[0], r[1], r[2])
+                    for (k, t), r in zip(tensors.items(), ranges, strict=True)} if records else {}
     ckpt.objects = [ObjectEntry(k, None, 0, 0, None, v, True) for k, v in loaded.objects().items()]
     ckpt.planner_data = loaded.paths()
     if tensors and not records:
@@ -149,9 +156,10 @@ def _one_chunk_each(shapes: list[tuple[int, ...]], ranges: list[tuple[int, int, 
 
 def _locate_records(folder: Any, name: str, size: int, tensors: dict[str, Any],
                     records: dict[str, tuple[int, int, int]] | None = None) -> dict[int, tuple[int, int, int]]:
-    """Storage address -> (offset, length, CRC32) of its record in the file, or {} unless every non-empty
-    storage sits at its own record's offset from one base address and has that record's size. ``records``: the
-    file's zip records when already read."""
+    """For a file torch.load memory-mapped (:class:`..checkpoint.torch_load.TorchFileLoad`'s fallback): storage
+    address -> (offset, length, CRC32) of its record in the file, or {} unless every non-empty storage sits at its
+    own record's offset from one base address and has that record's size. ``records``: the file's zip records
+    when already read."""
     from ..checkpoint.items import ItemFormatError, zip_records
 
     if records is None:
@@ -161,7 +169,7 @@ def _locate_records(folder: Any, name: str, size: int, tensors: dict[str, Any],
         except (ItemFormatError, CheckpointError):
             return {}
     stored = sorted(r for k, r in records.items() if k.startswith("data/") and r[1])
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
+    storages = {t.storage: t.nbytes for t in tensors.values()}
     ptrs = sorted(p for p, n in storages.items() if n)
     if not ptrs or len(ptrs) != len(stored):
         return {}
