@@ -46,3 +46,6 @@ $S export /tmp/f2/ckpt /tmp/f2/model.safetensors --only model --strip-prefix mod
 python3 tests/gpu/compare_export.py /tmp/f2; echo compare rc=$?
 $S diff /tmp/f2/ckpt /tmp/f2/torch_ref.pt 2>&1 | tail -1; echo diff rc=${PIPESTATUS[0]}
 echo done2
+step a .pt saved from CUDA tensors: listed without torch.load, exported and imported
+mkdir -p /tmp/c && python3 tests/gpu/cuda_pt.py /tmp/c 2>&1 | grep -v "Warning\|return func"; echo cuda_pt rc=${PIPESTATUS[0]}
+echo done3
