@@ -216,8 +216,6 @@ class TensorSource:
         """Small tensors written back to back from ``jobs[group[0]]``'s offset with one write: their values read
         many at a time (stored CRC32s checked, :meth:`ChunkReader.whole_values`), or assembled the general way
         where they are not stored whole; one verifier check for the whole range. Returns each one's CRC32."""
-        from .verify import Expectation
-
         items = [jobs[i][0] for i in group]
         _, fd, base = jobs[group[0]]
         buf = bytearray(sum(it.nbytes for it in items))
@@ -243,8 +241,8 @@ class TensorSource:
         if progress:
             progress.advance(len(buf))
         if path is not None and self.verifier is not None:
-            self.verifier.check(Expectation(path, base, len(buf), crc32(buf), f"{items[0].key} … {items[-1].key}"),
-                                holds=[jobs[i][2] for i in group])
+            self.verifier.submit(path, base, len(buf), crc32(buf), f"{items[0].key} … {items[-1].key}",
+                                 holds=[jobs[i][2] for i in group])
         return crcs
 
     def files_at_once(self) -> int | None:

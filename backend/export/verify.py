@@ -96,9 +96,10 @@ class Verifier:
         self.submitted: set[tuple[str, int]] = set()  # (file, offset) of every range handed in
         self._small: list[Expectation] = []  # small ranges waiting to be checked together
 
-    def submit(self, file: str, offset: int, length: int, crc32: int, name: str) -> None:
-        """Check that ``length`` bytes of ``file`` at ``offset`` have this CRC32, soon (returns at once)."""
-        self.check(Expectation(file, offset, length, crc32, name))
+    def submit(self, file: str, offset: int, length: int, crc32: int, name: str, holds: Iterable[int] = ()) -> None:
+        """Check that ``length`` bytes of ``file`` at ``offset`` have this CRC32, soon (returns at once); ``holds``
+        as :meth:`check` takes it."""
+        self.check(Expectation(file, offset, length, crc32, name), holds)
 
     def check(self, e: Expectation, holds: Iterable[int] = ()) -> None:
         """Check ``e`` soon (returns at once). ``holds``: the offsets of the items ``e``'s range is made of (small
