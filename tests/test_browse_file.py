@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import run_cli_peak
+from hostile_torch_files import uni, with_pickle
 from safetensors.torch import save_file
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.format import escape_name
@@ -74,29 +75,11 @@ def test_odd_torch_files_are_one_line(capsys, tmp_path, base, kind):
     assert not (tmp_path / "imported").exists()
 
 
-def _pickle_in_zip(tmp_path, pkl: bytes):
-    """A real torch.save archive whose data.pkl is replaced (the other records kept)."""
-    import zipfile
-
-    good = tmp_path / "good.pt"
-    torch.save({"t": torch.ones(4)}, good)
-    path = tmp_path / "hostile.pt"
-    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w") as zout:
-        for info in zin.infolist():
-            data = pkl if info.filename.endswith("/data.pkl") else zin.read(info)
-            zout.writestr(zipfile.ZipInfo(info.filename), data)
-    return path
-
-
-def _uni(s: str) -> bytes:
-    return b"X" + struct.pack("<I", len(s)) + s.encode()
-
-
 def test_deep_nesting_in_a_torch_file(capsys, tmp_path, base):
     n = 20_000  # a value torch.save cannot write (recursion), but a pickle can say
-    path = _pickle_in_zip(tmp_path, b"\x80\x02}" + _uni("x") + b"]" * n + b"a" * (n - 1) + b"s.")
+    path = with_pickle(tmp_path, b"\x80\x02}" + uni("x") + b"]" * n + b"a" * (n - 1) + b"s.")
     bad_input(*cli(capsys, "diff", path, base[0])[::2], path)
-    path = _pickle_in_zip(tmp_path, b"\x80\x02" + (b"}" + _uni("a")) * n + b"N" + b"s" * n + b".")
+    path = with_pickle(tmp_path, b"\x80\x02" + (b"}" + uni("a")) * n + b"N" + b"s" * n + b".")
     bad_input(*cli(capsys, "import", path, tmp_path / "imported")[::2], path)
 
 
@@ -119,7 +102,7 @@ def test_shared_references_do_not_expand(tmp_path, base):
 def test_bytearray_bomb_in_a_torch_file(tmp_path, base):
     """weights_only allows ``bytearray(n)``: a 100-byte data.pkl must not allocate 3 GB."""
     glob = b"cbuiltins\nbytearray\n"
-    path = _pickle_in_zip(tmp_path, b"\x80\x02}" + _uni("x") + glob + b"\x8a\x05" +
+    path = with_pickle(tmp_path, b"\x80\x02}" + uni("x") + glob + b"\x8a\x05" +
                           (3_000_000_000).to_bytes(5, "little") + b"\x85Rs.")
     proc, peak = _measured("diff", path, base[0])
     assert proc.returncode == 2 and "bytearray" in proc.stderr and str(path) in proc.stderr, proc.stderr[-2000:]

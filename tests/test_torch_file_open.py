@@ -12,12 +12,12 @@ import subprocess
 import sys
 import zipfile
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import run_cli
+from hostile_torch_files import uni, with_pickle
 from shardscope.backend.checkpoint.chunks import ChunkReader, allow_safe_globals
 from shardscope.backend.checkpoint.flatten import dotted, flatten
 from shardscope.backend.checkpoint.torch_load import NATIVE_GLOBALS, TorchFileLoad, _safe_globals
@@ -208,34 +208,16 @@ def test_sparse_tensors_are_refused_in_the_same_words(tmp_path):
 
 
 # ---------------------------------------------------------------- hostile pickles
-def _with_pickle(tmp_path: Path, pkl: bytes, name: str = "hostile.pt", good: Path | None = None) -> Path:
-    """A real torch.save archive (``good``, else one of a tensor) whose data.pkl is replaced (CRC32 recomputed;
-    the other records kept)."""
-    if good is None:
-        good = tmp_path / "good.pt"
-        torch.save({"t": torch.ones(4)}, good)
-    path = tmp_path / name
-    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w") as zout:
-        for info in zin.infolist():
-            data = pkl if info.filename.endswith("/data.pkl") else zin.read(info)
-            zout.writestr(zipfile.ZipInfo(info.filename), data)
-    return path
-
-
-def _uni(s: str) -> bytes:
-    return b"X" + struct.pack("<I", len(s)) + s.encode()
-
-
 def _call(module: str, name: str, arg: str) -> bytes:
     """``{"x": module.name(arg)}`` as protocol 2 writes it."""
-    return b"\x80\x02}" + _uni("x") + f"c{module}\n{name}\n".encode() + _uni(arg) + b"\x85Rs."
+    return b"\x80\x02}" + uni("x") + f"c{module}\n{name}\n".encode() + uni(arg) + b"\x85Rs."
 
 
 @pytest.mark.parametrize(("module", "name"), [("os", "system"), ("posix", "system"), ("subprocess", "getoutput"),
                                               ("builtins", "exec"), ("__builtin__", "eval")])
 def test_a_global_weights_only_refuses_is_refused_and_never_run(tmp_path, module, name):
     marker = tmp_path / "ran"
-    path = _with_pickle(tmp_path, _call(module, name, f"touch {marker}" if "exec" not in name and "eval" not in name
+    path = with_pickle(tmp_path, _call(module, name, f"touch {marker}" if "exec" not in name and "eval" not in name
                                         else f"open({str(marker)!r}, 'w')"))
     with pytest.raises(CheckpointError) as err:
         TorchFileLoad(str(path))
@@ -249,8 +231,8 @@ def test_a_global_weights_only_refuses_is_refused_and_never_run(tmp_path, module
 def test_a_global_behind_an_opcode_weights_only_does_not_run_is_refused_too(tmp_path):
     """STACK_GLOBAL (protocol 4) is not an opcode torch's weights-only unpickler runs: torch.load refuses the file."""
     marker = tmp_path / "ran"
-    pkl = b"\x80\x02}" + _uni("x") + _uni("os") + _uni("system") + b"\x93" + _uni(f"touch {marker}") + b"\x85Rs."
-    path = _with_pickle(tmp_path, pkl)
+    pkl = b"\x80\x02}" + uni("x") + uni("os") + uni("system") + b"\x93" + uni(f"touch {marker}") + b"\x85Rs."
+    path = with_pickle(tmp_path, pkl)
     with pytest.raises(CheckpointError, match="cannot be loaded safely"):
         TorchFileLoad(str(path))
     assert not marker.exists()
@@ -260,10 +242,10 @@ def test_a_set_built_many_times_from_one_list_is_refused(tmp_path):
     """``set(L)`` a hundred times over one memoized 100,000-element list: a 300 KB pickle that builds 10 million
     set entries is an allocation bomb (weights_only would build them all)."""
     items = b"".join(b"J" + struct.pack("<i", i) for i in range(100_000))
-    pkl = b"\x80\x02}(" + _uni("L") + b"](" + items + b"er\x00\x00\x01\x00"
+    pkl = b"\x80\x02}(" + uni("L") + b"](" + items + b"er\x00\x00\x01\x00"
     for i in range(100):
-        pkl += _uni(f"s{i}") + b"c__builtin__\nset\nj\x00\x00\x01\x00\x85R"
-    path = _with_pickle(tmp_path, pkl + b"u.")
+        pkl += uni(f"s{i}") + b"c__builtin__\nset\nj\x00\x00\x01\x00\x85R"
+    path = with_pickle(tmp_path, pkl + b"u.")
     with pytest.raises(CheckpointError, match="allocation bomb"):
         TorchFileLoad(str(path))
 
@@ -274,8 +256,8 @@ def test_build_on_a_rebuild_function_changes_nothing(tmp_path):
     next file is read with is unchanged."""
     from shardscope.backend.checkpoint import torch_load
 
-    pkl = b"\x80\x02}" + _uni("x") + b"ctorch._utils\n_rebuild_tensor_v2\n}" + _uni("a") + b"K\x01sbs."
-    path = _with_pickle(tmp_path, pkl)
+    pkl = b"\x80\x02}" + uni("x") + b"ctorch._utils\n_rebuild_tensor_v2\n}" + uni("a") + b"K\x01sbs."
+    path = with_pickle(tmp_path, pkl)
     with pytest.raises(CheckpointError, match="cannot be loaded safely"):
         TorchFileLoad(str(path))
     assert not hasattr(torch_load._REBUILDS["torch._utils._rebuild_tensor_v2"], "a")
@@ -284,7 +266,7 @@ def test_build_on_a_rebuild_function_changes_nothing(tmp_path):
 def test_a_memo_index_past_the_pickle_is_left_to_torch_load(tmp_path):
     """Python's unpickler sizes its memo table by a LONG_BINPUT's index (16 million: 256 MB); torch's weights-only
     unpickler keeps a dict, so torch.load reads the file."""
-    path = _with_pickle(tmp_path, b"\x80\x02}r\xf0\xff\xff\x00" + _uni("a") + b"K\x01s.")
+    path = with_pickle(tmp_path, b"\x80\x02}r\xf0\xff\xff\x00" + uni("a") + b"K\x01s.")
     loaded = TorchFileLoad(str(path))
     assert loaded.fallback and "memo" in loaded.fallback and loaded.objects() == {"a": 1}
 
@@ -322,7 +304,7 @@ def test_mutated_pickles_read_as_torch_load_reads_them_or_not_at_all(tmp_path):
     allow_safe_globals()
     outcomes: dict[str, int] = {}
     for case in range(600):
-        path = _with_pickle(tmp_path, _mutated(pkl, rng), f"case{case}.pt", src)
+        path = with_pickle(tmp_path, _mutated(pkl, rng), f"case{case}.pt", src)
         try:
             loaded = TorchFileLoad(str(path))
             kind = "torch.load" if loaded.fallback else "read"
