@@ -27,3 +27,21 @@ def test_corrupt_source_bytes_fail_the_export(copy_of, tmp_path):
         assert chunk.file in proc.stderr and "Traceback" not in proc.stderr
         assert "verified" not in proc.stdout
     assert os.listdir(out) == []
+
+
+def test_a_run_of_small_tensors_that_fails_names_the_tensor_whose_bytes_differ(tmp_path):
+    """Small tensors are written and checked a run at a time; when a run's range fails, the tensors in it are
+    checked one by one so the message names the one that differs (not "k0 … k2")."""
+    import zlib
+
+    from shardscope.backend.export.verify import Expectation
+    from shardscope.backend.export.writers import _one_by_one
+
+    f = tmp_path / "out"
+    data = bytearray(os.urandom(300))
+    f.write_bytes(data)
+    expect = [Expectation(str(f), i * 100, 100, zlib.crc32(data[i * 100:(i + 1) * 100]), f"k{i}") for i in range(3)]
+    data[150] ^= 1
+    f.write_bytes(data)
+    run = Expectation(str(f), 0, 300, zlib.crc32(bytes(300)), "k0 … k2")
+    assert _one_by_one(["k0 … k2"], [run], expect, {f"k{i}": i for i in range(3)}) == ["k1"]

@@ -81,3 +81,21 @@ def test_import_of_a_pt_with_25000_tensors_round_trips(tmp_path):
     dcp.load(sd, checkpoint_id=str(out))
     bad = [k for k in sample if not torch.equal(sd["model"][k.removeprefix("model.")], expected[k])]
     assert not bad, bad[:5]
+
+
+def test_items_waiting_to_be_written_stay_under_one_run_at_any_number_of_ranks(tmp_path):
+    """Small tensors are split over every rank and each rank's items gathered before they are written: what
+    waits, over all the files together, stays about one run (8 MiB) whatever --ranks says."""
+    from shardscope.backend.export import dcp_writer
+
+    files = dcp_writer._DataFiles(str(tmp_path), [f"__{r}_0.distcp" for r in range(256)])
+    most = 0
+    try:
+        for i in range(256 * 60):
+            files.add(i % 256, bytes(1500), f"t{i}")
+            most = max(most, files.held)
+    finally:
+        files.close(sync=True)
+    assert most < dcp_writer.RUN_BYTES + 1500
+    assert sum((tmp_path / f"__{r}_0.distcp").stat().st_size for r in range(256)) == 256 * 60 * 1500
+    assert sum(e.length for e in files.runs) == 256 * 60 * 1500

@@ -330,3 +330,43 @@ def test_mutated_pickles_read_as_torch_load_reads_them_or_not_at_all(tmp_path):
                 assert _same(v, flat[n][1]), (case, n, v, flat[n][1])
         path.unlink()
     assert outcomes.get("read", 0) > 0 and outcomes.get("error", 0) + outcomes.get("torch.load", 0) > 0, outcomes
+
+
+def test_numpy_arrays_sharing_one_string_are_charged_for_their_bytes(tmp_path):
+    """A memo reference gives one 1 MiB string to 300 big-endian numpy arrays (numpy copies it into each: 300 MiB
+    from a 1 MiB file): refused as an allocation bomb before the arrays are all made; a shape given as a bare
+    int to numpy's _reconstruct is charged too."""
+    import pickle as pk
+
+    from numpy._core.multiarray import _reconstruct
+    from shardscope.backend.errors import RefusedPickleError
+
+    raw = bytes(1 << 20)
+    dtype = np.dtype(">u4")
+
+    class Shared:
+        pass
+
+    class P(pk.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, Shared):
+                return _reconstruct, (np.ndarray, (0,), b"b"), (1, (len(raw) // 4,), dtype, False, raw)
+            return NotImplemented
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump({"a": [Shared() for _ in range(300)]})
+    assert len(buf.getvalue()) < 2 << 20  # the string once, then memo references
+    path = with_pickle(tmp_path, buf.getvalue(), "shared.pt")
+    with pytest.raises(RefusedPickleError, match="allocation bomb"):
+        TorchFileLoad(str(path))
+    bare = io.BytesIO()
+
+    class Q(pk.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, Shared):
+                return _reconstruct, (np.ndarray, 400_000_000, b"b")
+            return NotImplemented
+
+    Q(bare, protocol=2).dump({"a": Shared()})
+    with pytest.raises(RefusedPickleError, match="allocation bomb"):
+        TorchFileLoad(str(with_pickle(tmp_path, bare.getvalue(), "bare.pt")))

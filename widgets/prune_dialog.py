@@ -250,9 +250,18 @@ class PruneDialog(QDialog):
         self.current_rules = rules
         self._plans.ask()
 
-    def _start_plan(self, done: Callable[[], None]) -> Worker:
+    def _start_plan(self, done: Callable[[], None]) -> Worker | None:
+        """Plan the rules the fields show now (a run asked for while another ran starts after it: the fields may
+        have changed since, even to rules that do not hold, which are then shown as such and planned not)."""
+        try:
+            rules = self.rules()
+            rules.check()
+        except ShardscopeError as exc:
+            self._show_plan(None, str(exc))
+            return None
+        self.current_rules = rules
         self._plan_listing = self.listing
-        return run_in_background(plan_rules, self.listing, self.current_rules, owner=self, on_result=self._show_plan,
+        return run_in_background(plan_rules, self.listing, rules, owner=self, on_result=self._show_plan,
                                  on_error=lambda m: self._show_plan(None, m), on_finished=done)
 
     def _show_plan(self, plan: Plan | None, error: str = "") -> None:

@@ -129,9 +129,10 @@ class Rerun:
     """One background computation at a time for a widget that recomputes as its inputs change (a dialog's plan):
     :meth:`ask` while one runs makes exactly one more run when it ends, ``start`` reading the inputs as they are
     then, so what is shown is never older than the last ask. ``start(done)`` starts the work with
-    :func:`run_in_background`, passing ``done`` as its ``on_finished``, and returns the worker."""
+    :func:`run_in_background`, passing ``done`` as its ``on_finished``, and returns the worker (None: nothing to
+    run for the inputs as they are)."""
 
-    def __init__(self, start: Callable[[Callable[[], None]], Worker]) -> None:
+    def __init__(self, start: Callable[[Callable[[], None]], Worker | None]) -> None:
         self._start = start
         self.worker: Worker | None = None  # the run in progress
         self._again = False

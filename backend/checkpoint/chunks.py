@@ -115,6 +115,7 @@ class ChunkReader:
         self._owners: dict[tuple[str, int], tuple[str, tuple[int, ...]]] = {}
         self._verified: set[tuple[str, int]] = set()  # records whose whole CRC32 was checked (see _trimmed)
         self._verify_lock = threading.Lock()
+        self._columns: tuple[list, ...] | None = None  # the chunk table as lists, for whole_values (made once)
 
     def close(self) -> None:
         """Close the files this reader opened."""
@@ -328,7 +329,11 @@ class ChunkReader:
         records lie near each other in a file are read together, one read per ``block`` bytes (a file of
         300,000 small tensors is a few dozen reads, not 300,000). None for an entry that is not one whole
         chunk stored contiguously in at most ``limit`` bytes (read it with :meth:`read_tensor`)."""
-        cols = self._raw_columns() if self.ckpt.raw_values or self.ckpt.located is not None else None
+        cols = None
+        if self.ckpt.raw_values or self.ckpt.located is not None:
+            cols = self._columns
+            if cols is None:  # once per reader: an export asks for a few tensors at a time, thousands of times
+                cols = self._columns = self._raw_columns()
         pending: list[tuple] = []
         start = end = 0
         for e in entries:

@@ -246,7 +246,9 @@ def _read(data: bytes, records: dict[str, tuple[int, int, int]], name: str, budg
     def load() -> tuple[Any, dict[str, _Storage]]:
         unpickler = _FileUnpickler(data, name, found)  # and its memo, gone once loaded
         with gc_paused():
-            return unpickler.load(), unpickler.storages
+            root = unpickler.load()
+            unpickler._budget.settle()  # the last numpy array's bytes
+            return root, unpickler.storages
 
     try:
         root, storages = with_deep_stack(load, len(data))
@@ -554,18 +556,28 @@ _COPYING.update({k: v for k, v in _CONTAINERS.items() if k.startswith("__builtin
 
 
 class _Budget:
-    """Elements a pickle may still build through copying constructors: its size plus an allowance."""
+    """Elements (bytes, for numpy arrays) a pickle may still build through copying constructors: its size plus an
+    allowance. numpy arrays get their values after they are made (BUILD: ``ndarray.__setstate__``, which copies
+    the bytes it is given, and a memo reference can give the same bytes to any number of arrays): each array is
+    charged its bytes when the next one is made and when the load ends (:meth:`settle`), so the most the charge
+    can lag is one array, whose bytes come from the file."""
 
-    __slots__ = ("left", "source")
+    __slots__ = ("arrays", "left", "source")
 
     def __init__(self, left: int, source: str) -> None:
         self.left, self.source = left, source
+        self.arrays: list[Any] = []  # numpy arrays made and not charged yet
 
     def charge(self, n: int) -> None:
         self.left -= n
         if self.left < 0:
             raise RefusedPickleError(f"{self.source}: the pickle builds far more data than the file holds (an "
                                      "allocation bomb); refused.", path=self.source)
+
+    def settle(self) -> None:
+        """Charge the numpy arrays made so far for the bytes they now hold."""
+        arrays, self.arrays = self.arrays, []
+        self.charge(sum(int(getattr(a, "nbytes", 0)) for a in arrays))
 
 
 def _charged(full: str, ctor: Any, budget: _Budget) -> _Frozen:
@@ -575,12 +587,20 @@ def _charged(full: str, ctor: Any, budget: _Budget) -> _Frozen:
     def build(*args: Any) -> Any:
         if not args:  # OrderedDict(): every tensor's backward hooks
             return ctor()
-        if reconstruct:
+        if reconstruct:  # _reconstruct(ndarray, shape, dtype): allocates prod(shape) items of dtype
+            budget.settle()
+            shape = args[1] if len(args) > 1 else ()
+            dims = (shape,) if type(shape) is int else shape
+            if type(dims) not in (tuple, list) or not all(type(d) is int and d >= 0 for d in dims):
+                raise RefusedPickleError(f"{budget.source}: the pickle makes a numpy array of shape "
+                                         f"{str(shape)[:80]}; refused.", path=budget.source)
             n = 1
-            for d in args[1] if len(args) > 1 and type(args[1]) is tuple else ():
-                n *= d if type(d) is int and d > 0 else 1
-            budget.charge(n)
-            return ctor(*args)
+            for d in dims:
+                n *= d
+            budget.charge(n * 64)  # 64: numpy's largest item (the dtype argument is a code, read by numpy)
+            out = ctor(*args)
+            budget.arrays.append(out)
+            return out
         if ctor is bytearray and type(args[0]) is int:
             budget.charge(args[0])  # before it allocates
             return ctor(*args)
@@ -600,7 +620,7 @@ class _FileUnpickler(pickle.Unpickler):
 
     def __init__(self, data: bytes, source: str, found: dict[str, Any]) -> None:
         super().__init__(io.BytesIO(data), fix_imports=False, encoding="utf-8")
-        budget = _Budget(len(data) + ELEMENT_ALLOWANCE, source)
+        self._budget = budget = _Budget(len(data) + ELEMENT_ALLOWANCE, source)
         self._found = {k: _charged(k, v, budget) if k in _COPYING or k == "torch.Size" or "_reconstruct" in k else v
                        for k, v in found.items()}
         self.storages: dict[str, _Storage] = {}

@@ -120,7 +120,7 @@ def _crc_fields(data: bytes, data_start: int, nbytes: int, crc: int) -> tuple[in
     raise ExportError("torch.save wrote an archive this writer does not know (no directory entry).")
 
 
-RUN_BYTES = 8 << 20  # templated items are gathered and written (and later re-read) this many bytes at a time
+RUN_BYTES = 8 << 20  # templated items are gathered (over all files) and written, later re-read, this much at a time
 
 
 class _DataFiles:
@@ -133,6 +133,7 @@ class _DataFiles:
         self.files = [open(os.path.join(folder, n), "wb") for n in names]
         self.pos = [0] * len(names)  # where the next item of each file goes
         self.pending: list[list] = [[bytearray(), "", ""] for _ in names]  # per file: bytes, first, last name
+        self.held = 0  # bytes pending in all files
         self.runs: list[Expectation] = []
 
     def add(self, r: int, item: bytes | bytearray, name: str, gather: bool = True) -> int:
@@ -148,8 +149,10 @@ class _DataFiles:
             buf[1] = name
         buf[0] += item
         buf[2] = name
-        if len(buf[0]) >= RUN_BYTES:
-            self.flush(r)
+        self.held += len(item)
+        if self.held >= RUN_BYTES:  # across every file: memory stays RUN_BYTES at any number of ranks
+            for f in range(len(self.files)):
+                self.flush(f)
         return off
 
     def flush(self, r: int) -> None:
@@ -159,6 +162,7 @@ class _DataFiles:
             self.files[r].write(data)
             self.runs.append(Expectation(os.path.join(self.folder, self.names[r]), start, len(data),
                                          crc32(data), first if first == last else f"{first} … {last}"))
+            self.held -= len(data)
             self.pending[r] = [bytearray(), "", ""]
 
     def close(self, sync: bool) -> None:

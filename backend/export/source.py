@@ -218,7 +218,16 @@ class TensorSource:
         where they are not stored whole; one verifier check for the whole range. Returns each one's CRC32."""
         items = [jobs[i][0] for i in group]
         _, fd, base = jobs[group[0]]
-        buf = bytearray(sum(it.nbytes for it in items))
+        total = sum(it.nbytes for it in items)
+        self.budget.acquire(total)
+        try:
+            return self._write_run(items, group, jobs, fd, base, total, progress, path)
+        finally:
+            self.budget.release(total)
+
+    def _write_run(self, items: list[ExportItem], group: list[int], jobs: list[tuple[ExportItem, int, int]], fd: int,
+                   base: int, total: int, progress: Progress | None, path: str | None) -> list[int]:
+        buf = bytearray(total)
         crcs = []
         pos = 0
         try:

@@ -95,6 +95,7 @@ class Verifier:
         self._lock = threading.Lock()
         self.submitted: set[tuple[str, int]] = set()  # (file, offset) of every range handed in
         self._small: list[Expectation] = []  # small ranges waiting to be checked together
+        self.failed: list[Expectation] = []  # the ranges whose bytes differ (list.append is atomic)
 
     def submit(self, file: str, offset: int, length: int, crc32: int, name: str, holds: Iterable[int] = ()) -> None:
         """Check that ``length`` bytes of ``file`` at ``offset`` have this CRC32, soon (returns at once); ``holds``
@@ -140,6 +141,7 @@ class Verifier:
             if e.length > SMALL_CHECK:
                 if _crc_of_range(self._fd(e.file), e.offset, e.length, self.progress) != e.crc32:
                     bad.append(e.name)
+                    self.failed.append(e)
                 i += 1
                 continue
             j, end = i, e.offset + e.length
@@ -153,6 +155,7 @@ class Verifier:
                 part = view[x.offset - e.offset:x.offset - e.offset + x.length]
                 if len(part) != x.length or crc32(part) != x.crc32:
                     bad.append(x.name)
+                    self.failed.append(x)
             if self.progress:
                 self.progress.advance(sum(x.length for x in batch[i:j + 1]))
             i = j + 1

@@ -17,7 +17,7 @@ from .plan import ExportPlan
 from .registry import writer
 from .result import ExportResult
 from .source import TensorSource
-from .verify import WHAT, Verifier
+from .verify import WHAT, Expectation, Verifier, check_written
 
 
 def check_sources(plan: ExportPlan) -> None:
@@ -72,6 +72,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
             finally:
                 verifier.close()
             by_key = {it.key: it for it in plan.items}
+            mismatches = _one_by_one(mismatches, verifier.failed, expect, by_key)
             for key in mismatches:  # a kernel-copied record that fails its stored CRC: name the bad source
                 if key in by_key:
                     source.check_source(by_key[key])
@@ -83,6 +84,18 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     return ExportResult(out.dst, files, len(plan.items), total, time.monotonic() - t0, plan.format,
                         left_out=left_out, notes=list(plan.notes), verified=True if verify else None,
                         verified_what=WHAT if verify else "", uploaded=out.uploaded, kept=out.kept)
+
+
+def _one_by_one(names: list[str], failed: list[Expectation], expect: list[Expectation], by_key: dict) -> list[str]:
+    """The tensors to name for ranges that failed: a run of small tensors checked as one range ("a … b") is
+    checked again tensor by tensor, so the message names the ones whose bytes differ."""
+    out = [n for n in names if n in by_key]
+    for e in failed:
+        if e.name in by_key:
+            continue
+        inside = [x for x in expect if x.file == e.file and e.offset <= x.offset < e.offset + e.length]
+        out += check_written(inside) or [e.name]
+    return out
 
 
 __all__ = ["check_sources", "export"]
