@@ -52,11 +52,26 @@ def _columns() -> tuple[MetadataColumns, dict[str, tuple]]:
     return cols, planner
 
 
+def _tensors(cols: MetadataColumns):
+    """(fqn, dtype code, shape, [(offsets, sizes, file, offset, length) per chunk]) per tensor of ``cols``."""
+    shape, dims = cols.shape.tolist(), cols.chunk_dims.tolist()
+    files, offs, lens = cols.item_file.tolist(), cols.item_offset.tolist(), cols.item_length.tolist()
+    s = d = c = 0
+    for fqn, code, nd, n in zip(cols.fqns, cols.dtype.tolist(), cols.ndim.tolist(), cols.nchunks.tolist(), strict=True):
+        chunks = []
+        for j in range(c, c + n):
+            chunks.append((tuple(dims[d:d + nd]), tuple(dims[d + nd:d + 2 * nd]), files[j], offs[j], lens[j]))
+            d += 2 * nd
+        c += n
+        yield fqn, code, tuple(shape[s:s + nd]), chunks
+        s += nd
+
+
 def _torch_metadata(cols: MetadataColumns) -> tuple[dict, dict]:
     """The state_dict_metadata and storage_data torch's own objects make of the same entries."""
     sdm: dict = {o[0]: BytesStorageMetadata() for o in cols.objects}
     storage: dict = {MetadataIndex(o[0]): _StorageInfo(FILES[o[1]], o[2], o[3]) for o in cols.objects}
-    for fqn, code, shape, chunks in cols.tensors():
+    for fqn, code, shape, chunks in _tensors(cols):
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, DTYPE_NAMES[code])),
                                          torch.Size(shape), [ChunkStorageMetadata(torch.Size(o), torch.Size(s))
                                                              for o, s, *_ in chunks])

@@ -18,7 +18,6 @@ import os
 import pickle
 import struct
 from array import array
-from collections.abc import Iterable
 from typing import Any
 
 from ..checkpoint.model import DTYPE_NAMES
@@ -72,21 +71,6 @@ class MetadataColumns:
         self.item_file.append(file)
         self.item_offset.append(offset)
         self.item_length.append(length)
-
-    def tensors(self) -> Iterable[tuple[str, int, tuple[int, ...], list[tuple[tuple, tuple, int, int, int]]]]:
-        """(fqn, dtype code, shape, [(offsets, sizes, file, offset, length) per chunk]) per tensor, in order."""
-        shape, dims = self.shape.tolist(), self.chunk_dims.tolist()
-        files, offs, lens = self.item_file.tolist(), self.item_offset.tolist(), self.item_length.tolist()
-        s = d = c = 0
-        for fqn, code, nd, n in zip(self.fqns, self.dtype.tolist(), self.ndim.tolist(), self.nchunks.tolist(),
-                                    strict=True):
-            chunks = []
-            for j in range(c, c + n):
-                chunks.append((tuple(dims[d:d + nd]), tuple(dims[d + nd:d + 2 * nd]), files[j], offs[j], lens[j]))
-                d += 2 * nd
-            c += n
-            yield fqn, code, tuple(shape[s:s + nd]), chunks
-            s += nd
 
 
 # ------------------------------------------------------------------ writing
@@ -235,7 +219,7 @@ def write_metadata(folder: str, cols: MetadataColumns, planner_data: dict[str, t
         size = e.size
         batch: list[bytes] = []
 
-        def flush(last: bool = False) -> None:
+        def flush() -> None:
             e.write(_P.MARK + b"".join(batch) + _P.SETITEMS)
             batch.clear()
             e.commit()
