@@ -79,7 +79,7 @@ def _reference(path: Path, tmp: Path):
 def test_every_command_on_an_unseen_kind(unseen, name, capsys, tmp_path):
     import json
 
-    from shardscope.backend.checkpoint.chunks import allow_safe_globals
+    from shardscope.backend.checkpoint.unpickler import allow_torch_safe_globals as allow_safe_globals
 
     path = unseen / name
     rc, out, err = cli(capsys, "inspect", "--json", path)

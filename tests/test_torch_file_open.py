@@ -18,9 +18,11 @@ import pytest
 import torch
 from conftest import run_cli
 from hostile_torch_files import uni, with_pickle
-from shardscope.backend.checkpoint.chunks import ChunkReader, allow_safe_globals
+from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.flatten import dotted, flatten
-from shardscope.backend.checkpoint.torch_load import NATIVE_GLOBALS, TorchFileLoad, _safe_globals
+from shardscope.backend.checkpoint.torch_load import TorchFileLoad
+from shardscope.backend.checkpoint.unpickler import TORCH_FILE, Budget, NotBuilt
+from shardscope.backend.checkpoint.unpickler import allow_torch_safe_globals as allow_safe_globals
 from shardscope.backend.errors import CheckpointError
 from shardscope.backend.formats import open_checkpoint
 
@@ -144,16 +146,27 @@ def test_opening_a_state_dict_imports_no_torch(tmp_path):
 
 
 def test_native_globals_are_ones_weights_only_accepts():
-    """Every global the reader builds is one torch.load(weights_only=True) accepts once allow_safe_globals() ran
-    (its Python 2 names renamed as torch renames them): the reader accepts nothing wider."""
+    """Every global the torch-file rules build is one torch.load(weights_only=True) accepts once allow_safe_globals()
+    ran (its Python 2 names renamed as torch renames them): the reader accepts nothing wider. Candidates: torch's own
+    list, the safe globals, and globals torch refuses."""
     from torch import _weights_only_unpickler as wo
     from torch._utils import IMPORT_MAPPING
 
     allow_safe_globals()
     accepted = set(wo._get_allowed_globals()) | set(wo._get_user_allowed_globals())
-    for full in NATIVE_GLOBALS | set(_safe_globals()):
+    refused = {"os.system", "builtins.eval", "builtins.getattr", "numpy.dtypes.ObjectDType", "numpy.dtypes.VoidDType",
+               "argparse.Namespace", "builtins.list", "builtins.dict", "builtins.object", "copyreg._reconstructor",
+               "numpy.core.multiarray.scalar", "torch.serialization._get_layout", "__builtin__.set", "io.BytesIO"}
+    built = []
+    for full in sorted(accepted | refused):
         module, _, name = full.rpartition(".")
+        try:
+            TORCH_FILE.resolve(module, name, Budget(1 << 20, "f"))
+        except (NotBuilt, CheckpointError):
+            continue
+        built.append(full)
         assert f"{IMPORT_MAPPING.get(module, module)}.{name}" in accepted, full
+    assert "torch._utils._rebuild_tensor_v2" in built and "numpy.dtype" in built and len(built) > 40, built
 
 
 # ---------------------------------------------------------------- what is left to torch.load
@@ -254,21 +267,20 @@ def test_build_on_a_rebuild_function_changes_nothing(tmp_path):
     """BUILD (set attributes) on the rebuild function a global names: weights_only refuses it; the reader's
     functions have no attributes to set, so the file goes to torch.load, which refuses it, and the function the
     next file is read with is unchanged."""
-    from shardscope.backend.checkpoint import torch_load
-
     pkl = b"\x80\x02}" + uni("x") + b"ctorch._utils\n_rebuild_tensor_v2\n}" + uni("a") + b"K\x01sbs."
     path = with_pickle(tmp_path, pkl)
     with pytest.raises(CheckpointError, match="cannot be loaded safely"):
         TorchFileLoad(str(path))
-    assert not hasattr(torch_load._REBUILDS["torch._utils._rebuild_tensor_v2"], "a")
+    fresh = TORCH_FILE.resolve("torch._utils", "_rebuild_tensor_v2", Budget(1, "f"))
+    assert not hasattr(fresh, "a") and not hasattr(fresh.call, "a")
 
 
-def test_a_memo_index_past_the_pickle_is_left_to_torch_load(tmp_path):
-    """Python's unpickler sizes its memo table by a LONG_BINPUT's index (16 million: 256 MB); torch's weights-only
-    unpickler keeps a dict, so torch.load reads the file."""
+def test_a_memo_index_past_the_pickle_is_read_as_torch_reads_it(tmp_path):
+    """Python's C unpickler sizes its memo table by a LONG_BINPUT's index (16 million: 256 MB); torch's weights-only
+    unpickler keeps a dict, and so does the reader: the memo index is no reason to leave the file to torch.load."""
     path = with_pickle(tmp_path, b"\x80\x02}r\xf0\xff\xff\x00" + uni("a") + b"K\x01s.")
     loaded = TorchFileLoad(str(path))
-    assert loaded.fallback and "memo" in loaded.fallback and loaded.objects() == {"a": 1}
+    assert "memo" not in (loaded.fallback or "") and loaded.objects() == {"a": 1}
 
 
 # ---------------------------------------------------------------- mutated pickles against torch's own loader

@@ -34,6 +34,7 @@ from .layout import coverage
 from .model import ITEMSIZE, Checkpoint, Chunk, ObjectEntry, TensorEntry, contiguous_strides
 from .safetensors_items import SafetensorsHeader, parse_safetensors_header
 from .storage import LocalHandles, RemoteHandles, open_folder
+from .unpickler import allow_torch_safe_globals
 
 log = logging.getLogger(__name__)
 # A damaged non-tensor entry can name any pickle protocol; torch.load then warns on stderr before it fails
@@ -639,37 +640,6 @@ class ChunkReader:
         return load_weights_only(data, f"{where} (entry {obj.fqn})", fqn=obj.fqn, path=where)
 
 
-# numpy dtypes of numbers: the classes of the dtype instances whose pickled state torch's BUILD sets
-NUMPY_NUMBER_DTYPES = ("Bool", "Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "Float16",
-                       "Float32", "Float64")
-
-
-def safe_globals() -> list[Any]:
-    """What :func:`allow_safe_globals` adds to ``torch.load(weights_only=True)``'s own list, as
-    ``torch.serialization.add_safe_globals`` takes it (a class, or a (function, name) pair); numpy, not torch,
-    is imported. The torch-file reader accepts exactly these besides torch's defaults.
-    NOTE: io.BytesIO holds only bytes; DCP pickles a Stateful's BytesIO (torchtitan's train_state) as one and
-    dcp_to_torch_save keeps it, so it is allowed. numpy arrays of numbers are data too: an RNG state holds one
-    (Megatron's ``rng_state`` entries, a Trainer's ``rng_state.pth``); they are allowed as torch's own refusal
-    message advises and Megatron-Core itself does (``megatron/core/safe_globals.py``). An object array stays
-    refused: its dtype's class is not allowed."""
-    import numpy as np
-
-    reconstruct = getattr(np, "_core", np).multiarray._reconstruct
-    return ([io.BytesIO, np.ndarray, np.dtype, (reconstruct, "numpy.core.multiarray._reconstruct"),
-             (reconstruct, "numpy._core.multiarray._reconstruct")]
-            + [c for n in NUMPY_NUMBER_DTYPES if (c := getattr(getattr(np, "dtypes", None), f"{n}DType", None))])
-
-
-def allow_safe_globals() -> None:
-    """Let ``torch.load(weights_only=True)`` accept the plain types DCP checkpoints hold beyond torch's own
-    list (:func:`safe_globals`); every weights-only load of checkpoint data (entries here, ``.pt`` files in
-    compare) calls this (add_safe_globals is a set: adding them again is free)."""
-    import torch
-
-    torch.serialization.add_safe_globals(safe_globals())
-
-
 def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str | None = None) -> Any:
     """``torch.load(weights_only=True)`` of untrusted bytes; any failure is a CheckpointError."""
     import pickle
@@ -677,7 +647,7 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
 
     import torch
 
-    allow_safe_globals()
+    allow_torch_safe_globals()
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, KeyError,
@@ -694,4 +664,4 @@ def load_weights_only(data: bytes, where: str, fqn: str | None = None, path: str
 
 
 __all__ = ["COPY_BLOCK", "ChunkReader", "CorruptChunkError", "SharedStorageError", "StoredTensor",
-           "allow_safe_globals", "load_weights_only", "safe_name", "torch_dtype"]
+           "load_weights_only", "safe_name", "torch_dtype"]

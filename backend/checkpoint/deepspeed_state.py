@@ -20,12 +20,9 @@ from .deepspeed_layout import Layout, Part, flat_layout, zero3_layout
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles
 from .model import MAX_INDEX, MAX_NDIM, Problem
 from .storage import LocalHandles
-from .torch_archive import StandIn, StoredArray, TorchArchive, describe, load_torch_archive, plain
+from .torch_archive import StoredArray, TorchArchive, load_torch_archive, plain
+from .unpickler import DEEPSPEED_CLASSES, StandIn, describe
 
-# The DeepSpeed classes a ZeRO checkpoint pickles (as inert stand-ins; nothing of deepspeed is imported)
-DEEPSPEED_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                     "deepspeed.utils.tensor_fragment.fragment_address")
 MAX_LATEST = 4096  # bytes of a ``latest`` file read
 MAX_WORLD = 1 << 16  # data-parallel ranks a checkpoint may claim
 MAX_LISTED = 8  # missing ranks named one by one; more are one problem

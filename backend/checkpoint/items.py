@@ -7,17 +7,17 @@ allocated or read. Reading values is :mod:`.chunks`' job.
 from __future__ import annotations
 
 import functools
-import io
 import math
 import pickle
-import pickletools
 import re
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .dtypes import ITEMSIZE, MAX_INDEX, MAX_NDIM
+from ..errors import RefusedPickleError
+from .dtypes import MAX_INDEX, MAX_NDIM
+from .unpickler import STORAGE_DTYPES, TORCH_ITEM, NotBuilt, TensorRef, row_major, unpickle
 
 ZIP_LOCAL = b"PK\x03\x04"
 _EOCD = b"PK\x05\x06"
@@ -34,13 +34,6 @@ SMALL_RECORDS = (".format_version", ".storage_alignment", "byteorder", "version"
 FILE_FORMAT_VERSIONS = range(1, 11)
 _STORAGE_RECORD = re.compile(r"data/[0-9]+")
 
-STORAGE_DTYPES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
-    "QInt8Storage": "qint8", "QUInt8Storage": "quint8", "QInt32Storage": "qint32",
-}
 
 
 class ByteSource(Protocol):
@@ -61,16 +54,6 @@ class ItemFormatError(ValueError):
 
 class RecordCrcError(ItemFormatError):
     """A zip record's bytes do not match the CRC32 stored for them in the central directory."""
-
-
-def row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """True when ``stride`` is row-major for ``shape`` (dimensions of size 1 aside): the elements are one run."""
-    expect = 1
-    for size, st in zip(reversed(shape), reversed(stride), strict=True):
-        if size != 1 and st != expect:
-            return False
-        expect *= size
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,89 +102,6 @@ def checked_dims(value: Any, what: str) -> tuple[int, ...]:
             not all(type(v) is int and 0 <= v < MAX_INDEX for v in value):
         raise ItemFormatError(f"data.pkl has an implausible {what}")
     return tuple(value)
-
-
-class _TensorRef:
-    __slots__ = ("shape", "storage", "storage_offset", "stride")
-
-    def __init__(self, storage: StorageRef, storage_offset: int, shape: tuple, stride: tuple) -> None:
-        self.storage, self.storage_offset, self.shape, self.stride = storage, storage_offset, shape, stride
-
-
-def _tensor_ref(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
-                metadata: Any = None) -> _TensorRef:
-    """The checks of torch's own rebuild (its arguments, as ``torch._utils`` takes them), then the reference."""
-    if type(requires_grad) is not bool or not isinstance(hooks, dict) or hooks or \
-            not (metadata is None or isinstance(metadata, dict)):
-        raise ItemFormatError("data.pkl rebuilds its tensor with arguments torch refuses")
-    if type(storage_offset) is not int or not 0 <= storage_offset < MAX_INDEX:
-        raise ItemFormatError("data.pkl has an implausible storage offset")
-    shape, strides = checked_dims(size, "shape"), checked_dims(stride, "stride")
-    if len(shape) != len(strides):
-        raise ItemFormatError("data.pkl shape and stride differ in length")
-    return _TensorRef(storage, storage_offset, shape, strides)
-
-
-def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = None,
-                       hooks: Any = None, *rest: Any) -> _TensorRef:
-    if not isinstance(storage, StorageRef) or storage.dtype is None:
-        raise ItemFormatError("tensor without storage")
-    return _tensor_ref(storage, storage_offset, size, stride, requires_grad, hooks, *rest[:1]) if len(rest) <= 1 \
-        else _tensor_ref(storage, storage_offset, size, stride, None, None)
-
-
-def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> _TensorRef:
-    """torch's oldest form: four arguments, nothing else."""
-    if not isinstance(storage, StorageRef) or storage.dtype is None:
-        raise ItemFormatError("tensor without storage")
-    return _tensor_ref(storage, storage_offset, size, stride, False, {})
-
-
-def _rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = None,
-                       hooks: Any = None, dtype: Any = None, *rest: Any) -> _TensorRef:
-    """torch.save's form for dtypes with no typed storage class (float8, uint16/32/64): an untyped (byte)
-    storage and the dtype as an argument."""
-    if not isinstance(storage, StorageRef) or storage.dtype is not None or not isinstance(dtype, _DType):
-        raise ItemFormatError("tensor without an untyped storage and a dtype")
-    typed = StorageRef(storage.key, storage.numel, str(dtype))
-    return _tensor_ref(typed, storage_offset, size, stride, requires_grad, hooks, *rest[:1]) if len(rest) <= 1 \
-        else _tensor_ref(typed, storage_offset, size, stride, None, None)
-
-
-class _StorageType:
-    def __init__(self, dtype: str | None) -> None:
-        self.dtype = dtype  # None: torch.storage.UntypedStorage (bytes; the tensor names its dtype)
-
-
-class _DType(str):
-    """A ``torch.<dtype>`` global in a data.pkl, by its short name."""
-
-
-class _ItemUnpickler(pickle.Unpickler):
-    """Reads a torch.save ``data.pkl`` of one plain tensor and nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor_v2
-        if module == "torch._utils" and name == "_rebuild_tensor":
-            return _rebuild_tensor
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_tensor_v3
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _StorageType(None)
-        if module == "torch" and name in ITEMSIZE:
-            return _DType(name)
-        if module == "collections" and name == "OrderedDict":
-            return dict
-        if module == "torch" and name in STORAGE_DTYPES:
-            return _StorageType(STORAGE_DTYPES[name])
-        raise ItemFormatError(f"unsupported global {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and type(pid[4]) is int and isinstance(pid[2], str)):
-            raise ItemFormatError("unsupported persistent id")
-        return StorageRef(pid[2], pid[4], pid[1].dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,39 +270,17 @@ def _check_records(src: ByteSource, name: str, offset: int, length: int, records
         raise ItemFormatError("serialization id record is not UTF-8") from None
 
 
-def check_pickle_opcodes(data: bytes) -> None:
-    """Refuse a data.pkl with opcodes of pickle protocols above 3 (torch.save writes protocol 2), or a memo
-    slot past its size, before the C unpickler runs. NOTE: CPython 3.11's C unpickler allocates a
-    BYTEARRAY8's length before reading it, and when that malloc fails it frees the half-made bytearray
-    before setting its export count: the dealloc then prints "SystemError: deallocated bytearray object
-    has exported buffers" on stderr by itself; and a LONG_BINPUT index sizes (and zero-fills) the memo
-    table."""
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.proto > 3 or (op.name.endswith("PUT") and not 0 <= arg < len(data)):
-                raise ItemFormatError(f"data.pkl holds opcode {op.name} (argument {str(arg)[:20]}), which "
-                                      "torch.save does not write")
-    except (ValueError, UnicodeDecodeError, struct.error, OverflowError, IndexError) as exc:
-        if isinstance(exc, ItemFormatError):
-            raise
-        raise ItemFormatError(f"data.pkl does not unpickle ({type(exc).__name__})") from None
-
-
 @functools.lru_cache(maxsize=4096)
-def _item_ref(data: bytes) -> _TensorRef:
-    """The tensor a ``data.pkl`` describes, its opcodes checked first; ItemFormatError when it is not one.
-    Remembered by its bytes (errors are not): every rank's chunk of a tensor usually has the same ``data.pkl``
-    (same shape, dtype and storage key), so a 4-rank checkpoint's items are decoded a quarter as often, a 512-rank
-    one's 1/512 (the opcode check was a third of locating an item). The reference is never changed by its users."""
-    check_pickle_opcodes(data)
+def _item_ref(data: bytes) -> TensorRef:
+    """The tensor a ``data.pkl`` describes (read by :mod:`.unpickler` under its rules for a DCP tensor item);
+    ItemFormatError when it is not one. Remembered by its bytes (errors are not): every rank's chunk of a tensor
+    usually has the same ``data.pkl`` (same shape, dtype and storage key), so a 4-rank checkpoint's items are decoded
+    a quarter as often, a 512-rank one's 1/512. The reference is immutable."""
     try:
-        ref = _ItemUnpickler(io.BytesIO(data)).load()
-    except ItemFormatError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            OverflowError, UnicodeDecodeError, RecursionError, MemoryError, struct.error) as exc:
-        raise ItemFormatError(f"data.pkl does not unpickle ({type(exc).__name__})") from None
-    if not isinstance(ref, _TensorRef):
+        ref, _ = unpickle(data, "data.pkl", TORCH_ITEM)
+    except (RefusedPickleError, NotBuilt) as exc:
+        raise ItemFormatError(str(exc).removeprefix("data.pkl: ")) from None
+    if type(ref) is not TensorRef:
         raise ItemFormatError("item is not a single tensor")
     return ref
 
@@ -413,13 +291,13 @@ def parse_torch_item(src: ByteSource, name: str, offset: int, length: int) -> St
     _check_records(src, name, offset, length, records)
     data = _record_bytes(src, name, offset, length, records["data.pkl"], MAX_DATA_PKL)
     ref = _item_ref(data)
-    rec = records.get(f"data/{ref.storage.key}")
+    rec = records.get(f"data/{ref.key}")
     if rec is None:
-        raise ItemFormatError(f"storage record data/{ref.storage.key} missing")
+        raise ItemFormatError(f"storage record data/{ref.key} missing")
     if sum(1 for k in records if k.startswith("data/")) != 1:
         raise ItemFormatError("the archive holds storage records the tensor does not use")
     data_start = _record_start(src, name, offset, length, rec)
-    return StoredTensor(ref.storage.dtype, ref.shape, ref.stride, ref.storage_offset, data_start, rec.size,
+    return StoredTensor(ref.dtype, ref.shape, ref.stride, ref.storage_offset, data_start, rec.size,
                         rec.crc)
 
 
@@ -476,5 +354,5 @@ def zip_records(src: ByteSource, name: str, size: int) -> dict[str, tuple[int, i
 
 
 __all__ = ["STORAGE_DTYPES", "ItemFormatError", "RecordCrcError", "StorageRef", "StoredTensor",
-           "check_object_archive", "check_pickle_opcodes", "checked_dims", "parse_torch_item", "row_major",
+           "check_object_archive", "checked_dims", "parse_torch_item", "row_major",
            "torch_archive_records", "zip_records"]

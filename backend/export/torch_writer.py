@@ -20,6 +20,7 @@ from ..checkpoint.chunks import ChunkReader, load_weights_only, torch_dtype
 from ..checkpoint.flatten import dotted, flatten
 from ..checkpoint.items import StorageRef
 from ..checkpoint.model import contiguous_strides
+from ..checkpoint.unpickler import allow_torch_safe_globals
 from ..filenames import LIGHTNING_META
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
@@ -252,7 +253,9 @@ def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progr
 
 def check_archive(path: str, plan: ExportPlan, storages: list, torch: Any) -> None:
     """torch.load finds every tensor with its dtype and shape. It maps the file without touching the
-    tensor data (the verifier re-reads those bytes in a streaming pass)."""
+    tensor data (the verifier re-reads those bytes in a streaming pass). What the source's reader allows (numpy
+    arrays of numbers: an RNG state) is allowed here too."""
+    allow_torch_safe_globals()
     loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     flat = {dotted(k): v for k, v in flatten(loaded).items()}
     for it in plan.items:

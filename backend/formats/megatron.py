@@ -26,14 +26,6 @@ TORCH_DIST = "torch_dist"  # the sharded backend whose tensors are a DCP checkpo
 MAX_CONFIG_BYTES = 64 << 10  # Megatron writes ~120 bytes
 MAX_LATEST_BYTES = 4096  # an iteration number, or "release"
 BACKEND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a backend name fit for a listing's format column
-# what common.pt may hold besides plain data: the classes Megatron-Core registers for torch.load's weights_only
-# (megatron/core/safe_globals.py) and the numpy RNG state's dtype class; kept as inert stand-ins
-MEGATRON_CLASSES = ("types.SimpleNamespace", "numpy.dtypes.UInt32DType", "_io.BytesIO", "signal.Signals",
-                    "megatron.core.enums.ModelType", "megatron.core.transformer.enums.ModelType",
-                    "megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
-                    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-                    "megatron.core.rerun_state_machine.RerunDiagnostic",
-                    "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState")
 COMMON_PREFIX = "common."
 CONFIG_PREFIX = "config."
 
@@ -181,6 +173,7 @@ def common_entries(src: Any, size: int) -> dict[str, Any]:
     arguments as a dict). Read by the allow-list archive reader; CheckpointError when it cannot be read safely."""
     from ..checkpoint.flatten import FlattenError, dotted, flatten
     from ..checkpoint.torch_archive import load_torch_archive, plain
+    from ..checkpoint.unpickler import MEGATRON_CLASSES
 
     archive = load_torch_archive(src, MEGATRON_COMMON, size, MEGATRON_CLASSES)
     where = src.where(MEGATRON_COMMON)
