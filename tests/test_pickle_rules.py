@@ -192,3 +192,18 @@ def test_build_on_a_deepspeed_records_tensor_is_refused(tmp_path, deepspeed_chec
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and optim.name in proc.stderr, (args, proc)
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "w.safetensors").exists()
+
+
+@pytest.mark.parametrize("target", [b"ctorch.serialization\n_get_layout\n", b"ctorch\nfloat32\n",
+                                    b"cpathlib\nPosixPath\n"])
+def test_build_on_a_metadata_global_is_refused_and_changes_nothing(target):
+    """A DCP .metadata (plain pickle in torch) that BUILDs on one of the reader's own callables or dtype names: the
+    reader's objects have nothing to set, so the load fails in one line, and the next load sees them unchanged."""
+    from shardscope.backend.checkpoint.safe_pickle import unpickle_metadata
+    from shardscope.backend.checkpoint.unpickler import METADATA_GLOBALS
+
+    pkl = b"\x80\x02" + target + b"}" + uni("polluted") + b"K\x01sb."
+    with pytest.raises(CheckpointError) as err:
+        unpickle_metadata(pkl, "ck/.metadata")
+    assert "ck/.metadata" in str(err.value) and "\n" not in str(err.value)
+    assert not any(hasattr(v, "polluted") for v in METADATA_GLOBALS.values())

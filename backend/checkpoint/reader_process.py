@@ -28,8 +28,8 @@ import threading
 from typing import Any
 
 from .. import errors, progress
-from . import safe_pickle
 from .safe_pickle import NotStreamable, Record, gc_paused, unpickle_metadata
+from .unpickler import ShippedUnpickler, shippable_globals
 
 ISOLATE: bool | None = None  # None: decide per call (see must_isolate); True/False: always/never isolate
 _IN_HELPER = False
@@ -184,7 +184,7 @@ def run_isolated(func: Any, data: Any, source: str) -> Any:
     if blob is None:
         return _no_reply(code, source, tail)
     with gc_paused():
-        reply = _ShippedUnpickler(io.BytesIO(blob)).load()
+        reply = ShippedUnpickler(io.BytesIO(blob)).load()
     return _reply_value(reply, source)
 
 
@@ -245,7 +245,7 @@ class _ShipPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, type) or callable(obj):
-            if (getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)) not in _SHIPPABLE:
+            if (getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)) not in shippable_globals():
                 raise pickle.PicklingError(f"{getattr(obj, '__qualname__', type(obj).__name__)} as a value")
             return NotImplemented
         cls = type(obj)
@@ -255,26 +255,6 @@ class _ShipPickler(pickle.Pickler):
         if base is None:
             return _gone, ()
         return _rebuild_record, (base, dict(obj.__dict__))
-
-
-def _shippable() -> set[tuple[str, str]]:
-    records = {(safe_pickle.__name__, n) for n, v in vars(safe_pickle).items()
-               if isinstance(v, type) and issubclass(v, Record)}
-    return records | {(safe_pickle.__name__, "DType"), (__name__, "_rebuild_record"), (__name__, "_gone"),
-                      ("shardscope.backend.checkpoint.streaming", "Events"), ("array", "_array_reconstructor"),
-                      ("array", "array"), ("builtins", "slice"), ("builtins", "object"), ("builtins", "bytearray")}
-
-
-_SHIPPABLE = _shippable()
-
-
-class _ShippedUnpickler(pickle.Unpickler):
-    """Reads a helper's reply: Shardscope's record classes and plain containers only."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _SHIPPABLE:
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a metadata reply")
-        return super().find_class(module, name)
 
 
 # ---------------------------------------------------------------- the helper process

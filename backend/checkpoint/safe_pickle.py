@@ -1,10 +1,8 @@
-"""A restricted unpickler for DCP ``.metadata`` files.
-
-torch's ``FileSystemReader.read_metadata`` calls plain ``pickle.load``, so a hostile
-checkpoint folder runs code on open. Here every global is looked up in an exact
-(module, name) allow-list and mapped to an inert stand-in: nothing from the file is
-imported or called, and torch is not needed at all. A dotted name such as
-``os.system`` reached through an allowed module is refused like any other.
+"""DCP ``.metadata`` files unpickled safely: the inert records DCP's dataclasses become, and the limits a load runs
+under (memory, stack). torch's ``FileSystemReader.read_metadata`` calls plain ``pickle.load``, so a hostile checkpoint
+folder runs code on open; here every global is looked up in an exact (module, name) allow-list, which
+:mod:`.unpickler` owns (``METADATA_GLOBALS``, with every other pickle allow-list), and mapped to an inert stand-in:
+nothing from the file is imported or called, and torch is not needed at all.
 """
 
 from __future__ import annotations
@@ -15,11 +13,9 @@ import io
 import os
 import pickle
 import threading
-from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import RefusedPickleError
-from .model import DTYPE_NAMES
 
 
 class Record:
@@ -155,120 +151,6 @@ class WriteItemRecord(Record):
     kind = "WriteItem"
 
 
-def _write_item_type(value: Any) -> int:
-    # WriteItemType(2): an Enum pickles as a call of its class with its value
-    if type(value) is not int:
-        raise RefusedPickleError("refused WriteItemType value in pickle")
-    return value
-
-
-DTYPE_ALIASES = {
-    "float": "float32", "double": "float64", "half": "float16", "cfloat": "complex64",
-    "cdouble": "complex128", "short": "int16", "int": "int32", "long": "int64",
-    "chalf": "complex32",
-}
-MEMORY_FORMATS = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
-LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged")
-
-
-class DType(str):
-    """A dtype name (``float32``) standing in for ``torch.float32``."""
-
-
-def _get_layout(name: str) -> str:
-    # torch.serialization._get_layout("torch.strided")
-    if not isinstance(name, str) or name.removeprefix("torch.") not in LAYOUTS:
-        raise RefusedPickleError(f"unknown tensor layout {name!r} in pickle")
-    return name.removeprefix("torch.")
-
-
-def _mem_format_encoding(value: Any) -> Any:
-    return value
-
-
-def _posix_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise RefusedPickleError("path parts in pickle are not strings")
-    return str(PurePosixPath(*parts))
-
-
-def _windows_path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise RefusedPickleError("path parts in pickle are not strings")
-    return str(PureWindowsPath(*parts))
-
-
-def _codecs_encode(text: Any, encoding: str = "latin1") -> bytes:
-    # protocol <= 2 writes bytes as _codecs.encode(str, "latin1")
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise RefusedPickleError("refused _codecs.encode call in pickle")
-    return text.encode("latin1")
-
-
-def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
-    # protocol 0/1 objects: copyreg._reconstructor(cls, object, None)
-    if not (isinstance(cls, type) and issubclass(cls, Record) and base is object and state is None):
-        raise RefusedPickleError("refused copyreg._reconstructor call in pickle")
-    return cls.__new__(cls)
-
-
-_CHECKPOINT_CLASSES: dict[str, type] = {
-    "Metadata": MetadataRecord,
-    "TensorStorageMetadata": TensorStorageRecord,
-    "ChunkStorageMetadata": ChunkRecord,
-    "BytesStorageMetadata": BytesStorageRecord,
-    "MetadataIndex": MetadataIndexRecord,
-    "TensorProperties": TensorPropertiesRecord,
-    "StorageMeta": StorageMetaRecord,
-    "_MEM_FORMAT_ENCODING": _mem_format_encoding,  # type: ignore[dict-item]
-}
-
-ALLOWED: dict[tuple[str, str], Any] = {}
-for _module in ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata"):
-    for _name, _cls in _CHECKPOINT_CLASSES.items():
-        ALLOWED[(_module, _name)] = _cls
-for _module in ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem"):
-    ALLOWED[(_module, "_StorageInfo")] = StorageInfoRecord
-    ALLOWED[(_module, "_StoragePrefix")] = StoragePrefixRecord
-for _name, _cls in (
-    ("TensorProperties", TensorPropertiesRecord),
-    ("MEM_FORMAT_ENCODING", _mem_format_encoding),
-    ("ShardMetadata", ShardMetadataRecord),
-):
-    ALLOWED[("torch.distributed._shard.sharded_tensor.metadata", _name)] = _cls
-ALLOWED[("torch.distributed._shard.metadata", "ShardMetadata")] = ShardMetadataRecord
-# what Megatron-Core's torch_dist save adds to the Metadata: the plans of every rank (all_local_plans)
-for _name, _cls in (("SavePlan", SavePlanRecord), ("WriteItem", WriteItemRecord), ("TensorWriteData", WriteItemRecord),
-                    ("WriteItemType", _write_item_type)):
-    ALLOWED[("torch.distributed.checkpoint.planner", _name)] = _cls
-ALLOWED[("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")] = SavePlanRecord
-ALLOWED[("torch", "Size")] = tuple  # NOTE: the builtin itself: a million calls, no Python frame each
-ALLOWED[("torch.serialization", "_get_layout")] = _get_layout
-for _name in DTYPE_NAMES:
-    ALLOWED[("torch", _name)] = DType(_name)
-for _alias, _name in DTYPE_ALIASES.items():
-    ALLOWED[("torch", _alias)] = DType(_name)
-for _name in MEMORY_FORMATS:
-    ALLOWED[("torch", _name)] = _name
-for _name in LAYOUTS:
-    ALLOWED[("torch", _name)] = _name
-for _name in ("PosixPath", "PurePosixPath", "Path"):
-    ALLOWED[("pathlib", _name)] = _posix_path
-for _name in ("WindowsPath", "PureWindowsPath"):
-    ALLOWED[("pathlib", _name)] = _windows_path
-for _module in ("collections", "builtins", "__builtin__"):
-    ALLOWED[(_module, "OrderedDict")] = dict
-for _module in ("builtins", "__builtin__"):
-    for _name, _obj in (("set", set), ("frozenset", frozenset), ("tuple", tuple), ("list", list),
-                        ("dict", dict), ("slice", slice), ("bytearray", bytearray)):
-        ALLOWED[(_module, _name)] = _obj
-ALLOWED[("_codecs", "encode")] = _codecs_encode
-ALLOWED[("copy_reg", "_reconstructor")] = _reconstructor
-ALLOWED[("copyreg", "_reconstructor")] = _reconstructor
-ALLOWED[("builtins", "object")] = object
-ALLOWED[("__builtin__", "object")] = object
-
-
 @contextlib.contextmanager
 def gc_paused():
     """Pause the cyclic GC while millions of acyclic objects are made; it would rescan them all
@@ -280,64 +162,6 @@ def gc_paused():
     finally:
         if was:
             gc.enable()
-
-
-# Constructors a pickle may call whose result can be far larger than the bytes that asked for it
-# (``bytearray(5_000_000_000)`` is 12 bytes of pickle): every call is charged against a budget set by
-# the file's size.
-# ``tuple`` is left unwrapped: it is torch.Size's stand-in, called for every chunk, and tuple(t) is t; what a
-# tuple of a big list can cost is bounded by the address-space limit below.
-_SIZED = (bytearray, list, set, frozenset, dict, _codecs_encode)
-ELEMENT_ALLOWANCE = 1 << 20  # elements any file may build on top of its own size
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, source: str, allowed: dict | None = None, budget: int = 0) -> None:
-        super().__init__(file)
-        self._source = source
-        self._allowed = allowed or ALLOWED
-        self._budget = budget + ELEMENT_ALLOWANCE
-
-    def _charge(self, n: int) -> None:
-        self._budget -= n
-        if self._budget < 0:
-            raise RefusedPickleError(
-                f"{self._source}: the pickle builds far more data than the file holds (an allocation bomb); "
-                "refused.", path=self._source)
-
-    def _bounded(self, ctor: Any) -> Any:
-        """``ctor`` charged for the size of what it builds (a ``bytearray(n)`` before it allocates; the others
-        copy objects that already exist, so they are charged after)."""
-        if ctor is bytearray:
-            def build_bytes(*args: Any) -> Any:
-                if args and isinstance(args[0], int):
-                    self._charge(max(0, args[0]))
-                return bytearray(*args)
-
-            return build_bytes
-
-        def build(*args: Any) -> Any:
-            out = ctor(*args)
-            self._charge(len(out))
-            return out
-
-        return build
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            obj = self._allowed[(module, name)]
-        except (KeyError, TypeError):
-            raise RefusedPickleError(
-                f"{self._source}: refused to load the pickled global {module}.{name}; a DCP .metadata file "
-                "never contains it, so the file is damaged or hostile. Nothing from it was run.",
-                path=self._source,
-            ) from None
-        if any(obj is c for c in _SIZED):
-            return self._bounded(obj)
-        return obj
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise RefusedPickleError(f"{self._source}: unexpected persistent id in metadata pickle", path=self._source)
 
 
 def stream_size(stream: Any) -> int:
@@ -461,18 +285,20 @@ def unpickle_metadata(data: bytes | io.BufferedIOBase, source: str, overrides: d
     Memory is bounded by the file's size (sized constructors are charged against it, the rest by an
     address-space limit) and nesting by a stack sized for it. Where another thread could be hurt by that
     limit, call :func:`.reader_process.load_metadata_pickle`, which runs this in a helper process."""
+    from .unpickler import METADATA_GLOBALS, MetadataUnpickler
+
     stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
-    allowed = ALLOWED
+    allowed = METADATA_GLOBALS
     if overrides:
-        allowed = dict(ALLOWED)
+        allowed = dict(METADATA_GLOBALS)
         for key in allowed:
             if key[1] in overrides and key[0].startswith("torch.distributed"):
-                allowed[key] = overrides[key[1]]
+                allowed[key] = overrides[key[1]]  # the streaming reader's record classes
     size = stream_size(stream)
 
     def load() -> Any:
         with gc_paused(), address_space_limit(MEMO_ALLOWANCE + 16 * size), _quiet_bytearray_noise():
-            return _Unpickler(stream, source, allowed, size).load()
+            return MetadataUnpickler(stream, source, allowed, size).load()
 
     try:
         return with_deep_stack(load, size)
