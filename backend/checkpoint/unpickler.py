@@ -692,13 +692,13 @@ class Unpickler:
         except (RefusedPickleError, NotBuilt):
             raise
         except (IndexError, KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError, OverflowError,
-                struct.error, RecursionError, MemoryError) as exc:
+                struct.error, RecursionError, MemoryError, RuntimeError) as exc:  # RuntimeError: torch.device("x")
             raise NotBuilt(f"data.pkl does not unpickle ({type(exc).__name__}: {str(exc)[:120]})") from None
 
     def _run(self) -> Any:  # one dispatch, as torch's; each branch is one opcode
         data, n = self.data, len(self.data)
         stack: list[Any] = []
-        marks: list[int] = []
+        metastack: list[list[Any]] = []  # as torch's: MARK starts a new stack, the ones below are out of reach
         memo: dict[int, Any] = {}
         budget = self.budget
         i = 0
@@ -724,7 +724,8 @@ class Unpickler:
                 stack.append(data[i])
                 i += 1
             elif op == 0x28:  # MARK
-                marks.append(len(stack))
+                metastack.append(stack)
+                stack = []
             elif op == 0x72:  # LONG_BINPUT
                 memo[_UNPACK_UI(data, i)[0]] = stack[-1]
                 i += 4
@@ -732,9 +733,8 @@ class Unpickler:
                 stack.append(memo[_UNPACK_UI(data, i)[0]])
                 i += 4
             elif op == 0x74:  # TUPLE
-                k = marks.pop()
-                items = tuple(stack[k:])
-                del stack[k:]
+                items = tuple(stack)
+                stack = metastack.pop()
                 stack.append(items)
             elif op == 0x85:  # TUPLE1
                 stack[-1] = (stack[-1],)
@@ -813,9 +813,8 @@ class Unpickler:
                     raise budget.refused(f"appends to {_kind(stack[-1])}")
                 stack[-1].append(item)
             elif op == 0x65:  # APPENDS
-                k = marks.pop()
-                items = stack[k:]
-                del stack[k:]
+                items = stack
+                stack = metastack.pop()
                 if type(stack[-1]) is not list:
                     raise budget.refused(f"appends to {_kind(stack[-1])}")
                 stack[-1].extend(items)
@@ -825,9 +824,8 @@ class Unpickler:
                     raise budget.refused(f"sets an item of {_kind(stack[-1])}")
                 stack[-1][key] = value
             elif op == 0x75:  # SETITEMS
-                k = marks.pop()
-                items = stack[k:]
-                del stack[k:]
+                items = stack
+                stack = metastack.pop()
                 target = stack[-1]
                 if type(target) not in (dict, OrderedDict, Counter):
                     raise budget.refused(f"sets an item of {_kind(target)}")
@@ -840,7 +838,7 @@ class Unpickler:
             elif op == 0x80:  # PROTO (torch only warns of another protocol)
                 i += 1
             elif op == 0x2E:  # STOP
-                if marks or len(stack) != 1:
+                if metastack or len(stack) != 1:
                     raise NotBuilt("data.pkl stops with items left on its stack")
                 return stack.pop()
             else:  # torch's unpickler runs no other opcode ("Unsupported operand")
