@@ -96,3 +96,17 @@ def test_a_device_that_is_not_here_is_refused_before_launch(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "device cuda: " in proc.stderr
     assert not run_dir.exists() and "run directory" not in proc.stdout
+
+
+def test_script_authors_are_told_where_the_run_folder_and_checkpoints_are(qtbot):
+    """The launcher sets $SHARDSCOPE_RUN_DIR and Training, Resume and the Library look for checkpoints under
+    $SHARDSCOPE_RUN_DIR/checkpoints/step_NNNNNN: `train --help` and the Training panel's Script field say so."""
+    from shardscope.widgets.run_form import RunForm
+
+    proc = run_cli("train", "--help")
+    assert proc.returncode == 0
+    helped = " ".join(proc.stdout.split())
+    assert "$SHARDSCOPE_RUN_DIR (the run folder)" in helped and "$SHARDSCOPE_RUN_DIR/checkpoints/step_NNNNNN" in helped
+    form = RunForm()
+    qtbot.addWidget(form)
+    assert "$SHARDSCOPE_RUN_DIR/checkpoints/step_NNNNNN" in form.script.toolTip()

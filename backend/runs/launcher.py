@@ -44,6 +44,11 @@ from .rundir import (
 from .supervisor import settle_abandoned
 
 ENV_RESUME = "SHARDSCOPE_RESUME"  # the checkpoint to resume from, for a user's own script
+# what a user's own script is told (``train --script``'s help, the Training panel's Script field)
+SCRIPT_CONTRACT = (f"The launcher sets ${ENV_RUN_DIR} (the run folder) in every rank, and ${ENV_RESUME} (the "
+                   f"checkpoint) when resuming. Save checkpoints as ${ENV_RUN_DIR}/checkpoints/step_NNNNNN (DCP, "
+                   f"e.g. step_000100) for Training, Resume and the Library to find them; report metrics with "
+                   f"shardscope.report(step=..., loss=...).")
 WORKER = ["-m", "shardscope.backend.runs.worker_entry", "--"]
 SUPERVISOR = ["-m", "shardscope.backend.runs.supervisor"]
 STOP_TIMEOUT = 60.0  # s past the grace for a supervisor to answer a stop before the stop ends the run itself
