@@ -701,3 +701,18 @@ def test_keep_best_reads_lightning_csvlogger_where_lightning_writes_it(tmp_path)
         assert lines[s].startswith("KEEP") and f"keep-best train_loss (min, top 2): {losses[s]:.6g}" in lines[s]
     if ranked[2] != 6:  # the newest is kept whatever its loss
         assert lines[ranked[2]].startswith("REMOVE")
+
+
+def test_a_finished_dcp_save_is_complete_however_fresh_its_files(tmp_path, fixtures):
+    """A DCP save's coordinator writes .metadata last: a whole DCP folder just copied (or just saved) read
+    "writing" for seconds after, and prune then called an older step "the newest resumable". A save without
+    its .metadata is still being written."""
+    run = tmp_path / "run" / "checkpoints"
+    shutil.copytree(fixtures["fsdp2_r2"], run / "step_000010")
+    _age(run / "step_000010")
+    shutil.copytree(fixtures["fsdp2_r2"], run / "step_000020", copy_function=shutil.copy)  # fresh times
+    _without_metadata(fixtures["fsdp2_r2"], run / "step_000030")
+    states = {c.name: c.state for c in scan([tmp_path]).checkpoints}
+    assert states == {"step_000010": "complete", "step_000020": "complete", "step_000030": "writing"}
+    plan = _plan(tmp_path, keep_last=1)
+    assert "the newest resumable" in " ".join(plan["run/checkpoints/step_000020"][1])
