@@ -28,6 +28,8 @@ BIN_INDEX = "pytorch_model.bin.index.json"  # the same for torch .bin shards
 HF_INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
 HF_TRAINER_RE = re.compile(r"^(tmp-)?checkpoint-\d+$")  # transformers Trainer's checkpoint-500 (tmp- while saving)
 HF_TRAINER_STATE = "trainer_state.json"
+# the model's DCP folder in an HF Trainer / accelerate FSDP checkpoint (next to optimizer_N/)
+ACCELERATE_MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)$")
 MAX_INDEX_BYTES = 64 << 20  # an index names files and keys; far larger is not one
 
 # ------------------------------------------------------------------ torch.save files

@@ -37,3 +37,24 @@ def test_streamed_json_escapes_names_and_unstored_chunks(tmp_path, copy_of):
         json.dump(inspect_json(ckpt, problems), want)
         write_inspect_json(ckpt, problems, got)
         assert got.getvalue() == want.getvalue()
+
+
+def test_inspect_takes_a_trainer_checkpoint_holding_an_fsdp_model_folder_as_export_does(tmp_path):
+    """An HF Trainer checkpoint-500/ saved with FSDP holds pytorch_model_fsdp_0/ and optimizer_0/ (DCP):
+    `export` took it (to its model folder) while `inspect` refused it."""
+    import torch.distributed.checkpoint as dcp
+    from conftest import run_cli
+    from transformers import TrainerState
+
+    ckpt = tmp_path / "out" / "checkpoint-500"
+    ckpt.mkdir(parents=True)
+    weight = torch.arange(6.0).reshape(2, 3)
+    dcp.save({"model": {"w": weight}}, checkpoint_id=ckpt / "pytorch_model_fsdp_0")
+    dcp.save({"optimizer": {"state": {"w": {"exp_avg": torch.zeros(2, 3)}}}}, checkpoint_id=ckpt / "optimizer_0")
+    TrainerState(global_step=500).save_to_json(str(ckpt / "trainer_state.json"))
+    shown = run_cli("inspect", ckpt, "--tensors")
+    assert shown.returncode == 0, shown.stderr
+    assert "pytorch_model_fsdp_0" in shown.stdout.splitlines()[0] and "model.w  float32 [2, 3]" in shown.stdout
+    exported = run_cli("export", ckpt, tmp_path / "w.safetensors")
+    assert exported.returncode == 0, exported.stderr
+    assert "exporting pytorch_model_fsdp_0/" in exported.stdout

@@ -1,5 +1,6 @@
 """``train --on slurm --dry-run``: the job script for 4 nodes x 8 GPUs, written and printed, nothing submitted,
-checked against torchrun's multi-node requirements. No cluster needed (nor any SLURM tool on PATH)."""
+checked against torchrun's multi-node requirements. No cluster needed (nor any SLURM tool on PATH). And what
+``train`` refuses before it launches anything."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import run_cli
 
 TOOLS = ("sbatch", "scontrol", "scancel", "sinfo", "squeue", "sacct", "srun")
 
@@ -80,3 +83,30 @@ def test_dry_run_needs_slurm_and_a_folder_that_holds_no_run(tmp_path):
     proc = dry_run(env, "--run-dir", busy)
     assert proc.returncode == 2 and "not empty" in proc.stderr and not (busy / "job.sbatch").exists()
     assert not calls.exists()
+
+
+def test_a_device_that_is_not_here_is_refused_before_launch(tmp_path):
+    """`train --device cuda` without CUDA started torchrun and failed in init_process_group with NCCL's
+    traceback; a device the machine lacks (or fewer CUDA devices than processes) is a bad option: exit 2."""
+    import torch
+
+    nproc = torch.cuda.device_count() + 1 if torch.cuda.is_available() else 1
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "--device", "cuda", "--nproc", nproc, "--steps", 1, "--run-dir", run_dir, timeout=600)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "device cuda: " in proc.stderr
+    assert not run_dir.exists() and "run directory" not in proc.stdout
+
+
+def test_script_authors_are_told_where_the_run_folder_and_checkpoints_are(qtbot):
+    """The launcher sets $SHARDSCOPE_RUN_DIR and Training, Resume and the Library look for checkpoints under
+    $SHARDSCOPE_RUN_DIR/checkpoints/step_NNNNNN: `train --help` and the Training panel's Script field say so."""
+    from shardscope.widgets.run_form import RunForm
+
+    proc = run_cli("train", "--help")
+    assert proc.returncode == 0
+    helped = " ".join(proc.stdout.split())
+    assert "$SHARDSCOPE_RUN_DIR (the run folder)" in helped and "$SHARDSCOPE_RUN_DIR/checkpoints/step_NNNNNN" in helped
+    form = RunForm()
+    qtbot.addWidget(form)
+    assert "$SHARDSCOPE_RUN_DIR/checkpoints/step_NNNNNN" in form.script.toolTip()

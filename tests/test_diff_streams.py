@@ -117,3 +117,14 @@ def test_streamed_numbers_are_those_of_the_whole_tensors(fixtures):
     assert values and result.unreadable == []
     for c in values:
         assert (c.max_abs_diff, c.rel_l2, c.frac_changed) == value_change(ra[c.fqn_a], rb[c.fqn_b]), c.fqn
+
+
+def test_diff_of_a_checkpoint_and_its_reshard_counts_layout_only_changes_apart(fixtures, tmp_path):
+    """`diff CKPT its_reshard` printed "60 changed" for chunks moved between ranks, values untouched; the
+    Compare view splits them, and so does the CLI."""
+    resharded = tmp_path / "r3"
+    assert run_cli("reshard", fixtures["fsdp2_r2"], resharded, "--ranks", "3").returncode == 0
+    proc = run_cli("diff", fixtures["fsdp2_r2"], resharded)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    counts = proc.stdout.splitlines()[3]
+    assert counts.startswith("0 only in A, 0 only in B, 0 changed, ") and " layout only (same values), " in counts

@@ -675,3 +675,44 @@ def test_prune_killed_between_an_export_and_its_sidecar_is_finished_by_ls(tmp_pa
     assert sorted(p.name for p in exports.iterdir()) == [
         ".shardscope-watch.json", "step_000020.safetensors.shardscope.json", "step_000030.safetensors"]
     assert notes.read_text() == '{"my": "notes"}'
+
+
+def test_keep_best_reads_lightning_csvlogger_where_lightning_writes_it(tmp_path):
+    """CSVLogger writes RUN/lightning_logs/version_0/metrics.csv: the Training panel plotted its train_loss
+    while `prune --keep-best train_loss` said "the run logs no train_loss" (it looked one level down)."""
+    from shardscope.backend.runs.rundir import scalar_logs
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "lightning_csv_run.py"), str(run)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    csv_log = run / "lightning_logs" / "version_0" / "metrics.csv"
+    assert scalar_logs(run) == [csv_log]  # what the Training panel plots
+    rows = [ln.split(",") for ln in csv_log.read_text().splitlines()[1:]]
+    logged = {int(step): float(loss) for _epoch, step, loss in rows}
+    losses = {s: logged[max(k for k in logged if k <= s)] for s in (2, 4, 6)}  # the last logged by the step
+    _age(run)
+    plan = run_cli("prune", tmp_path, "--keep-best", "train_loss", "--top", "2")
+    assert plan.returncode == 0, plan.stderr
+    assert "logs no train_loss" not in plan.stdout
+    ranked = sorted((2, 4, 6), key=lambda s: losses[s])
+    lines = {s: next(ln.lstrip() for ln in plan.stdout.splitlines() if f"step={s}.ckpt" in ln) for s in ranked}
+    for s in ranked[:2]:
+        assert lines[s].startswith("KEEP") and f"keep-best train_loss (min, top 2): {losses[s]:.6g}" in lines[s]
+    if ranked[2] != 6:  # the newest is kept whatever its loss
+        assert lines[ranked[2]].startswith("REMOVE")
+
+
+def test_a_finished_dcp_save_is_complete_however_fresh_its_files(tmp_path, fixtures):
+    """A DCP save's coordinator writes .metadata last: a whole DCP folder just copied (or just saved) read
+    "writing" for seconds after, and prune then called an older step "the newest resumable". A save without
+    its .metadata is still being written."""
+    run = tmp_path / "run" / "checkpoints"
+    shutil.copytree(fixtures["fsdp2_r2"], run / "step_000010")
+    _age(run / "step_000010")
+    shutil.copytree(fixtures["fsdp2_r2"], run / "step_000020", copy_function=shutil.copy)  # fresh times
+    _without_metadata(fixtures["fsdp2_r2"], run / "step_000030")
+    states = {c.name: c.state for c in scan([tmp_path]).checkpoints}
+    assert states == {"step_000010": "complete", "step_000020": "complete", "step_000030": "writing"}
+    plan = _plan(tmp_path, keep_last=1)
+    assert "the newest resumable" in " ".join(plan["run/checkpoints/step_000020"][1])

@@ -416,3 +416,31 @@ def test_a_run_from_before_supervisors_is_stopped_too(tmp_path):
     finally:
         live.kill()
         live.wait(10)
+
+
+def test_first_rank_to_fail_is_the_one_that_exited_not_the_one_torchrun_ended(tmp_path):
+    """A rank failed in init_process_group (exit 1) and torchrun ended its peer with SIGTERM: the run named
+    the SIGTERM'd rank "the first rank to fail". The exit records, written as each rank writes its own, say
+    which rank failed first; a rank torchrun ended writes none."""
+    from shardscope.backend.runs.rundir import read_status
+    from shardscope.backend.runs.supervisor import settle
+    from shardscope.backend.runs.worker_entry import record_exit
+
+    now = int(time.time())
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "exit").mkdir()
+    report = _torchrun_report(tmp_path, {0: (1, now + 5), 1: (-15, None)})
+    assert "rank      : 1 " in report.split("Root Cause")[1]  # torchrun blames the rank it ended itself
+    (run / "logs" / "launcher.log").write_text(report + "\n")
+    record_exit(str(run), 0, 1, "RuntimeError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
+    status = settle(run, {"state": "running"}, 1)
+    assert status["state"] == "failed" and status["root_cause_rank"] == 0
+    assert status["explanation"].startswith("rank 0 exited with code 1, the first rank to fail")
+    assert read_status(run)["root_cause_rank"] == 0
+    # two ranks exited 1 in the same second: torchrun names the lower one; the exit records say which was first
+    (run / "logs" / "launcher.log").write_text(_torchrun_report(tmp_path, {0: (1, now), 1: (1, now)}) + "\n")
+    record_exit(str(run), 1, 1, "RuntimeError: CUDA out of memory")
+    time.sleep(0.05)
+    record_exit(str(run), 0, 1, "RuntimeError: Connection reset by peer")
+    assert settle(run, {"state": "running"}, 1)["root_cause_rank"] == 1

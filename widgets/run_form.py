@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 from ..backend.errors import ShardscopeError
 from ..backend.format import count
 from ..backend.runs import slurm
-from ..backend.runs.launcher import RunConfig
+from ..backend.runs.launcher import SCRIPT_CONTRACT, RunConfig
 from ..backend.runs.slurm import Partition, SlurmOptions
 
 LOCAL, SLURM = "this machine", "SLURM"
@@ -77,6 +77,7 @@ class RunForm(QGroupBox):
         self.lr.setValue(3e-3)
         self.script = QLineEdit()
         self.script.setPlaceholderText("optional: your own script (uses the same launcher)")
+        self.script.setToolTip(SCRIPT_CONTRACT)
         self.script_args = QLineEdit()
         self.script_args.setPlaceholderText("arguments for the script")
         self.nodes = _spin(1, 4096, 1)

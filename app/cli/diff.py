@@ -54,7 +54,9 @@ def print_result(result: Any, everything: bool) -> None:
     print(f"A: {escape_name(result.a)}\nB: {escape_name(result.b)}")
     p = result.pairing
     print(f"pairing: {p.describe()}" + ("; --exact-names pairs names as stored" if p.renamed else ""))
-    print(f"{len(result.only_a)} only in A, {len(result.only_b)} only in B, {len(result.changed)} changed, "
+    layout_only = sum(1 for c in result.changed if c.kind == "layout")  # as the Compare view splits them
+    print(f"{len(result.only_a)} only in A, {len(result.only_b)} only in B, {len(result.changed) - layout_only} "
+          f"changed, " + (f"{layout_only} layout only (same values), " if layout_only else "") +
           f"{result.unchanged} unchanged" + (f", {len(result.unreadable)} unreadable" if result.unreadable else ""))
     if p.hint:
         print(f"note: {p.hint}")

@@ -7,10 +7,12 @@ file), 3 internal error (one line pointing to the log file with the traceback), 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
 import sys
+from collections.abc import Iterable
 
 from shardscope.backend.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, ShardscopeError
 
@@ -24,8 +26,8 @@ COMMAND_MODULES = ("inspect", "verify", "show", "gui", "export", "diff", "conver
                    "stop", "demo", "library", "watch")
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
-    """The full parser and the names of its subcommands."""
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The full parser and its subcommands' parsers by name."""
     parser = argparse.ArgumentParser(
         prog="shardscope",
         description="Browse, train and export PyTorch distributed (DCP) checkpoints. "
@@ -41,7 +43,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
         # NOTE: a missing or broken command module fails here, loudly: skipping it once hid a subcommand
         # from every user of a wheel that lacked the module
         importlib.import_module(f"{__package__}.{name}").register(sub)
-    return parser, set(sub.choices)
+    return parser, dict(sub.choices)
+
+
+def unknown_command(word: str, names: Iterable[str]) -> str | None:
+    """The error line for a first word that is neither a subcommand nor a path (``shardscope exprot``), else
+    None: a word naming something that exists, or that looks like a path or URL, opens the window on it."""
+    if os.path.exists(word) or "/" in word or os.sep in word or "://" in word or "." in word:
+        return None
+    close = difflib.get_close_matches(word, sorted(names), n=3, cutoff=0.6)
+    if close:
+        return f"unknown command '{word}'; did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"unknown command '{word}', and no file or folder of that name (commands: {', '.join(sorted(names))})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,11 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     from shardscope.backend.log import setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, names = build_parser()
+    parser, commands = build_parser()
     first = next((a for a in argv if a not in GLOBAL_FLAGS), None)
-    if first is None or (first not in names and not first.startswith("-")):
+    if first is None or (first not in commands and not first.startswith("-")):
+        if first is not None and (unknown := unknown_command(first, commands)):
+            err(unknown)
+            return EXIT_BAD_INPUT
         argv.insert(argv.index(first) if first is not None else len(argv), "gui")  # `shardscope [PATH]`
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # NOTE: the subcommand's usage, not the top level's, for a mistyped flag of a subcommand
+        command_parser = commands.get(args.command, parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logfile = setup_logging(args.verbose)
     if args.no_cache_global:
         os.environ["SHARDSCOPE_NO_CACHE"] = "1"  # read by the cache (also in the window's reader processes)

@@ -57,7 +57,10 @@ def register(sub: Any) -> None:
     sp = add_command(sub, "train", run, "Launch an FSDP/DDP training run through torchrun (here or on SLURM) "
                      "and follow it.")
     add_train_options(sp, 50)
-    sp.add_argument("--script", help="run your own training script instead of the built-in trainer")
+    from shardscope.backend.runs.launcher import SCRIPT_CONTRACT
+
+    sp.add_argument("--script", help=f"run your own training script instead of the built-in trainer. "
+                    f"{SCRIPT_CONTRACT}")
     sp.add_argument("--detach", action="store_true", help="start the run, print its directory and return at once "
                     "(it runs on by itself; `shardscope follow RUN` attaches, `shardscope stop RUN` stops it)")
     sp.add_argument("--dry-run", action="store_true", help="with --on slurm: write RUN/job.sbatch and print it, "

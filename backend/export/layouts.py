@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..checkpoint.model import Checkpoint
-from ..filenames import LIGHTNING_META, METADATA
+from ..filenames import ACCELERATE_MODEL_DIR, LIGHTNING_META, METADATA
+from ..formats.hf_trainer import model_folders
 
 TRAINING_STATE_ROOTS = frozenset({
     "optimizer", "optimizers", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -27,7 +28,6 @@ TRAINING_STATE_ROOTS = frozenset({
 _OPTIMIZER_N = re.compile(r"optimizer_\d+$")
 OPTIMIZER_ROOTS = frozenset({"optimizer", "optimizers", "optim", "optimizer_states"})  # a run resumes from these
 MEGATRON_ROOTS = frozenset({"decoder", "encoder", "embedding", "output_layer", "language_model"})
-ACCELERATE_MODEL_DIR = re.compile(r"pytorch_model_fsdp_(\d+)$")
 # NOTE: a whole key part only (start of the key or after a dot), so a module named "my_orig_mod" stays.
 _WRAPPER_SEGMENT = re.compile(r"(?<![^.])(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 
@@ -173,8 +173,7 @@ def find_model_folder(path: str) -> tuple[str, str | None]:
     ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; else ``path``."""
     if "://" in path or os.path.exists(os.path.join(path, METADATA)) or not os.path.isdir(path):
         return path, None
-    models = sorted(n for n in os.listdir(path) if ACCELERATE_MODEL_DIR.match(n)
-                    and os.path.exists(os.path.join(path, n, METADATA)))
+    models = model_folders(path)
     if not models:
         return path, None
     others = sorted(n for n in os.listdir(path) if n not in models and not n.startswith("."))

@@ -9,8 +9,16 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError
-from ..filenames import DATA_FILE_RE, HF_TRAINER_RE, HF_TRAINER_STATE, SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
-from . import hf_folder, hf_index
+from ..filenames import (
+    ACCELERATE_MODEL_DIR,
+    DATA_FILE_RE,
+    HF_TRAINER_RE,
+    HF_TRAINER_STATE,
+    METADATA,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SUFFIX,
+)
+from . import dcp, hf_folder, hf_index
 from .base import RESUMABLE, Facts, Format
 
 MAX_STATE_BYTES = 64 << 20
@@ -45,11 +53,22 @@ class HfTrainerFolder(Format):
             ckpt = hf_index.FORMAT.open(folder, storage_options, use_cache, progress)
         elif any(n.endswith(SAFETENSORS_SUFFIX) for n in listing):
             ckpt = hf_folder.FORMAT.open(folder, storage_options, use_cache, progress)
+        elif models := model_folders(folder.path):  # with FSDP: the model's DCP folder, as export takes it
+            return dcp.FORMAT.open(os.path.join(folder.path, models[0]), storage_options, use_cache, progress)
         else:
             raise CheckpointError(f"{folder.path}: a Trainer checkpoint without safetensors weights here: open "
                                   "the DCP folder or the file inside it that holds what you want.", path=folder.path)
         ckpt.format = self.name
         return ckpt
+
+
+def model_folders(path: str) -> list[str]:
+    """The model's DCP folders (``pytorch_model_fsdp_0/`` with its ``.metadata``) in a local HF Trainer or
+    accelerate FSDP checkpoint folder, by name; [] for a URL or a folder without one."""
+    if "://" in path or not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path) if ACCELERATE_MODEL_DIR.match(n)
+                  and os.path.exists(os.path.join(path, n, METADATA)))
 
 
 def _nested_ranks(path: str, dirs: list[str]) -> list[int]:

@@ -358,6 +358,8 @@ def _why_not_now(c: CheckpointRecord, roots: list[str], running_ok: bool = False
     now = next((f for f in fresh if f.path == resolve_root(c.path)), None)
     if now is None or now.state != c.state:
         return f"its state changed ({c.state} -> {now.state if now else 'not a checkpoint'})"
+    if now.mtime > c.mtime:  # NOTE: a whole DCP folder reads complete however fresh: being written over?
+        return "its files changed since the plan was made"
     return None
 
 

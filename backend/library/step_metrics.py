@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import bisect
 import csv
-import glob
 import io
 import logging
 import os
@@ -19,6 +18,7 @@ from ..filenames import HF_TRAINER_STATE
 from ..runs.metric_logs import (
     EVENT_MARK,
     MAX_STATE_BYTES,
+    csv_scalars,
     event_loader,
     number,
     rank_metric_files,
@@ -27,6 +27,7 @@ from ..runs.metric_logs import (
     summary_values,
     trainer_log_history,
 )
+from ..runs.rundir import SCALAR_LOG_NAMES, scalar_logs
 from .records import RunRecord
 
 log = logging.getLogger(__name__)
@@ -99,16 +100,10 @@ def _csv_values(path: str) -> dict[str, dict[int, float]]:
     """Lightning's CSVLogger file: a ``step`` column and one column per logged metric (blank where not logged)."""
     try:
         with open(path, newline="") as f:
-            rows = csv.DictReader(io.StringIO(f.read(MAX_STATE_BYTES)))
             out: dict[str, dict[int, float]] = {}
-            for row in rows:
-                step = number(row.get("step"))
-                if step is None:
-                    continue
-                for key, v in row.items():
-                    num = number(v)
-                    if num is not None and key not in ("step", "epoch"):
-                        out.setdefault(str(key), {})[int(step)] = num
+            for step, values in csv_scalars(csv.DictReader(io.StringIO(f.read(MAX_STATE_BYTES)))):
+                for key, num in values.items():
+                    out.setdefault(key, {})[int(step)] = num
             return out
     except (OSError, csv.Error, UnicodeDecodeError):
         return {}
@@ -145,16 +140,16 @@ def run_metric(run: RunRecord, metric: str) -> dict[int, float]:
     if per_rank:
         steps = set().union(*per_rank)
         return {s: sum(v[s] for v in per_rank if s in v) / sum(1 for v in per_rank if s in v) for s in steps}
-    for csv_path in (os.path.join(run.path, "metrics.csv"), *sorted(glob.glob(os.path.join(run.path, "*",
-                                                                                           "metrics.csv")))):
-        values = _csv_values(csv_path).get(metric)
+    # NOTE: the logs the Training panel plots, found as it finds them (Lightning's CSVLogger writes
+    # RUN/lightning_logs/version_N/metrics.csv, two levels down: a glob one level down missed it)
+    logs = scalar_logs(run.path)
+    for csv_path in (p for p in logs if p.name in SCALAR_LOG_NAMES):
+        values = _csv_values(str(csv_path)).get(metric)
         if values:
             return values
-    events = sorted(glob.glob(os.path.join(run.path, f"*{EVENT_MARK}*")) +
-                    glob.glob(os.path.join(run.path, "*", f"*{EVENT_MARK}*")))
     merged: dict[int, float] = {}
-    for path in events:  # oldest first: a resumed run's later file wins
-        merged.update(_event_values(path).get(metric, {}))
+    for path in (p for p in logs if EVENT_MARK in p.name):
+        merged.update(_event_values(str(path)).get(metric, {}))  # oldest first: a resumed run's later file wins
     if merged:
         return merged
     out: dict[int, float] = {}

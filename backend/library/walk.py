@@ -16,6 +16,8 @@ from ..progress import Progress
 from .names import CHECKPOINT_HOLDERS, MAX_DEPTH, RUN_SKIP_DIRS, SKIP_DIRS, WRITING_SECONDS
 from .records import CheckpointRecord, Leftover, leftover_of
 
+MARKED_COMPLETE = frozenset({"dcp", "dcp-safetensors"})  # formats whose save writes a last file that makes it whole
+
 RUN_FILES = ("config.json", "status.json")  # a Shardscope run directory (see runs.rundir)
 
 
@@ -236,6 +238,12 @@ class Walker:
         self.found.append(rec)
 
     def mark_writing(self, rec: CheckpointRecord) -> None:
+        """A checkpoint whose files changed within ``writing_seconds`` reads "writing", unless its format says
+        it is whole: a DCP save's coordinator writes ``.metadata`` last, so a complete DCP folder copied or
+        just finished is not being written (it read "writing" for seconds and prune called an older step
+        the newest resumable)."""
         age = self.now - rec.mtime
+        if rec.state == "complete" and rec.format in MARKED_COMPLETE:
+            return
         if -60 < age < self.writing_seconds and rec.state != "unreadable":
             rec.state, rec.reason = "writing", f"files changed {max(age, 0):.0f} s ago"

@@ -44,6 +44,11 @@ from .rundir import (
 from .supervisor import settle_abandoned
 
 ENV_RESUME = "SHARDSCOPE_RESUME"  # the checkpoint to resume from, for a user's own script
+# what a user's own script is told (``train --script``'s help, the Training panel's Script field)
+SCRIPT_CONTRACT = (f"The launcher sets ${ENV_RUN_DIR} (the run folder) in every rank, and ${ENV_RESUME} (the "
+                   f"checkpoint) when resuming. Save checkpoints as ${ENV_RUN_DIR}/checkpoints/step_NNNNNN (DCP, "
+                   f"e.g. step_000100) for Training, Resume and the Library to find them; report metrics with "
+                   f"shardscope.report(step=..., loss=...).")
 WORKER = ["-m", "shardscope.backend.runs.worker_entry", "--"]
 SUPERVISOR = ["-m", "shardscope.backend.runs.supervisor"]
 STOP_TIMEOUT = 60.0  # s past the grace for a supervisor to answer a stop before the stop ends the run itself
@@ -252,6 +257,23 @@ def _wait_gone(status: dict[str, Any], timeout: float) -> None:
         time.sleep(0.1)
 
 
+def device_missing(device: str | None, nproc: int) -> str | None:
+    """Why a local run cannot use ``device`` with ``nproc`` processes on this machine (one CUDA device per
+    rank), or None. NOTE: without this check a run asked for cuda on a machine without CUDA started and
+    failed in init_process_group with NCCL's traceback."""
+    if device != "cuda":
+        return None
+    import torch  # NOTE: here, not at the top: the window imports this module on its GUI thread
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        return "device cuda: this machine has no CUDA device (torch.cuda.is_available() is False); use device cpu"
+    if have < nproc:
+        return (f"device cuda: {count(nproc, 'process', 'processes')} need one CUDA device each and this machine "
+                f"has {have}")
+    return None
+
+
 class RunLauncher:
     """Starts one run: its supervisor here (which starts torchrun), or a SLURM job; ``stop()`` ends every
     process of the run. ``proc`` is the supervisor, our child: polling it reaps it once it has ended."""
@@ -266,6 +288,9 @@ class RunLauncher:
         """Start the run and return at once. A run directory that already holds a run is continued only when
         resuming (metrics append; the plots mark the restart); anything else must be a new directory."""
         problems = self.config.problems()
+        missing = device_missing(self.config.device, self.config.nproc_per_node) if self.config.on == "local" else None
+        if missing:
+            problems["device"] = missing
         if problems:
             raise ShardscopeError("; ".join(problems.values()))
         self._check_directory()

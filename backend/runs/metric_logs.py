@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,19 +218,30 @@ class CsvLogSource:
         end = data.rfind(b"\n") + 1  # a row still being written waits for the next read
         self.offset += end
         rows = csv.DictReader(io.StringIO(data[:end].decode("utf-8", "replace")), fieldnames=self.header)
-        return ScalarBatch([r for r in (self._record(row) for row in rows) if r], replace=replace)
+        return ScalarBatch([r for r in (self._record(*row) for row in csv_scalars(rows)) if r], replace=replace)
 
-    def _record(self, row: dict[str, str]) -> dict[str, Any] | None:
-        step = number(row.get("step"))
-        if step is None:
-            return None
+    def _record(self, step: float, values: dict[str, float]) -> dict[str, Any] | None:
         rec: dict[str, Any] = {"step": step}
-        for tag, text in row.items():
-            name = field_for(tag or "")
-            value = number(text)
-            if name is not None and value is not None and _choose(self.tags, tag, name):
+        for tag, value in values.items():
+            name = field_for(tag)
+            if name is not None and _choose(self.tags, tag, name):
                 rec[name] = value
         return rec if len(rec) > 1 else None
+
+
+def csv_scalars(rows: Iterable[dict[str, str]]) -> Iterator[tuple[float, dict[str, float]]]:
+    """Each row of a Lightning CSVLogger metrics.csv that has a step: (step, its numeric columns by name,
+    without step and epoch; a metric not logged in the row is blank there and left out)."""
+    for row in rows:
+        step = number(row.get("step"))
+        if step is None:
+            continue
+        values = {}
+        for tag, text in row.items():
+            value = number(text)
+            if tag and value is not None and tag not in ("step", "epoch"):
+                values[tag] = value
+        yield step, values
 
 
 def open_metric_log(path: Path) -> EventFileSource | CsvLogSource:

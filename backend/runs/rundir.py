@@ -237,20 +237,14 @@ def log_tail(run_dir: str | os.PathLike, rank: int, lines: int = 30) -> str:
 # "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 123)" (torch.distributed.elastic's template)
 _REPORT = re.compile(rb"\nFailures:\n(.*?)\nRoot Cause \(first observed failure\):\n(.*?)(?:\n={20}|\Z)", re.S)
 _FAILURE = re.compile(rb"^  rank      : (\d+) \(local_rank: \d+\)\n  exitcode  : (-?\d+) \(pid: ", re.M)
-# a rank's own watchdog aborts it (SIGABRT) when a peer fails: that death is a consequence, not a cause
-_CONSEQUENT_SIGNALS = {-signal.SIGABRT}
+# a rank's own watchdog aborts it (SIGABRT) when a peer fails, and torchrun ends the ranks still running
+# with SIGTERM once one has failed: those deaths are consequences, not causes
+_CONSEQUENT_SIGNALS = {-signal.SIGABRT, -signal.SIGTERM}
 
 
-def torchrun_root_cause(run_dir: str | os.PathLike, start: int = 0) -> tuple[int, int] | None:
-    """The rank and exit code that ended the run first, from torchrun's last failure report in
-    launcher.log after byte ``start`` (where this launch's output begins: a resumed run appends to the
-    same log).
-
-    NOTE: torchrun's own "first observed failure" is the failure with the smallest whole-second
-    timestamp, and a rank killed by a signal (the OOM killer's SIGKILL) is stamped when torchrun notices
-    it, while its peers' "Connection reset by peer" carry the second they raised in: the killed rank
-    then loses, or ties and loses to the lower rank. A rank ended by a signal that is not a consequence
-    of a peer's failure is therefore the cause whenever torchrun reports one."""
+def _torchrun_failures(run_dir: str | os.PathLike, start: int) -> list[tuple[int, int]]:
+    """(rank, exit code) of each failure in torchrun's last failure report in launcher.log after byte
+    ``start``, torchrun's "first observed failure" first; [] without a whole report."""
     p = Path(run_dir) / "logs" / "launcher.log"
     try:
         with open(p, "rb") as f:
@@ -258,20 +252,52 @@ def torchrun_root_cause(run_dir: str | os.PathLike, start: int = 0) -> tuple[int
             f.seek(max(start, size - 256_000, 0))
             data = f.read(256_000)
     except OSError:
-        return None
+        return []
     reports = list(_REPORT.finditer(data))
     if not reports:
-        return None
+        return []
     others, root = reports[-1].group(1), reports[-1].group(2)
     first = _FAILURE.search(root)
     if first is None:
-        return None
-    torchrun_pick = (int(first.group(1)), int(first.group(2)))
-    failures = [torchrun_pick, *((int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(others))]
+        return []
+    return [(int(first.group(1)), int(first.group(2))),
+            *((int(m.group(1)), int(m.group(2))) for m in _FAILURE.finditer(others))]
+
+
+def _exit_time(run_dir: str | os.PathLike, rank: int, record: dict) -> float:
+    """When a rank wrote its exit record: the time it records, else the file's modification time."""
+    stamp = record.get("time")
+    if isinstance(stamp, (int, float)):
+        return float(stamp)
+    try:
+        return (Path(run_dir) / "exit" / f"rank_{rank}.json").stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def torchrun_root_cause(run_dir: str | os.PathLike, start: int = 0,
+                        exits: dict[int, dict] | None = None) -> tuple[int, int] | None:
+    """The rank and exit code that ended the run first, from torchrun's last failure report in
+    launcher.log after byte ``start`` (where this launch's output begins: a resumed run appends to the
+    same log) and the ranks' exit records (``exits``, default :func:`rank_exits`).
+
+    NOTE: torchrun's own "first observed failure" is the failure with the smallest whole-second
+    timestamp, and a rank killed by a signal (the OOM killer's SIGKILL) is stamped when torchrun notices
+    it, while its peers' "Connection reset by peer" carry the second they raised in: the killed rank
+    then loses, or ties and loses to the lower rank. A rank ended by a signal that is not a consequence
+    of a peer's failure is therefore the cause whenever torchrun reports one. Otherwise the cause is the
+    rank whose exit record says it failed first (a rank torchrun ended with SIGTERM writes none; torchrun
+    named such a rank "the first to fail" when a peer had exited 1 in the same second)."""
+    failures = _torchrun_failures(run_dir, start)
     killed = [f for f in failures if f[1] < 0 and f[1] not in _CONSEQUENT_SIGNALS]
-    if killed and torchrun_pick not in killed:
+    if killed and failures[0] not in killed:
         return min(killed)
-    return torchrun_pick
+    exits = rank_exits(run_dir) if exits is None else exits
+    errored = sorted((_exit_time(run_dir, r, e), r, e["code"]) for r, e in exits.items()
+                     if isinstance(e.get("code"), int) and e["code"] > 0)
+    if errored and not killed:
+        return errored[0][1], errored[0][2]
+    return failures[0] if failures else None
 
 
 def _listing(p: Path) -> tuple[set[str], list[str]] | None:

@@ -87,7 +87,7 @@ def settle(run_dir: str | os.PathLike, status: dict[str, Any], exit_code: int | 
     else:
         state = "failed"
         why = describe_exit(exit_code) if exit_code is not None else gone or "no rank recorded an exit (killed?)"
-        cause = torchrun_root_cause(run_dir, int(status.get("log_start") or 0))
+        cause = torchrun_root_cause(run_dir, int(status.get("log_start") or 0), exits)
         if cause is not None:  # the rank that failed first: the others often fail only because it went
             why = f"rank {cause[0]} {describe_exit(cause[1])}, the first rank to fail (torchrun: {why})"
     return update_status(run_dir, state, end_time=time.time(), exit_code=exit_code, failed_ranks=failed,

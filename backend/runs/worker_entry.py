@@ -16,9 +16,9 @@ import traceback
 WATCH_SECONDS = 1.0
 
 
-def _record_exit(run_dir: str, rank: int, code: int, tb: str) -> None:
+def record_exit(run_dir: str, rank: int, code: int, tb: str) -> None:
     with open(os.path.join(run_dir, "exit", f"rank_{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "code": code, "traceback_tail": tb[-4000:]}, f)
+        json.dump({"rank": rank, "code": code, "time": time.time(), "traceback_tail": tb[-4000:]}, f)
 
 
 def _end_with_torchrun(run_dir: str, rank: int) -> None:
@@ -32,7 +32,7 @@ def _end_with_torchrun(run_dir: str, rank: int) -> None:
             time.sleep(WATCH_SECONDS)
         msg = f"torchrun (pid {parent}) is gone (killed?): rank {rank} ended itself instead of training on alone"
         sys.stderr.write(msg + "\n")
-        _record_exit(run_dir, rank, 1, msg)
+        record_exit(run_dir, rank, 1, msg)
         os._exit(1)
 
     threading.Thread(target=watch, name="shardscope-torchrun-watch", daemon=True).start()
@@ -75,7 +75,7 @@ def main() -> None:
         tb = traceback.format_exc()
         sys.stderr.write(tb)
         code = 1
-    _record_exit(run_dir, rank, code, tb)
+    record_exit(run_dir, rank, code, tb)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
