@@ -69,6 +69,19 @@ def test_library_model_passes_qtmodeltester(qtmodeltester, root, fixtures):
     assert _names(model) == [["step_000001", "step_000003", "step_000004"], ["step_000001"]]
 
 
+def test_a_run_without_checkpoints_shows_no_time_or_size(root):
+    """A run that failed before its first save showed "?" for its time and "0 B" for its size."""
+    run = root / "run-failed"
+    run.mkdir()
+    (run / "status.json").write_text('{"state": "failed"}')
+    (run / "config.json").write_text("{}")
+    model = LibraryModel()
+    model.set_snapshot(take_snapshot([str(root)]))
+    row = next(r for r in range(model.rowCount()) if model.data(model.index(r, 0)) == "run-failed")
+    cells = {name: model.data(model.index(row, COLUMNS.index(name))) for name in ("step", "modified", "size", "state")}
+    assert cells == {"step": "no ckpt", "modified": "", "size": "", "state": "failed"}
+
+
 def _state(view: LibraryView, path: Path) -> str | None:
     snap = view.snapshot
     rec = snap.listing.find(str(path)) if snap else None
