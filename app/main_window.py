@@ -121,8 +121,7 @@ class MainWindow(QMainWindow):
         return w if isinstance(w, CheckpointView) else None
 
     def open_dialog(self) -> None:
-        start = (recent_paths() or [str(Path.home())])[0]
-        path = QFileDialog.getExistingDirectory(self, "Open checkpoint folder", start)
+        path = QFileDialog.getExistingDirectory(self, "Open checkpoint folder", self.library.start_folder())
         if path:
             self.open_path(path)
 
@@ -229,10 +228,17 @@ class MainWindow(QMainWindow):
             self.close_tab(pane.currentIndex(), pane)
 
     def _library_takes_folder(self, path: str) -> None:
-        """A run folder opened by hand joins the Library, unless a Library root already holds it."""
+        """A run folder opened by hand joins the Library if the user says so (NOTE: it used to become a root without
+        a word, and Prune… over every root then covered it), unless a Library root already holds it."""
         inside = any(os.path.commonpath([os.path.abspath(path), r]) == r
                      for r in self.library.roots() if not is_url(r))
-        if not inside:
+        if inside:
+            return
+        asked = QMessageBox.question(
+            self, "Add to the Library?", f"{path} is followed in the Training tab. Add it to the Library as a root "
+            "too, so its checkpoints are listed there (and Prune… and Watch plan… over every root cover them)?",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No, QMessageBox.StandardButton.No)
+        if asked == QMessageBox.StandardButton.Yes:
             self.library.add_root(path)
 
     def training_panel(self, run_dir: str | None = None) -> TrainingPanel:

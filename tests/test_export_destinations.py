@@ -147,6 +147,7 @@ def test_the_dialog_refuses_in_the_same_words(qtbot, copy_of):
     dlg.shard.setText("5GB")
     dlg.dst.setText(str(ck))
     dlg.force.setChecked(True)
+    qtbot.waitUntil(lambda: not dlg.planning, timeout=120000)  # the plan is made in a worker
     dlg.start()
     assert "is the source" in dlg.message.text() and dlg._worker is None
     assert _tree(ck) == before

@@ -13,6 +13,13 @@ from PySide6.QtWidgets import QApplication
 from safetensors import safe_open
 from shardscope.backend.formats import open_checkpoint
 
+SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine
+
+
+def planned(qtbot, dlg) -> None:
+    """Wait for the plan of the fields as they are (it is made in a worker once the typing pauses)."""
+    qtbot.waitUntil(lambda: not dlg.planning, timeout=SLOW)
+
 
 def test_default_destination_is_beside_checkpoints_and_made_when_missing(qtbot, fixtures, tmp_path):
     """It once proposed RUN/checkpoints/step_000030.safetensors, and prune then took that export for the run's
@@ -29,6 +36,7 @@ def test_default_destination_is_beside_checkpoints_and_made_when_missing(qtbot, 
     dlg2 = ExportDialog(open_checkpoint(ck), "")
     qtbot.addWidget(dlg2)
     assert dlg2.dst.text() == str(run / "exports" / "step_000030.safetensors")
+    planned(qtbot, dlg2)
     with qtbot.waitSignal(dlg2.finished_export, timeout=120000) as blocker:
         dlg2.export_button.click()
     assert blocker.args[0] is not None and blocker.args[0].verified is True, dlg2.message.text()
@@ -40,6 +48,7 @@ def test_default_destination_is_beside_checkpoints_and_made_when_missing(qtbot, 
     dlg3 = ExportDialog(open_checkpoint(ck), "model")
     qtbot.addWidget(dlg3)
     dlg3.dst.setText(str(tmp_path / "new" / "deeper" / "m.safetensors"))
+    planned(qtbot, dlg3)
     with qtbot.waitSignal(dlg3.finished_export, timeout=120000) as blocker:
         dlg3.export_button.click()
     assert blocker.args[0] is None and "Nothing was written" in dlg3.message.text()
@@ -65,13 +74,17 @@ def test_dialog_shows_layout_and_takes_exclude_and_rename(qtbot, fixtures, tmp_p
     dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]), "")
     qtbot.addWidget(dlg)
     dlg.dst.setText(str(tmp_path / "m.safetensors"))
+    planned(qtbot, dlg)
     assert "layout: torch DCP recipe" in dlg.summary.text()
     n = len(dlg.keys.stringList())
     dlg.exclude.setText("model.head")
+    planned(qtbot, dlg)
     assert len(dlg.keys.stringList()) < n
     dlg.rename.setText(r"^emb\.=embed.")
+    planned(qtbot, dlg)
     assert any(k.startswith("embed.weight") for k in dlg.keys.stringList())
     dlg.exclude.setText("model.nosuch")
+    planned(qtbot, dlg)
     assert not dlg.export_button.isEnabled() and "matches no entry" in dlg.summary.text()
 
 
@@ -84,6 +97,7 @@ def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
     dlg = ExportDialog(ckpt, "model")
     qtbot.addWidget(dlg)
     dlg.dst.setText(str(tmp_path / "m.safetensors"))
+    planned(qtbot, dlg)
     assert dlg.strip.text() == "model."
     keys = dlg.keys.stringList()
     assert len(keys) == 15 and all(not k.startswith("model.") for k in keys)
@@ -91,6 +105,7 @@ def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
     dlg.shard.setText("not a size")
     assert not dlg.export_button.isEnabled() and "not a size" in dlg.summary.text()
     dlg.shard.setText("")
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=120000) as blocker:
         dlg.export_button.click()
     result = blocker.args[0]
@@ -105,6 +120,7 @@ def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
     dlg2 = ExportDialog(ckpt, "")
     qtbot.addWidget(dlg2)
     dlg2.dst.setText(str(tmp_path / "all.pt"))
+    planned(qtbot, dlg2)
     with qtbot.waitSignal(dlg2.finished_export, timeout=120000) as blocker:  # NOTE: listening before it starts
         dlg2.start()
         dlg2._worker.quit()
@@ -124,7 +140,9 @@ def test_export_dialog_reshards(qtbot, fixtures, tmp_path):
     dlg.format.setCurrentText("DCP (reshard)")
     dlg.ranks.setValue(3)
     dlg.dst.setText(str(tmp_path / "r3"))
+    planned(qtbot, dlg)
     assert "3 ranks" in dlg.summary.text() and not dlg.dtype.isEnabled()
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=120000) as blocker:
         dlg.export_button.click()
     assert blocker.args[0] is not None and blocker.args[0].verified is True
@@ -138,6 +156,7 @@ def export_dialog(qtbot, fixtures, dst):
     dlg = ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]))
     qtbot.addWidget(dlg)
     dlg.dst.setText(str(dst))
+    planned(qtbot, dlg)
     return dlg
 
 
@@ -145,6 +164,7 @@ def test_export_dialog_locks_every_option_while_it_runs(qtbot, fixtures, tmp_pat
     """Only destination, format, verify and overwrite were locked during an export: typing into Only,
     Exclude, Rename or Max shard size replaced the plan and the preview while the old plan was written."""
     dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=120000) as sig:
         dlg.export_button.click()
         assert [w for w in dlg.option_widgets() if w.isEnabled()] == []
@@ -158,14 +178,17 @@ def test_export_dialog_speaks_of_no_command_line_flag(qtbot, fixtures, tmp_path)
     messages now name options in words, and the dialog shows them as they are."""
     (tmp_path / "m.safetensors").write_bytes(b"keep me")
     dlg = export_dialog(qtbot, fixtures, tmp_path / "m.safetensors")
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=120000):
         dlg.export_button.click()
     assert "--" not in dlg.message.text() and "allow overwriting it" in dlg.message.text()
     assert (tmp_path / "m.safetensors").read_bytes() == b"keep me"
     dlg.dst.setText(str(tmp_path / "noext"))
+    planned(qtbot, dlg)
     assert "--" not in dlg.summary.text() and "maximum shard size" in dlg.summary.text()
     dlg.dst.setText(str(tmp_path / "m2.safetensors"))
     dlg.only.setText("nothing.here")
+    planned(qtbot, dlg)
     assert "--" not in dlg.summary.text() and "nothing.here (a prefix to export) matches no entry" in dlg.summary.text()
 
 
@@ -184,12 +207,11 @@ def test_format_list_is_the_writer_registry(qtbot, fixtures, tmp_path):
         assert {n for n, f in fields.items() if f.isEnabled()} == set(fields) & takes, dlg.format.currentText()
     dlg.format.setCurrentText(WRITERS["torch"].label)
     dlg.shard.setText("5GB")  # not taken by torch: disabled, and no error about it
+    planned(qtbot, dlg)
     assert not dlg.shard.isEnabled() and dlg.export_button.isEnabled(), dlg.summary.text()
     dlg.format.setCurrentIndex(0)  # from the name: a maximum shard size makes a sharded safetensors folder
+    planned(qtbot, dlg)
     assert dlg.shard.isEnabled() and "in shards of at most" in dlg.summary.text()
-
-
-SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine
 
 
 def test_a_second_export_from_the_dialog_can_be_cancelled(qtbot, fixtures, tmp_path):
@@ -203,11 +225,13 @@ def test_a_second_export_from_the_dialog_can_be_cancelled(qtbot, fixtures, tmp_p
     qtbot.addWidget(dlg)
     dlg.show()
     dlg.dst.setText(str(tmp_path / "a.safetensors"))
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as first:
         dlg.export_button.click()
     assert first.args[0] is not None
     assert dlg.close_button.isVisibleTo(dlg) and not dlg.cancel_button.isVisibleTo(dlg)
     dlg.dst.setText(str(tmp_path / "b.pt"))
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as second:
         dlg.export_button.click()
         # the results arrive through the event loop: this is the dialog while the second export runs
@@ -234,6 +258,7 @@ def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(
     dlg.dst.setText(str(folder))
     dlg.shard.setText("3KB")
     dlg.force.setChecked(True)
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as done:
         dlg.export_button.click()
     assert done.args[0] is not None, dlg.message.text()
@@ -243,6 +268,7 @@ def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(
     assert "model.safetensors.index.json" in names
     assert "kept in the folder (not written by an export): config.json, tokenizer" in dlg.message.text()
     dlg.shard.setText("5KB")  # over its own earlier export: the old shards go, the kept files stay
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as again:
         dlg.export_button.click()
     assert again.args[0] is not None
@@ -274,6 +300,7 @@ def test_open_after_an_export_shows_the_written_file_in_the_window(qtbot, fixtur
             assert dlg.open_button.isHidden()  # nothing written yet
             dlg.dst.setText(str(dst))
             dlg.shard.setText("3KB")
+            planned(qtbot, dlg)
             with qtbot.waitSignal(dlg.finished_export, timeout=SLOW):
                 dlg.export_button.click()
             seen["shown"] = dlg.open_button.isVisibleTo(dlg)
@@ -306,10 +333,12 @@ def test_the_dialog_offers_to_create_a_missing_destination_folder(qtbot, fixture
     format_at = dlg.format.mapTo(dlg, dlg.format.rect().topLeft()).y()
     assert offer.text().endswith("/new (and 1 folder in it)") and str(tmp_path / "new") in offer.toolTip()
     offer.setChecked(False)
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=120000) as refused:
         dlg.export_button.click()
     assert refused.args[0] is None and "does not exist" in dlg.message.text() and not (tmp_path / "new").exists()
     offer.setChecked(True)
+    planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=120000) as done:
         dlg.export_button.click()
     assert done.args[0] is not None and dst.is_file(), dlg.message.text()
@@ -317,3 +346,48 @@ def test_the_dialog_offers_to_create_a_missing_destination_folder(qtbot, fixture
     assert not offer.isVisibleTo(dlg)
     QApplication.processEvents()  # the rows below did not move as the offer came and went
     assert dlg.format.mapTo(dlg, dlg.format.rect().topLeft()).y() == format_at
+
+
+def test_the_dialog_plans_off_the_gui_thread_and_never_shows_a_stale_plan(qtbot, fixtures, tmp_path, monkeypatch):
+    """The dialog planned on the GUI thread on opening and on every key (0.2 s a key at 20k tensors, 5 s at 300k).
+    Now the plan is made in a worker once the typing pauses; Export waits for the plan of the fields as they are,
+    and a plan that comes back after the fields changed is never shown. (The backend's plan_export, slowed down
+    here, stands for a checkpoint of 300k tensors.)"""
+    import threading
+    import time
+
+    from shardscope.widgets import export_dialog
+
+    planned_in: list[tuple[str, list | None]] = []
+    real_plan = export_dialog.plan_export
+
+    def slow_plan(ckpt, fmt, **kw):
+        planned_in.append((threading.current_thread().name, kw.get("exclude")))
+        time.sleep(0.6)
+        return real_plan(ckpt, fmt, **kw)
+
+    monkeypatch.setattr(export_dialog, "plan_export", slow_plan)
+    dlg = export_dialog.ExportDialog(open_checkpoint(fixtures["fsdp2_r2"]), "")
+    qtbot.addWidget(dlg)
+    dlg.show()
+    qtbot.waitUntil(lambda: bool(planned_in), timeout=SLOW)
+    assert planned_in[0][0] != threading.main_thread().name  # opening planned on the GUI thread (4 s at 300k)
+    assert dlg.planning and not dlg.export_button.isEnabled()
+    planned(qtbot, dlg)
+    n = len(dlg.keys.stringList())
+    shown: list[tuple[str, int]] = []  # (exclude field, keys in the preview) each time the preview is filled
+    dlg.keys.modelReset.connect(lambda: shown.append((dlg.exclude.text(), len(dlg.keys.stringList()))))
+    typed = time.monotonic()
+    for key in "model.head":  # typed a key at a time: no key waits for a plan
+        dlg.exclude.setText(dlg.exclude.text() + key)
+    assert time.monotonic() - typed < 3  # (on the GUI thread: 10 plans, 6 s)
+    qtbot.waitUntil(lambda: len(planned_in) == 2, timeout=SLOW)  # the plan of "model.head" is under way
+    dlg.exclude.setText("")  # ... and the fields change before it is back
+    assert not dlg.export_button.isEnabled()
+    dlg.start()  # Export waits for the plan of the fields as they are
+    assert dlg._worker is None
+    planned(qtbot, dlg)
+    assert dlg.export_button.isEnabled() and len(dlg.keys.stringList()) == n
+    assert all(name != threading.main_thread().name for name, _ in planned_in), planned_in  # opening's too
+    assert [exclude for _, exclude in planned_in] == [None, ["model.head"], None]  # once per pause, not per key
+    assert all(count == 0 or field == "" for field, count in shown), shown  # "model.head"'s plan never shown

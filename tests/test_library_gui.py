@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QSettings, QThreadPool
+from PySide6.QtCore import QSettings, QThreadPool, QTimer
 from shardscope.backend.library import Rules, scan
 from shardscope.backend.library.snapshot import take_snapshot
 from shardscope.widgets.library_model import COLUMNS, LibraryModel
@@ -67,6 +67,19 @@ def test_library_model_passes_qtmodeltester(qtmodeltester, root, fixtures):
     model.set_snapshot(take_snapshot([str(root)]))
     qtmodeltester.check(model, force_py=True)
     assert _names(model) == [["step_000001", "step_000003", "step_000004"], ["step_000001"]]
+
+
+def test_a_run_without_checkpoints_shows_no_time_or_size(root):
+    """A run that failed before its first save showed "?" for its time and "0 B" for its size."""
+    run = root / "run-failed"
+    run.mkdir()
+    (run / "status.json").write_text('{"state": "failed"}')
+    (run / "config.json").write_text("{}")
+    model = LibraryModel()
+    model.set_snapshot(take_snapshot([str(root)]))
+    row = next(r for r in range(model.rowCount()) if model.data(model.index(r, 0)) == "run-failed")
+    cells = {name: model.data(model.index(row, COLUMNS.index(name))) for name in ("step", "modified", "size", "state")}
+    assert cells == {"step": "no ckpt", "modified": "", "size": "", "state": "failed"}
 
 
 def _state(view: LibraryView, path: Path) -> str | None:
@@ -251,8 +264,25 @@ def test_run_the_demo_from_the_library_and_watch_its_checkpoints_arrive(qtbot):
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
 
 
-def test_a_run_folder_opened_by_hand_joins_the_library(qtbot, tmp_path):
-    """Training › Open run folder: the folder's checkpoints join the Library (issue 13 §2)."""
+def answer_question(qtbot, button, seen: list[str]) -> None:
+    """Answer the next question box with ``button`` (runs inside its exec()), noting its text in ``seen``."""
+    from PySide6.QtWidgets import QApplication, QMessageBox
+
+    def answer() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            QTimer.singleShot(50, answer)
+            return
+        seen.append(box.text())
+        box.button(button).click()
+
+    QTimer.singleShot(0, answer)
+
+
+def test_a_run_folder_opened_by_hand_joins_the_library_if_the_user_says_so(qtbot, tmp_path):
+    """Training › Open run folder: the folder's checkpoints join the Library (issue 13 §2), but it became a root
+    without a word (and Prune… over every root then covered it): now the window asks first (issue #30 item 7)."""
+    from PySide6.QtWidgets import QMessageBox
     from shardscope.app.main_window import MainWindow
 
     win = MainWindow()
@@ -260,12 +290,18 @@ def test_a_run_folder_opened_by_hand_joins_the_library(qtbot, tmp_path):
     panel = win.training_panel()
     elsewhere = tmp_path / "cluster-run"
     (elsewhere / "checkpoints").mkdir(parents=True)
+    asked: list[str] = []
+    answer_question(qtbot, QMessageBox.StandardButton.No, asked)
     panel.runFolderOpened.emit(str(elsewhere))
-    assert str(elsewhere) in win.library.roots()
+    assert len(asked) == 1 and str(elsewhere) in asked[0]
+    assert str(elsewhere) not in win.library.roots()  # followed in the Training tab only
+    answer_question(qtbot, QMessageBox.StandardButton.Yes, asked)
+    panel.runFolderOpened.emit(str(elsewhere))
+    assert len(asked) == 2 and str(elsewhere) in win.library.roots()
     inside = win.library.roots()[0]
     before = win.library.roots()
-    panel.runFolderOpened.emit(os.path.join(inside, "run-1"))  # already under a root: no second root
-    assert win.library.roots() == before
+    panel.runFolderOpened.emit(os.path.join(inside, "run-1"))  # already under a root: no second root, no question
+    assert win.library.roots() == before and len(asked) == 2
     win.library.shutdown()
     panel.shutdown()
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
@@ -334,3 +370,37 @@ def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive
         picture.save(os.environ["SHARDSCOPE_SCREENSHOT"])
     view.shutdown()
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
+
+
+def test_open_folder_starts_in_the_library_not_in_an_unrelated_earlier_folder(qtbot, root, tmp_path):
+    """File › Open folder started in the last checkpoint opened, whatever it was; now in the run of the checkpoint
+    selected in the Library, else in the root Disk usage shows."""
+    from PySide6.QtWidgets import QApplication, QFileDialog
+    from shardscope.app.main_window import MainWindow
+    from shardscope.app.settings import add_recent
+
+    unrelated = tmp_path / "unrelated" / "ck"
+    unrelated.mkdir(parents=True)
+    add_recent(str(unrelated))
+    win = MainWindow()
+    qtbot.addWidget(win)
+    win.library.add_root(str(root))
+    qtbot.waitUntil(lambda: win.library.snapshot is not None and len(win.library.snapshot.listing.checkpoints) == 3
+                    and win.library.root_box.currentData() == str(root), timeout=TIMEOUT)
+    started: list[str] = []
+
+    def look() -> None:  # runs inside the dialog's exec()
+        dlg = QApplication.activeModalWidget()
+        if not isinstance(dlg, QFileDialog):
+            QTimer.singleShot(50, look)
+            return
+        started.append(dlg.directory().absolutePath())
+        dlg.reject()
+
+    QTimer.singleShot(0, look)
+    win.open_dialog()
+    win.library.select_paths([str(root / "runA" / "checkpoints" / "step_000002")])
+    QTimer.singleShot(0, look)
+    win.open_dialog()
+    assert started == [str(root), str(root / "runA")]
+    win.library.shutdown()

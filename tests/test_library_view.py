@@ -130,6 +130,48 @@ def test_the_prune_preview_follows_the_library_after_a_removal(qtbot, runs_root,
     assert sorted(p.name for p in (runs_root / "runA" / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
 
 
+def test_prune_plans_over_the_selected_runs_only(qtbot, runs_root, fixtures):
+    """Prune… planned over every run under every root whatever was selected: a user who selected one run and
+    clicked Move to the trash removed other runs' checkpoints. Now it plans over the selected runs (as Watch
+    plan… does) and says which; with nothing selected, over every run, and says so."""
+    from shardscope.widgets.prune_dialog import PruneDialog
+
+    view = library(qtbot, runs_root)
+    aged_copy(fixtures["ddp_r2"], runs_root / "runB" / "checkpoints" / "step_000020")
+    qtbot.waitUntil(lambda: len(view.snapshot.listing.checkpoints) == 5, timeout=SLOW)
+    seen: dict[str, object] = {}
+
+    def drive() -> None:  # runs inside the dialog's exec()
+        dlg = next((d for d in view.findChildren(PruneDialog) if d.isVisible()), None)
+        if dlg is None:
+            QTimer.singleShot(50, drive)
+            return
+        try:
+            dlg.last_n.setValue(1)
+            qtbot.waitUntil(lambda: dlg.plan is not None and dlg.plan.rules.keep_last == 1, timeout=SLOW)
+            seen["plan"] = sorted((os.path.basename(d.checkpoint.run), d.checkpoint.name, d.remove)
+                                  for d in dlg.plan.decisions)
+            seen["scope"] = dlg.scope.text()
+            if dlg.plan.remove:
+                with qtbot.waitSignal(dlg.pruned, timeout=SLOW):
+                    dlg.start_removal(delete=True)
+        finally:
+            dlg.reject()
+
+    view.select_paths([str(runs_root / "runB" / "checkpoints" / "step_000020")])
+    QTimer.singleShot(0, drive)
+    view.prune_dialog()
+    assert seen["plan"] == [("runB", "step_000010", True), ("runB", "step_000020", False)]
+    assert "selected run only" in seen["scope"] and "runB" in seen["scope"] and "runA" not in seen["scope"]
+    assert sorted(p.name for p in (runs_root / "runA" / "checkpoints").iterdir()) == [
+        "step_000001", "step_000002", "step_000003"]  # another run's checkpoints are untouched
+    assert [p.name for p in (runs_root / "runB" / "checkpoints").iterdir()] == ["step_000020"]
+    view.tree.selectionModel().clearSelection()  # nothing selected: every run, and the dialog says so
+    QTimer.singleShot(0, drive)
+    view.prune_dialog()
+    assert {run for run, _, _ in seen["plan"]} == {"runA", "runB"} and "every run" in seen["scope"]
+
+
 def test_enter_opens_the_selected_checkpoint_in_the_library_and_the_training_panel(qtbot, runs_root, tmp_path):
     """Keyboard-only use: Enter on a checkpoint did nothing in the Library or in the Training panel's Checkpoints
     list; only a double-click opened it."""

@@ -766,3 +766,39 @@ def test_a_resume_stopped_before_its_first_step_is_not_still_resuming(tmp_path):
     over = header_html(follower, RunSnapshot(status={"state": "stopped", "resumed": note,
                                                      "explanation": "stopped by the user"}), False, {})
     assert "resuming" not in over and "launched to resume step 40 of a 2-rank run on 3 ranks<br>" in over
+
+
+def test_runs_are_listed_by_start_time_and_the_csv_writes_counts_as_integers(qtbot, panel, tmp_path):
+    """The Runs and "Compare loss with" lists followed the folders' modification times (a finished run whose folder
+    was touched later, by an export, jumped above the runs started after it): now their start time. Save CSV wrote
+    steps and RSS as floats (``1.0``, ``104857600.0``): now whole numbers."""
+    now = time.time()
+    for name, started_ago in (("first", 3 * 3600), ("second", 2 * 3600), ("third", 3600)):
+        run = fake_run(tmp_path / name, {"state": "finished", "start_time": now - started_ago})
+        os.utime(run, (now - 4 * 3600, now - 4 * 3600))
+    os.utime(tmp_path / "first", None)  # the oldest run's folder changed last
+    panel.refresh_runs()
+    qtbot.waitUntil(lambda: panel.run_list.count() == 3, timeout=SHORT)
+    names = [panel.run_list.item(i).data(Qt.ItemDataRole.UserRole) for i in range(3)]
+    assert [os.path.basename(n) for n in names] == ["third", "second", "first"]
+    panel.follow(str(tmp_path / "third"))
+    assert [panel.compare.itemText(i) for i in range(panel.compare.count())] == ["(none)", "second", "first"]
+    qtbot.waitUntil(lambda: bool(panel.follower.series), timeout=SHORT)
+    header, *rows = panel.follower.csv().splitlines()
+    columns = header.split(",")
+    first = dict(zip(columns, rows[0].split(","), strict=True))
+    assert first["step"] == "1" and first["rss"] == str(100 * 2**20), rows[0]
+    assert float(first["loss"]) == 5.0 and first["tokens_per_s"] == "1000.0"
+
+
+def test_the_form_shows_the_run_it_starts(qtbot, panel, tmp_path):
+    """The demo runs 30 steps with a checkpoint every 10 while the form showed its own 200 and 50."""
+    from dataclasses import replace
+
+    from shardscope.app.first_run import demo_config
+
+    assert (panel.form.steps.value(), panel.form.ckpt_every.value()) == (200, 50)
+    config = replace(demo_config(), resume=str(tmp_path / "no-such-checkpoint"))  # refused: nothing is launched
+    assert not panel.start_run(str(tmp_path / "r"), config)
+    assert (panel.form.steps.value(), panel.form.ckpt_every.value()) == (demo_config().steps, 10)
+    assert panel.form.nproc.value() == 2 and panel.form.strategy.currentText() == "fsdp"

@@ -1,11 +1,14 @@
-"""The Export dialog: the CLI's export options, a preview of keys and size, progress with cancel."""
+"""The Export dialog: the CLI's export options, a preview of keys and size (planned in a worker as the fields
+change), progress with cancel."""
 
 from __future__ import annotations
 
 import html
 import os
+from collections.abc import Callable
+from typing import Any
 
-from PySide6.QtCore import QStringListModel, Qt, QUrl, Signal
+from PySide6.QtCore import QStringListModel, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -47,9 +50,22 @@ from shardscope.backend.export.destination import (
 from shardscope.backend.format import count, human_bytes
 
 from .form_wheel import wheel_only_when_focused
-from .workers import Worker, run_in_background
+from .workers import Rerun, Worker, run_in_background
 
 FROM_THE_NAME = "from the name"  # the Format entry that is no writer: the backend picks one from the destination
+PLAN_DELAY_MS = 150  # typing plans once it pauses this long
+
+
+def plan_preview(ckpt: Checkpoint, writer: Writer, kw: dict[str, Any],
+                 progress: Any = None) -> tuple[ExportPlan | None, list[str]]:
+    """The plan and the preview's lines (a worker function: at 300k entries planning takes seconds). Resharding
+    (a writer without ``write``) has no plan: every entry is rewritten."""
+    if writer.write is None:
+        return None, ([f"{t.fqn}    {t.dtype} {list(t.shape)}" for t in ckpt.tensors]
+                      + [f"{o.fqn}    (non-tensor, copied byte for byte)" for o in ckpt.objects])
+    plan = plan_export(ckpt, writer.name, **kw)
+    return plan, ([f"{it.key}    {it.dtype} {list(it.shape)}" for it in plan.items]
+                  + [f"{key}    (non-tensor)" for key, _ in plan.objects])
 
 
 class ExportDialog(QDialog):
@@ -64,6 +80,15 @@ class ExportDialog(QDialog):
         self.plan: ExportPlan | None = None
         self.result: ExportResult | None = None
         self._worker: Worker | None = None
+        # NOTE: the fields' version: each edit counts one; a plan is shown only if made from the version the fields
+        # are at (a plan still running when a key was typed is dropped, never shown for the new fields)
+        self._fields_version = 0
+        self._shown_version = -1
+        self._plans = Rerun(self._start_plan)
+        self._plan_delay = QTimer(self)
+        self._plan_delay.setSingleShot(True)
+        self._plan_delay.setInterval(PLAN_DELAY_MS)
+        self._plan_delay.timeout.connect(self._plans.ask)
 
         layout = QVBoxLayout(self)
         layout.addLayout(self._build_form(ckpt, prefix))
@@ -109,7 +134,7 @@ class ExportDialog(QDialog):
         self.force.toggled.connect(self._options_changed)
         self.make_folders.toggled.connect(self._options_changed)
         wheel_only_when_focused(self)
-        self.update_preview()
+        self.update_preview(at_once=True)
 
     def _options_changed(self) -> None:
         """An edited option makes the last export's result line stale: clear it, then preview the new plan."""
@@ -234,34 +259,70 @@ class ExportDialog(QDialog):
         self.make_folders.setVisible(bool(missing))
         return missing
 
-    def update_preview(self) -> None:
+    @property
+    def planning(self) -> bool:
+        """The plan for the fields as they are is not back yet (Export waits for it)."""
+        return self._shown_version != self._fields_version
+
+    def update_preview(self, at_once: bool = False) -> None:
+        """The fields changed: what the format takes, the folders to offer, at once; the plan in a worker once the
+        typing pauses (``at_once``: now). Until it is back the preview is empty and Export disabled."""
         self._offer_folders()
         taken = self.taken()
         for name, field in self.option_fields().items():
             field.setEnabled(name in taken)
-        if self.resharding:
-            ck = self.ckpt
-            self.plan = None
-            self.keys.setStringList([f"{t.fqn}    {t.dtype} {list(t.shape)}" for t in ck.tensors]
-                                    + [f"{o.fqn}    (non-tensor, copied byte for byte)" for o in ck.objects])
-            self.summary.setText(f"<b>DCP</b>: every entry ({count(len(ck.tensors), 'tensor')}, "
-                                 f"{human_bytes(ck.total_bytes)}) rewritten as {count(self.ranks.value(), 'rank')} "
-                                 "with even "
-                                 "row-wise chunks; values unchanged (verified)")
-            self.export_button.setEnabled(bool(self.dst.text().strip()))
+        self._fields_version += 1
+        self.plan = None
+        self.keys.setStringList([])
+        self.export_button.setEnabled(False)
+        try:
+            self.options()
+        except ExportError as exc:  # bad input is said at once, with no plan to wait for
+            self._show_error(self._fields_version, str(exc))
             return
+        self.summary.setText("Planning …")
+        if at_once:
+            self._plan_delay.stop()
+            self._plans.ask()
+        else:
+            self._plan_delay.start()
+
+    def _start_plan(self, done: Callable[[], None]) -> Worker | None:
+        """Plan the fields as they are now (a plan asked for while another ran starts after it)."""
+        version = self._fields_version
+        if self._shown_version == version:  # an error already shown for these fields: nothing to plan
+            return None
         try:
             _dst, writer, kw = self.options()
-            self.plan = plan_export(self.ckpt, writer.name, **kw)
         except ExportError as exc:
-            self.plan = None
-            self.keys.setStringList([])
-            self.summary.setText(f"<span style='color:#d62728'>{html.escape(str(exc))}</span>")
-            self.export_button.setEnabled(False)
+            self._show_error(version, str(exc))
+            return None
+        return run_in_background(plan_preview, self.ckpt, writer, kw, owner=self,
+                                 on_result=lambda result: self._show_plan(version, writer, *result),
+                                 on_error=lambda message: self._show_error(version, message), on_finished=done)
+
+    def _show_error(self, version: int, message: str) -> None:
+        if version != self._fields_version:  # the fields changed since: a newer plan is on its way
             return
-        plan = self.plan
-        self.keys.setStringList([f"{it.key}    {it.dtype} {list(it.shape)}" for it in plan.items]
-                                + [f"{key}    (non-tensor)" for key, _ in plan.objects])
+        self._shown_version = version
+        self.plan = None
+        self.keys.setStringList([])
+        self.summary.setText(f"<span style='color:#d62728'>{html.escape(message)}</span>")
+        self.export_button.setEnabled(False)
+
+    def _show_plan(self, version: int, writer: Writer, plan: ExportPlan | None, lines: list[str]) -> None:
+        if version != self._fields_version:
+            return
+        self._shown_version = version
+        self.plan = plan
+        self.keys.setStringList(lines)
+        if plan is None:  # resharding
+            ck = self.ckpt
+            self.summary.setText(f"<b>DCP</b>: every entry ({count(len(ck.tensors), 'tensor')}, "
+                                 f"{human_bytes(ck.total_bytes)}) rewritten as {count(self.ranks.value(), 'rank')} "
+                                 "with even row-wise chunks; values unchanged (verified)")
+            self.export_button.setEnabled(True)
+            return
         notes = "".join(f"<br>{html.escape(n)}" for n in plan.notes)
         notes += "".join(f"<br>left out: {html.escape(n)}" for n in plan.left_out)
         if writer.weights_only and plan.objects:
@@ -292,7 +353,7 @@ class ExportDialog(QDialog):
         except ExportError as exc:
             self.message.setText(str(exc))
             return
-        if self.plan is None and not self.resharding:
+        if self.planning or (self.plan is None and not self.resharding):  # Export waits for the current plan
             return
         missing = self._offer_folders()
         if missing and not self.make_folders.isChecked():

@@ -140,8 +140,11 @@ class LibraryModel(QAbstractItemModel):
         newest = max((c.mtime for c in run.checkpoints), default=0.0)
         if role == Qt.ItemDataRole.DisplayRole:
             state = ("running" if run.running else run.state or "") if run.kind == "shardscope" else ""
-            return {"checkpoint": run.name, "step": f"{len(run.checkpoints)} ckpt", "modified": _when(newest),
-                    "size": human_bytes(run.bytes), "state": state,
+            # NOTE: a run without checkpoints (failed before its first save) showed "?" and "0 B": it has neither
+            some = bool(run.checkpoints)
+            return {"checkpoint": run.name, "step": f"{len(run.checkpoints)} ckpt" if some else "no ckpt",
+                    "modified": _when(newest) if some else "", "size": human_bytes(run.bytes) if some else "",
+                    "state": state,
                     "format": "run" if run.kind == "shardscope" else "folder"}.get(col)
         if role == SortRole:
             return {"checkpoint": natural(run.name), "step": len(run.checkpoints), "modified": newest,

@@ -155,7 +155,8 @@ class LibraryView(QWidget):
         self.watch_button = self._button("Watch plan…", self.watch_dialog, "What `shardscope watch` would export and "
                                          "remove under the selected runs (or every root), and what a watch did")
         row.addWidget(self.watch_button)
-        self.prune_button = self._button("Prune…", self.prune_dialog, "Remove checkpoints by rules, with a preview")
+        self.prune_button = self._button("Prune…", self.prune_dialog, "Remove checkpoints of the selected runs (or "
+                                         "of every root) by rules, with a preview")
         row.addWidget(self.prune_button)
         row = QHBoxLayout()
         rows.addLayout(row)
@@ -333,6 +334,13 @@ class LibraryView(QWidget):
                 out.append(rec)
         return out
 
+    def start_folder(self) -> str:
+        """Where a folder dialog starts: the selected checkpoint's run folder, else the root Disk usage shows, else
+        the first local root (NOTE: Open folder… started in the last checkpoint opened, however unrelated)."""
+        selected = [c.run for c in self.selected_checkpoints() if not is_url(c.run)]
+        roots = [r for r in (self.root_box.currentData(), *self.roots()) if r and not is_url(r)]
+        return next((p for p in (*selected, *roots) if os.path.isdir(p)), str(Path.home()))
+
     def select_paths(self, paths: list[str]) -> None:
         """Select these checkpoints (tests and the window's Compare use it)."""
         sel = self.tree.selectionModel()
@@ -404,7 +412,9 @@ class LibraryView(QWidget):
     def prune_dialog(self) -> None:
         if self.snapshot is None:
             return
-        dlg = PruneDialog(self.snapshot.listing, self.rules, self)
+        # NOTE: over the selected runs only, as Watch plan…: it planned over every root, so a user who selected one
+        # run and clicked Move to the trash removed other runs' checkpoints
+        dlg = PruneDialog(self.snapshot.listing, self.rules, self, runs=self.selected_runs() or None)
         dlg.rulesChanged.connect(self._set_rules)
         dlg.pruned.connect(lambda: self.poll(force=True))
 
@@ -417,16 +427,21 @@ class LibraryView(QWidget):
             dlg.exec()
         finally:
             self.refreshed.disconnect(rescanned)
+            dlg.deleteLater()
 
-    def watch_roots(self) -> list[str]:
-        """The runs of the selected rows (a run row or its checkpoints), else every root."""
+    def selected_runs(self) -> list[str]:
+        """The runs of the selected rows (a run row or its checkpoints), by path."""
         runs: list[str] = []
         for i in self.tree.selectionModel().selectedRows(0):
             rec = self.model.record(self.proxy.mapToSource(i))
             path = rec.run if isinstance(rec, CheckpointRecord) else rec.path if isinstance(rec, RunRecord) else None
             if path and path not in runs:
                 runs.append(path)
-        return runs or self.roots()
+        return runs
+
+    def watch_roots(self) -> list[str]:
+        """The runs of the selected rows, else every root."""
+        return self.selected_runs() or self.roots()
 
     def watch_dialog(self) -> WatchPlanDialog:
         """Show the watch plan for the selected runs or the roots (modeless: the Library goes on polling)."""

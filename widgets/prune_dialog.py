@@ -3,6 +3,8 @@ acts as the CLI does (to the desktop trash, or for good), in a worker, with prog
 
 from __future__ import annotations
 
+import html
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +75,15 @@ def plan_table(model: RowsTableModel, widths: tuple[int, ...]) -> QTableView:
     return table
 
 
+def scope_text(runs: list[str] | None) -> str:
+    """What the plan covers, in a line above the rules."""
+    if not runs:
+        return ("Plans over <b>every run</b> under the Library's roots (select runs or checkpoints in the Library "
+                "to prune only those runs).")
+    names = ", ".join(html.escape(os.path.basename(r.rstrip("/")) or r) for r in runs)
+    return f"Plans over the selected {'run' if len(runs) == 1 else 'runs'} only: <b>{names}</b>."
+
+
 class PlanModel(RowsTableModel):
     """One row per checkpoint: keep or remove, and why (an adapter over the plan's decisions)."""
 
@@ -111,11 +122,13 @@ class PruneDialog(QDialog):
     rulesChanged = Signal(object)  # Rules, when the user changed them
     pruned = Signal(object)  # PruneResult
 
-    def __init__(self, listing: Listing, rules: Rules, parent=None) -> None:
+    def __init__(self, listing: Listing, rules: Rules, parent=None, runs: list[str] | None = None) -> None:
+        """``runs``: plan over these runs only (the Library's selection); None: every run of ``listing``."""
         super().__init__(parent)
         self.setWindowTitle("Prune checkpoints")
         self.resize(980, 640)
-        self.listing = listing
+        self.runs = runs
+        self.listing = listing.of_runs(runs) if runs else listing
         self.plan: Plan | None = None
         self.result: PruneResult | None = None
         self._plans = Rerun(self._start_plan)
@@ -124,6 +137,9 @@ class PruneDialog(QDialog):
         self._acted_on: Listing | None = None  # the listing of the last removal: its plan is spent
         self.current_rules: Rules | None = None
         lay = QVBoxLayout(self)
+        self.scope = QLabel(scope_text(runs))
+        self.scope.setWordWrap(True)
+        lay.addWidget(self.scope)
         lay.addLayout(self._build_rules(rules))
         self.model = PlanModel(self)
         self.table = plan_table(self.model, (60, 150, 200, 60, 80, 80))
@@ -233,6 +249,8 @@ class PruneDialog(QDialog):
         """A newer scan of the Library: plan again on what exists now. NOTE: the dialog used to keep the listing
         it was opened with, so after a removal it listed the checkpoints already in the trash as "remove", with
         their bytes, and Move to the trash stayed disabled for good."""
+        if self.runs:
+            listing = listing.of_runs(self.runs)
         # an unchanged scan (the Library polls every 2 s) plans nothing: the table keeps its scroll and selection
         if listing == self.listing or self._act_worker is not None:
             return

@@ -176,6 +176,18 @@ class RunForm(QGroupBox):
                          script=script, script_args=shlex.split(self.script_args.text()) if script else [],
                          model={} if script else model, on=on, slurm=opts)
 
+    def show_config(self, config: RunConfig) -> None:
+        """Show the run ``config`` describes (the demo's 30 steps, not the form's 200, while the demo runs)."""
+        self.strategy.setCurrentText(config.strategy)
+        self.nproc.setValue(config.nproc)
+        self.steps.setValue(config.steps)
+        self.ckpt_every.setValue(config.checkpoint_every)
+        self.device.setCurrentText(config.device or "auto")
+        for field, name in ((self.width_, "width"), (self.depth, "depth"), (self.heads, "heads"),
+                            (self.batch, "batch_size"), (self.lr, "lr")):
+            if name in config.model:
+                field.setValue(config.model[name])
+
     def show_problems(self, problems: dict[str, str]) -> None:
         """Say what is wrong next to each field (and hide old messages)."""
         for field, label in self.errors.items():

@@ -53,7 +53,7 @@ class TrainingPanel(QWidget):
     openCheckpoint = Signal(str)
     compareRequested = Signal(str, str)
     runStateChanged = Signal(str, str)  # (run dir, state) of the followed run, when its state changes
-    runFolderOpened = Signal(str)  # a folder the user opened by hand: its checkpoints join the Library
+    runFolderOpened = Signal(str)  # a folder the user opened by hand (the window offers to add it to the Library)
 
     def __init__(self, runs_root: str | os.PathLike | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -230,7 +230,9 @@ class TrainingPanel(QWidget):
         return ""
 
     def _open_run_dialog(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Open a run folder", str(self.runs_root))
+        # starts beside the run shown (a sibling run is one click away), else in the runs folder
+        start = os.path.dirname(str(self.follower.run_dir)) if self.follower is not None else str(self.runs_root)
+        path = QFileDialog.getExistingDirectory(self, "Open a run folder", start)
         if path:
             self.follow(path)
             self.refresh_runs(select=path)
@@ -259,6 +261,8 @@ class TrainingPanel(QWidget):
     def start_run(self, run_dir: str | None = None, config: RunConfig | None = None) -> bool:
         """Check the form (or ``config``) and start the run in the background; False (and the problems
         shown next to their fields) when it cannot start."""
+        if config is not None:  # the form shows what runs (the demo's steps, not the form's last ones)
+            self.form.show_config(config)
         config = (config or self.form.config()).resolved()
         problems = config.problems()
         self.form.show_problems(problems)

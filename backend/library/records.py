@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,12 @@ class Listing:
     def bytes(self) -> int:
         """Total bytes of all runs' checkpoints."""
         return sum(r.bytes for r in self.runs)
+
+    def of_runs(self, runs: Collection[str]) -> Listing:
+        """The part of the listing in these runs (by path): their checkpoints and interrupted prunes."""
+        inside = tuple(os.path.join(r, "") for r in runs)
+        return Listing(list(self.roots), [r for r in self.runs if r.path in runs],
+                       [lo for lo in self.leftovers if lo.original.startswith(inside)], list(self.unreachable))
 
     def find(self, path: str) -> CheckpointRecord | None:
         """The checkpoint at exactly ``path``, or None."""

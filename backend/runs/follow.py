@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ShardscopeError
 from .launcher import run_status
 from .metric_logs import CsvLogSource, EventFileSource, open_metric_log, read_rank_metrics
-from .metrics import FIELDS, Series, records_to_columns
+from .metrics import FIELDS, Series, field_text, records_to_columns
 from .rundir import log_tail, rank_exits, scan
 
 LOG_CHUNK = 1 << 20
@@ -207,7 +207,7 @@ class RunFollower:
             cols = [s.column(f) for f in FIELDS]
             name = str(key) if is_rank(key) else self.label(key).replace(",", ";")
             for i in range(len(s)):
-                lines.append(f"{name}," + ",".join("" if v != v else repr(float(v)) for v in (c[i] for c in cols)))
+                lines.append(f"{name}," + ",".join(field_text(f, c[i]) for f, c in zip(FIELDS, cols, strict=True)))
         return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,14 @@ import numpy as np
 
 FIELDS = ("step", "time", "loss", "rss", "cuda_allocated", "cuda_reserved", "cuda_peak", "steps_per_s",
           "tokens_per_s", "lr")
+COUNTS = frozenset(("step", "rss", "cuda_allocated", "cuda_reserved", "cuda_peak"))  # whole numbers (bytes, steps)
+
+
+def field_text(name: str, value: float) -> str:
+    """A metric as CSV writes it: empty when missing, a count as an integer (``30``, not ``30.0``)."""
+    if value != value:
+        return ""
+    return str(int(value)) if name in COUNTS and float(value).is_integer() else repr(float(value))
 
 
 class Series:

@@ -35,6 +35,7 @@ class RunInfo:
     supervisor_pid: int | None = None
     reason: str | None = None  # SLURM's pending reason
     resumed_from: str | None = None
+    started: float | None = None  # status.json's start_time: when the run was (last) launched
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "path": str(self.path), "name": self.path.name}
@@ -98,17 +99,22 @@ def describe(path: Path) -> RunInfo:
     loss = mean_loss_at(path, step) if isinstance(step, int) else None
     times = [t for t in (status.get("updated"), when) if isinstance(t, (int, float))]
     resume = read_config(path).get("resume")
+    started = status.get("start_time")
+    started = float(started) if isinstance(started, int | float) and not isinstance(started, bool) else None
     return RunInfo(path, status.get("state", "?"), mtime, status.get("explanation", ""),
                    step=step if isinstance(step, int) else None,
                    loss=loss,
                    updated=max(times) if times else None,
                    where=status.get("scheduler") or ("local" if status else ""),
                    job_id=status.get("job_id"), supervisor_pid=status.get("supervisor_pid"),
-                   reason=status.get("reason") or None, resumed_from=resume if isinstance(resume, str) else None)
+                   reason=status.get("reason") or None, resumed_from=resume if isinstance(resume, str) else None,
+                   started=started)
 
 
 def list_runs(root: str | os.PathLike) -> list[RunInfo]:
-    """Run directories under ``root`` (its folders; ``root`` itself when it is one of ours), newest first."""
+    """Run directories under ``root`` (its folders; ``root`` itself when it is one of ours), newest first: by start
+    time (status.json), else the folder's modification time (NOTE: by that alone, a finished run whose folder was
+    touched, by an export or a prune, jumped above the run started after it)."""
     root = Path(root)
     if (root / "status.json").is_file() and (root / "config.json").is_file():
         return [describe(root)]
@@ -116,7 +122,7 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
         entries = list(root.iterdir())
     except OSError:
         return []
-    return sorted((describe(p) for p in entries if is_run_dir(p)), key=lambda r: r.mtime, reverse=True)
+    return sorted((describe(p) for p in entries if is_run_dir(p)), key=lambda r: r.started or r.mtime, reverse=True)
 
 
 def find_run(name: str | os.PathLike) -> Path:
