@@ -29,6 +29,7 @@ import io
 import math
 import pickle
 import struct
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -853,6 +854,10 @@ class Unpickler:
             inst.build(state, self.budget)
         elif kind is TensorRef:
             raise NotBuilt("BUILD sets the state of a tensor (torch's legacy set_)")
+        elif kind in (StorageRef, set, bytearray, complex) or (self.rules.torch_values and _torch_value(inst)):
+            # allowed types without __setstate__: torch updates their __dict__ only for a true state (they have none)
+            if state:
+                raise NotBuilt(f"BUILD gives {_kind(inst)} a state it cannot hold")
         else:
             raise self.budget.refused(f"sets the state of {_kind(inst)} (BUILD)")
 
@@ -877,6 +882,12 @@ class Unpickler:
         elif (known.dtype, known.nbytes) != (kind.kind, nbytes):
             raise NotBuilt(f"storage data/{key} is named with two sizes or dtypes")  # torch keeps the first
         return known
+
+
+def _torch_value(value: Any) -> bool:
+    """A torch.Size or torch.device (torch's own objects in a torch file's values)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and type(value) in (torch.Size, torch.device)
 
 
 def _kind(value: Any) -> str:
