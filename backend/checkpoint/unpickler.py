@@ -136,7 +136,7 @@ def stand_in(qualname: str) -> type[StandIn]:
     """The one stand-in class for ``module.Name`` (made once)."""
     cls = _STAND_INS.get(qualname)
     if cls is None:
-        base = _NUMPY_STAND_INS.get(qualname, StandIn)
+        base = _CHECKED_STAND_INS.get(qualname, StandIn)
         cls = type(qualname.rsplit(".", 1)[-1], (base,), {"__slots__": (), "qualname": qualname})
         _STAND_INS[qualname] = cls
     return cls
@@ -197,7 +197,26 @@ class NumpyArray(StandIn):
         self.state = state
 
 
-_NUMPY_STAND_INS: dict[str, type[StandIn]] = {"numpy.dtype": NumpyDType, "numpy.ndarray": NumpyArray}
+class BytesIOStandIn(StandIn):
+    """``io.BytesIO`` (DCP pickles a Stateful's BytesIO: torchtitan's train_state): made with nothing or bytes, its
+    state (value, position, dict) checked as ``BytesIO.__setstate__`` checks it."""
+
+    __slots__ = ()
+
+    def __init__(self, *args: Any) -> None:
+        if len(args) > 1 or (args and args[0] is not None and type(args[0]) not in (bytes, bytearray)):
+            raise NotBuilt("an io.BytesIO made from something else than bytes")
+        super().__init__(*args)
+
+    def build(self, state: Any, budget: Budget) -> None:
+        if not (type(state) is tuple and len(state) == 3 and type(state[0]) in (bytes, bytearray)
+                and type(state[1]) is int and state[1] >= 0 and (state[2] is None or type(state[2]) is dict)):
+            raise NotBuilt("an io.BytesIO is given a state BytesIO.__setstate__ refuses")
+        self.state = state
+
+
+_CHECKED_STAND_INS: dict[str, type[StandIn]] = {"numpy.dtype": NumpyDType, "numpy.ndarray": NumpyArray,
+                                              "_io.BytesIO": BytesIOStandIn}
 
 
 def _numpy_reconstruct(budget: Budget) -> Callable[..., StandIn]:
@@ -250,14 +269,10 @@ def realize(value: Any, depth: int = 0) -> Any:
         import torch
 
         return getattr(torch, value.kind)
-    if isinstance(value, StandIn) and value.qualname == "_io.BytesIO":
-        state = value.state
-        data = value.args[0] if value.args and isinstance(value.args[0], bytes) else b""
-        if isinstance(state, tuple) and len(state) >= 1 and isinstance(state[0], bytes):
-            data = state[0]
-        out = io.BytesIO(data)
-        if isinstance(state, tuple) and len(state) >= 2 and type(state[1]) is int and 0 <= state[1] <= len(data):
-            out.seek(state[1])
+    if isinstance(value, BytesIOStandIn):
+        out = io.BytesIO(value.args[0] if value.args and value.args[0] is not None else b"")
+        if value.state is not None:
+            out.__setstate__((bytes(value.state[0]), value.state[1], None))  # checked when built
         return out
     if type(value) in (dict, OrderedDict):
         for k, v in value.items():
