@@ -105,7 +105,7 @@ def test_huge_bytearray8_leaves_no_stray_line(monkeypatch):
     buffers". The load is refused and nothing else reaches stderr (in this process, as the CLI loads)."""
     import io
 
-    from shardscope.backend.checkpoint import reader_process, safe_pickle
+    from shardscope.backend.checkpoint import reader_process, unpickler
     from shardscope.backend.errors import RefusedPickleError
 
     monkeypatch.setattr(reader_process, "ISOLATE", False)
@@ -116,5 +116,5 @@ def test_huge_bytearray8_leaves_no_stray_line(monkeypatch):
         garbage = [(object(), object()) for _ in range(50_000)]  # freed 56-byte blocks whose last word is set
         del garbage
         with pytest.raises(RefusedPickleError, match="allocation bomb"):
-            safe_pickle.unpickle_metadata(bomb, "bomb")
+            unpickler.unpickle_metadata(bomb, "bomb")
     assert err.getvalue() == ""

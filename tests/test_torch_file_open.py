@@ -312,7 +312,18 @@ def _mutated(data: bytes, rng) -> bytes:
     return bytes(out)
 
 
-def test_mutated_pickles_read_as_torch_load_reads_them_or_not_at_all(tmp_path):
+def mutation_seed(kind: str) -> dict:
+    """The state dicts the mutation passes start from: tensors, views and plain values; or numpy state (an RNG state,
+    arrays of numbers in both byte orders, a 0-d one) beside a tensor, for memo references into numpy's state."""
+    if kind == "numpy":
+        return {"w": torch.arange(6.0).reshape(2, 3), "rng": np.random.RandomState(0).get_state(),
+                "array": np.arange(6, dtype=np.float32).reshape(2, 3), "big": np.arange(3, dtype=">i8"),
+                "zero_d": np.array(2.5), "same": [np.arange(2, dtype=np.uint8)] * 2}
+    return _views_and_values() | {k: v for k, v in _leaves().items() if k not in ("rng", "array", "sd")}
+
+
+@pytest.mark.parametrize(("seed", "cases"), [("values", 600), ("numpy", 300)])
+def test_mutated_pickles_read_as_torch_load_reads_them_or_not_at_all(tmp_path, seed, cases):
     """A fixed-seed pass over data.pkl mutations of a real file: the reader gives entries or one CheckpointError;
     what it reads without torch.load, torch.load reads too, to the same names, key paths, tensors and values;
     what it refuses, torch.load refuses."""
@@ -320,14 +331,13 @@ def test_mutated_pickles_read_as_torch_load_reads_them_or_not_at_all(tmp_path):
 
     rng = random.Random(0)
     src = tmp_path / "seed.pt"
-    state = _views_and_values() | {k: v for k, v in _leaves().items() if k not in ("rng", "array", "sd")}
-    torch.save(state, src)
+    torch.save(mutation_seed(seed), src)
     with zipfile.ZipFile(src) as z:
         pkl_name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
         pkl = z.read(pkl_name)
     allow_safe_globals()
     outcomes: dict[str, int] = {}
-    for case in range(600):
+    for case in range(cases):
         try:
             mutated = _mutated(pkl, rng)
         except ValueError:  # an earlier mutation broke the opcode walk itself

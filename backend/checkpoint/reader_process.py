@@ -28,12 +28,12 @@ import threading
 from typing import Any
 
 from .. import errors, progress
-from .safe_pickle import NotStreamable, Record, gc_paused, unpickle_metadata
-from .unpickler import ShippedUnpickler, shippable_globals
+from .safe_pickle import NotStreamable, Record, gc_paused
+from .unpickler import ShippedUnpickler, shippable_globals, unpickle_metadata
 
 ISOLATE: bool | None = None  # None: decide per call (see must_isolate); True/False: always/never isolate
 _IN_HELPER = False
-_FUNCS = ("shardscope.backend.checkpoint.safe_pickle:unpickle_metadata",
+_FUNCS = ("shardscope.backend.checkpoint.unpickler:unpickle_metadata",
           "shardscope.backend.checkpoint.streaming:stream_metadata",
           "shardscope.backend.checkpoint.streaming:stream_metadata_compact")
 _HELPER_MAIN = "from shardscope.backend.checkpoint.reader_process import helper_main; helper_main()"
@@ -326,7 +326,7 @@ def _rss() -> int:
 
 
 def load_metadata_pickle(data: Any, source: str) -> Any:
-    """Unpickle DCP metadata safely (:func:`.safe_pickle.unpickle_metadata`), in a helper process where an
+    """Unpickle DCP metadata safely (:func:`.unpickler.unpickle_metadata`), in a helper process where an
     address-space limit could hurt another thread of this one (see :func:`must_isolate`)."""
     if must_isolate():
         return run_isolated(unpickle_metadata, data, source)

@@ -11,11 +11,8 @@ import contextlib
 import gc
 import io
 import os
-import pickle
 import threading
 from typing import Any
-
-from ..errors import RefusedPickleError
 
 
 class Record:
@@ -276,39 +273,3 @@ def with_deep_stack(func: Any, size: int) -> Any:
 
 class NotStreamable(Exception):
     """The file does not have the layout the streaming reader relies on (:mod:`.streaming`)."""
-
-
-def unpickle_metadata(data: bytes | io.BufferedIOBase, source: str, overrides: dict[str, Any] | None = None) -> Any:
-    """Unpickle DCP metadata with the allow-list, in this process; return the tree of :class:`Record` objects.
-
-    ``overrides`` replaces the stand-ins of some DCP classes by name (the streaming reader's hooks).
-    Memory is bounded by the file's size (sized constructors are charged against it, the rest by an
-    address-space limit) and nesting by a stack sized for it. Where another thread could be hurt by that
-    limit, call :func:`.reader_process.load_metadata_pickle`, which runs this in a helper process."""
-    from .unpickler import METADATA_GLOBALS, MetadataUnpickler
-
-    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
-    allowed = METADATA_GLOBALS
-    if overrides:
-        allowed = dict(METADATA_GLOBALS)
-        for key in allowed:
-            if key[1] in overrides and key[0].startswith("torch.distributed"):
-                allowed[key] = overrides[key[1]]  # the streaming reader's record classes
-    size = stream_size(stream)
-
-    def load() -> Any:
-        with gc_paused(), address_space_limit(MEMO_ALLOWANCE + 16 * size), _quiet_bytearray_noise():
-            return MetadataUnpickler(stream, source, allowed, size).load()
-
-    try:
-        return with_deep_stack(load, size)
-    except RefusedPickleError:
-        raise
-    except MemoryError:
-        raise RefusedPickleError(f"{source}: the pickle asks for far more memory than a {size}-byte file can "
-                                 "need (an allocation bomb); refused.", path=source) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
-            KeyError, OverflowError, UnicodeDecodeError, RecursionError) as exc:
-        raise RefusedPickleError(
-            f"{source}: not a readable DCP metadata pickle ({type(exc).__name__}: {str(exc)[:200]}).", path=source
-        ) from None

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from .reader_process import must_isolate, run_isolated
-from .safe_pickle import NotStreamable, TensorStorageRecord, stream_size, unpickle_metadata
+from .safe_pickle import NotStreamable, TensorStorageRecord, stream_size
+from .unpickler import unpickle_metadata
 
 
 class Events:

@@ -37,7 +37,28 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
 from ..errors import RefusedPickleError
-from .dtypes import ITEMSIZE, MAX_INDEX, MAX_NDIM
+from .dtypes import DTYPE_NAMES, ITEMSIZE, MAX_INDEX, MAX_NDIM
+from .safe_pickle import (
+    MEMO_ALLOWANCE,
+    BytesStorageRecord,
+    ChunkRecord,
+    MetadataIndexRecord,
+    MetadataRecord,
+    Record,
+    SavePlanRecord,
+    ShardMetadataRecord,
+    StorageInfoRecord,
+    StorageMetaRecord,
+    StoragePrefixRecord,
+    TensorPropertiesRecord,
+    TensorStorageRecord,
+    WriteItemRecord,
+    _quiet_bytearray_noise,
+    address_space_limit,
+    gc_paused,
+    stream_size,
+    with_deep_stack,
+)
 
 ELEMENT_ALLOWANCE = 1 << 20  # elements any pickle may build through copying constructors on top of its size
 _HIDDEN = "\x00<shardscope tensor>\x00"  # what a tensor or storage prints as: found in a name, it was a key
@@ -259,8 +280,9 @@ def realize(value: Any, depth: int = 0) -> Any:
 
         _, shape, dtype, fortran, raw = value.state
         dt = np.dtype(dtype.code).newbyteorder(dtype.order if dtype.order != "|" else "=")
-        return np.frombuffer(raw, dtype=dt).reshape(shape, order="F" if fortran else "C").copy(
-            order="F" if fortran else "C")
+        # numpy's own unpickling gives the values in the machine's byte order (a '>i8' array comes back '<i8')
+        return np.frombuffer(raw, dtype=dt).reshape(shape, order="F" if fortran else "C").astype(
+            dt.newbyteorder("="), order="F" if fortran else "C")
     if isinstance(value, NumpyDType) and value.state is not None:
         import numpy as np
 
@@ -919,8 +941,6 @@ def _kind(value: Any) -> str:
 def unpickle(data: bytes, source: str, rules: Rules) -> tuple[Any, dict[str, StorageRef]]:
     """``data`` (a pickle) loaded under ``rules``, with the storages it names; the cyclic GC paused while it runs
     and nesting given a stack deep enough for it (:func:`.safe_pickle.with_deep_stack`)."""
-    from .safe_pickle import gc_paused, with_deep_stack
-
     unpickler = Unpickler(data, source, rules)
 
     def load() -> Any:
@@ -935,22 +955,6 @@ def unpickle(data: bytes, source: str, rules: Rules) -> tuple[Any, dict[str, Sto
 # over the records of :mod:`.safe_pickle`. Every global resolves to a record class (BUILD fills its ``__dict__``, as
 # plain pickle fills torch's dataclasses), a builtin container, or a frozen callable (no ``__dict__``: BUILD on it
 # fails); nothing else is reachable.
-from .dtypes import DTYPE_NAMES  # noqa: E402
-from .safe_pickle import (  # noqa: E402  (the records are below this module's own definitions)
-    BytesStorageRecord,
-    ChunkRecord,
-    MetadataIndexRecord,
-    MetadataRecord,
-    Record,
-    SavePlanRecord,
-    ShardMetadataRecord,
-    StorageInfoRecord,
-    StorageMetaRecord,
-    StoragePrefixRecord,
-    TensorPropertiesRecord,
-    TensorStorageRecord,
-    WriteItemRecord,
-)
 
 
 class FrozenCall:
@@ -1160,15 +1164,49 @@ class ShippedUnpickler(pickle.Unpickler):
 
 @functools.lru_cache(maxsize=1)
 def shippable_globals() -> frozenset[tuple[str, str]]:
-    from . import reader_process, safe_pickle
+    from . import safe_pickle
 
+    helper = __name__.rpartition(".")[0] + ".reader_process"  # named, not imported: it imports this module
     records = {(safe_pickle.__name__, n) for n, v in vars(safe_pickle).items()
                if isinstance(v, type) and issubclass(v, Record)}
-    return frozenset(records | {(__name__, "DType"), (reader_process.__name__, "_rebuild_record"),
-                                (reader_process.__name__, "_gone"),
+    return frozenset(records | {(__name__, "DType"), (helper, "_rebuild_record"), (helper, "_gone"),
                                 ("shardscope.backend.checkpoint.streaming", "Events"),
                                 ("array", "_array_reconstructor"), ("array", "array"), ("builtins", "slice"),
                                 ("builtins", "object"), ("builtins", "bytearray")})
+
+
+def unpickle_metadata(data: bytes | io.BufferedIOBase, source: str, overrides: dict[str, Any] | None = None) -> Any:
+    """Unpickle DCP metadata with the allow-list, in this process; return the tree of :class:`Record` objects.
+
+    ``overrides`` replaces the stand-ins of some DCP classes by name (the streaming reader's hooks).
+    Memory is bounded by the file's size (sized constructors are charged against it, the rest by an
+    address-space limit) and nesting by a stack sized for it. Where another thread could be hurt by that
+    limit, call :func:`.reader_process.load_metadata_pickle`, which runs this in a helper process."""
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    allowed = METADATA_GLOBALS
+    if overrides:
+        allowed = dict(METADATA_GLOBALS)
+        for key in allowed:
+            if key[1] in overrides and key[0].startswith("torch.distributed"):
+                allowed[key] = overrides[key[1]]  # the streaming reader's record classes
+    size = stream_size(stream)
+
+    def load() -> Any:
+        with gc_paused(), address_space_limit(MEMO_ALLOWANCE + 16 * size), _quiet_bytearray_noise():
+            return MetadataUnpickler(stream, source, allowed, size).load()
+
+    try:
+        return with_deep_stack(load, size)
+    except RefusedPickleError:
+        raise
+    except MemoryError:
+        raise RefusedPickleError(f"{source}: the pickle asks for far more memory than a {size}-byte file can "
+                                 "need (an allocation bomb); refused.", path=source) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+            KeyError, OverflowError, UnicodeDecodeError, RecursionError) as exc:
+        raise RefusedPickleError(
+            f"{source}: not a readable DCP metadata pickle ({type(exc).__name__}: {str(exc)[:200]}).", path=source
+        ) from None
 
 
 __all__ = [
