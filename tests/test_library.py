@@ -536,7 +536,8 @@ def test_ls_on_s3_lists_and_prune_only_plans(tmp_path, fixtures):
 
 def test_s3_listing_walks_as_a_local_disk_does(tmp_path):
     """The remote walk is the local one over another listing: step folders of parts are one checkpoint (it
-    listed each part), a leftover of an interrupted prune is found (it was skipped), runs are named alike."""
+    listed each part), an entry of a prune's name is found (it was skipped) and kept (no prune record proves it),
+    runs are named alike."""
     import s3fs
     from s3_server import S3Server
 
@@ -576,8 +577,9 @@ def test_s3_listing_walks_as_a_local_disk_does(tmp_path):
                     "s3://lib/tree") == want
         plan = _cli_env("prune", "s3://lib/tree", "--keep-last", "1", "--json", env=server.env())
         assert plan.returncode == 0, plan.stderr
-        assert [x[len("s3://lib/tree"):] for x in json.loads(plan.stdout)["leftovers"]] == \
-            [x.original[len(str(root)):] for x in local.leftovers] == ["/plain/step_100"]
+        assert [x[len("s3://lib/tree"):] for x in json.loads(plan.stdout)["kept_unrecorded"]] == \
+            [p[len(str(root)):] for p, _ in local.strays] == [f"/plain/{PRUNE_PREFIX}trash-step_100"]
+        assert json.loads(plan.stdout)["leftovers"] == [] and local.leftovers == []
     finally:
         server.stop()
 

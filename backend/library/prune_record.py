@@ -22,6 +22,7 @@ RECORD_SUFFIX = ".prune-record.json"  # beside it: what the prune moved, and fro
 SCHEMA = "shardscope-prune-record/1"
 MODES = ("trash", "delete")
 MAX_RECORD_BYTES = 64 << 10
+ON_A_URL = "a prune's name on a URL, where no prune acts; kept"
 NOT_RECORDED = "no record of a Shardscope prune names it; kept (remove it by hand if it is yours to remove)"
 
 
@@ -107,10 +108,10 @@ def read_record(record: str) -> tuple[str, tuple[Move, ...]] | None:
 
 def leftovers_in(folder: str, names: list[str]) -> tuple[list[Leftover], list[tuple[str, str]]]:
     """Of the entries of a local ``folder`` with a prune's name (``names``, records included), the interrupted
-    prunes their records prove, and the others (path, why it is kept). A URL folder: neither (no prune acts
-    there)."""
+    prunes their records prove, and the others (path, why it is kept). A URL folder: every one is kept (no prune
+    acts there, and no record is read)."""
     if is_url(folder):
-        return [], []
+        return [], [(f"{folder.rstrip('/')}/{n}", ON_A_URL) for n in sorted(names) if has_prune_name(n)]
     proven: list[Leftover] = []
     covered: set[str] = set()
     for name in sorted(n for n in names if n.startswith(PRUNE_PREFIX) and n.endswith(RECORD_SUFFIX)):
