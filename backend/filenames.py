@@ -74,14 +74,10 @@ LEFTOVER_RE = re.compile(r"^\.shardscope-tmp-(\d+)-([0-9a-f]{6})-(.+)$")  # an e
 DOWNLOAD_RE = re.compile(r"^\.shardscope-tmp-(\d+)-dl-")  # a download's temporary copy
 SMALL_TMP_SUFFIX = ".tmp"  # a small file written atomically: ``.<name>.<random>.tmp``
 WATCH_STATE = ".shardscope-watch.json"  # watch's record of a run's exports, in the folder that holds them
-# what an export writes into a folder (safetensors weights and their index, a DCP checkpoint, torch files):
-# --force replaces an earlier export's files of these kinds and keeps everything else in the folder
-EXPORT_SUFFIXES = (SAFETENSORS_SUFFIX, DATA_SUFFIX, ".pt", ".pth", ".bin")
 # an export's lineage sidecar (what it was made from; see backend/lineage.py): beside the export, file or folder,
 # ``<export>.shardscope.json`` (never inside a folder export: it names local paths). A ``.json`` is never a
 # checkpoint (not a FILE_SUFFIXES name, not an ``.index.json``), so ``ls`` never lists one
 LINEAGE_FILE_SUFFIX = ".shardscope.json"
-EXPORT_NAMES = (SAFETENSORS_INDEX, METADATA)
 # the small files that describe a checkpoint folder (its identity for lineage: their sizes, times and CRC32)
 DESCRIBING_NAMES = (LIGHTNING_META, MEGATRON_CONFIG, MEGATRON_COMMON, HF_TRAINER_STATE, DS_LATEST, "config.json")
 
@@ -155,12 +151,6 @@ def step_from_name(name: str) -> int | None:
         if m:
             return int(m.group(1))
     return None
-
-
-def export_owned(name: str) -> bool:
-    """True for a folder entry an export writes or replaces (see :data:`EXPORT_SUFFIXES`, its lineage sidecars);
-    a forced export over a folder keeps every other entry (an HF model folder's config.json and tokenizer files)."""
-    return name.endswith((*EXPORT_SUFFIXES, LINEAGE_FILE_SUFFIX)) or name in EXPORT_NAMES
 
 
 def lineage_sidecar(path: str, is_folder: bool) -> str:

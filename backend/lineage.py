@@ -108,6 +108,26 @@ def make_sidecar(source: dict[str, Any], export_format: str) -> dict[str, Any]:
     return {"schema": SCHEMA, "written": time.time(), "export_format": export_format, "source": source}
 
 
+MAX_WRITTEN_FILES = 100_000  # names an export of a folder records; far more is not one of ours
+
+
+def with_written_files(doc: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The sidecar's document with ``files``: the names a folder export wrote into its folder (what a later
+    --force export there may replace; every other entry of the folder is kept)."""
+    return {**doc, "files": sorted(names)}
+
+
+def written_files(doc: dict[str, Any]) -> set[str] | None:
+    """The names a folder export's sidecar records it wrote (plain names only: an untrusted file), or None
+    when it records none (a file export, or a sidecar of an older Shardscope)."""
+    names = doc.get("files")
+    if not isinstance(names, list) or len(names) > MAX_WRITTEN_FILES:
+        return None
+    plain = {n for n in names if isinstance(n, str) and n not in ("", ".", "..") and "/" not in n
+             and os.sep not in n and "\0" not in n}
+    return plain if len(plain) == len(names) else None
+
+
 def sidecar_bytes(doc: dict[str, Any]) -> bytes:
     """The sidecar's bytes (indented JSON, for people reading it)."""
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
@@ -186,4 +206,4 @@ def read_lineage(sidecar: str) -> Lineage | None:
 
 
 __all__ = ["CHANGED", "MISSING", "SAME", "UNKNOWN", "Lineage", "compare", "identity", "make_sidecar",
-           "parse_sidecar", "read_lineage", "read_sidecar", "sidecar_bytes"]
+           "parse_sidecar", "read_lineage", "read_sidecar", "sidecar_bytes", "with_written_files", "written_files"]

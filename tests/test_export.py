@@ -202,31 +202,42 @@ def test_empty_and_tensorless_checkpoints_say_what_was_proven(tmp_path):
 
 def test_force_over_a_model_folder_keeps_what_an_export_does_not_write(fixtures, tmp_path):
     """`export ... --max-shard-size ... --force` into an HF model folder replaced the whole folder, deleting
-    its config.json and tokenizer files. An earlier export's weights go; everything else stays, hard-linked
-    into the new folder (the same files, no copy)."""
+    its config.json and tokenizer files, and later every file of an export's kind (its pytorch_model.bin). Only
+    what an earlier export recorded writing goes; everything else stays, hard-linked into the new folder (the
+    same files, no copy)."""
     folder = tmp_path / "model"
     (folder / "tok").mkdir(parents=True)
     (folder / "config.json").write_text('{"a": 1}')
     (folder / "tok" / "vocab.txt").write_text("x")
     (folder / "notes.md").symlink_to("config.json")
-    (folder / "pytorch_model.bin").write_bytes(b"stale weights")
+    (folder / "pytorch_model.bin").write_bytes(b"user weights")
     inode = (folder / "config.json").stat().st_ino
     proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "4KB")
     assert proc.returncode == 2 and "allow overwriting it" in proc.stderr
     proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "4KB", "--force")
     assert proc.returncode == 0, proc.stderr
-    assert "kept in the folder (not written by an export): config.json, notes.md, tok" in proc.stdout
+    assert "kept in the folder (not written by an export): config.json, notes.md, pytorch_model.bin, tok" \
+        in proc.stdout
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert {p.name for p in folder.iterdir()} == {*index["weight_map"].values(), "model.safetensors.index.json",
-                                                  "config.json", "notes.md", "tok"}
+                                                  "config.json", "notes.md", "pytorch_model.bin", "tok"}
     assert (folder / "config.json").stat().st_ino == inode and os.readlink(folder / "notes.md") == "config.json"
     assert (folder / "tok" / "vocab.txt").read_text() == "x"
-    # --config writes config.json itself: the given one wins over the kept one
+    assert (folder / "pytorch_model.bin").read_bytes() == b"user weights"
+    # --config writes config.json itself: over the user's own one (no export wrote it) it is refused
     cfg = tmp_path / "config.json"
     cfg.write_text('{"model_type": "llama"}')
     proc = run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "8KB", "--config", cfg, "--force")
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama"}
+    assert proc.returncode == 2 and "config.json: exists and no earlier export recorded writing it" in proc.stderr
+    assert json.loads((folder / "config.json").read_text()) == {"a": 1}
+    # once an export wrote it (its sidecar records it), a later --config export replaces it
+    (folder / "config.json").unlink()
+    run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "8KB", "--config", cfg, "--force",
+            check=True)
+    cfg.write_text('{"model_type": "mistral"}')
+    run_cli("export", fixtures["fsdp2_r4"], folder, "--max-shard-size", "8KB", "--config", cfg, "--force",
+            check=True)
+    assert json.loads((folder / "config.json").read_text()) == {"model_type": "mistral"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shardscope-tmp")]
 
 

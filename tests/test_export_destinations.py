@@ -5,6 +5,7 @@ the work (item 8) leaves no temporary and exits 130. The CLI runs in real subpro
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -64,6 +65,68 @@ def test_a_folder_output_never_replaces_a_file(fixtures, tmp_path):
     _refused(run_cli("reshard", fixtures["nopg"], link, "--ranks", "2", "--force"), "symbolic link")
     assert dst.read_text() == "not a folder" and link.is_symlink()
     assert sorted(os.listdir(tmp_path)) == ["link", "out"]
+
+
+# ---------------------------------------------- issue 29, item 4: --force replaces only what an export wrote
+def test_force_into_a_folder_no_export_wrote_keeps_and_names_every_file(fixtures, tmp_path):
+    """`export SRC dst --max-shard-size 1MB --force` into a folder no export ever wrote deleted the user's
+    `my_finetune_run.pt` and `optimizer.bin` for good (their suffixes are an export's) and said only that it
+    kept `notes.txt`. Now only what the earlier export's own record (its sidecar's ``files``) names is replaced:
+    the user's files stay, each named; a later --force over that export drops its old shards."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "my_finetune_run.pt").write_bytes(b"a week of fine-tuning")
+    (dst / "optimizer.bin").write_bytes(b"adam moments")
+    (dst / "notes.txt").write_text("notes")
+    users = _tree(dst)
+    proc = run_cli("export", fixtures["fsdp2_r4"], dst, "--max-shard-size", "1MB", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert "kept in the folder (not written by an export): my_finetune_run.pt, notes.txt, optimizer.bin" \
+        in proc.stdout
+    assert {k: v for k, v in _tree(dst).items() if k in users} == users
+    sidecar = json.loads(Path(f"{dst}.shardscope.json").read_text())
+    assert sidecar["files"] == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    proc = run_cli("export", fixtures["fsdp2_r4"], dst, "--max-shard-size", "4KB", "--force")
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert set(os.listdir(dst)) == {*index["weight_map"].values(), "model.safetensors.index.json", *users}
+    assert {k: v for k, v in _tree(dst).items() if k in users} == users
+
+
+def test_force_refuses_to_write_over_a_file_no_export_wrote(fixtures, tmp_path):
+    """A file of the user's that the export would write over (a DCP folder's `.metadata`, a save_pretrained
+    index) is refused with one line, exit 2, and nothing is written: the folder is as it was."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / ".metadata").write_bytes(b"someone else's DCP metadata")
+    (dst / "__0_0.distcp").write_bytes(b"someone else's shard")
+    before = _tree(dst)
+    proc = run_cli("reshard", fixtures["fsdp2_r4"], dst, "--ranks", "1", "--force")
+    _refused(proc, f"{dst / '.metadata'}: exists and no earlier export recorded writing it")
+    assert _tree(dst) == before and sorted(os.listdir(tmp_path)) == ["dst"]
+    (dst / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"w": "optimizer.bin"}}')
+    before = _tree(dst)
+    proc = run_cli("export", fixtures["fsdp2_r4"], dst, "--max-shard-size", "1MB", "--force")
+    _refused(proc, "model.safetensors.index.json: exists and no earlier export recorded writing it")
+    assert _tree(dst) == before and sorted(os.listdir(tmp_path)) == ["dst"]
+
+
+def test_force_over_an_export_without_a_file_list_goes_by_its_own_index(fixtures, tmp_path):
+    """An export whose sidecar records no ``files`` (an older Shardscope's): its own index (``producer:
+    shardscope``) names the shards it wrote; they are replaced, the user's `optimizer.bin` is kept."""
+    dst = tmp_path / "dst"
+    run_cli("export", fixtures["fsdp2_r4"], dst, "--max-shard-size", "4KB", check=True)
+    sidecar = Path(f"{dst}.shardscope.json")
+    doc = json.loads(sidecar.read_text())
+    doc.pop("files", None)
+    sidecar.write_text(json.dumps(doc))
+    (dst / "optimizer.bin").write_bytes(b"adam moments")
+    proc = run_cli("export", fixtures["fsdp2_r4"], dst, "--max-shard-size", "1MB", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert "kept in the folder (not written by an export): optimizer.bin" in proc.stdout
+    assert sorted(os.listdir(dst)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json",
+                                       "optimizer.bin"]
 
 
 # ------------------------------------------------------------------ item 2: the source

@@ -243,8 +243,9 @@ def test_a_second_export_from_the_dialog_can_be_cancelled(qtbot, fixtures, tmp_p
 
 def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(qtbot, fixtures, tmp_path):
     """Export (sharded, Overwrite ticked) into an existing HF model folder replaced the whole folder: its
-    config.json and tokenizer.json were deleted without a word. Now an earlier export's weights go, the
-    folder's other files stay, and the result says which were kept."""
+    config.json and tokenizer.json were deleted without a word (then its pytorch_model.bin, an export's kind of
+    file). Now only an earlier export's own files go, the folder's other files stay, and the result says which
+    were kept."""
     from shardscope.backend.formats import open_checkpoint
     from shardscope.widgets.export_dialog import ExportDialog
 
@@ -263,10 +264,11 @@ def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(
         dlg.export_button.click()
     assert done.args[0] is not None, dlg.message.text()
     names = sorted(p.name for p in folder.iterdir())
-    assert "config.json" in names and "tokenizer" in names and "pytorch_model.bin" not in names
+    assert "config.json" in names and "tokenizer" in names and "pytorch_model.bin" in names
     assert (folder / "tokenizer" / "tokenizer.json").read_text() == "{}"
     assert "model.safetensors.index.json" in names
-    assert "kept in the folder (not written by an export): config.json, tokenizer" in dlg.message.text()
+    assert "kept in the folder (not written by an export): config.json, pytorch_model.bin, tokenizer" in \
+        dlg.message.text()
     dlg.shard.setText("5KB")  # over its own earlier export: the old shards go, the kept files stay
     planned(qtbot, dlg)
     with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as again:
@@ -274,7 +276,8 @@ def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(
     assert again.args[0] is not None
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
-    assert {p.name for p in folder.iterdir()} == {*shards, "model.safetensors.index.json", "config.json", "tokenizer"}
+    assert {p.name for p in folder.iterdir()} == {*shards, "model.safetensors.index.json", "config.json",
+                                                  "pytorch_model.bin", "tokenizer"}
 
 
 def test_open_after_an_export_shows_the_written_file_in_the_window(qtbot, fixtures, tmp_path):

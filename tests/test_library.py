@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from shardscope.backend.library import Rules, execute, make_plan, scan
 from shardscope.backend.library.names import step_from_name
 from shardscope.backend.library.prune import PAUSE_ENV
-from shardscope.backend.library.records import PRUNE_PREFIX
+from shardscope.backend.library.prune_record import PRUNE_PREFIX
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher
 
 SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
@@ -418,6 +418,36 @@ def test_killed_prune_leaves_no_half_checkpoint(tree, tmp_path):
     assert not hidden.exists() and set(_snapshot(tree)) == set(after)
 
 
+def test_ls_and_prune_never_remove_a_prune_name_no_prune_record_proves(tmp_path, fixtures):
+    """`shardscope ls` (a listing) permanently deleted any folder named `.shardscope-prune-delete-<anything>`
+    ("finished an interrupted prune"), and so did prune: nothing recorded that a prune made it. Now an entry of
+    that name is finished only when its prune's own record names it and it is still that very file; anything
+    else (a user's folder, a record whose file was replaced) is kept and named."""
+    root = tmp_path / "r"
+    for s in (1, 2):
+        shutil.copytree(fixtures["fsdp2_r2"], root / f"step_{s}")
+    mine = root / f"{PRUNE_PREFIX}delete-my_stuff"
+    mine.mkdir()
+    (mine / "data.bin").write_bytes(b"years of work")
+    other = root / f"{PRUNE_PREFIX}trash-old.pt"
+    other.write_bytes(b"mine too")
+    # a record naming the folder, but another file (as a stale record of an earlier prune would be)
+    (root / f"{mine.name}.prune-record.json").write_text(json.dumps({
+        "schema": "shardscope-prune-record/1", "mode": "delete",
+        "moved": [{"from": "my_stuff", "to": mine.name, "dev": 1, "ino": 1}]}))
+    _age(root)
+    for args in (["ls", root], ["ls", root, "--json"], ["prune", root, "--keep-last", "1"],
+                 ["prune", root, "--keep-last", "1", "--yes", "--delete"]):
+        proc = _cli_env(*args, env=_trash_env(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+        said = proc.stdout + proc.stderr
+        assert "finished an interrupted prune" not in said, said
+        assert f"{mine}: no record of a Shardscope prune names it; kept" in said, said
+        assert f"{other}: no record of a Shardscope prune names it; kept" in said, said
+        assert (mine / "data.bin").read_bytes() == b"years of work" and other.read_bytes() == b"mine too"
+    assert not (root / "step_1").exists() and (root / "step_2").exists()  # the rules were applied
+
+
 def test_prune_min_age_keeps_young_ones(tmp_path, fixtures):
     root = tmp_path / "r"
     for s in (1, 2, 3):
@@ -506,7 +536,8 @@ def test_ls_on_s3_lists_and_prune_only_plans(tmp_path, fixtures):
 
 def test_s3_listing_walks_as_a_local_disk_does(tmp_path):
     """The remote walk is the local one over another listing: step folders of parts are one checkpoint (it
-    listed each part), a leftover of an interrupted prune is found (it was skipped), runs are named alike."""
+    listed each part), an entry of a prune's name is found (it was skipped) and kept (no prune record proves it),
+    runs are named alike."""
     import s3fs
     from s3_server import S3Server
 
@@ -546,8 +577,9 @@ def test_s3_listing_walks_as_a_local_disk_does(tmp_path):
                     "s3://lib/tree") == want
         plan = _cli_env("prune", "s3://lib/tree", "--keep-last", "1", "--json", env=server.env())
         assert plan.returncode == 0, plan.stderr
-        assert [x[len("s3://lib/tree"):] for x in json.loads(plan.stdout)["leftovers"]] == \
-            [x.original[len(str(root)):] for x in local.leftovers] == ["/plain/step_100"]
+        assert [x[len("s3://lib/tree"):] for x in json.loads(plan.stdout)["kept_unrecorded"]] == \
+            [p[len(str(root)):] for p, _ in local.strays] == [f"/plain/{PRUNE_PREFIX}trash-step_100"]
+        assert json.loads(plan.stdout)["leftovers"] == [] and local.leftovers == []
     finally:
         server.stop()
 

@@ -258,7 +258,7 @@ def test_training_header_and_library_show_the_same_loss(qtbot, fixtures, tmp_pat
 
 @pytest.mark.parametrize("name", ["weights.safetensors.shardscope.json", "hf_export.shardscope.json"])
 def test_a_sidecar_is_never_a_checkpoint(name):
-    from shardscope.backend.filenames import export_owned, is_checkpoint_file
+    from shardscope.backend.filenames import is_checkpoint_file
     from shardscope.backend.formats.registry import detect_file
 
-    assert detect_file(name) is None and not is_checkpoint_file(name) and export_owned(name)
+    assert detect_file(name) is None and not is_checkpoint_file(name)

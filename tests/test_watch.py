@@ -172,11 +172,54 @@ def test_a_checkpoint_whose_export_failed_is_kept(tmp_path, fixtures):
     foreign.write_bytes(b"not written by watch")
     proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"FAILED export of {run}/checkpoints/step_000010: {foreign} exists and this watch did not write it" \
-        in proc.stdout
+    assert f"FAILED export of {run}/checkpoints/step_000010: {foreign} exists and is not proven its export (this " \
+        "watch did not write it)" in proc.stdout
     assert f"kept {run}/checkpoints/step_000010: its export is not verified" in proc.stdout
     assert foreign.read_bytes() == b"not written by watch"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010", "step_000030"]
+
+
+def test_a_forged_record_naming_another_file_never_removes_a_checkpoint(tmp_path, fixtures):
+    """A stale or forged `exports/.shardscope-watch.json` marking step_000010 done with its export at another file
+    (its identity copied from `ls --json`) made `watch --keep-last 1 --delete` remove step_000010, never exported:
+    the record's export path was trusted if any file existed there. A record is trusted only when its export is
+    the path this watch writes; else the checkpoint is kept and the line says why."""
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    exports = run / "exports"
+    exports.mkdir()
+    elsewhere = tmp_path / "hostname"
+    elsewhere.write_text("host\n")
+    (exports / "step_000010.safetensors").write_bytes(b"the user's file")  # the export cannot be written now
+    ck = f"{run}/checkpoints/step_000010"
+    listed = {c["path"]: c for c in json.loads(run_cli("ls", root, "--json").stdout)["checkpoints"]}
+    (exports / WATCH_STATE).write_text(json.dumps({"version": 1, "exports": {ck: {
+        "identity": {"bytes": listed[ck]["bytes"], "mtime": listed[ck]["mtime"]}, "export": str(elsewhere),
+        "state": "done", "format": "safetensors", "step": 10}}}))
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"kept {ck}: its record names the export {elsewhere}, not {exports}/step_000010.safetensors (the " \
+        "export this watch writes)" in proc.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010", "step_000030"]
+    assert (exports / "step_000010.safetensors").read_bytes() == b"the user's file"
+
+
+def test_a_record_whose_export_was_made_from_another_checkpoint_never_removes_it(tmp_path, fixtures):
+    """The record names the right path, but the file there is another checkpoint's export (step_000020's, its
+    sidecar with it): the export does not match, so step_000010 is kept, and the line names what it was made
+    from; the checkpoint whose export it is goes by the rules."""
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    exports = run / "exports"
+    run_cli("watch", root, "--export", "safetensors", "--once", check=True)
+    for suffix in ("", SIDECAR):
+        shutil.copyfile(exports / f"step_000020.safetensors{suffix}", exports / f"step_000010.safetensors{suffix}")
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    ck = run / "checkpoints"
+    assert f"kept {ck}/step_000010: {exports}/step_000010.safetensors was made from {ck}/step_000020, not from " \
+        "this checkpoint" in proc.stdout, proc.stdout
+    assert f"removed {ck}/step_000020 (keep-last 1)" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000010", "step_000030"]
 
 
 def test_a_checkpoint_a_live_run_resumed_from_is_never_removed(tmp_path, fixtures):
@@ -347,7 +390,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, fixtures):
     for s in STEPS:
         assert f"  export {ck}/step_{s:06d} -> {exports}/step_{s:06d}.pt" in proc.stdout
     assert f"  wait: {ck}/step_000040 is being written" in proc.stdout
-    assert f"  finish an interrupted removal: {ck}/step_000005" in proc.stdout
+    # a folder of a prune's name that no record of a Shardscope prune names: kept and named, never finished
+    assert f"  kept {ck}/.shardscope-prune-delete-step_000005: no record of a Shardscope prune names it" \
+        in proc.stdout and "finish an interrupted removal" not in proc.stdout
     assert f"  remove {ck}/step_000010 after its export is verified: no rule keeps it" in proc.stdout
     assert f"  keep {ck}/step_000030: the newest resumable checkpoint of its run; keep-last 1" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "plan: export 3 checkpoints to torch, remove 2 checkpoints, rules: " \

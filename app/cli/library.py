@@ -53,6 +53,10 @@ def add_keep_rules(sp: Any) -> None:
 
 
 def _finish_leftovers(listing: Any) -> list:
+    """Finish the interrupted prunes the listing's prune records prove; name what has a prune's name and no record
+    (kept)."""
+    for path, why in listing.strays:
+        print(f"shardscope: kept {escape_name(path)}: {why}", file=sys.stderr)
     if not listing.leftovers:
         return []
     from shardscope.backend.library import finish_leftovers
@@ -141,6 +145,8 @@ def print_plan(plan: Any) -> None:
                 if d.remove and d.sidecar else ""
             print(f"  {d.action.upper():<6}  {'-' if c.step is None else c.step:>8}  {human_bytes(c.bytes):>10}  "
                   f"{c.state:<10}  {c.kind:<9}  {escape_name(c.name):<28}  {'; '.join(d.reasons)}{also}")
+    for path, why in plan.strays:
+        print(f"  KEEP    {escape_name(path)}: {why}")
     print(f"plan: remove {len(plan.remove):,} of {count(len(plan.decisions), 'checkpoint')}, "
           f"freeing {human_bytes(plan.bytes_freed)}")
 

@@ -37,12 +37,12 @@ from typing import Any
 from ..atomic_file import fsync_path
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
-from ..filenames import LINEAGE_FILE_SUFFIX, TMP_PREFIX, export_owned, lineage_sidecar
+from ..filenames import LINEAGE_FILE_SUFFIX, MAX_INDEX_BYTES, SAFETENSORS_INDEX, TMP_PREFIX, lineage_sidecar
 from ..format import human_bytes
-from ..lineage import read_sidecar
+from ..lineage import read_sidecar, sidecar_bytes, with_written_files
 from ..procs import orphaned
 from ..progress import Progress
-from .destination import check_destination
+from .destination import check_destination, index_files, replaceable
 from .plan import ExportError as OutputError
 from .remote_target import RemoteTarget
 
@@ -121,14 +121,18 @@ class AtomicOutput:
     ``need_bytes`` is checked against the free space of the destination's file system first.
     ``sources`` are the paths or URLs the job reads (the destination may not be one, lie inside one or
     hold one). Signal handlers for SIGINT/SIGTERM are installed for the duration when running on the main
-    thread and restored on exit; a signal cancels ``progress``. ``lineage``: the bytes of the output's lineage
-    sidecar (see :mod:`..lineage`), committed with the output (local destinations only: a sidecar names
-    local paths, and what goes to a URL is what people share).
+    thread and restored on exit; a signal cancels ``progress``. ``lineage``: the document of the output's lineage
+    sidecar (see :mod:`..lineage`), committed with the output, with the names a folder output wrote (local
+    destinations only: a sidecar names local paths, and what goes to a URL is what people share).
+
+    --force over a folder replaces only what a record of Shardscope's own says an earlier export wrote there
+    (:func:`~.destination.replaceable`); every other entry is kept and named in ``kept``, and one the new
+    export would write over is refused (nothing written).
     """
 
     def __init__(self, dst: str, kind: str = "file", force: bool = False, need_bytes: int = 0,
                  storage_options: dict[str, Any] | None = None, sources: Iterable[str] = (),
-                 progress: Progress | None = None, lineage: bytes | None = None) -> None:
+                 progress: Progress | None = None, lineage: dict[str, Any] | None = None) -> None:
         self.remote = RemoteTarget(dst, storage_options) if is_url(dst) else None
         self.dst = self.remote.url if self.remote else os.path.abspath(dst.rstrip("/") if kind == "dir" else dst)
         self.kind = kind
@@ -138,7 +142,7 @@ class AtomicOutput:
         self.folder = tempfile.gettempdir() if self.remote else os.path.dirname(self.dst)  # remote: local staging
         self.path = os.path.join(self.folder, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(3)}")
         self.committed = False
-        self.kept: list[str] = []  # --force over a folder: its entries the export kept (it does not write them)
+        self.kept: list[str] = []  # --force over a folder: its entries no earlier export wrote, kept
         self.uploaded = ""  # URL destinations: how the upload was checked (the summary's "uploaded:" line)
         self.sources = [str(s) for s in sources]
         self.lineage = None if self.remote or not _name_fits(lineage_sidecar(self.dst, kind == "dir")) else lineage
@@ -232,12 +236,13 @@ class AtomicOutput:
         the renames begin they finish: a signal then is acted on after them (see ``__exit__``)."""
         self._stop_if_asked()
         if self.remote:  # the upload is the commit
-            self.remote.commit(self.path, self.kind, stop=self._stop_if_asked, owned=export_owned)
+            self.remote.commit(self.path, self.kind, stop=self._stop_if_asked, replaceable=self._remote_replaceable)
             self.uploaded = self.remote.report.describe()
             self.kept = self.remote.kept
             self._discard()
             self.committed = True
             return
+        replaced = self._replaced() if self.kind == "dir" and os.path.isdir(self.dst) else set()
         self._stage_lineage()
         self.sync()  # cheap when sync() already ran: nothing is dirty
         with self._held():
@@ -249,7 +254,7 @@ class AtomicOutput:
                     remove_path(lineage_sidecar(self.dst, self.kind == "dir"))
                 if os.path.lexists(self.dst):  # --force, and check_destination saw a folder for a folder
                     if self.kind == "dir":
-                        self.kept = self._carry_over()
+                        self.kept = self._carry_over(replaced)
                         # a folder cannot be replaced in one step: move it aside under a temporary name first
                         aside = f"{self.path}-old"
                         os.rename(self.dst, aside)
@@ -273,28 +278,47 @@ class AtomicOutput:
 
     def _stage_lineage(self) -> None:
         """Write the lineage sidecar beside the output under its temporary name (renamed into place after the
-        output, see ``commit``)."""
+        output, see ``commit``); a folder's names the files the export wrote into it."""
         if self.lineage is None:
             return
-        target = self.lineage_tmp
+        doc = with_written_files(self.lineage, os.listdir(self.path)) if self.kind == "dir" else self.lineage
         try:
-            with open(target, "wb") as f:
-                f.write(self.lineage)
+            with open(self.lineage_tmp, "wb") as f:
+                f.write(sidecar_bytes(doc))
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
             raise write_error(self.dst, exc) from None
 
-    def _carry_over(self) -> list[str]:
-        """Hard links (copies across file systems) in the new folder of the old folder's entries the export
-        does not write, so the swap keeps them. NOTE: --force replaced the whole folder, and an export into
-        an HF model folder deleted its config.json and tokenizer files without a word."""
+    def _replaced(self) -> set[str]:
+        """The old folder's entries this export replaces or removes: what an earlier export recorded writing
+        there. Refused (nothing written) when the export would write over an entry no export recorded."""
+        replaced = replaceable(self.dst)
+        mine = set(os.listdir(self.path))
+        for name in sorted(os.listdir(self.dst)):
+            if name in mine and name not in replaced:
+                raise OutputError(f"{os.path.join(self.dst, name)}: exists and no earlier export recorded writing "
+                                  "it, and this export writes a file of that name; move it away. Nothing was "
+                                  "written.")
+        return replaced
+
+    def _remote_replaceable(self) -> set[str]:
+        """What a --force upload over a URL folder may replace of the old one: the files an earlier export's own
+        index records (a URL folder has no lineage sidecar)."""
+        assert self.remote is not None
+        return index_files(self.remote.read_small(SAFETENSORS_INDEX, MAX_INDEX_BYTES))
+
+    def _carry_over(self, replaced: set[str]) -> list[str]:
+        """Hard links (copies across file systems) in the new folder of the old folder's entries no earlier
+        export recorded writing (``replaced``), so the swap keeps them. NOTE: --force replaced the whole folder
+        (an HF model folder's config.json and tokenizer files went without a word), and then every entry of an
+        export's kind (a user's ``optimizer.bin`` went); only Shardscope's own record proves what it wrote."""
         kept = []
         with os.scandir(self.dst) as entries:
             for e in sorted(entries, key=lambda e: e.name):
                 target = os.path.join(self.path, e.name)
-                if export_owned(e.name) or os.path.lexists(target):
-                    continue  # replaced by the new export, or written by it (--config's config.json)
+                if e.name in replaced or os.path.lexists(target):
+                    continue  # written by an earlier export: replaced by this one, or gone with it
                 if e.is_symlink():
                     os.symlink(os.readlink(e.path), target)
                 elif e.is_dir():

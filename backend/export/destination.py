@@ -7,6 +7,7 @@ Export dialog calls it too, so it refuses in the same words."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Callable, Iterable
@@ -14,7 +15,8 @@ from typing import Any
 
 from ..checkpoint.remote import fs_for
 from ..checkpoint.storage import is_url
-from ..filenames import CHECKPOINT_HOLDERS, within
+from ..filenames import CHECKPOINT_HOLDERS, MAX_INDEX_BYTES, SAFETENSORS_INDEX, lineage_sidecar, within
+from ..lineage import read_sidecar, written_files
 from .plan import ExportError
 
 EXPORTS_FOLDER = "exports"  # where the Export dialog proposes to write: beside checkpoints/, never inside it
@@ -114,7 +116,38 @@ def check_destination(dst: str, kind: str, force: bool = False, sources: Iterabl
         _check_existing((local_dst.rstrip(os.sep) or os.sep) if kind == "dir" else local_dst, kind, force)
 
 
-__all__ = ["check_destination"]
+def index_files(raw: bytes | None) -> set[str]:
+    """An earlier sharded safetensors export's files as its own index (the bytes of ``raw``) records them
+    (``producer: shardscope`` in its metadata, as every export writes it): the index and the shards it maps.
+    Empty for any other index (a ``save_pretrained`` folder's), or none."""
+    try:
+        index = json.loads(raw) if raw is not None and len(raw) <= MAX_INDEX_BYTES else None
+    except (ValueError, RecursionError):
+        return set()
+    meta = index.get("metadata") if isinstance(index, dict) else None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(meta, dict) or meta.get("producer") != "shardscope" or not isinstance(weight_map, dict):
+        return set()
+    shards = {v for v in weight_map.values() if isinstance(v, str) and v and "/" not in v and v not in (".", "..")}
+    return {SAFETENSORS_INDEX, *shards}
+
+
+def replaceable(folder: str) -> set[str]:
+    """The entries of an existing output folder that a --force export may replace or remove: those a record of
+    Shardscope's own says an earlier export wrote there (the ``files`` of the folder's lineage sidecar, else the
+    shards an earlier export's index maps). Everything else in the folder is the user's, and is kept."""
+    doc = read_sidecar(lineage_sidecar(folder, True))
+    recorded = written_files(doc) if doc is not None else None
+    if recorded is not None:
+        return recorded
+    try:
+        with open(os.path.join(folder, SAFETENSORS_INDEX), "rb") as f:
+            return index_files(f.read(MAX_INDEX_BYTES + 1))
+    except OSError:
+        return set()
+
+
+__all__ = ["check_destination", "index_files", "replaceable"]
 
 
 def default_export_path(ckpt_path: str, stem: str, suffix: str = ".safetensors") -> str:

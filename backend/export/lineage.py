@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import ShardscopeError
 from ..filenames import CHECKPOINT_HOLDERS, basename, is_url, lineage_sidecar, step_from_name
 from ..formats import probe
-from ..lineage import identity, make_sidecar, read_lineage, sidecar_bytes
+from ..lineage import identity, make_sidecar, read_lineage
 
 
 def _run_of(path: str) -> str:
@@ -48,9 +48,10 @@ def describe_source(src: str, fmt: str = "") -> dict[str, Any]:
             "format": fmt or (facts.format if facts is not None else ""), "identity": ident}
 
 
-def lineage_for(src: str, export_format: str, fmt: str = "") -> bytes:
-    """The sidecar bytes of an export of ``src`` to ``export_format``."""
-    return sidecar_bytes(make_sidecar(describe_source(src, fmt), export_format))
+def lineage_for(src: str, export_format: str, fmt: str = "") -> dict[str, Any]:
+    """The sidecar document of an export of ``src`` to ``export_format`` (:class:`~.atomic.AtomicOutput` adds
+    the names a folder export wrote, and writes it)."""
+    return make_sidecar(describe_source(src, fmt), export_format)
 
 
 __all__ = ["describe_source", "lineage_for"]

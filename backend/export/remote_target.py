@@ -141,12 +141,13 @@ class RemoteTarget:
                                   "credentials).", path=self.url)
 
     def commit(self, local_path: str, kind: str, stop: Callable[[], None] | None = None,
-               owned: Callable[[str], bool] | None = None) -> None:
+               replaceable: Callable[[], set[str]] | None = None) -> None:
         """Upload ``local_path`` (a file, or a folder when ``kind == "dir"``) to the URL. ``stop`` raises when
         the user asked to stop (a deferred Ctrl-C); it is called between requests, never during one, so what
-        is at the destination is known when it raises, and removed. Over an existing folder (--force), its
-        files the upload does not replace are removed when ``owned(name)`` says they are the writer's kind
-        (an earlier export's other shards), and kept otherwise (listed in ``kept``); all, without ``owned``."""
+        is at the destination is known when it raises, and removed. Over an existing folder (--force), only the
+        names ``replaceable()`` gives (what an earlier export's own record says it wrote) are replaced or
+        removed; the other files are kept (listed in ``kept``), and one the upload would overwrite is refused
+        before anything is sent."""
         self._stop = stop or _go_on
         if kind == "file":
             if self.protocol in ATOMIC_PUT:  # one PUT or a multipart upload: visible only when complete
@@ -168,6 +169,12 @@ class RemoteTarget:
                  if os.path.isfile(os.path.join(local_path, n))]
         old = self._old_files()
         finals = {final for _, _, final in moves}
+        ours = replaceable() if old and replaceable is not None else set()
+        clash = sorted(p for p in old & finals if p[len(self.root) + 1:] not in ours)
+        if clash:
+            raise CheckpointError(f"{self.url}/{clash[0][len(self.root) + 1:]}: exists and no earlier export "
+                                  "recorded writing it, and this export writes a file of that name; move it away. "
+                                  "Nothing was written.", path=self.url)
         # --force over a folder: the old files a move would overwrite are first copied aside (server side),
         # and put back if the export then fails, so a failure leaves the old folder as it was
         saved = self._set_aside(sorted(old & finals)) if old & finals else None
@@ -182,10 +189,10 @@ class RemoteTarget:
                 self._quiet_rm(saved[0], recursive=True)
         for path in sorted(old - finals):  # an earlier export's other files, once the new one is in place
             name = path[len(self.root) + 1:]
-            if "/" not in name and (owned is None or owned(name)):
+            if "/" not in name and name in ours:
                 self._quiet_rm(path)
             else:
-                self.kept.append(name)  # not written by an export (config.json, tokenizer files): kept
+                self.kept.append(name)  # no export recorded writing it (config.json, a user's files): kept
 
     def _set_aside(self, paths: list[str]) -> tuple[str, list[tuple[str, str]]]:
         """Copies of ``paths`` in a folder next to the destination, ``.shardscope-old-…``. NOTE: unlike the
@@ -221,6 +228,18 @@ class RemoteTarget:
             raise CheckpointError(f"{self.url}: the export failed and {len(lost)} of the old files could not be "
                                   f"put back; their copies are under {self.protocol}://{aside} (see the log).",
                                   path=self.url)
+
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        """The first ``limit`` + 1 bytes of the file ``name`` in the destination folder; None when there is none."""
+        try:
+            with self.fs.open(f"{self.root}/{name}", "rb") as f:
+                return f.read(limit + 1)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            if not is_remote_error(exc):
+                raise
+            raise remote_error(self.url, exc, "cannot read the destination") from None
 
     def _old_files(self) -> set[str]:
         if not self.exists():

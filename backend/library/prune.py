@@ -5,8 +5,9 @@ Rules combine as "keep if any rule keeps it" (Orbax's ``AnyPreservationPolicy``)
 newest complete checkpoint of a run, a checkpoint its framework's resume pointer names (``pinned``: Megatron's
 ``latest_checkpointed_iteration.txt``), any checkpoint of a running run, anything being written, a root
 itself, anything outside the roots. Each checkpoint is first renamed out of the way in the same folder
-(``.shardscope-prune-<mode>-<name>``, one atomic rename), then deleted or trashed; a prune killed
-half-way leaves every checkpoint whole or gone, and the next ``prune`` or ``ls`` finishes the rest.
+(``.shardscope-prune-<mode>-<name>``, one atomic rename, recorded before it: see :mod:`.prune_record`), then
+deleted or trashed; a prune killed half-way leaves every checkpoint whole or gone, and the next ``prune``,
+``watch`` or ``ls`` finishes the rest: only what the prune's record proves it moved.
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ from ..lineage import read_sidecar
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, run_state
 from .names import within
-from .records import (
-    PRUNE_PREFIX,
-    CheckpointRecord,
+from .prune_record import (
+    RECORD_SUFFIX,
     Leftover,
-    Listing,
-    RunRecord,
-    leftover_of,
-    order_key,
+    Move,
+    hidden_name,
+    leftovers_in,
+    read_record,
+    remove_record,
+    same_file,
+    write_record,
 )
+from .records import CheckpointRecord, Listing, RunRecord, order_key
 from .scan import is_shardscope_run, resolve_root, scan
 from .step_metrics import checkpoint_metrics
 
@@ -128,6 +132,7 @@ class Plan:
     decisions: list[Decision]
     leftovers: list[Leftover] = field(default_factory=list)
     running_ok: bool = False  # a running run's checkpoints follow the rules too (watch: thinning while it trains)
+    strays: list[tuple[str, str]] = field(default_factory=list)  # a prune's name, no prune record: kept, and why
 
     @property
     def remove(self) -> list[Decision]:
@@ -143,7 +148,8 @@ class Plan:
         """The plan as a JSON-ready dict: every decision, counts, bytes freed and leftovers."""
         return {"roots": list(self.roots), "checkpoints": [d.to_json() for d in self.decisions],
                 "remove": len(self.remove), "keep": len(self.decisions) - len(self.remove),
-                "bytes_freed": self.bytes_freed, "leftovers": [x.original for x in self.leftovers]}
+                "bytes_freed": self.bytes_freed, "leftovers": [x.original for x in self.leftovers],
+                "kept_unrecorded": [path for path, _ in self.strays]}
 
 
 def sidecar_of(c: CheckpointRecord) -> str | None:
@@ -158,7 +164,7 @@ def make_plan(listing: Listing, rules: Rules, now: float | None = None, running_
     rules.check()
     now = time.time() if now is None else now
     decisions = [d for run in listing.runs for d in _plan_run(run, rules, now, listing.roots, running_ok)]
-    return Plan(list(listing.roots), rules, decisions, list(listing.leftovers), running_ok)
+    return Plan(list(listing.roots), rules, decisions, list(listing.leftovers), running_ok, list(listing.strays))
 
 
 def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord | None, roots: list[str],
@@ -270,6 +276,7 @@ class PruneResult:
     mode: str  # trash or delete
     outcomes: list[Outcome] = field(default_factory=list)
     leftovers: list[Outcome] = field(default_factory=list)  # interrupted prunes finished first
+    strays: list[tuple[str, str]] = field(default_factory=list)  # a prune's name, no prune record: kept, and why
 
     @property
     def removed(self) -> list[Outcome]:
@@ -288,6 +295,7 @@ class PruneResult:
                  "freed" + (" (once the trash is emptied)" if self.mode == "trash" and self.removed else "")]
         lines += [f"finished an interrupted prune: {o.path} {o.result}" for o in self.leftovers
                   if o.result != "failed"]
+        lines += [f"kept {path}: {why}" for path, why in self.strays]
         lines += [f"skipped {o.path}: {o.message}" for o in self.outcomes if o.result == "skipped"]
         lines += [f"FAILED {o.path}: {o.message}" for o in self.failed]
         return "\n".join(lines)
@@ -296,6 +304,7 @@ class PruneResult:
         """The result as a JSON-ready dict: outcomes, leftovers, counts and bytes freed."""
         return {"mode": self.mode, "outcomes": [o.to_json() for o in self.outcomes],
                 "leftovers": [o.to_json() for o in self.leftovers],
+                "kept_unrecorded": [path for path, _ in self.strays],
                 "removed": len(self.removed), "bytes_freed": sum(o.bytes for o in self.removed),
                 "failed": len(self.failed)}
 
@@ -326,21 +335,37 @@ def _dispose(path: str, mode: str) -> None:
 
 
 def finish_leftovers(leftovers: list[Leftover]) -> list[Outcome]:
-    """Finish what interrupted prunes left: each renamed checkpoint is trashed or deleted as was asked."""
+    """Finish what interrupted prunes left, as their records prove it (read again now): each entry still the very
+    file its prune moved is trashed or deleted as was asked (an export's sidecar left at its own name by a kill
+    between the two renames too); anything else is left as it is. A record whose rename never happened is only
+    forgotten."""
     out = []
     for x in leftovers:
-        if not os.path.lexists(x.path):
-            continue
+        read = read_record(x.record)
+        if read is None:
+            continue  # finished by someone else since the listing
+        mode, moves = read
+        folder = os.path.dirname(x.record)
         try:
-            _dispose(x.path, x.mode)
-            # a removal killed between its two renames left the export's sidecar under its own name
-            orphan = lineage_sidecar(x.original, False)
-            if not os.path.lexists(x.original) and read_sidecar(orphan) is not None:
-                _dispose(orphan, x.mode)
-            out.append(Outcome(x.original, "trashed" if x.mode == "trash" else "deleted"))
+            if not same_file(os.path.join(folder, moves[0].source), moves[0]):
+                done = [_finish_move(folder, m, mode, i > 0) for i, m in enumerate(moves)]
+                if any(done):
+                    out.append(Outcome(x.original, "trashed" if mode == "trash" else "deleted"))
+            remove_record(x.record)
         except OSError as exc:
             out.append(Outcome(x.original, "failed", 0, f"cannot finish removing {x.path}: {exc}"))
     return out
+
+
+def _finish_move(folder: str, move: Move, mode: str, may_be_unmoved: bool) -> bool:
+    """Remove what one recorded move left, when it is that very file: at its prune name, or (``may_be_unmoved``:
+    the sidecar, renamed after its export) still at its own name."""
+    for name in (move.hidden, move.source) if may_be_unmoved else (move.hidden,):
+        path = os.path.join(folder, name)
+        if same_file(path, move):
+            _dispose(path, mode)
+            return True
+    return False
 
 
 def _why_not_now(c: CheckpointRecord, roots: list[str], running_ok: bool = False) -> str | None:
@@ -370,12 +395,43 @@ def _pause_for_tests(hidden: str) -> None:
         time.sleep(float(pause))
 
 
+def _move_aside(c: CheckpointRecord, mode: str, sidecar: str | None) -> tuple[str, str | None, str] | Outcome:
+    """Record the moves, then rename the checkpoint (and its export's sidecar, after it) to its prune name:
+    (hidden name, hidden sidecar, the record), or the failed :class:`Outcome` (left as it was)."""
+    parent = os.path.dirname(c.path)
+    hidden = os.path.join(parent, hidden_name(mode, c.name))
+    if os.path.lexists(hidden):
+        earlier, _ = leftovers_in(parent, [os.path.basename(hidden), os.path.basename(hidden) + RECORD_SUFFIX])
+        finish_leftovers(earlier)
+        if os.path.lexists(hidden):
+            return Outcome(c.path, "failed", 0, f"{hidden} is in the way (no record of a Shardscope prune names it)")
+    try:  # NOTE: before the rename: only a prune's own record lets a later run finish (or take) what it moved
+        record, _ = write_record(parent, mode, [c.name] + ([os.path.basename(sidecar)] if sidecar else []))
+    except OSError as exc:
+        return Outcome(c.path, "failed", 0, f"cannot record the removal ({exc.strerror or exc}); left as it was")
+    try:
+        os.rename(c.path, hidden)
+    except OSError as exc:
+        remove_record(record)
+        return Outcome(c.path, "failed", 0, f"cannot rename it out of the way ({exc.strerror}); left as it was")
+    # NOTE: an export's sidecar follows it, after it (a kill between the renames leaves the export gone and its
+    # sidecar at its name: finish_leftovers removes that one with the export), never before it (an export
+    # without its lineage)
+    hidden_sidecar = lineage_sidecar(hidden, False) if sidecar is not None else None
+    if sidecar is not None and hidden_sidecar is not None:
+        _pause_for_tests(hidden)
+        with contextlib.suppress(OSError):  # left at its name: the next prune or ls removes it with the leftover
+            os.rename(sidecar, hidden_sidecar)
+    with contextlib.suppress(OSError):  # the rename is done: a folder that cannot be synced keeps it anyway
+        fsync_folder(parent)
+    return hidden, hidden_sidecar, record
+
+
 def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: bool = False) -> Outcome:
     """Rename the checkpoint out of the way (atomic), then trash or delete the renamed folder."""
     why = _why_not_now(c, roots, running_ok)
     if why:
         return Outcome(c.path, "skipped", 0, why)
-    parent = os.path.dirname(c.path)
     sidecar = sidecar_of(c)
     if sidecar is not None and read_sidecar(sidecar) is None:
         sidecar = None  # gone since the listing, or no longer ours: left as it is
@@ -389,26 +445,10 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
             return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
                            "(--delete removes it for good)")
         return Outcome(c.path, "trashed", c.bytes)
-    hidden = os.path.join(parent, f"{PRUNE_PREFIX}{mode}-{c.name}")
-    if os.path.lexists(hidden):
-        earlier = leftover_of(hidden)
-        finish_leftovers([earlier] if earlier else [])
-        if os.path.lexists(hidden):
-            return Outcome(c.path, "failed", 0, f"{hidden} is in the way")
-    try:
-        os.rename(c.path, hidden)
-    except OSError as exc:
-        return Outcome(c.path, "failed", 0, f"cannot rename it out of the way ({exc.strerror}); left as it was")
-    # NOTE: an export's sidecar follows it, after it (a kill between the renames leaves the export gone and its
-    # sidecar at its name: finish_leftovers removes that one with the export), never before it (an export
-    # without its lineage)
-    hidden_sidecar = lineage_sidecar(hidden, False) if sidecar is not None else None
-    if sidecar is not None and hidden_sidecar is not None:
-        _pause_for_tests(hidden)
-        with contextlib.suppress(OSError):  # left at its name: the next prune or ls removes it with the leftover
-            os.rename(sidecar, hidden_sidecar)
-    with contextlib.suppress(OSError):  # the rename is done: a folder that cannot be synced keeps it anyway
-        fsync_folder(parent)
+    moved = _move_aside(c, mode, sidecar)
+    if isinstance(moved, Outcome):
+        return moved
+    hidden, hidden_sidecar, record = moved
     _pause_for_tests(hidden)
     try:
         _dispose(hidden, mode)
@@ -418,15 +458,16 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
                 os.rename(hidden, c.path)
                 if sidecar is not None and hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
                     os.rename(hidden_sidecar, sidecar)
+                remove_record(record)
                 return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
                                "(--delete removes it for good)")
             except OSError:
                 pass
         return Outcome(c.path, "failed", 0, f"stopped half-way ({exc}); the rest is in {hidden}, which the next "
                        "prune removes")
-    if hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
-        with contextlib.suppress(OSError):  # else a leftover of its own: the next prune or ls removes it
-            _dispose(hidden_sidecar, mode)
+    # the sidecar, wherever the renames left it, then the record (on a failure the record stays: the next prune,
+    # watch or ls finishes it)
+    finish_leftovers([Leftover(hidden, c.path, mode, record)])
     return Outcome(c.path, "trashed" if mode == "trash" else "deleted", c.bytes)
 
 
@@ -436,7 +477,7 @@ def execute(plan: Plan, delete: bool = False, progress: Progress | None = None) 
     if remote:
         raise ShardscopeError(f"{remote[0]}: pruning acts on local (or mounted network) folders only; object stores "
                               "have no atomic rename. The plan lists what to remove; nothing was removed.")
-    result = PruneResult("delete" if delete else "trash")
+    result = PruneResult("delete" if delete else "trash", strays=list(plan.strays))
     result.leftovers = finish_leftovers(plan.leftovers)
     todo = plan.remove
     if progress:

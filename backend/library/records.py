@@ -1,4 +1,5 @@
-"""What a listing finds: checkpoints (:class:`CheckpointRecord`), runs, leftovers of interrupted prunes."""
+"""What a listing finds: checkpoints (:class:`CheckpointRecord`), runs, leftovers of interrupted prunes (their
+:class:`~.prune_record.Leftover` is the prune record's)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from typing import Any
 from ..formats.base import RESUMABLE
 from ..lineage import CHANGED, MISSING, Lineage
 from ..runs.rundir import ACTIVE_STATES
-
-PRUNE_PREFIX = ".shardscope-prune-"  # a checkpoint renamed out of the way by an unfinished prune
+from .prune_record import Leftover
 
 
 @dataclass(slots=True)
@@ -114,15 +114,6 @@ class RunRecord:
                 "checkpoints": [c.path for c in self.checkpoints]}
 
 
-@dataclass(frozen=True, slots=True)
-class Leftover:
-    """A checkpoint an interrupted prune renamed out of the way; the next prune (or ls) finishes it."""
-
-    path: str  # the hidden name
-    original: str  # where the checkpoint was
-    mode: str  # "trash" or "delete"
-
-
 @dataclass(slots=True)
 class Listing:
     """What a scan found under ``roots``: runs with their checkpoints, leftovers of interrupted prunes."""
@@ -130,6 +121,8 @@ class Listing:
     roots: list[str]
     runs: list[RunRecord]
     leftovers: list[Leftover] = field(default_factory=list)
+    # entries with a prune's name that no record of a Shardscope prune proves: (path, why it is kept)
+    strays: list[tuple[str, str]] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)  # with missing_ok: why a root could not be listed
 
     @property
@@ -161,16 +154,3 @@ class Listing:
 def order_key(c: CheckpointRecord) -> tuple[int, float]:
     """Newest last: by step where the name states one, then by time."""
     return (c.step if c.step is not None else -1, c.mtime)
-
-
-def leftover_of(path: str) -> Leftover | None:
-    """The :class:`Leftover` a hidden ``.shardscope-prune-<mode>-<name>`` path stands for."""
-    name = os.path.basename(path)
-    if not name.startswith(PRUNE_PREFIX):
-        return None
-    rest = name[len(PRUNE_PREFIX):]
-    for mode in ("trash", "delete"):
-        if rest.startswith(mode + "-") and len(rest) > len(mode) + 1:
-            return Leftover(path, os.path.join(os.path.dirname(path), rest[len(mode) + 1:]), mode)
-    return None
-

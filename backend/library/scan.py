@@ -183,4 +183,5 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
             last.state, last.reason = "writing", "the run is running and this save has not finished"
     ordered = sorted(runs.values(), key=lambda r: r.path)
     leftovers = {x for w in walkers for x in w.leftovers}
-    return Listing(resolved, ordered, sorted(leftovers, key=lambda x: x.path), unreachable)
+    strays = sorted({x for w in walkers for x in w.strays})
+    return Listing(resolved, ordered, sorted(leftovers, key=lambda x: x.path), strays, unreachable)

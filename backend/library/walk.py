@@ -14,7 +14,8 @@ from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder
 from ..lineage import Lineage
 from ..progress import Progress
 from .names import CHECKPOINT_HOLDERS, MAX_DEPTH, RUN_SKIP_DIRS, SKIP_DIRS, WRITING_SECONDS
-from .records import CheckpointRecord, Leftover, leftover_of
+from .prune_record import PRUNE_PREFIX, Leftover, leftovers_in
+from .records import CheckpointRecord
 
 MARKED_COMPLETE = frozenset({"dcp", "dcp-safetensors"})  # formats whose save writes a last file that makes it whole
 
@@ -102,6 +103,7 @@ class Walker:
         self.found: list[CheckpointRecord] = []
         self.run_states: dict[str, str | None] = {}
         self.leftovers: list[Leftover] = []
+        self.strays: list[tuple[str, str]] = []  # entries with a prune's name no prune record proves: kept
 
     def walk_file(self, path: str, info: Any) -> None:
         """A root that is a file: a record when it is a consolidated checkpoint."""
@@ -154,16 +156,14 @@ class Walker:
             if fmt is not None:
                 self.add_file(join(tree, path, name), info, run, fmt, sidecar=name + LINEAGE_FILE_SUFFIX in files)
         for d in dirs:
-            leftover = leftover_of(tree.url(join(tree, path, d)))
-            if leftover is not None:
-                self.leftovers.append(leftover)
-            elif not d.startswith(".") and d not in SKIP_DIRS and depth < MAX_DEPTH and \
+            if not d.startswith(".") and d not in SKIP_DIRS and depth < MAX_DEPTH and \
                     not (run == tree.url(path) and d in RUN_SKIP_DIRS):
                 self.walk(join(tree, path, d), depth + 1, run, d + LINEAGE_FILE_SUFFIX in files)
-        for name in files:
-            leftover = leftover_of(tree.url(join(tree, path, name)))
-            if leftover is not None:
-                self.leftovers.append(leftover)
+        pruned = [n for n in [*dirs, *files] if n.startswith(PRUNE_PREFIX)]
+        if pruned:
+            proven, strays = leftovers_in(tree.url(path), pruned)
+            self.leftovers += proven
+            self.strays += strays
 
     def add_run(self, path: str) -> str:
         """Record a Shardscope run directory; its URL."""

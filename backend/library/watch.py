@@ -4,30 +4,26 @@ checkpoint only once its export is verified.
 
 Crash-safe by construction: an export comes into existence only by :class:`..export.atomic.AtomicOutput`'s
 rename after its verification, so a final file that exists is a verified export; what was done is recorded per
-run in ``<exports>/.shardscope-watch.json`` (see :class:`WatchState`), written atomically before an export starts
-(``exporting``) and after it is committed (``done``). A watch killed at any moment and started again finds each
-export either absent (done again, the killed one's temporary removed) or present (recorded as done, never done
-twice); a removal is prune's own crash-safe one.
+run in ``<exports>/.shardscope-watch.json`` (:class:`.watch_record.WatchState`), written atomically before an
+export starts (``exporting``) and after it is committed (``done``). A watch killed at any moment and started
+again finds each export either absent (done again, the killed one's temporary removed) or present (recorded as
+done, never done twice); a removal is prune's own crash-safe one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..atomic_file import write_atomic
 from ..errors import Cancelled, ShardscopeError
 from ..export import ExportResult, export, plan_export, writer
 from ..export.atomic import clean_leftovers
 from ..export.destination import EXPORTS_FOLDER
 from ..export.layouts import find_model_folder, recognise_layout
-from ..filenames import SMALL_TMP_SUFFIX, WATCH_STATE, is_url, within
+from ..filenames import is_url, within
 from ..format import count, human_bytes
 from ..formats import RESUMABLE, open_checkpoint
 from ..progress import Progress
@@ -35,70 +31,7 @@ from ..runs.rundir import ACTIVE_STATES, default_runs_root, read_config, run_sta
 from .prune import Decision, Plan, Rules, execute, make_plan
 from .records import CheckpointRecord, Leftover, Listing, RunRecord
 from .scan import is_shardscope_run, scan
-
-STATE_VERSION = 1
-EXPORTING, DONE = "exporting", "done"
-
-
-def identity(c: CheckpointRecord) -> dict[str, float]:
-    """What says a checkpoint is the one an export was made from: its bytes on disk and its newest file's time."""
-    return {"bytes": c.bytes, "mtime": c.mtime}
-
-
-class WatchState:
-    """``<exports>/.shardscope-watch.json``: ``{"version": 1, "exports": {checkpoint path: {"identity": {"bytes",
-    "mtime"}, "export": path, "state": "exporting"|"done", "format", "step", "tensors", "bytes", "time"
-    [, "removed": time]}}}``. An entry is trusted only while its export file exists and the checkpoint's identity
-    is the one recorded."""
-
-    def __init__(self, folder: str) -> None:
-        self.path = os.path.join(folder, WATCH_STATE)
-        try:
-            if is_url(folder):  # a plan on object storage: no record is read there
-                raise OSError
-            with open(self.path, encoding="utf-8") as f:
-                value = json.load(f)
-        except (OSError, ValueError):
-            value = {}
-        exports = value.get("exports") if isinstance(value, dict) else None
-        self.entries: dict[str, dict[str, Any]] = {
-            k: v for k, v in (exports or {}).items()
-            if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("export"), str)}
-
-    def remove_temporaries(self) -> None:
-        """Remove what a watch killed while writing this file left (``.<name>.<random>.tmp``): only while we hold
-        the run's lock (reading the record for a plan writes nothing)."""
-        folder = os.path.dirname(self.path)
-        for name in os.listdir(folder):
-            if name.startswith(f".{WATCH_STATE}.") and name.endswith(SMALL_TMP_SUFFIX):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(folder, name))
-
-    def save(self) -> None:
-        """Write the whole record atomically."""
-        write_atomic(self.path, json.dumps({"version": STATE_VERSION, "exports": self.entries}, indent=1))
-
-    def verified(self, c: CheckpointRecord) -> dict[str, Any] | None:
-        """The entry of ``c``'s verified export, when it is done, of this very checkpoint, and still there."""
-        e = self.entries.get(c.path)
-        if e and e.get("state") == DONE and e.get("identity") == identity(c) and os.path.isfile(e["export"]):
-            return e
-        return None
-
-
-@contextlib.contextmanager
-def run_lock(folder: str) -> Iterator[bool]:
-    """Hold a run's exports folder (a flock on the folder itself): True when no other watch works on it."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # releases the flock
+from .watch_record import DONE, EXPORTING, WatchState, identity, made_from, run_lock
 
 
 def live_resume_points(run_dirs: list[str]) -> dict[str, str]:
@@ -186,19 +119,21 @@ def export_step(c: CheckpointRecord, dst: str, state: WatchState, listed: set[st
         return ExportStep(c, WAITING, "", "being written", record=record)
     if c.state != "complete":
         return ExportStep(c, NOT_EXPORTED, "", f"{c.state} ({c.reason})", record=record)
-    done = state.verified(c)
+    done = None if is_url(dst) else state.verified(c, dst)
     if done:
-        return ExportStep(c, VERIFIED, done["export"], "its export is verified", record=record)
+        return ExportStep(c, VERIFIED, dst, "its export is verified", record=record)
     if is_url(dst) and listed is not None and dst in listed:
         return ExportStep(c, EXISTS, dst, f"{dst} exists (on a URL the watch's record is not read)", record=record)
     ours = bool(record) and record["export"] == dst
     if not is_url(dst) and os.path.lexists(dst):
-        if ours and record.get("identity") == identity(c):
+        same = ours and record.get("identity") == identity(c)
+        why = made_from(dst, c, as_it_is=same) if ours else "this watch did not write it"
+        if not why and same:
             # NOTE: the file exists only by AtomicOutput's rename, which follows its verification: a watch
             # killed between that rename and recording it left a verified export; it is not made twice
             return ExportStep(c, RECOVERED, dst, "verified before a restart", record=record)
-        if not ours:
-            return ExportStep(c, BLOCKED, dst, f"{dst} exists and this watch did not write it; move it away",
+        if why:  # never replaced: no record of Shardscope's own proves it is this checkpoint's export
+            return ExportStep(c, BLOCKED, dst, f"{dst} exists and is not proven its export ({why}); move it away",
                               record=record)
         return ExportStep(c, EXPORT, dst, "saved again since its export", force=True, record=record)
     return ExportStep(c, EXPORT, dst, "complete, not exported yet", record=record)
@@ -215,6 +150,7 @@ class RunPlan:
     decisions: list[Decision]  # complete resumable checkpoints only; empty without rules
     leftovers: list[Leftover] = field(default_factory=list)  # interrupted removals the pass finishes
     removed: dict[str, dict[str, Any]] = field(default_factory=dict)  # record entries of checkpoints now gone
+    strays: list[tuple[str, str]] = field(default_factory=list)  # a prune's name, no prune record: kept, and why
 
     @property
     def plan_only(self) -> bool:
@@ -228,7 +164,8 @@ class RunPlan:
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run.path, "exports_folder": self.exports_folder, "plan_only": self.plan_only,
                 "exports": [s.to_json() for s in self.exports], "checkpoints": [d.to_json() for d in self.decisions],
-                "leftovers": [x.original for x in self.leftovers], "removed_earlier": self.removed}
+                "leftovers": [x.original for x in self.leftovers], "removed_earlier": self.removed,
+                "kept_unrecorded": [path for path, _ in self.strays]}
 
 
 @dataclass(slots=True)
@@ -257,6 +194,7 @@ class WatchPlan:
                        (" (a URL: plan only)" if r.plan_only else ""))
             out += [f"  {s.text()}" for s in r.exports]
             out += [f"  finish an interrupted removal: {x.original}" for x in r.leftovers]
+            out += [f"  kept {path}: {why}" for path, why in r.strays]
             for d in r.decisions:
                 when = " after its export is verified" if d.remove else ""
                 out.append(f"  {d.action} {d.checkpoint.path}{when}: {'; '.join(d.reasons)}")
@@ -331,12 +269,14 @@ class Watcher:
         return listing, resumed
 
     def removals(self, run: RunRecord, listing: Listing, resumed: dict[str, str],
-                 verified: Callable[[CheckpointRecord], bool]) -> tuple[list[Decision], list[Leftover]]:
+                 unverified: Callable[[CheckpointRecord], str]) -> tuple[list[Decision], Plan | None]:
         """The rules' keep or remove for the run's complete resumable checkpoints: never one a live run resumed
-        from, nor one whose export is not ``verified``; and the run's interrupted removals."""
+        from, nor one whose export is ``unverified`` (the reason, kept in its decision); and the plan that holds
+        the run's interrupted removals (None without rules)."""
         if not self.rules:
-            return [], []
-        own = Listing(listing.roots, [run], [x for x in listing.leftovers if within(x.path, run.path)])
+            return [], None
+        own = Listing(listing.roots, [run], [x for x in listing.leftovers if within(x.path, run.path)],
+                      [x for x in listing.strays if within(x[0], run.path)])
         plan = make_plan(own, self.rules, running_ok=True)
         out = []
         for d in plan.decisions:
@@ -347,10 +287,10 @@ class Watcher:
                 live = None if is_url(c.path) else resumed.get(os.path.realpath(c.path))
                 if live:
                     d.remove, d.reasons = False, [f"a live run resumed from it ({live})"]
-                elif not verified(c):
-                    d.remove, d.reasons = False, ["its export is not verified"]
+                elif why := unverified(c):
+                    d.remove, d.reasons = False, [why]
             out.append(d)
-        return out, plan.leftovers
+        return out, plan
 
     def plan_run(self, run: RunRecord, listing: Listing, resumed: dict[str, str], state: WatchState) -> RunPlan:
         """What a pass does with one run, as it would do it (a removal assumes the exports before it succeed)."""
@@ -359,11 +299,12 @@ class Watcher:
         steps = [export_step(c, self.export_path(folder, c), state, listed) for c in run.checkpoints
                  if c.kind == RESUMABLE]
         will = {s.checkpoint.path for s in steps if s.will_export}
-        decisions, leftovers = self.removals(run, listing, resumed,
-                                             lambda c: c.path in will or state.verified(c) is not None)
+        decisions, plan = self.removals(run, listing, resumed, lambda c: "" if c.path in will else
+                                        state.unverified(c, self.export_path(folder, c)))
         listed = {c.path for c in run.checkpoints}
         gone = {k: v for k, v in state.entries.items() if k not in listed and "removed" in v}
-        return RunPlan(run, folder, steps, decisions, leftovers, gone)
+        return RunPlan(run, folder, steps, decisions, plan.leftovers if plan else [], gone,
+                       plan.strays if plan else [])
 
     def plan(self, progress: Progress | None = None) -> WatchPlan:
         """What one pass would do now, run by run; nothing is written, made or removed (any roots: URLs too)."""
@@ -413,8 +354,9 @@ class Watcher:
                 if c.kind == RESUMABLE and not self.stopping:
                     self._export_one(export_step(c, self.export_path(folder, c), state), state, report, said)
             if self.rules and not self.stopping:
-                decisions, leftovers = self.removals(run, listing, resumed, lambda c: state.verified(c) is not None)
-                self._prune(decisions, leftovers, state, report, said)
+                decisions, plan = self.removals(run, listing, resumed,
+                                                lambda c: state.unverified(c, self.export_path(folder, c)))
+                self._prune(decisions, plan, state, report, said)
 
     def _export_one(self, step: ExportStep, state: WatchState, report: PassReport, said: set[str]) -> None:
         c, dst = step.checkpoint, step.export
@@ -471,16 +413,18 @@ class Watcher:
         self.log(f"exported {c.path} -> {entry['export']} ({how}, {count(tensors, 'tensor')}, "
                  f"{human_bytes(size)})")
 
-    def _prune(self, decisions: list[Decision], leftovers: list[Leftover], state: WatchState, report: PassReport,
+    def _prune(self, decisions: list[Decision], plan: Plan | None, state: WatchState, report: PassReport,
                said: set[str]) -> None:
         todo = [d for d in decisions if d.remove]
         for d in decisions:
             if not d.remove:
                 self._say(f"kept {d.checkpoint.path}: {'; '.join(d.reasons)}", said)
-        if not todo and not leftovers:
+        for path, why in plan.strays if plan else []:
+            self._say(f"kept {path}: {why}", said)
+        if not todo and not (plan and plan.leftovers):
             return
-        assert self.rules is not None
-        result = execute(Plan(self.roots, self.rules, todo, leftovers, running_ok=True), delete=self.delete)
+        assert self.rules is not None and plan is not None
+        result = execute(Plan(self.roots, self.rules, todo, plan.leftovers, running_ok=True), delete=self.delete)
         rules = rules_text(self.rules)
         for o in result.leftovers:
             self.log(f"finished an interrupted removal: {o.path} {o.result}" if o.result != "failed" else
