@@ -117,11 +117,8 @@ def model_prefixes(ckpt: Any) -> list[str]:
     them: what a torch export of a watch selects, so that it is weights (a safetensors export selects them itself)
     and never counts as resumable training state."""
     layout = recognise_layout(ckpt)
-    out = set()
-    for fqn in [t.fqn for t in ckpt.tensors] + [o.fqn for o in ckpt.objects]:
-        if layout.is_model(fqn):
-            out.add(layout.wrapper + fqn[len(layout.wrapper):].split(".", 1)[0])
-    return sorted(out)
+    return sorted({layout.root_key(t.fqn) for t in ckpt.tensors if layout.keeps_tensor(t.fqn)}
+                  | {layout.root_key(o.fqn) for o in ckpt.objects if layout.is_model(o.fqn)})
 
 
 def rules_text(rules: Rules) -> str:
