@@ -179,6 +179,28 @@ def test_a_checkpoint_whose_export_failed_is_kept(tmp_path, fixtures):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000010", "step_000030"]
 
 
+def test_the_newest_readable_checkpoint_stays_when_the_newest_fails_its_crc32(tmp_path, fixtures):
+    """The newest checkpoint's bytes rotted (a CRC32 the export's verification refuses): the one before it, whose
+    export is verified, is the run's newest readable resumable checkpoint and stays; the older one goes."""
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    newest = run / "checkpoints" / "step_000030"
+    ckpt = open_checkpoint(str(newest))
+    chunk = ckpt.tensor("model.blocks.0.fc1.weight").chunks[0]
+    with ChunkReader(ckpt) as reader:
+        offset = reader.locate("model.blocks.0.fc1.weight", chunk).data_offset
+    data = bytearray((newest / chunk.file).read_bytes())
+    data[offset + 10] ^= 0x40
+    (newest / chunk.file).write_bytes(bytes(data))
+    _age(root)
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAILED export of {newest}" in proc.stdout and "CRC32" in proc.stdout
+    assert f"kept {run}/checkpoints/step_000020: the newest resumable checkpoint of its run whose export is " \
+        "verified" in proc.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000020", "step_000030"]
+
+
 def test_a_checkpoint_a_live_run_resumed_from_is_never_removed(tmp_path, fixtures):
     """The live run's own checkpoints are thinned while it runs (not what is written, not the newest); the
     checkpoint it resumed from (config.json's "resume", here in an older run) stays."""

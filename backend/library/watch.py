@@ -33,7 +33,7 @@ from ..formats import RESUMABLE, open_checkpoint
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, default_runs_root, read_config, run_state
 from .prune import Decision, Plan, Rules, execute, make_plan
-from .records import CheckpointRecord, Leftover, Listing, RunRecord
+from .records import CheckpointRecord, Leftover, Listing, RunRecord, order_key
 from .scan import is_shardscope_run, scan
 
 STATE_VERSION = 1
@@ -347,6 +347,11 @@ class Watcher:
                 elif not verified(c):
                     d.remove, d.reasons = False, ["its export is not verified"]
             out.append(d)
+        readable = [d for d in out if verified(d.checkpoint)]
+        newest = max(readable, key=lambda d: order_key(d.checkpoint), default=None)
+        if newest and newest.remove:  # a newer checkpoint failed its export: it may not be readable
+            newest.remove, newest.reasons = False, ["the newest resumable checkpoint of its run whose export is "
+                                                    "verified (a newer one's is not)"]
         return out, plan.leftovers
 
     def plan_run(self, run: RunRecord, listing: Listing, resumed: dict[str, str], state: WatchState) -> RunPlan:
