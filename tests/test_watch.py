@@ -201,6 +201,36 @@ def test_the_newest_readable_checkpoint_stays_when_the_newest_fails_its_crc32(tm
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000020", "step_000030"]
 
 
+def test_an_export_made_of_this_checkpoint_at_the_watch_path_is_adopted(tmp_path, fixtures):
+    """``export`` (the Export dialog's backend, to its default destination RUN/exports/<name>.safetensors) made
+    step 10's export before any watch: its lineage sidecar names step 10 as it is, and it holds every tensor, so a
+    watch adopts it (no failed pass). A partial export (--only) at step 20's path is not taken for step 20's. The
+    removed checkpoint's export is not "source missing" (a watch removed it by its rules), and the plan counts the
+    verified exports the record holds."""
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    ck, exports = run / "checkpoints", run / "exports"
+    exports.mkdir()  # the Export dialog makes it (its default destination's folder)
+    made = run_cli("export", ck / "step_000010", exports / "step_000010.safetensors")
+    assert made.returncode == 0, made.stderr
+    partial = run_cli("export", ck / "step_000020", exports / "step_000020.safetensors", "--only", "model.blocks.0")
+    assert partial.returncode == 0, partial.stderr
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"exported {ck}/step_000010 -> {exports}/step_000010.safetensors (adopted: its lineage names this " \
+        "checkpoint, 15 tensors" in proc.stdout
+    assert f"FAILED export of {ck}/step_000020: {exports}/step_000020.safetensors exists and is not this watch's " \
+        "export of it (it lacks" in proc.stdout
+    assert f"removed {ck}/step_000010 (keep-last 1)" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000020", "step_000030"]
+    listed = {c["path"]: c for c in json.loads(run_cli("ls", root, "--json").stdout)["checkpoints"]}
+    gone = listed[str(exports / "step_000010.safetensors")]
+    assert gone["source_missing"] is False and gone["source_removed_by_watch"] is True, gone
+    plan = json.loads(run_cli("watch", root, "--export", "safetensors", "--keep-last", "1", "--dry-run",
+                              "--json").stdout)
+    assert plan["runs"][0]["verified_exports"] == 2, plan["runs"][0]
+
+
 def test_a_checkpoint_a_live_run_resumed_from_is_never_removed(tmp_path, fixtures):
     """The live run's own checkpoints are thinned while it runs (not what is written, not the newest); the
     checkpoint it resumed from (config.json's "resume", here in an older run) stays."""

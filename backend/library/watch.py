@@ -34,7 +34,7 @@ from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, default_runs_root, read_config, run_state
 from .prune import Decision, Plan, Rules, execute, make_plan, rules_text
 from .records import CheckpointRecord, Leftover, Listing, RunRecord, order_key
-from .scan import is_shardscope_run, scan
+from .scan import is_shardscope_run, read_watch_record, scan
 from .watch_exports import holds_the_plan, made_from, model_prefixes
 from .watch_plan import (
     ADOPTED,
@@ -68,17 +68,7 @@ class WatchState:
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, WATCH_STATE)
-        try:
-            if is_url(folder):  # a plan on object storage: no record is read there
-                raise OSError
-            with open(self.path, encoding="utf-8") as f:
-                value = json.load(f)
-        except (OSError, ValueError):
-            value = {}
-        exports = value.get("exports") if isinstance(value, dict) else None
-        self.entries: dict[str, dict[str, Any]] = {
-            k: v for k, v in (exports or {}).items()
-            if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("export"), str)}
+        self.entries: dict[str, dict[str, Any]] = read_watch_record(folder)  # a plan on a URL reads none
 
     def remove_temporaries(self) -> None:
         """Remove what a watch killed while writing this file left (``.<name>.<random>.tmp``): only while we hold
