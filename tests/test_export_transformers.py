@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
+from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture: no worker outlives a test)
 from safetensors import safe_open
 
 HERE = Path(__file__).parent
@@ -113,3 +114,28 @@ def test_watch_on_a_trainer_output_exports_every_weight_before_a_removal(written
     shutil.copy(exports / "checkpoint-2.safetensors", folder / "model.safetensors")
     shutil.copy(out / "checkpoint-2" / "config.json", folder)
     _assert_same_logits(folder, written / "trainer.logits.pt")
+
+
+def test_the_export_dialog_writes_every_weight_where_a_watch_adopts_it(qtbot, written, tmp_path):
+    """The Export dialog on a Trainer checkpoint proposes the path a watch writes; its export holds lm_head and
+    gives the trained logits, and a watch then adopts it (its lineage names this checkpoint) instead of failing on
+    it every pass."""
+    from shardscope.backend.formats import open_checkpoint
+    from shardscope.widgets.export_dialog import ExportDialog
+
+    out = tmp_path / "root" / "out"
+    shutil.copytree(written / "trainer", out)
+    _age(tmp_path / "root")
+    dlg = ExportDialog(open_checkpoint(str(out / "checkpoint-2")), "")
+    qtbot.addWidget(dlg)
+    dst = out / "exports" / "checkpoint-2.safetensors"
+    assert dlg.dst.text() == str(dst)
+    with qtbot.waitSignal(dlg.finished_export, timeout=120000) as blocker:
+        dlg.export_button.click()
+    assert blocker.args[0] is not None and blocker.args[0].verified is True, dlg.message.text()
+    with safe_open(str(dst), framework="pt") as h:
+        assert "lm_head.weight" in h.keys() and len(h.keys()) == 21
+    proc = run_cli("watch", tmp_path / "root", "--export", "safetensors", "--once", "--keep-last", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"exported {out}/checkpoint-2 -> {dst} (adopted: its lineage names this checkpoint" in proc.stdout
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
