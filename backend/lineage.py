@@ -27,6 +27,7 @@ TORCH_TAIL_BYTES = 1 << 20  # a torch.save archive's end: its central directory,
 MAX_SAFETENSORS_HEADER = 100 << 20
 
 SAME, CHANGED, MISSING, UNKNOWN = "same", "changed", "missing", "unknown"
+REMOVED = "removed by watch"  # missing, and the watch record beside the export says a watch removed it by its rules
 
 _crc_memo: dict[tuple[str, int, int, int], int] = {}  # (path, size, mtime_ns, inode) -> CRC32 of its piece
 _memo_lock = threading.Lock()
@@ -146,7 +147,7 @@ class Lineage:
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "source_step": self.step, "source_run": self.run,
                 "source_format": self.format, "source_changed": self.state == CHANGED,
-                "source_missing": self.state == MISSING}
+                "source_missing": self.state == MISSING, "source_removed_by_watch": self.state == REMOVED}
 
 
 def _text(v: Any) -> str:
@@ -205,5 +206,5 @@ def read_lineage(sidecar: str) -> Lineage | None:
     return None if doc is None else compare(doc)
 
 
-__all__ = ["CHANGED", "MISSING", "SAME", "UNKNOWN", "Lineage", "compare", "identity", "make_sidecar",
+__all__ = ["CHANGED", "MISSING", "REMOVED", "SAME", "UNKNOWN", "Lineage", "compare", "identity", "make_sidecar",
            "parse_sidecar", "read_lineage", "read_sidecar", "sidecar_bytes", "with_written_files", "written_files"]

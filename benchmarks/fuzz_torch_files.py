@@ -27,7 +27,7 @@ from shardscope.backend.checkpoint.flatten import dotted, flatten
 from shardscope.backend.checkpoint.torch_load import TorchFileLoad
 from shardscope.backend.checkpoint.unpickler import allow_torch_safe_globals
 from shardscope.backend.errors import CheckpointError
-from test_torch_file_open import _leaves, _mutated, _same, _views_and_values
+from test_torch_file_open import _mutated, _same, mutation_seed
 
 
 def check(path: Path) -> str:
@@ -66,11 +66,12 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=0)
+    ap.add_argument("--kind", choices=("values", "numpy"), default="values", help="the seed file (tests' mutation_seed)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fuzz-torch-"))
     torch.manual_seed(0)
     src = tmp / "seed.pt"
-    torch.save(_views_and_values() | {k: v for k, v in _leaves().items() if k not in ("rng", "array", "sd")}, src)
+    torch.save(mutation_seed(args.kind), src)
     with zipfile.ZipFile(src) as z:
         pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
     allow_torch_safe_globals()

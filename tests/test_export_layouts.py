@@ -202,3 +202,17 @@ def test_llama_sharded_export_loads_with_from_pretrained(tmp_path):
     # asked for: the source path is recorded
     out = run_cli("export", src, tmp_path / "hf2", "--max-shard-size", "20KB", "--record-source")
     assert json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())["metadata"]["source"]
+
+
+def test_left_out_names_the_training_state_below_a_wrapper_and_keeps_every_other_tensor(tmp_path):
+    """``{"app": {"model": ..., "optim": ...}}``: the line names ``app.optim``, not the wrapper; a tensor beside the
+    DCP recipe's ``model`` that is not training state (an ``ema`` copy) is written, not left out by a guess."""
+    model = torch.nn.Linear(4, 2)
+    app = _save({"app": {"model": model.state_dict(), "optim": _optimizer_state(model)}}, tmp_path / "app")
+    plan = plan_export(open_checkpoint(str(app), use_cache=False), "safetensors")
+    assert {it.key for it in plan.items} == {"weight", "bias"}
+    assert plan.left_out[0] == "6 tensors of training state (app.optim)", plan.left_out
+    recipe = {"model": model.state_dict(), "optimizer": _optimizer_state(model), "ema": {"weight": torch.ones(2, 4)}}
+    plan = plan_export(open_checkpoint(str(_save(recipe, tmp_path / "ema")), use_cache=False), "safetensors")
+    assert {it.key for it in plan.items} == {"model.weight", "model.bias", "ema.weight"}
+    assert all("optimizer" in line for line in plan.left_out), plan.left_out

@@ -353,7 +353,8 @@ def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive
     assert "verified; removed " in by_name["step_000010"][7]
     assert [s.action for r in dlg.plan.runs for s in r.exports] == [VERIFIED, EXPORT, EXPORT, NOT_EXPORTED]
     assert "A watch would export 2 checkpoints to safetensors and remove 2 checkpoints" in dlg.summary.text()
-    assert "1 verified export, 1 checkpoint removed" in dlg.summary.text()
+    # the record's verified exports, also step 10's, whose checkpoint a watch removed since
+    assert "2 verified exports, 1 checkpoint removed" in dlg.summary.text()
     cmd = dlg.command_line()
     assert cmd == f"shardscope watch {root / 'runA'} --export safetensors --keep-last 1"
     # the very plan the command line prints

@@ -54,7 +54,9 @@ def _run(root: Path, fixtures, steps=STEPS, writing: int | None = None) -> Path:
 
 
 def _fresh(folder: Path) -> None:
-    """Files changed just now, as a save in progress leaves them (copytree keeps the fixture's times)."""
+    """A save in progress: its data files changed just now (copytree keeps the fixture's times) and no `.metadata`
+    yet (DCP writes it last; a folder with its `.metadata` is complete however fresh)."""
+    (folder / ".metadata").unlink(missing_ok=True)
     for p in [folder, *folder.rglob("*")]:
         os.utime(p)
 
@@ -220,6 +222,58 @@ def test_a_record_whose_export_was_made_from_another_checkpoint_never_removes_it
         "this checkpoint" in proc.stdout, proc.stdout
     assert f"removed {ck}/step_000020 (keep-last 1)" in proc.stdout
     assert sorted(p.name for p in ck.iterdir()) == ["step_000010", "step_000030"]
+
+
+def test_the_newest_readable_checkpoint_stays_when_the_newest_fails_its_crc32(tmp_path, fixtures):
+    """The newest checkpoint's bytes rotted (a CRC32 the export's verification refuses): the one before it, whose
+    export is verified, is the run's newest readable resumable checkpoint and stays; the older one goes."""
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    newest = run / "checkpoints" / "step_000030"
+    ckpt = open_checkpoint(str(newest))
+    chunk = ckpt.tensor("model.blocks.0.fc1.weight").chunks[0]
+    with ChunkReader(ckpt) as reader:
+        offset = reader.locate("model.blocks.0.fc1.weight", chunk).data_offset
+    data = bytearray((newest / chunk.file).read_bytes())
+    data[offset + 10] ^= 0x40
+    (newest / chunk.file).write_bytes(bytes(data))
+    _age(root)
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAILED export of {newest}" in proc.stdout and "CRC32" in proc.stdout
+    assert f"kept {run}/checkpoints/step_000020: the newest resumable checkpoint of its run whose export is " \
+        "verified" in proc.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000020", "step_000030"]
+
+
+def test_an_export_made_of_this_checkpoint_at_the_watch_path_is_adopted(tmp_path, fixtures):
+    """``export`` (the Export dialog's backend, to its default destination RUN/exports/<name>.safetensors) made
+    step 10's export before any watch: its lineage sidecar names step 10 as it is, and it holds every tensor, so a
+    watch adopts it (no failed pass). A partial export (--only) at step 20's path is not taken for step 20's. The
+    removed checkpoint's export is not "source missing" (a watch removed it by its rules), and the plan counts the
+    verified exports the record holds."""
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    ck, exports = run / "checkpoints", run / "exports"
+    exports.mkdir()  # the Export dialog makes it (its default destination's folder)
+    made = run_cli("export", ck / "step_000010", exports / "step_000010.safetensors")
+    assert made.returncode == 0, made.stderr
+    partial = run_cli("export", ck / "step_000020", exports / "step_000020.safetensors", "--only", "model.blocks.0")
+    assert partial.returncode == 0, partial.stderr
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"exported {ck}/step_000010 -> {exports}/step_000010.safetensors (adopted: its lineage names this " \
+        "checkpoint, 15 tensors" in proc.stdout
+    assert f"FAILED export of {ck}/step_000020: {exports}/step_000020.safetensors exists and is not this watch's " \
+        "export of it (it lacks" in proc.stdout
+    assert f"removed {ck}/step_000010 (keep-last 1)" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000020", "step_000030"]
+    listed = {c["path"]: c for c in json.loads(run_cli("ls", root, "--json").stdout)["checkpoints"]}
+    gone = listed[str(exports / "step_000010.safetensors")]
+    assert gone["source_missing"] is False and gone["source_removed_by_watch"] is True, gone
+    plan = json.loads(run_cli("watch", root, "--export", "safetensors", "--keep-last", "1", "--dry-run",
+                              "--json").stdout)
+    assert plan["runs"][0]["verified_exports"] == 2, plan["runs"][0]
 
 
 def test_a_checkpoint_a_live_run_resumed_from_is_never_removed(tmp_path, fixtures):

@@ -1,9 +1,11 @@
 """The writers behind tests/test_export_trainers.py, each run as a subprocess: a Lightning
 ``Trainer(strategy="ddp")`` checkpoint file, a Lightning Fabric ``fabric.save`` (FSDP2 on 2 CPU processes)
 whose model and optimizer carry the user's own names, and a torchtitan-style Llama state written by
-``dcp.save`` from 2 gloo ranks with ``fully_shard``.
+``dcp.save`` from 2 gloo ranks with ``fully_shard``; and a tiny transformers Llama, tied and untied, as
+``save_pretrained`` writes it, as a torch DCP recipe save of the module with its optimizer, and as a
+``transformers.Trainer`` run of 2 steps writes its checkpoints (with the logits each model gives).
 
-``python tests/trainers_writer.py trainer_ddp|fabric|titan OUT``.
+``python tests/trainers_writer.py trainer_ddp|fabric|titan|transformers OUT``.
 """
 
 from __future__ import annotations
@@ -160,13 +162,55 @@ def write_titan(out: Path) -> None:
     sys.exit(max(p.wait(600) for p in ranks))
 
 
+def tiny_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=tied)).eval()
+
+
+def _logits(model: nn.Module, out: Path) -> None:
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model.eval()(ids).logits}, out)
+
+
+def write_transformers(out: Path) -> None:
+    """``llama_{tied,untied}/`` (save_pretrained), ``dcp_{tied,untied}/`` (``dcp.save({"model": ...,
+    "optimizer": ...})`` of the module), ``trainer/checkpoint-{1,2}/`` (an untied model's Trainer run), each with
+    ``<name>.logits.pt``."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import Trainer, TrainingArguments
+
+    for name, tied in (("tied", True), ("untied", False)):
+        model = tiny_llama(tied)
+        model.save_pretrained(out / f"llama_{name}")
+        _logits(model, out / f"llama_{name}.logits.pt")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # the moments move, the weights stay
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                 checkpoint_id=str(out / f"dcp_{name}"), no_dist=True)
+    model = tiny_llama(False).train()
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (8, 12),
+                                                                        generator=torch.Generator().manual_seed(2))]
+    args = TrainingArguments(output_dir=str(out / "trainer"), max_steps=2, save_steps=1, per_device_train_batch_size=4,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=data).train()
+    _logits(model, out / "trainer.logits.pt")
+
+
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     what, where = sys.argv[1], Path(sys.argv[2])
     if what == "titan_rank":
         write_titan_rank(where, int(sys.argv[3]))
     else:
-        {"trainer_ddp": write_trainer_ddp, "fabric": write_fabric, "titan": write_titan}[what](where)
+        {"trainer_ddp": write_trainer_ddp, "fabric": write_fabric, "titan": write_titan,
+         "transformers": write_transformers}[what](where)
     # NOTE: no destructors at exit: freeing a DDP model after its gloo group is gone can hang for ever with
     # torch 2.13 (~Reducer -> ~ProcessGroupGloo joins a thread that waits for the GIL; see make_fixtures.py)
     sys.stdout.flush()

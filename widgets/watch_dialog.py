@@ -259,8 +259,7 @@ class WatchPlanDialog(QDialog):
         if plan is None:
             self.summary.setText(f"<span style='color:#d62728'>{error}</span>")
             return
-        steps = [s for r in plan.runs for s in r.exports]
-        done = sum(1 for s in steps if s.action == VERIFIED)
+        done = sum(r.recorded for r in plan.runs)
         removed = sum(len(r.removed) for r in plan.runs)
         urls = " <b>On URLs a watch only plans.</b>" if any(r.plan_only for r in plan.runs) else ""
         rules = f"rules: {rules_text(plan.rules)}" if plan.rules else "no rule: exports only"

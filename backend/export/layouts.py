@@ -4,18 +4,21 @@ Recognised: torch's DCP recipe (``{"model": ..., "optimizer": ...}``), Lightning
 ``state_dict`` with ``optimizer_0``..., FSDPStrategy/Fabric's ``model`` with ``meta.pt``),
 torchtitan (model keys at the top level next to ``optimizer``, ``lr_scheduler``, ``dataloader``,
 ``train_state``), HF Trainer/accelerate FSDP folders (``pytorch_model_fsdp_0/``, ``optimizer_0/``)
-and Megatron-style names (``decoder.``/``embedding.``/``output_layer.``).
+Megatron-style names (``decoder.``/``embedding.``/``output_layer.``) and Hugging Face transformers' names
+(``model.*`` beside the heads ``lm_head.*``/``score.*``, or a ``config.json`` of transformers beside ``model.*``):
+kept as ``from_pretrained`` loads them. A tensor is left out of a weights export only when it is training state.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..checkpoint.model import Checkpoint
-from ..filenames import ACCELERATE_MODEL_DIR, LIGHTNING_META, METADATA
+from ..filenames import ACCELERATE_MODEL_DIR, LIGHTNING_META, METADATA, is_url
 from ..formats.hf_trainer import model_folders
 
 TRAINING_STATE_ROOTS = frozenset({
@@ -28,6 +31,8 @@ TRAINING_STATE_ROOTS = frozenset({
 _OPTIMIZER_N = re.compile(r"optimizer_\d+$")
 OPTIMIZER_ROOTS = frozenset({"optimizer", "optimizers", "optim", "optimizer_states"})  # a run resumes from these
 MEGATRON_ROOTS = frozenset({"decoder", "encoder", "embedding", "output_layer", "language_model"})
+HF_CONFIG = "config.json"  # transformers' save_pretrained (and so its Trainer) writes it beside the weights
+MAX_HF_CONFIG_BYTES = 4 << 20
 # NOTE: a whole key part only (start of the key or after a dot), so a module named "my_orig_mod" stays.
 _WRAPPER_SEGMENT = re.compile(r"(?<![^.])(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 
@@ -56,6 +61,25 @@ class Layout:
             return root in self.model_roots
         return not is_training_state(root) and root not in self.optimizer_roots
 
+    def is_state(self, fqn: str) -> bool:
+        """True when entry ``fqn`` is training state (optimizer, scheduler, loader, trainer state; an optimizer
+        under any name the layout found): the only tensors an export of the model's weights leaves out."""
+        if self.wrapper and fqn.startswith(self.wrapper):
+            fqn = fqn[len(self.wrapper):]
+        root = fqn.split(".", 1)[0]
+        return is_training_state(root) or root in self.optimizer_roots
+
+    def keeps_tensor(self, fqn: str) -> bool:
+        """True for a tensor an export of the model's weights writes: the model's, and any other that is not
+        training state (a weight is never left out by a guess about the layout)."""
+        return self.is_model(fqn) or not self.is_state(fqn)
+
+    def root_key(self, fqn: str) -> str:
+        """The first key part of ``fqn`` below the wrapper, with the wrapper (``app.optim``): what a left-out line
+        names."""
+        inner = fqn[len(self.wrapper):] if self.wrapper and fqn.startswith(self.wrapper) else fqn
+        return self.wrapper + inner.split(".", 1)[0]
+
 
 def is_training_state(root: str) -> bool:
     """True for a first key part that holds optimizer/scheduler/loader/trainer state, not weights."""
@@ -65,12 +89,29 @@ def is_training_state(root: str) -> bool:
 def recognise_layout(ckpt: Checkpoint) -> Layout:
     """The layout of a checkpoint, from its keys, its folder name and its extra files."""
     return layout_of_names([t.fqn for t in ckpt.tensors], os.path.basename(ckpt.path.rstrip("/")),
-                           bool(ckpt.extra_files.get(LIGHTNING_META)))
+                           bool(ckpt.extra_files.get(LIGHTNING_META)), has_transformers_config(ckpt.path))
 
 
-def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: bool = False) -> Layout:
+def has_transformers_config(path: str) -> bool:
+    """True when a transformers ``config.json`` (a JSON object naming ``model_type`` or ``architectures``) lies
+    in the checkpoint folder ``path``, or beside the checkpoint file ``path``, as ``save_pretrained`` writes it."""
+    if is_url(path):
+        return False
+    where = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), HF_CONFIG)
+    try:
+        if os.path.getsize(where) > MAX_HF_CONFIG_BYTES:
+            return False
+        with open(where, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
+
+
+def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: bool = False,
+                    transformers_config: bool = False) -> Layout:
     """The layout from tensor names alone (also a consolidated ``.pt`` or safetensors file's keys), the
-    folder's name and whether a Lightning ``meta.pt`` is next to it."""
+    folder's name, whether a Lightning ``meta.pt`` is next to it and whether a transformers ``config.json`` is."""
     names = list(tensor_names)
     tensor_roots = {n.split(".", 1)[0] for n in names}
     wrapped = _wrapped_layout(names, tensor_roots, folder, has_meta_pt)
@@ -79,18 +120,22 @@ def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: 
     shaped = optimizer_shaped_roots(names)
     if "state_dict" in tensor_roots:
         if has_meta_pt or "optimizer_states" in tensor_roots or any(_OPTIMIZER_N.match(r) for r in tensor_roots):
-            return Layout("Lightning Trainer (state_dict, optimizer_N, meta.pt)", ("state_dict",), "state_dict.")
+            return Layout("Lightning Trainer (state_dict, optimizer_N, meta.pt)", ("state_dict",), "state_dict.",
+                          shaped)
         # a plain torch.save({"state_dict": ..., "optim": ...}): the same choice, without claiming Lightning
-        return Layout("model weights under state_dict", ("state_dict",), "state_dict.")
+        return Layout("model weights under state_dict", ("state_dict",), "state_dict.", shaped)
     if _OPTIMIZER_N.match(folder) and tensor_roots == {"optimizer"}:
         return Layout("HF Trainer / accelerate FSDP optimizer state (optimizer_N: no model weights; they are in "
                       "the sibling pytorch_model_fsdp_N/)", ())
     if "model" in tensor_roots:
+        if _transformers_names(names, tensor_roots, shaped, transformers_config):
+            return Layout("Hugging Face transformers names (model.* and its heads, as from_pretrained loads them)",
+                          None, optimizer_roots=shaped)
         if ACCELERATE_MODEL_DIR.search(folder):
-            return Layout("HF Trainer / accelerate FSDP (pytorch_model_fsdp_N)", ("model",), "model.")
+            return Layout("HF Trainer / accelerate FSDP (pytorch_model_fsdp_N)", ("model",), "model.", shaped)
         if has_meta_pt or any(_OPTIMIZER_N.match(r) for r in tensor_roots):
-            return Layout("Lightning FSDP / Fabric (model, optimizer_N, meta.pt)", ("model",), "model.")
-        return Layout("torch DCP recipe (model, optimizer, ...)", ("model",), "model.")
+            return Layout("Lightning FSDP / Fabric (model, optimizer_N, meta.pt)", ("model",), "model.", shaped)
+        return Layout("torch DCP recipe (model, optimizer, ...)", ("model",), "model.", shaped)
     if has_meta_pt:  # Fabric: fabric.save(path, {"net": model, "opt": optimizer}) keeps the user's names
         models = tuple(sorted(r for r in tensor_roots if r not in shaped and not is_training_state(r)))
         return Layout(f"Lightning Fabric (meta.pt; model under {', '.join(models) or 'no key'}"
@@ -103,6 +148,17 @@ def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: 
         return Layout("torchtitan-style (model keys at the top level next to optimizer, lr_scheduler, ...)", None,
                       optimizer_roots=shaped)
     return Layout("flat state dict", None)
+
+
+def _transformers_names(names: list[str], tensor_roots: set[str], shaped: frozenset[str], config: bool) -> bool:
+    """True when ``model.*`` is a transformers model's own base model, not a container around a module (the DCP
+    recipe's ``{"model": model.state_dict()}``): heads (``lm_head``, ``score``, ...) beside it at the top, or (a
+    tied model's keys are all ``model.*``) a transformers config.json beside the weights and no ``model.model.*``,
+    which a DCP recipe save of a transformers module holds."""
+    heads = {r for r in tensor_roots - {"model"} if not is_training_state(r) and r not in shaped}
+    if heads:
+        return True
+    return config and tensor_roots == {"model"} and not any(n.startswith("model.model.") for n in names)
 
 
 def _wrapped_layout(names: list[str], tensor_roots: set[str], folder: str, has_meta_pt: bool) -> Layout | None:

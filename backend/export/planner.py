@@ -50,25 +50,26 @@ def _select(ckpt: Checkpoint, w: Writer, layout: Layout, only: list[str], exclud
                                   f"{', '.join(roots[:12])}{' ...' if len(roots) > 12 else ''}.")
     if only:
         wanted = {n for n in names if any(_under(n, p) for p in only)}
-        why = f"outside {', '.join(only)}"
+        why = tensors_why = f"outside {', '.join(only)}"
     elif w.weights_only:
-        wanted = {t.fqn for t in ckpt.tensors if layout.is_model(t.fqn)} | \
+        wanted = {t.fqn for t in ckpt.tensors if layout.keeps_tensor(t.fqn)} | \
                  {o.fqn for o in ckpt.objects if layout.is_model(o.fqn)}
         why = "not model weights"
+        tensors_why = "of training state"  # the only tensors a weights export leaves out
     else:
         wanted = set(names)
-        why = ""
+        why = tensors_why = ""
     excluded = {n for n in wanted if any(_under(n, p) for p in exclude)}
     wanted -= excluded
     notes = [f"leaving out {p} changed nothing: what it names is left out anyway ({why})"
              for p in exclude if not any(_under(n, p) for n in excluded)]
-    groups = ((("tensor", "tensors"), [t.fqn for t in ckpt.tensors]),
-              (("non-tensor entry", "non-tensor entries"), [o.fqn for o in ckpt.objects]))
-    for kind, group in groups:
+    groups = ((("tensor", "tensors"), [t.fqn for t in ckpt.tensors], tensors_why),
+              (("non-tensor entry", "non-tensor entries"), [o.fqn for o in ckpt.objects], why))
+    for kind, group, left_why in groups:
         skipped = [n for n in group if n not in wanted and n not in excluded]
         if skipped:
-            roots = sorted({n.split(".", 1)[0] for n in skipped})
-            notes.append(f"{count(len(skipped), *kind)} {why} ({', '.join(roots[:6])}"
+            roots = sorted({layout.root_key(n) for n in skipped})
+            notes.append(f"{count(len(skipped), *kind)} {left_why} ({', '.join(roots[:6])}"
                          f"{' ...' if len(roots) > 6 else ''})")
         gone = [n for n in group if n in excluded]
         if gone:

@@ -157,6 +157,15 @@ def sidecar_of(c: CheckpointRecord) -> str | None:
     return lineage_sidecar(c.path, not c.is_file) if c.lineage is not None else None
 
 
+def rules_text(rules: Rules) -> str:
+    """The rules in the command line's words, for the ``removed`` lines."""
+    parts = [f"keep-last {rules.keep_last}" if rules.keep_last else "",
+             f"keep-every {rules.keep_every}" if rules.keep_every else "",
+             f"keep-best {rules.keep_best} ({rules.mode}, top {rules.top})" if rules.keep_best else "",
+             *(f"keep {g}" for g in rules.keep)]
+    return ", ".join(p for p in parts if p)
+
+
 def make_plan(listing: Listing, rules: Rules, now: float | None = None, running_ok: bool = False) -> Plan:
     """Keep or remove for every checkpoint of the listing, with the reasons. ``running_ok``: a running run's
     checkpoints are not kept for that alone (``watch`` thins a run while it trains; what is being written and

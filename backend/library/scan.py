@@ -9,15 +9,17 @@ else the folder that holds them (the one above a ``checkpoints/`` folder). The w
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ShardscopeError
-from ..filenames import is_url, step_from_name
+from ..filenames import LINEAGE_FILE_SUFFIX, WATCH_STATE, is_url, step_from_name
 from ..formats import Format
-from ..lineage import Lineage, read_lineage
+from ..lineage import MISSING, REMOVED, Lineage, read_lineage
 from ..progress import Progress
 from ..runs.rundir import run_state
 from .names import WRITING_SECONDS
@@ -83,7 +85,16 @@ class LocalTree:
                            f.pinned)
 
     def lineage(self, sidecar: str) -> Lineage | None:
-        return read_lineage(sidecar)
+        """The sidecar's lineage; a missing source that a watch removed by its rules (the watch record beside the
+        export says so, for this export) is ``removed by watch``, not missing: that is the design."""
+        found = read_lineage(sidecar)
+        if found is None or found.state != MISSING:
+            return found
+        export = sidecar[:-len(LINEAGE_FILE_SUFFIX)]
+        entry = read_watch_record(os.path.dirname(export)).get(found.source)
+        if entry and entry["export"] == export and "removed" in entry:
+            return dataclasses.replace(found, state=REMOVED)
+        return found
 
     def usage(self, path: str, files: dict[str, os.DirEntry], dirs: list[str]) -> tuple[int, float, int]:
         """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""
@@ -108,6 +119,21 @@ class LocalTree:
             t, n, c = self.usage(sub, *listed)
             total, newest, count = total + t, max(newest, n), count + c
         return total, newest, count
+
+
+def read_watch_record(folder: str) -> dict[str, dict[str, Any]]:
+    """The entries of the watch record in an exports folder (``.shardscope-watch.json``, see
+    :class:`.watch.WatchState`): checkpoint path -> its entry (a dict naming its ``export``); {} for none."""
+    try:
+        if is_url(folder):  # a plan on object storage: no record is read there
+            raise OSError
+        with open(os.path.join(folder, WATCH_STATE), encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        value = {}
+    exports = value.get("exports") if isinstance(value, dict) else None
+    return {k: v for k, v in (exports or {}).items()
+            if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("export"), str)}
 
 
 def link_exports(checkpoints: list[CheckpointRecord]) -> None:

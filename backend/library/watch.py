@@ -15,22 +15,37 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Cancelled, ShardscopeError
-from ..export import ExportResult, export, plan_export, writer
+from ..export import ExportPlan, ExportResult, export, plan_export, writer
 from ..export.atomic import clean_leftovers
 from ..export.destination import EXPORTS_FOLDER
-from ..export.layouts import find_model_folder, recognise_layout
+from ..export.layouts import find_model_folder
 from ..filenames import is_url, within
 from ..format import count, human_bytes
 from ..formats import RESUMABLE, open_checkpoint
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, default_runs_root, read_config, run_state
-from .prune import Decision, Plan, Rules, execute, make_plan
-from .records import CheckpointRecord, Leftover, Listing, RunRecord
+from .prune import Decision, Plan, Rules, execute, make_plan, rules_text
+from .records import CheckpointRecord, Listing, RunRecord, order_key
 from .scan import is_shardscope_run, scan
+from .watch_exports import holds_the_plan, model_prefixes
+from .watch_plan import (
+    ADOPTED,
+    BLOCKED,
+    EXISTS,
+    EXPORT,
+    NOT_EXPORTED,
+    RECOVERED,
+    URL_PLANS_ONLY,
+    VERIFIED,
+    WAITING,
+    ExportStep,
+    RunPlan,
+    WatchPlan,
+)
 from .watch_record import DONE, EXPORTING, WatchState, identity, made_from, run_lock
 
 
@@ -43,72 +58,6 @@ def live_resume_points(run_dirs: list[str]) -> dict[str, str]:
             if isinstance(resume, str) and resume:
                 out[os.path.realpath(resume)] = d
     return out
-
-
-def model_prefixes(ckpt: Any) -> list[str]:
-    """The first key parts (below a wrapper key) that hold the model's weights, as ``export``'s layout rules judge
-    them: what a torch export of a watch selects, so that it is weights (a safetensors export selects them itself)
-    and never counts as resumable training state."""
-    layout = recognise_layout(ckpt)
-    out = set()
-    for fqn in [t.fqn for t in ckpt.tensors] + [o.fqn for o in ckpt.objects]:
-        if layout.is_model(fqn):
-            out.add(layout.wrapper + fqn[len(layout.wrapper):].split(".", 1)[0])
-    return sorted(out)
-
-
-def rules_text(rules: Rules) -> str:
-    """The rules in the command line's words, for the ``removed`` lines."""
-    parts = [f"keep-last {rules.keep_last}" if rules.keep_last else "",
-             f"keep-every {rules.keep_every}" if rules.keep_every else "",
-             f"keep-best {rules.keep_best} ({rules.mode}, top {rules.top})" if rules.keep_best else "",
-             *(f"keep {g}" for g in rules.keep)]
-    return ", ".join(p for p in parts if p)
-
-
-# ---------------------------------------------------------------------------------------------- decisions
-# what a watch does with a checkpoint's export (the one decision both a pass and a plan take)
-EXPORT = "export"  # to be exported now
-VERIFIED = "verified"  # its verified export exists (done by an earlier pass)
-RECOVERED = "verified before a restart"  # the export exists, a watch was killed before recording it
-WAITING = "waiting"  # being written
-NOT_EXPORTED = "not exported"  # incomplete or unreadable: never exported
-BLOCKED = "blocked"  # the export's name is taken by a file this watch did not write
-EXISTS = "exists"  # on a URL: something lies at the export's name (a plan there reads no watch record)
-
-URL_PLANS_ONLY = ("watch acts on local (or mounted network) folders only: on URLs it only plans (object stores have "
-                  "no atomic rename); nothing was exported or removed")
-
-
-@dataclass(slots=True)
-class ExportStep:
-    """What a watch does with one resumable checkpoint's export, why, and what its record says a watch did."""
-
-    checkpoint: CheckpointRecord
-    action: str  # EXPORT, VERIFIED, RECOVERED, WAITING, NOT_EXPORTED, BLOCKED
-    export: str  # the export's path ("" when it is never exported)
-    why: str = ""
-    force: bool = False  # an earlier export of this watch under this name (the checkpoint was saved again)
-    record: dict[str, Any] | None = None  # the watch state's entry for this checkpoint (what a watch did)
-
-    @property
-    def will_export(self) -> bool:
-        """True when a pass exports it now (or records the export a killed watch left)."""
-        return self.action in (EXPORT, RECOVERED)
-
-    def text(self) -> str:
-        """The action in the log's words."""
-        c = self.checkpoint
-        return {EXPORT: f"export {c.path} -> {self.export}", VERIFIED: f"exported {c.path} -> {self.export} "
-                "(verified earlier)", RECOVERED: f"record {c.path} -> {self.export} (verified before a restart)",
-                WAITING: f"wait: {c.path} is being written", NOT_EXPORTED: f"not exported {c.path}: {self.why}",
-                BLOCKED: f"FAILS export of {c.path}: {self.why}",
-                EXISTS: f"not exported {c.path}: {self.why}"}[self.action]
-
-    def to_json(self) -> dict[str, Any]:
-        c = self.checkpoint
-        return {"path": c.path, "step": c.step, "state": c.state, "export_action": self.action,
-                "export": self.export or None, "why": self.why, "record": self.record}
 
 
 def export_step(c: CheckpointRecord, dst: str, state: WatchState, listed: set[str] | None = None) -> ExportStep:
@@ -127,6 +76,8 @@ def export_step(c: CheckpointRecord, dst: str, state: WatchState, listed: set[st
     ours = bool(record) and record["export"] == dst
     if not is_url(dst) and os.path.lexists(dst):
         same = ours and record.get("identity") == identity(c)
+        if not ours and not made_from(dst, c):  # the Export dialog's export of this very checkpoint
+            return ExportStep(c, ADOPTED, dst, "its lineage names this checkpoint as it is now", record=record)
         why = made_from(dst, c, as_it_is=same) if ours else "this watch did not write it"
         if not why and same:
             # NOTE: the file exists only by AtomicOutput's rename, which follows its verification: a watch
@@ -137,76 +88,6 @@ def export_step(c: CheckpointRecord, dst: str, state: WatchState, listed: set[st
                               record=record)
         return ExportStep(c, EXPORT, dst, "saved again since its export", force=True, record=record)
     return ExportStep(c, EXPORT, dst, "complete, not exported yet", record=record)
-
-
-@dataclass(slots=True)
-class RunPlan:
-    """A watch's decisions for one run: each resumable checkpoint's export, then the rules' keep or remove (a
-    checkpoint is removed only once its export is verified), and what the run's watch record says was done."""
-
-    run: RunRecord
-    exports_folder: str
-    exports: list[ExportStep]
-    decisions: list[Decision]  # complete resumable checkpoints only; empty without rules
-    leftovers: list[Leftover] = field(default_factory=list)  # interrupted removals the pass finishes
-    removed: dict[str, dict[str, Any]] = field(default_factory=dict)  # record entries of checkpoints now gone
-    strays: list[tuple[str, str]] = field(default_factory=list)  # a prune's name, no prune record: kept, and why
-
-    @property
-    def plan_only(self) -> bool:
-        """True for a run on object storage: a watch only plans there."""
-        return is_url(self.run.path)
-
-    @property
-    def remove(self) -> list[Decision]:
-        return [d for d in self.decisions if d.remove]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"run": self.run.path, "exports_folder": self.exports_folder, "plan_only": self.plan_only,
-                "exports": [s.to_json() for s in self.exports], "checkpoints": [d.to_json() for d in self.decisions],
-                "leftovers": [x.original for x in self.leftovers], "removed_earlier": self.removed,
-                "kept_unrecorded": [path for path, _ in self.strays]}
-
-
-@dataclass(slots=True)
-class WatchPlan:
-    """What one ``watch`` pass would do under some roots, run by run (computed by :meth:`Watcher.plan`, the
-    decisions a pass takes; nothing written)."""
-
-    roots: list[str]
-    format: str
-    rules: Rules | None
-    runs: list[RunPlan]
-
-    @property
-    def to_export(self) -> list[ExportStep]:
-        return [s for r in self.runs for s in r.exports if s.will_export]
-
-    @property
-    def to_remove(self) -> list[Decision]:
-        return [d for r in self.runs for d in r.remove]
-
-    def lines(self) -> list[str]:
-        """The plan in the log's words, one line per checkpoint and action."""
-        out = []
-        for r in self.runs:
-            out.append(f"{r.run.path}: exports in {r.exports_folder}" +
-                       (" (a URL: plan only)" if r.plan_only else ""))
-            out += [f"  {s.text()}" for s in r.exports]
-            out += [f"  finish an interrupted removal: {x.original}" for x in r.leftovers]
-            out += [f"  kept {path}: {why}" for path, why in r.strays]
-            for d in r.decisions:
-                when = " after its export is verified" if d.remove else ""
-                out.append(f"  {d.action} {d.checkpoint.path}{when}: {'; '.join(d.reasons)}")
-        rules = f", rules: {rules_text(self.rules)}" if self.rules else ", no rules: nothing is removed"
-        out.append(f"plan: export {count(len(self.to_export), 'checkpoint')} to {self.format}, remove "
-                   f"{count(len(self.to_remove), 'checkpoint')}{rules}")
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {"roots": list(self.roots), "format": self.format,
-                "rules": rules_text(self.rules) if self.rules else None, "runs": [r.to_json() for r in self.runs],
-                "export": len(self.to_export), "remove": len(self.to_remove)}
 
 
 @dataclass(slots=True)
@@ -290,6 +171,11 @@ class Watcher:
                 elif why := unverified(c):
                     d.remove, d.reasons = False, [why]
             out.append(d)
+        readable = [d for d in out if not unverified(d.checkpoint)]
+        newest = max(readable, key=lambda d: order_key(d.checkpoint), default=None)
+        if newest and newest.remove:  # a newer checkpoint failed its export: it may not be readable
+            newest.remove, newest.reasons = False, ["the newest resumable checkpoint of its run whose export is "
+                                                    "verified (a newer one's is not)"]
         return out, plan
 
     def plan_run(self, run: RunRecord, listing: Listing, resumed: dict[str, str], state: WatchState) -> RunPlan:
@@ -303,8 +189,9 @@ class Watcher:
                                         state.unverified(c, self.export_path(folder, c)))
         listed = {c.path for c in run.checkpoints}
         gone = {k: v for k, v in state.entries.items() if k not in listed and "removed" in v}
+        recorded = sum(1 for v in state.entries.values() if v.get("state") == DONE)
         return RunPlan(run, folder, steps, decisions, plan.leftovers if plan else [], gone,
-                       plan.strays if plan else [])
+                       plan.strays if plan else [], recorded)
 
     def plan(self, progress: Progress | None = None) -> WatchPlan:
         """What one pass would do now, run by run; nothing is written, made or removed (any roots: URLs too)."""
@@ -375,16 +262,13 @@ class Watcher:
             report.failed += 1
             self.log(f"FAILED export of {c.path}: {step.why}")
             return
+        if step.action == ADOPTED:
+            self._adopt(step, state, report)
+            return
         entry = None  # this export's own entry, once recorded
         try:
-            src, _ = find_model_folder(c.path)
-            ckpt = open_checkpoint(src)
-            only = None if self.writer.weights_only else model_prefixes(ckpt)
-            plan = plan_export(ckpt, self.writer.name, only=only)
-            entry = state.entries[c.path] = {
-                "identity": identity(c), "export": dst, "state": EXPORTING, "format": self.writer.name,
-                "step": c.step, "tensors": len(plan.items), "bytes": plan.total_bytes, "time": time.time()}
-            state.save()
+            plan = self._plan(c)
+            entry = self._record(c, dst, plan, state)
             result = export(plan, dst, force=step.force, verify=True, progress=self.progress)
         except (Cancelled, KeyboardInterrupt) as exc:  # the export's own signal handler took the signal
             self.stop("SIGINT" if isinstance(exc, KeyboardInterrupt) else
@@ -403,6 +287,40 @@ class Watcher:
             self.log(f"FAILED export of {c.path}: {result.summary()}")
             return
         self._done(c, state, entry, report, "verified", result)
+
+    def _plan(self, c: CheckpointRecord) -> ExportPlan:
+        """The plan of a checkpoint's export: the model's weights, by ``export``'s layout rules."""
+        src, _ = find_model_folder(c.path)
+        ckpt = open_checkpoint(src)
+        only = None if self.writer.weights_only else model_prefixes(ckpt)
+        return plan_export(ckpt, self.writer.name, only=only)
+
+    def _record(self, c: CheckpointRecord, dst: str, plan: ExportPlan, state: WatchState) -> dict[str, Any]:
+        """Record (atomically) that the export of ``c`` to ``dst`` is being made: ``exporting`` until it is done."""
+        entry = state.entries[c.path] = {
+            "identity": identity(c), "export": dst, "state": EXPORTING, "format": self.writer.name, "step": c.step,
+            "tensors": len(plan.items), "bytes": plan.total_bytes, "time": time.time()}
+        state.save()
+        return entry
+
+    def _adopt(self, step: ExportStep, state: WatchState, report: PassReport) -> None:
+        """Take an export the Export dialog made of this very checkpoint for the watch's own, once it holds every
+        tensor the watch's export would (names, dtypes, shapes); else the pass fails on it, as on any other."""
+        c, dst = step.checkpoint, step.export
+        try:
+            plan = self._plan(c)
+        except (ShardscopeError, OSError) as exc:
+            report.failed += 1
+            self.log(f"FAILED export of {c.path}: {exc}; the checkpoint is kept")
+            return
+        why = holds_the_plan(dst, plan)
+        if why:
+            report.failed += 1
+            self.log(f"FAILED export of {c.path}: {dst} exists and is not this watch's export of it ({why}); "
+                     "move it away")
+            return
+        self._done(c, state, self._record(c, dst, plan, state), report, "adopted: its lineage names "
+                   "this checkpoint")
 
     def _done(self, c: CheckpointRecord, state: WatchState, entry: dict[str, Any], report: PassReport, how: str,
               result: ExportResult | None = None) -> None:

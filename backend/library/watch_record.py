@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..atomic_file import write_atomic
-from ..filenames import SMALL_TMP_SUFFIX, WATCH_STATE, is_url, lineage_sidecar, within
+from ..filenames import SMALL_TMP_SUFFIX, WATCH_STATE, lineage_sidecar, within
 from ..lineage import CHANGED, SAME, compare, read_sidecar
 from .records import CheckpointRecord
+from .scan import read_watch_record
 
 STATE_VERSION = 1
 EXPORTING, DONE = "exporting", "done"
@@ -50,17 +51,7 @@ class WatchState:
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, WATCH_STATE)
-        try:
-            if is_url(folder):  # a plan on object storage: no record is read there
-                raise OSError
-            with open(self.path, encoding="utf-8") as f:
-                value = json.load(f)
-        except (OSError, ValueError):
-            value = {}
-        exports = value.get("exports") if isinstance(value, dict) else None
-        self.entries: dict[str, dict[str, Any]] = {
-            k: v for k, v in (exports or {}).items()
-            if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("export"), str)}
+        self.entries: dict[str, dict[str, Any]] = read_watch_record(folder)  # a plan on a URL reads none
 
     def remove_temporaries(self) -> None:
         """Remove what a watch killed while writing this file left (``.<name>.<random>.tmp``): only while we hold
