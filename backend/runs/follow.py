@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardscopeError
+from ..format import step_rate
 from .launcher import run_status
 from .metric_logs import CsvLogSource, EventFileSource, open_metric_log, read_rank_metrics
 from .metrics import FIELDS, Series, field_text, records_to_columns
@@ -164,15 +165,21 @@ class RunFollower:
     def mean_loss(self, step: float) -> float:
         """The mean over the ranks of each rank's (last) loss at ``step``: the one loss per step Shardscope
         shows, here and in the Library (``library.step_metrics``); NaN when no rank logged one."""
-        values = []
+        return self.loss_of_ranks(step)[0]
+
+    def loss_of_ranks(self, step: float) -> tuple[float, int, int]:
+        """(:meth:`mean_loss` at ``step``, how many ranks it is the mean of, how many ranks report): a stalled
+        rank has no loss at the others' newest step, and their mean then covers fewer than every rank."""
+        values, ranks = [], 0
         for key in sorted(self.series):
             s = self.series[key]
             if not is_rank(key) or not len(s):
                 continue
+            ranks += 1
             at = np.flatnonzero(s.column("step") == step)
             if at.size and math.isfinite(v := float(s.column("loss")[at[-1]])):
                 values.append(v)
-        return sum(values) / len(values) if values else math.nan
+        return (sum(values) / len(values) if values else math.nan), len(values), ranks
 
     def progress(self, total_steps: int | None = None) -> str:
         """One line about rank 0's (or the first series') newest point: what the run reported, nothing
@@ -185,9 +192,10 @@ class RunFollower:
         step = s.column("step")[-1]
         parts = [f"step {step:.0f}" + (f"/{total_steps}" if total_steps else "")]
         if is_rank(key):
-            loss = self.mean_loss(step)
+            loss, covered, ranks = self.loss_of_ranks(step)
             if math.isfinite(loss):
-                parts.append(f"{LOSS_LABEL} {loss:.4f}")
+                label = LOSS_LABEL if covered == ranks else f"loss (mean of {covered} of {ranks} ranks)"
+                parts.append(f"{label} {loss:.4f}")
         elif math.isfinite(loss := s.column("loss")[-1]):
             parts.append(f"loss {loss:.4f}")
         sps = s.column("steps_per_s")[-1]
@@ -196,7 +204,7 @@ class RunFollower:
             dt = t[1] - t[0]
             sps = (st[1] - st[0]) / dt if math.isfinite(dt) and dt > 0 and st[1] > st[0] else math.nan
         if math.isfinite(sps):
-            parts.append(f"{sps:.1f} steps/s")
+            parts.append(step_rate(sps))
         return "  ".join(parts)
 
     def csv(self) -> str:
