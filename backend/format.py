@@ -42,6 +42,17 @@ def human_duration(seconds: float) -> str:
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
 
 
+def step_rate(steps_per_second: float) -> str:
+    """A training speed as it reads best: ``2.5 steps/s``, or below 0.1 steps/s the time of one step
+    (``45 s/step``, ``12 min/step``) rather than ``0.0 steps/s``."""
+    if steps_per_second >= 0.1:
+        return f"{steps_per_second:.1f} steps/s"
+    if steps_per_second <= 0:
+        return "0 steps/s"
+    seconds = 1 / steps_per_second
+    return f"{seconds:.0f} s/step" if seconds < 120 else f"{seconds / 60:.0f} min/step"
+
+
 def count(n: int, one: str, many: str | None = None) -> str:
     """``1 tensor``, ``2 tensors``, ``1,024 non-tensor entries``: a count with its noun in the right number."""
     return f"{n:,} {one if n == 1 else (many or one + 's')}"

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,27 @@ def test_inspect_says_what_kind_a_checkpoint_is(files, fixtures):
         assert proc.returncode == 0 and json.loads(proc.stdout)["kind"] == kind, (path, proc.stderr)
     text = run_cli("inspect", files / "w.pt")
     assert "kind       weights (weights only: no optimizer state to resume from)" in text.stdout
+
+
+def test_export_progress_says_it_counts_reading_and_verifying(fixtures, tmp_path):
+    """On a terminal, export's progress read "1.2 GiB/2.4 GiB" for a 1.2 GiB output: it counts each byte read
+    and re-read to verify. The line says so."""
+    leader, follower = pty.openpty()
+    dst = tmp_path / "m.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "export", str(fixtures["fsdp2_r2"]),
+                           str(dst)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower, timeout=300,
+                          text=True)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal's other end is closed: everything was read
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.returncode == 0, shown
+    lines = [x for x in shown.decode().replace("\r", "\n").split("\n") if "] " in x]
+    assert lines and all("read+verified " in x and " of " in x for x in lines), lines

@@ -149,6 +149,24 @@ def test_checkpoint_pairs_with_its_own_safetensors_export(fixtures, tmp_path):
     assert same["changed"] == [] and same["unchanged"] == 15 and same["pairing"]["prefix_b"] == "model."
 
 
+def test_only_weights_compares_a_checkpoint_with_its_export_as_equal(fixtures, tmp_path):
+    """diff of a checkpoint and its safetensors export listed the optimizer and trainer state as only in A
+    and exited 1; --only-weights keeps only what export takes as the model on each side: 0 changed, exit 0.
+    A change in the weights is still found."""
+    st = tmp_path / "step3.safetensors"
+    assert run_cli("export", fixtures["steps_r2"] / "step3", st).returncode == 0
+    proc = run_cli("diff", "--json", "--only-weights", fixtures["steps_r2"] / "step3", st)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stdout
+    assert report["only_a"] == report["only_b"] == report["changed"] == [] and report["unchanged"] == 15
+    assert report["not_weights"][0] > 0 and report["not_weights"][1] == 0
+    text = run_cli("diff", "--only-weights", fixtures["steps_r2"] / "step3", st).stdout
+    assert "0 changed, 15 unchanged" in text and "model weights only" in text
+    proc = run_cli("diff", "--json", "--only-weights", fixtures["steps_r2"] / "step2", st)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1 and report["changed"] and report["only_a"] == []
+
+
 def test_lightning_state_dict_folder_pairs_with_an_hf_export(tmp_path):
     """A real Lightning Trainer folder (``state_dict.*``, ``optimizer_0.*``) against an HF-style sharded
     export (index + shards) with one tensor changed: only that one differs, in either order."""

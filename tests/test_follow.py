@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -132,7 +133,7 @@ def test_gui_command_opens_a_tensorboard_folder(tmp_path):
     shot = tmp_path / "shot.png"
     proc = subprocess.run([sys.executable, "-m", "shardscope.app.cli", "gui", str(run), "--screenshot", str(shot),
                            "--size", "1280x720"], capture_output=True, text=True, timeout=180,
-                          env={**__import__("os").environ, "QT_QPA_PLATFORM": "offscreen"})
+                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert proc.returncode == 0, proc.stderr
     assert shot.stat().st_size > 10_000
 
@@ -162,3 +163,30 @@ def test_a_model_folder_with_config_json_is_not_a_run(tmp_path):
     assert not is_run_dir(bare)  # a config.json of anything, with no run status, metrics or logs
     (bare / "status.json").write_text('{"state": "running"}')
     assert is_run_dir(bare)
+
+
+def _report_steps(run, rank: int, steps: int, seconds_per_step: float) -> None:
+    """Rank ``rank`` of a run reports ``steps`` steps through report(), in a process of its own; its records'
+    times ``seconds_per_step`` apart (a slow model), as the launcher's ranks write them."""
+    code = ("import sys, time; from shardscope import report\n"
+            "t0 = time.time()\n"
+            "for s in range(1, int(sys.argv[1]) + 1):\n"
+            "    report(step=s, loss=float(s + 10 * int(sys.argv[3])), time=t0 + s * float(sys.argv[2]))\n")
+    subprocess.run([sys.executable, "-c", code, str(steps), str(seconds_per_step), str(rank)], check=True,
+                   env={**os.environ, "SHARDSCOPE_RUN_DIR": str(run), "RANK": str(rank)})
+
+
+def test_progress_says_how_many_ranks_the_loss_covers_and_slow_steps_read_as_seconds(tmp_path):
+    """Rank 1 stalled at step 2 while rank 0 reached step 3: the header's "loss (mean of ranks)" was rank 0's
+    loss alone; it says it is the mean of 1 of 2 ranks. 45 s a step read "0.0 steps/s"."""
+    run = tmp_path / "run"
+    _report_steps(run, 0, 3, 45.0)
+    _report_steps(run, 1, 2, 45.0)
+    follower = RunFollower(run)
+    follower.poll()
+    line = follower.progress(10)
+    assert "step 3/10" in line and "loss (mean of 1 of 2 ranks) 3.0000" in line
+    assert "45 s/step" in line and "steps/s" not in line
+    _report_steps(run, 1, 3, 45.0)  # rank 1 catches up (a second process appends steps 1-3 again)
+    follower.poll()
+    assert "loss (mean of ranks) 8.0000" in follower.progress(10)

@@ -290,7 +290,7 @@ def test_panel_starts_follows_and_stops_a_real_run(qtbot, panel, tmp_path):
     run_dir = next(iter(panel.launchers))
     qtbot.waitUntil(lambda: panel.plots.curve_points(("raw", 1)) >= 3, timeout=LONG)
     qtbot.waitUntil(lambda: panel.run_state(run_dir) == "running", timeout=SHORT)
-    stall_free = time.time() - run_status(run_dir)["start_time"] < panel.follower.stall_seconds
+    stall_free = time.time() - run_status(run_dir)["start_time"] < panel.follower.stall_limit
     assert "stalled" not in panel.status.text() or not stall_free
     qtbot.waitUntil(lambda: panel.stop_button.isEnabled(), timeout=SHORT)
     assert not panel.resume_button.isEnabled()  # a running run is not resumed
@@ -802,3 +802,26 @@ def test_the_form_shows_the_run_it_starts(qtbot, panel, tmp_path):
     assert not panel.start_run(str(tmp_path / "r"), config)
     assert (panel.form.steps.value(), panel.form.ckpt_every.value()) == (demo_config().steps, 10)
     assert panel.form.nproc.value() == 2 and panel.form.strategy.currentText() == "fsdp"
+
+
+def test_the_window_flags_stalls_by_the_runs_own_stall_seconds(qtbot, panel, tmp_path):
+    """`train --stall-seconds 5` warned after 5 s but the window, following the run, waited its form's 60 s:
+    the run records its limit in config.json and the window uses it; a run without one keeps the default."""
+    from shardscope.app.cli.main import build_parser
+    from shardscope.app.cli.train import run_config
+
+    args = build_parser()[0].parse_args(["train", "--stall-seconds", "5", "--steps", "10"])
+    assert RunConfig.from_record(run_config(args).record()).stall_seconds == 5  # what `train` records
+    for run, config in ((tmp_path / "quick", run_config(args)), (tmp_path / "plain", RunConfig())):
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(config.record()))
+    quick, plain = tmp_path / "quick", tmp_path / "plain"
+    for run in (quick, plain):
+        (run / "status.json").write_text(json.dumps({"state": "running", "start_time": time.time() - 30}))
+        write_metrics(run, 0, range(1, 4), t0=time.time() - 20)  # rank 0's last step 20 s ago
+    panel.follow(str(quick))
+    qtbot.waitUntil(lambda: "stalled" in panel.status.text(), timeout=SHORT)
+    assert "no new step from rank(s) 0 for 5 s" in panel.status.text()
+    panel.follow(str(plain))
+    qtbot.waitUntil(lambda: "plain" in panel.status.text() and "step 3" in panel.status.text(), timeout=SHORT)
+    assert "stalled" not in panel.status.text() and panel.follower.stall_limit == 60

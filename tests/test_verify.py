@@ -90,3 +90,18 @@ def test_a_data_file_deleted_after_opening_is_one_problem_not_one_per_entry(copy
     found = [p for p in verify_contents(ckpt) if p.file == "__1_0.distcp"]
     assert len(found) == 1, [p.message for p in found]
     assert "__1_0.distcp" in found[0].message and f"{entries:,} entries stored in it not checked" in found[0].message
+
+
+def test_a_stale_data_file_of_an_earlier_save_is_no_writer_rank(copy_of, fixtures):
+    """A 4-rank save then a 2-rank save into one folder leaves __2_0.distcp of the first: ls, the Library
+    and inspect counted it as writer rank 2. Writer ranks are the ranks the .metadata references; verify and
+    inspect name the stale file as a problem."""
+    ckpt = copy_of("fsdp2_r2")
+    (ckpt / "__2_0.distcp").write_bytes((fixtures["fsdp2_r4"] / "__2_0.distcp").read_bytes())
+    listed = json.loads(run_cli("ls", "--json", ckpt.parent, check=True).stdout)["checkpoints"]
+    assert [c["ranks"] for c in listed] == [[0, 1]]
+    shown = json.loads(run_cli("inspect", "--json", ckpt).stdout)
+    assert [r["rank"] for r in shown["ranks"]] == [0, 1]
+    assert [p["file"] for p in shown["problems"] if p["kind"] == "unused_file"] == ["__2_0.distcp"]
+    proc = run_cli("verify", ckpt)
+    assert proc.returncode == 1 and "__2_0.distcp is not referenced by the metadata" in proc.stdout

@@ -87,7 +87,8 @@ class RunForm(QGroupBox):
         self.time_limit = QLineEdit()
         self.time_limit.setPlaceholderText("partition default, e.g. 2:00:00")
         self.stall = _spin(5, 86400, 60, " s")
-        self.stall.setToolTip("Flag a rank as stalled when it reports no new step for this long")
+        self.stall.setToolTip("Flag a rank as stalled when it reports no new step for this long (recorded in the "
+                              "run's config.json: following the run later uses its own value)")
         self.slurm_rows: list[QWidget] = []
         for label, field, w in (("Run on", "on", self.on), ("", None, self.on_note), ("Nodes", None, self.nodes),
                                 ("Partition", None, self.partition), ("GPUs / node", None, self.gpus),
@@ -174,7 +175,7 @@ class RunForm(QGroupBox):
                          checkpoint_every=self.ckpt_every.value(),
                          device=None if self.device.currentText() == "auto" else self.device.currentText(),
                          script=script, script_args=shlex.split(self.script_args.text()) if script else [],
-                         model={} if script else model, on=on, slurm=opts)
+                         model={} if script else model, on=on, slurm=opts, stall_seconds=float(self.stall.value()))
 
     def show_config(self, config: RunConfig) -> None:
         """Show the run ``config`` describes (the demo's 30 steps, not the form's 200, while the demo runs)."""

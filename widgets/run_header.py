@@ -56,7 +56,7 @@ def header_html(follower: RunFollower, snap: RunSnapshot, stopping: bool, failur
         parts.append(f"stopping: {stop_how(st)} …")
     if snap.stalled:
         parts.append(f"<span style='color:#d62728'><b>stalled</b>: no new step from rank(s) "
-                     f"{', '.join(map(str, snap.stalled))} for {follower.stall_seconds:.0f} s</span>")
+                     f"{', '.join(map(str, snap.stalled))} for {follower.stall_limit:.0f} s</span>")
     if state in OVER_STATES and st.get("explanation"):
         parts.append(escape(st["explanation"]))
     for problem in snap.problems:

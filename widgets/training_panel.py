@@ -243,7 +243,7 @@ class TrainingPanel(QWidget):
         logs) and follow it live."""
         if self.follower is not None and str(self.follower.run_dir) == str(run_dir):
             return
-        self.follower = RunFollower(run_dir, stall_seconds=float(self.form.stall.value()))
+        self.follower = RunFollower(run_dir)  # the run's own stall limit (config.json), else the default
         self.plots.set_follower(self.follower)
         self.logs.reset()
         self.ckpt_list.clear()

@@ -26,6 +26,9 @@ def register(sub: Any) -> None:
     sp.add_argument("--all", action="store_true", help="list every changed entry (default: the first 50)")
     sp.add_argument("--exact-names", action="store_true",
                     help="pair entries only by their names as stored (no container prefix removed)")
+    sp.add_argument("--only-weights", action="store_true",
+                    help="compare only the entries export takes as the model's weights on each side (no optimizer "
+                         "or trainer state): a checkpoint and a faithful export of it report no difference")
     add_storage_options(sp)
 
 
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     options = storage_options(args)
     with open_source(args.a, options) as a, open_source(args.b, options) as b, \
             TerminalProgress(enabled=not args.json) as progress:
-        result = diff(a, b, progress, exact_names=args.exact_names)
+        result = diff(a, b, progress, exact_names=args.exact_names, only_weights=args.only_weights)
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -58,6 +61,9 @@ def print_result(result: Any, everything: bool) -> None:
     print(f"{len(result.only_a)} only in A, {len(result.only_b)} only in B, {len(result.changed) - layout_only} "
           f"changed, " + (f"{layout_only} layout only (same values), " if layout_only else "") +
           f"{result.unchanged} unchanged" + (f", {len(result.unreadable)} unreadable" if result.unreadable else ""))
+    if result.left_out:
+        print(f"model weights only: {result.left_out[0]} entries of A and {result.left_out[1]} of B left out "
+              "(training state)")
     if p.hint:
         print(f"note: {p.hint}")
     unreadable = [(f"unreadable in {c.side}", c.detail) for c in result.unreadable]

@@ -14,8 +14,9 @@ def register(sub: Any) -> None:
     sp = add_command(sub, "follow", run, "Show a run's progress until it ends (Ctrl-C detaches; the run goes on). "
                      "Exit 0 finished, 1 failed, stopped or ended, 130 detached.")
     sp.add_argument("run", metavar="RUN", help="a run directory, or a run's name in the runs directory")
-    sp.add_argument("--stall-seconds", type=float, default=60.0,
-                    help="warn when a rank reports no new step for this long (default 60)")
+    sp.add_argument("--stall-seconds", type=float,
+                    help="warn when a rank reports no new step for this long (default: the run's own, "
+                         "train --stall-seconds, else 60)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ def print_problems(problems: list) -> None:
 
 
 class TerminalProgress:
-    """A progress line on stderr (bytes, rate, time left) when stderr is a terminal."""
+    """A progress line on stderr (bytes, rate, time left) when stderr is a terminal; in bytes, the phase's message
+    says what is counted (an export counts each byte read and re-read to verify: twice its output's size)."""
 
     def __init__(self, enabled: bool = True, unit: str = "items") -> None:
         self.enabled = enabled and sys.stderr.isatty()
@@ -63,7 +64,8 @@ class TerminalProgress:
         if self.unit == "bytes":
             rate = done / elapsed
             left = (total - done) / rate if rate > 0 else 0
-            text = (f"[{bar:<30}] {human_bytes(done)}/{human_bytes(total)} {human_bytes(rate)}/s "
+            what = f"{message} " if message else ""
+            text = (f"[{bar:<30}] {what}{human_bytes(done)} of {human_bytes(total)} {human_bytes(rate)}/s "
                     f"{human_duration(left)} left")
         else:
             text = f"[{bar:<30}] {done}/{total} {message[:40]}"

@@ -36,7 +36,8 @@ def add_train_options(sp: argparse.ArgumentParser, steps: int) -> None:
     sp.add_argument("--seed", type=int)
     sp.add_argument("--grad-clip", type=float)
     sp.add_argument("--stall-seconds", type=float, default=60.0,
-                    help="warn when a rank reports no new step for this long (default 60)")
+                    help="warn when a rank reports no new step for this long (default 60; recorded in the run's "
+                         "config.json: the window and `follow` use it)")
 
 
 def add_slurm_options(sp: argparse.ArgumentParser) -> None:
@@ -83,7 +84,8 @@ def run_config(args: argparse.Namespace) -> Any:
                         sbatch_args=list(args.sbatch_arg)) if on == "slurm" else None
     cfg = RunConfig(strategy=args.strategy, nproc=args.nproc, steps=args.steps,
                     checkpoint_every=args.checkpoint_every, device=args.device, resume=args.resume,
-                    script=getattr(args, "script", None), script_args=script_args, model=model, on=on, slurm=opts)
+                    script=getattr(args, "script", None), script_args=script_args, model=model, on=on, slurm=opts,
+                    stall_seconds=getattr(args, "stall_seconds", None))
     cfg = cfg.resolved()
     problems = cfg.problems(submitting=not getattr(args, "dry_run", False))
     if problems:
@@ -120,7 +122,7 @@ def follow_run(args: argparse.Namespace) -> tuple[int, str]:
     return attach(launcher.run_dir, total, args.stall_seconds, stops=True, launcher=launcher), str(launcher.run_dir)
 
 
-def attach(run_dir: Any, total: int | None, stall_seconds: float, stops: bool, launcher: Any = None) -> int:
+def attach(run_dir: Any, total: int | None, stall_seconds: float | None, stops: bool, launcher: Any = None) -> int:
     """Print the run's progress line until it is over; its exit code (see :func:`report_end`). Ctrl-C or SIGTERM
     stops the run when ``stops`` (an attached ``train``), else detaches (``follow``: exit 130, the run goes on)."""
     from shardscope.backend.runs.follow import RunFollower
@@ -147,7 +149,7 @@ def attach(run_dir: Any, total: int | None, stall_seconds: float, stops: bool, l
                 print(f"job {status.get('job_id')} {waiting}", flush=True)
             said = waiting
             for r in set(snap.stalled) - warned:
-                print(f"\nwarning: rank {r} has reported no new step for {stall_seconds:.0f} s (stalled?)",
+                print(f"\nwarning: rank {r} has reported no new step for {follower.stall_limit:.0f} s (stalled?)",
                       flush=True)
             warned = set(snap.stalled)
             line = follower.progress(total)

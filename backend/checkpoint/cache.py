@@ -19,7 +19,8 @@ from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, Tenso
 from .storage import Folder
 
 log = logging.getLogger(__name__)
-FORMAT = 3  # 2: written only after the metadata passed validate.py; 3: planner_data checked as a tree
+FORMAT = 4  # 2: written only after the metadata passed validate.py; 3: planner_data checked as a tree; 4: an
+# unreferenced data file has no rank
 ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
 
 

@@ -42,7 +42,8 @@ class Problem:
 
 @dataclass(frozen=True, slots=True)
 class FileInfo:
-    """One file of the checkpoint folder; ``rank`` is the writer rank parsed from ``__R_N.distcp``."""
+    """One file of the checkpoint folder; ``rank`` is the writer rank parsed from ``__R_N.distcp`` (None for a
+    non-empty data file the metadata does not reference: not a rank of this save)."""
 
     name: str
     rank: int | None

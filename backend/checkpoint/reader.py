@@ -261,7 +261,9 @@ def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], st
     known = {f.name for f in files}
     for name in sorted(listing):
         if name not in known and name.endswith(DATA_SUFFIX):
-            files.append(FileInfo(name, rank_of_file(name), listing[name]))
+            # a file the metadata does not name is no writer rank of this save (a stale file of an earlier save
+            # with more ranks; verify names it); an empty one is a rank that had nothing to write
+            files.append(FileInfo(name, None if listing[name] else rank_of_file(name), listing[name]))
     for name in meta_names:
         files.append(FileInfo(name, None, listing.get(name), "metadata"))
     if LIGHTNING_META in listing:  # Lightning's trainer state: a file of the checkpoint (see formats.lightning)

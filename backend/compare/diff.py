@@ -62,6 +62,7 @@ class DiffResult:
     unchanged: int = 0
     unreadable: list[Change] = field(default_factory=list)
     pairing: Pairing | None = None
+    left_out: tuple[int, int] | None = None  # entries of A and B that are not model weights, when only those are
 
     @property
     def differs(self) -> bool:
@@ -73,7 +74,8 @@ class DiffResult:
         unchanged, and the pairing rule."""
         return {"only_a": self.only_a, "only_b": self.only_b, "changed": [c.to_json() for c in self.changed],
                 "unreadable": [c.to_json() for c in self.unreadable], "unchanged": self.unchanged,
-                "pairing": self.pairing.to_json() if self.pairing else None}
+                "pairing": self.pairing.to_json() if self.pairing else None,
+                "not_weights": list(self.left_out) if self.left_out else None}
 
 
 class BlockStats:
@@ -335,16 +337,25 @@ def _compare_streamed(streams: Streams, a: Source, b: Source, key: str, na: str,
     return None
 
 
-def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bool = False) -> DiffResult:
+def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bool = False,
+         only_weights: bool = False) -> DiffResult:
     """Compare two sources entry by entry. Names are paired as stored, or without a side's container prefix
-    when that pairs more (see :mod:`.pairing`; ``exact_names`` turns that off). An entry that cannot be read is
-    listed in ``unreadable`` and the rest is still compared.
+    when that pairs more (see :mod:`.pairing`; ``exact_names`` turns that off). ``only_weights``: only the entries
+    export takes as the model's weights on each side (its layout's :meth:`Layout.is_model`), so a checkpoint and
+    its export compare equal. An entry that cannot be read is listed in ``unreadable`` and the rest is still
+    compared.
     Tensor pairs of the same dtype and shape are read by one thread per side in windows of ``BLOCK`` elements
     (see :mod:`.streams`): both reads overlap, each byte is read once with its stored CRC32 checked in the same
     pass, and memory holds a few windows, not a tensor pair. Other pairs are compared one in memory at a time."""
     ea, eb = a.entries(), b.entries()
-    pairing = pair_names(list(ea), list(eb), source_layout(a), source_layout(b), exact=exact_names)
-    res = DiffResult(a.name, b.name, pairing.only_a, pairing.only_b, pairing=pairing)
+    layout_a, layout_b = source_layout(a), source_layout(b)
+    left_out = None
+    if only_weights:
+        wa = {n: e for n, e in ea.items() if layout_a.is_model(n)}
+        wb = {n: e for n, e in eb.items() if layout_b.is_model(n)}
+        left_out, ea, eb = (len(ea) - len(wa), len(eb) - len(wb)), wa, wb
+    pairing = pair_names(list(ea), list(eb), layout_a, layout_b, exact=exact_names)
+    res = DiffResult(a.name, b.name, pairing.only_a, pairing.only_b, pairing=pairing, left_out=left_out)
     streamed = [(na, nb) for na, nb in pairing.pairs.values() if _streamable(a, b, ea[na], eb[nb])]
     keys = {k for k, (na, nb) in pairing.pairs.items() if _streamable(a, b, ea[na], eb[nb])}
     if progress:

@@ -265,7 +265,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         expect: list[tuple[int, int, int, int, str]] = []  # torch.save's items (see _save_pieces)
         plans: dict = {}  # per (dtype, shape) of small tensors: their pieces and templates
         count = nbytes = shown = 0
-        progress.start(total_bytes * (2 if verify else 1) or 1, "writing")
+        progress.start(total_bytes * (2 if verify else 1) or 1, "read+verified" if verify else "read")
         files = _DataFiles(out.path, names)
         done = False
         try:

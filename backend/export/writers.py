@@ -46,7 +46,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     with AtomicOutput(dst, kind=w.output_kind(plan.max_shard_size), force=force, need_bytes=plan.need_bytes(),
                       storage_options=storage_options, sources=[plan.ckpt.path], progress=progress,
                       lineage=lineage) as out:
-        progress.start(2 * total, "exporting")  # writing, then re-reading
+        progress.start(2 * total, "read+verified")  # each byte read from the source, then re-read from the output
         with ChunkReader(plan.ckpt) as reader:
             source = TensorSource(reader, list(plan.items), kernel_copy=True)
             # remote: every item this export reads, planned into fixed segments before the first read

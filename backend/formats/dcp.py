@@ -4,6 +4,7 @@ leftovers of an interrupted save. The reading is :mod:`..checkpoint.reader`'s.""
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -45,6 +46,9 @@ def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool, kind: st
             # a weights-only DCP (an import) names no optimizer state; unknown (its first 16 MiB say nothing,
             # or it cannot be read): resumable, as every DCP folder was judged before
             kind = WEIGHTS if optim is False else RESUMABLE
+        # writer ranks are those the metadata references, not a stale file's (verify names that file)
+        stale = unreferenced_data_files(path, names)
+        ranks = sorted({int(m.group(1)) for n in names if n not in stale and (m := DATA_FILE_RE.match(n))})
         return Facts(_serialisation(fmt, path, names), "complete", "", ranks, kind)
     if meta_ranks:
         missing = sorted(set(ranks) - meta_ranks)
@@ -53,6 +57,31 @@ def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool, kind: st
             return Facts(fmt, "incomplete", f"rank(s) {missing} wrote data but no __R.metadata", every)
         return Facts(fmt, "complete", "", every, RESUMABLE)
     return Facts(fmt, "incomplete", "no .metadata: the save did not finish (the coordinator writes it last)", ranks)
+
+
+def unreferenced_data_files(path: str, names: set[str]) -> list[str]:
+    """The ``__R_N.distcp`` files of a local DCP folder that its ``.metadata`` does not name (a stale file of an
+    earlier save with more ranks): DCP pickles each file's relative path into the metadata, so a name whose bytes
+    are not in it holds nothing of this save. A search of the mapped file, not a parse: cheap enough for a listing.
+    An empty unnamed file is kept (a rank left with nothing to write writes one); [] when it cannot be read."""
+    data = [n for n in names if DATA_FILE_RE.match(n)]
+    if not data:
+        return []
+    try:
+        with open(os.path.join(path, METADATA), "rb") as f, \
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as meta:
+            # the last ranks' names sit at the end of the file (storage_data is pickled last): search backwards
+            absent = [n for n in data if meta.rfind(n.encode()) < 0]
+    except (OSError, ValueError):  # unreadable, or empty (mmap refuses a 0-byte file)
+        return []
+    return sorted(n for n in absent if _size(os.path.join(path, n)) != 0)
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
 
 
 def _serialisation(fmt: str, path: str, names: set[str]) -> str:

@@ -14,12 +14,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardscopeError
+from ..format import step_rate
 from .launcher import run_status
 from .metric_logs import CsvLogSource, EventFileSource, open_metric_log, read_rank_metrics
 from .metrics import FIELDS, Series, field_text, records_to_columns
-from .rundir import log_tail, rank_exits, scan
+from .rundir import log_tail, rank_exits, read_config, scan
 
 LOG_CHUNK = 1 << 20
+STALL_SECONDS = 60.0  # a rank with no new step for this long is stalled, unless the run records its own
 LOSS_LABEL = "loss (mean of ranks)"  # what the Training header, train's progress line and the Library show
 EXTERNAL_BASE = 1000  # series keys from this on are scalar logs (TensorBoard, CSV), not ranks
 
@@ -35,6 +37,7 @@ class RunSnapshot:
     new_log: dict[int, str] = field(default_factory=dict)  # -1: launcher.log
     status: dict = field(default_factory=dict)
     stalled: list[int] = field(default_factory=list)
+    stall_seconds: float | None = None  # the run's own (config.json), once it is read
     checkpoints: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     failures: dict[int, str] = field(default_factory=dict)  # failed rank (-1: launcher) -> end of its traceback
@@ -48,9 +51,10 @@ def is_rank(key: int) -> bool:
 class RunFollower:
     """Follows one run directory: reads new metrics and logs as they are written and notices stalled ranks."""
 
-    def __init__(self, run_dir: str | os.PathLike, stall_seconds: float = 60.0) -> None:
+    def __init__(self, run_dir: str | os.PathLike, stall_seconds: float | None = None) -> None:
         self.run_dir = Path(run_dir)
-        self.stall_seconds = stall_seconds
+        self.stall_seconds = stall_seconds  # asked for; None: the run's own (see :attr:`stall_limit`)
+        self.run_stall_seconds: float | None = None  # what the run's config.json records (train --stall-seconds)
         self.series: dict[int, Series] = {}
         self.labels: dict[int, str] = {}
         self._metric_offsets: dict[int, int] = {}
@@ -73,6 +77,10 @@ class RunFollower:
                 key = -1 if p.stem == "launcher" else int(p.stem.split("_")[1]) if p.stem.startswith("rank_") else -2
                 snap.new_log[key] = text
         snap.status = run_status(self.run_dir)
+        if self.run_stall_seconds is None:  # config.json is written once per launch, before any rank starts
+            recorded = read_config(self.run_dir).get("stall_seconds")
+            if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and recorded > 0:
+                snap.stall_seconds = float(recorded)
         if snap.status.get("state") == "failed":
             snap.failures = self.failures(snap.status)
         return snap
@@ -116,6 +124,8 @@ class RunFollower:
     def apply(self, snap: RunSnapshot, now: float | None = None) -> RunSnapshot:
         """The in-memory half (on the thread that draws): append the new points, find stalls."""
         self.labels.update(snap.labels)
+        if snap.stall_seconds is not None:
+            self.run_stall_seconds = snap.stall_seconds
         for key in snap.replaced:
             self.series[key] = Series()
         for key, cols in snap.records.items():
@@ -136,14 +146,22 @@ class RunFollower:
         """The display name of series ``key``: its log's label, or "rank N"."""
         return self.labels.get(key, f"rank {key}")
 
+    @property
+    def stall_limit(self) -> float:
+        """Seconds without a new step after which a rank is stalled: the value asked for, else the run's own
+        (``train --stall-seconds``, the window's "Stalled after"), else :data:`STALL_SECONDS`."""
+        if self.stall_seconds is not None:
+            return self.stall_seconds
+        return self.run_stall_seconds if self.run_stall_seconds is not None else STALL_SECONDS
+
     def stalled(self, status: dict, now: float | None = None) -> list[int]:
-        """Ranks with no new step for ``stall_seconds`` while the run is running. Only ranks that have
+        """Ranks with no new step for :attr:`stall_limit` while the run is running. Only ranks that have
         reported since this launch count: after a resume, the old segment's last steps say nothing."""
         if status.get("state") not in ("running", None) or not self.last_seen:
             return []
         now = time.time() if now is None else now
         started = float(status.get("start_time") or 0.0)
-        return sorted(r for r, t in self.last_seen.items() if t >= started and now - t > self.stall_seconds)
+        return sorted(r for r, t in self.last_seen.items() if t >= started and now - t > self.stall_limit)
 
     def _read_new(self, path: Path) -> str:
         off = self._log_offsets.get(str(path), 0)
@@ -164,15 +182,21 @@ class RunFollower:
     def mean_loss(self, step: float) -> float:
         """The mean over the ranks of each rank's (last) loss at ``step``: the one loss per step Shardscope
         shows, here and in the Library (``library.step_metrics``); NaN when no rank logged one."""
-        values = []
+        return self.loss_of_ranks(step)[0]
+
+    def loss_of_ranks(self, step: float) -> tuple[float, int, int]:
+        """(:meth:`mean_loss` at ``step``, how many ranks it is the mean of, how many ranks report): a stalled
+        rank has no loss at the others' newest step, and their mean then covers fewer than every rank."""
+        values, ranks = [], 0
         for key in sorted(self.series):
             s = self.series[key]
             if not is_rank(key) or not len(s):
                 continue
+            ranks += 1
             at = np.flatnonzero(s.column("step") == step)
             if at.size and math.isfinite(v := float(s.column("loss")[at[-1]])):
                 values.append(v)
-        return sum(values) / len(values) if values else math.nan
+        return (sum(values) / len(values) if values else math.nan), len(values), ranks
 
     def progress(self, total_steps: int | None = None) -> str:
         """One line about rank 0's (or the first series') newest point: what the run reported, nothing
@@ -185,9 +209,10 @@ class RunFollower:
         step = s.column("step")[-1]
         parts = [f"step {step:.0f}" + (f"/{total_steps}" if total_steps else "")]
         if is_rank(key):
-            loss = self.mean_loss(step)
+            loss, covered, ranks = self.loss_of_ranks(step)
             if math.isfinite(loss):
-                parts.append(f"{LOSS_LABEL} {loss:.4f}")
+                label = LOSS_LABEL if covered == ranks else f"loss (mean of {covered} of {ranks} ranks)"
+                parts.append(f"{label} {loss:.4f}")
         elif math.isfinite(loss := s.column("loss")[-1]):
             parts.append(f"loss {loss:.4f}")
         sps = s.column("steps_per_s")[-1]
@@ -196,7 +221,7 @@ class RunFollower:
             dt = t[1] - t[0]
             sps = (st[1] - st[0]) / dt if math.isfinite(dt) and dt > 0 and st[1] > st[0] else math.nan
         if math.isfinite(sps):
-            parts.append(f"{sps:.1f} steps/s")
+            parts.append(step_rate(sps))
         return "  ".join(parts)
 
     def csv(self) -> str:

@@ -72,6 +72,7 @@ class RunConfig:
     model: dict[str, Any] = field(default_factory=dict)  # width, depth, heads, seq_len, vocab, batch_size, lr, seed
     on: str = "local"  # "local" or "slurm"
     slurm: slurm.SlurmOptions | None = None
+    stall_seconds: float | None = None  # a rank with no new step for this long is stalled (None: the default)
 
     def resolved(self, cwd: str | os.PathLike | None = None) -> RunConfig:
         """A copy with ``script`` and ``resume`` made absolute against ``cwd`` (the caller's working
@@ -139,6 +140,8 @@ class RunConfig:
         """What config.json records: only the fields that shaped this launch."""
         rec: dict[str, Any] = {"kind": "script" if self.script else "builtin", "nproc": self.nproc,
                                "device": self.device, "resume": self.resume, "on": self.on}
+        if self.stall_seconds is not None:  # what the window and `follow` flag a stalled rank by
+            rec["stall_seconds"] = self.stall_seconds
         if self.script:
             rec.update(script=self.script, script_args=list(self.script_args))
         else:
