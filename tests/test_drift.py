@@ -1,0 +1,119 @@
+"""``drift``, ``bisect`` and ``average`` on a real run of the built-in trainer (2 FSDP ranks on gloo, a checkpoint
+every 5 steps, 20 steps), checked against float64 values computed from torch's own ``dcp`` loads; NaNs and
+perturbations planted with ``dcp.save`` of the loaded state dict."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import run_cli
+from shardscope.backend.runs.launcher import RunConfig, RunLauncher
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+STEPS = (5, 10, 15, 20)
+PLANTED = "model.blocks.0.mlp.0.weight"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("drift") / "run"
+    model = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
+    cfg = RunConfig(strategy="fsdp", nproc=2, steps=20, checkpoint_every=5, model=model)
+    status = RunLauncher(run_dir, cfg).start().wait(300)
+    assert status["state"] == "finished", (run_dir / "logs" / "launcher.log").read_text()
+    return run_dir
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def load(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors by their flattened DCP name, loaded by torch in one process."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        sd = _load_state_dict_from_keys(checkpoint_id=str(path))
+    out: dict[str, torch.Tensor] = {}
+
+    def flatten(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                flatten(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, torch.Tensor):
+            out[prefix] = value
+    flatten("", sd)
+    return out
+
+
+def rewrite(path: Path, change) -> None:
+    """Load a checkpoint with torch, ``change(state_dict)`` it, and save it again in its place with dcp.save."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = _load_state_dict_from_keys(checkpoint_id=str(path))
+        change(sd)
+        shutil.rmtree(path)
+        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+
+
+def copy_run(run_dir: Path, dst: Path) -> Path:
+    shutil.copytree(run_dir / "checkpoints", dst / "checkpoints")
+    return dst
+
+
+def test_drift_json_equals_float64_from_dcp_loads(run):
+    proc = run_cli("drift", run, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["steps"] == list(STEPS) and out["first_nonfinite"] is None
+    loaded = [load(step_dir(run, s)) for s in STEPS]
+    assert set(out["tensors"]) == set(loaded[0])
+    for fqn, d in out["tensors"].items():
+        assert d["rel_change"][0] is None and d["nonfinite"] == [0, 0, 0, 0]
+        for i, sd in enumerate(loaded):
+            w = sd[fqn].double()
+            assert d["norm"][i] == pytest.approx(float(w.norm()), rel=1e-6, abs=1e-12)
+            if i:
+                prev = loaded[i - 1][fqn].double()
+                want = float((w - prev).norm() / prev.norm()) if float(prev.norm()) else 0.0
+                assert d["rel_change"][i] == pytest.approx(want, rel=1e-6, abs=1e-12), (fqn, i)
+        if fqn.endswith(".exp_avg_sq"):  # a second moment: never negative
+            assert d["negatives"] == [0, 0, 0, 0] and len(d["zeros"]) == 4
+    moved = out["tensors"][PLANTED]["rel_change"]
+    assert all(v > 0 for v in moved[1:])
+
+
+def test_drift_reports_a_nan_planted_at_step_20_in_its_tensor(run, tmp_path):
+    copy = copy_run(run, tmp_path / "nan")
+
+    def plant(sd: dict) -> None:
+        sd["model"]["blocks.0.mlp.0.weight"][3, 7] = math.nan
+        sd["model"]["blocks.0.mlp.0.weight"][4, 1] = math.inf
+    rewrite(step_dir(copy, 20), plant)
+    proc = run_cli("drift", copy, "--json")
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["first_nonfinite"] == {"step": 20, "fqn": PLANTED}
+    d = out["tensors"][PLANTED]
+    assert d["nonfinite"] == [0, 0, 0, 2]
+    clean = load(step_dir(run, 20))[PLANTED].double()  # the norm of the finite elements
+    clean[3, 7] = clean[4, 1] = 0.0
+    assert d["norm"][3] == pytest.approx(float(clean.norm()), rel=1e-6)
+    text = run_cli("drift", copy)
+    assert text.returncode == 1 and f"first non-finite value: step 20, {PLANTED}" in text.stdout
+
+
+def test_drift_of_checkpoints_named_one_by_one_and_bad_input(run, tmp_path):
+    proc = run_cli("drift", step_dir(run, 15), step_dir(run, 5), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["steps"] == [5, 15]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = run_cli("drift", empty)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no complete checkpoint" in bad.stderr
