@@ -117,3 +117,43 @@ def test_drift_of_checkpoints_named_one_by_one_and_bad_input(run, tmp_path):
     empty.mkdir()
     bad = run_cli("drift", empty)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no complete checkpoint" in bad.stderr
+
+
+def perturbed_copy(run_dir: Path, dst: Path, from_step: int) -> Path:
+    """A copy of the run whose one tensor (PERTURBED) is changed at every checkpoint from ``from_step`` on."""
+    copy = copy_run(run_dir, dst)
+
+    def perturb(sd: dict) -> None:
+        sd["model"]["blocks.0.attn.out_proj.weight"][0, 0] += 1e-3
+    for step in STEPS:
+        if step >= from_step:
+            rewrite(step_dir(copy, step), perturb)
+    return copy
+
+
+PERTURBED = "model.blocks.0.attn.out_proj.weight"
+
+
+@pytest.mark.parametrize("from_step", [20, 10])
+def test_bisect_finds_the_step_and_tensor_a_copy_parted_in_log_n_plus_one_pairs(run, tmp_path, from_step):
+    copy = perturbed_copy(run, tmp_path / "copy", from_step)
+    proc = run_cli("bisect", run, copy, "--json")
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["first_step"] == from_step and out["tensors"][0] == PERTURBED
+    assert out["tensors"] == [PERTURBED] and out["parted_first"] == "weights"  # layouts differ, values do not
+    assert out["steps"] == list(STEPS) and len(out["compared"]) <= math.ceil(math.log2(len(STEPS))) + 1
+    assert out["compared"][0] == 20
+    # within the tolerance nothing differs; a run against itself does not either
+    loose = run_cli("bisect", run, copy, "--atol", "1e-2", "--json")
+    assert loose.returncode == 0 and json.loads(loose.stdout)["first_step"] is None
+    same = run_cli("bisect", run, run)
+    assert same.returncode == 0 and "no difference" in same.stdout
+
+
+def test_bisect_of_series_with_no_common_step_cannot_compare(run, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(step_dir(run, 5), a / "step_000005")
+    shutil.copytree(step_dir(run, 10), b / "step_000010")
+    proc = run_cli("bisect", a, b)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no step is held by both" in proc.stderr
