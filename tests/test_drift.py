@@ -157,3 +157,73 @@ def test_bisect_of_series_with_no_common_step_cannot_compare(run, tmp_path):
     shutil.copytree(step_dir(run, 10), b / "step_000010")
     proc = run_cli("bisect", a, b)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no step is held by both" in proc.stderr
+
+
+def reference(run_dir: Path, steps: list[int], shares: list[float] | None = None, beta: float | None = None
+              ) -> dict[str, torch.Tensor]:
+    """The float64 mean (weighted by ``shares``) or EMA of the model weights, from torch's own loads."""
+    models = [{k[len("model."):]: v.double() for k, v in load(step_dir(run_dir, s)).items()
+               if k.startswith("model.")} for s in steps]
+    out = {}
+    for key in models[0]:
+        if beta is not None:
+            e = models[0][key]
+            for m in models[1:]:
+                e = beta * e + (1 - beta) * m[key]
+        else:
+            w = shares or [1.0] * len(models)
+            e = sum(wi * m[key] for wi, m in zip(w, models)) / sum(w)
+        out[key] = e
+    return out
+
+
+@pytest.mark.parametrize("how", ["uniform", "weighted", "ema"])
+def test_average_equals_the_float64_reference(run, tmp_path, how):
+    from safetensors.torch import load_file
+
+    steps = [5, 10, 20]
+    args, ref = {"uniform": ([], reference(run, steps)),
+                 "weighted": (["--weights", "1,2,5"], reference(run, steps, [1, 2, 5])),
+                 "ema": (["--ema", "0.9"], reference(run, steps, beta=0.9))}[how]
+    inputs = [step_dir(run, s) for s in (steps if how != "ema" else [20, 5, 10])]  # EMA: in step order
+    out = tmp_path / "avg.safetensors"
+    proc = run_cli("average", *inputs, out, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert "verified" in proc.stdout
+    got = load_file(str(out))
+    assert set(got) == set(ref)
+    for key, want in ref.items():
+        assert got[key].dtype == torch.float32
+        err = float((got[key].double() - want).norm() / want.norm())
+        assert err <= 1e-6, (key, err)
+        assert torch.equal(got[key], want.float())  # rounded once from the float64 result
+    lineage = json.loads((tmp_path / "avg.safetensors.shardscope.json").read_text())
+    sources = lineage["average"]["sources"]
+    assert [s["step"] for s in sources] == steps
+    shares = [s["weight"] for s in sources]
+    assert sum(shares) == pytest.approx(1.0)
+    if how == "weighted":
+        assert shares == pytest.approx([1 / 8, 2 / 8, 5 / 8])
+    if how == "ema":
+        assert shares == pytest.approx([0.81, 0.09, 0.1]) and lineage["average"]["beta"] == 0.9
+
+
+def test_average_of_different_models_or_unequal_integers_exits_2(run, tmp_path, fixtures):
+    other = fixtures["fsdp2_r2"]  # another model: other names and shapes
+    proc = run_cli("average", step_dir(run, 5), other, tmp_path / "x.safetensors")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "different models" in proc.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+    copy = copy_run(run, tmp_path / "ints")
+
+    def add_int(value: int):
+        def change(sd: dict) -> None:
+            sd["model"]["counter"] = torch.tensor([value, 1], dtype=torch.int64)
+        return change
+    rewrite(step_dir(copy, 5), add_int(3))
+    rewrite(step_dir(copy, 10), add_int(4))
+    proc = run_cli("average", step_dir(copy, 5), step_dir(copy, 10), tmp_path / "y.pt")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "counter" in proc.stderr and "must be equal" in proc.stderr
+    assert not (tmp_path / "y.pt").exists()
+    bad = run_cli("average", step_dir(run, 5), step_dir(run, 10), tmp_path / "z.pt", "--weights", "1")
+    assert bad.returncode == 2 and "one weight per checkpoint" in bad.stderr
