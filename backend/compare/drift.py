@@ -159,4 +159,21 @@ def _first_nonfinite(result: DriftResult) -> tuple[int, str] | None:
     return None
 
 
-__all__ = ["MOMENTS", "DriftResult", "TensorDrift", "drift", "is_moment", "tensor_stats"]
+def run_drift(paths: list[str], storage_options: dict | None = None,
+              progress: Progress | None = None) -> DriftResult:
+    """The drift of the checkpoints under ``paths`` (a run folder, checkpoints), found and ordered by step."""
+    from .series import checkpoint_series
+
+    return drift(checkpoint_series(paths, progress), storage_options, progress)
+
+
+def module_rows(names: list[str], depth: int) -> tuple[list[str], list[list[int]]]:
+    """Rows of the heat map: every tensor (``depth`` 0), or the tensors grouped by the first ``depth`` parts
+    of their names (a module), in first-seen order; (row labels, the tensors' indices in each row)."""
+    if depth <= 0:
+        return list(names), [[i] for i in range(len(names))]
+    groups: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        groups.setdefault(".".join(n.split(".")[:depth]), []).append(i)
+    return list(groups), list(groups.values())
+__all__ = ["MOMENTS", "DriftResult", "TensorDrift", "drift", "is_moment", "module_rows", "run_drift", "tensor_stats"]
