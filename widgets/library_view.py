@@ -37,6 +37,7 @@ from ..backend.format import count, human_bytes
 from ..backend.library.prune import Rules
 from ..backend.library.records import CheckpointRecord, RunRecord
 from ..backend.library.snapshot import LibrarySnapshot, take_snapshot
+from .drift_view import DriftView
 from .library_model import SIZE_COLUMN, LibraryModel, SortRole
 from .library_usage import DiskUsagePanel, SizeBarDelegate
 from .prune_dialog import PruneDialog
@@ -374,9 +375,21 @@ class LibraryView(QWidget):
         paths = [c.path for c in self.selected_checkpoints()]
         menu.addAction("Copy path", lambda: QGuiApplication.clipboard().setText("\n".join(paths))).setEnabled(
             bool(paths))
+        runs = sorted({c.run for c in self.selected_checkpoints()})
+        menu.addAction("Drift of the run…", lambda: self.drift_window(runs[0])).setEnabled(len(runs) == 1)
         menu.addAction("Watch plan…", self.watch_dialog)
         menu.addAction("Prune…", self.prune_dialog)
         menu.exec(self.tree.viewport().mapToGlobal(pos))
+
+    def drift_window(self, run: str) -> DriftView:
+        """The Drift view of one run in a window of its own (computed in the background)."""
+        view = DriftView(self)
+        view.setWindowFlag(Qt.WindowType.Window)
+        view.setWindowTitle(f"Drift: {run}")
+        view.resize(1280, 720)
+        view.show()
+        view.load([run])
+        return view
 
     def open_selected(self) -> None:
         sel = self.selected_checkpoints()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint.chunks import ChunkReader
@@ -13,7 +14,7 @@ from ..errors import CheckpointError
 from ..progress import Progress
 from .atomic import AtomicOutput
 from .lineage import lineage_for
-from .plan import ExportPlan
+from .plan import ExportItem, ExportPlan
 from .registry import writer
 from .result import ExportResult
 from .source import TensorSource
@@ -33,22 +34,28 @@ def check_sources(plan: ExportPlan) -> None:
 
 
 def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
-           progress: Progress | None = None, storage_options: dict | None = None) -> ExportResult:
+           progress: Progress | None = None, storage_options: dict | None = None,
+           values: Callable[[ChunkReader, list[ExportItem]], TensorSource] | None = None,
+           sources: list[str] | None = None, lineage: bytes | None = None) -> ExportResult:
     """Write the plan to ``dst`` atomically (a folder when the plan is sharded). With ``verify`` every
-    tensor's bytes are re-read from the output and compared with the source's before the rename."""
+    tensor's bytes are re-read from the output and compared with the source's before the rename.
+    ``values`` makes the tensor source whose bytes are written in place of the plan's checkpoint's (the weight
+    average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar's bytes)."""
     t0 = time.monotonic()
     w = writer(plan.format)  # ExportError for a name no plan writer is registered under
     progress = progress or Progress()  # its cancel flag stops the writer threads when one of them fails
     check_sources(plan)
     total = plan.total_bytes
     left_out = list(plan.left_out)
-    lineage = lineage_for(plan.ckpt.path, plan.format, plan.ckpt.format)  # the source as it is read
+    if lineage is None:
+        lineage = lineage_for(plan.ckpt.path, plan.format, plan.ckpt.format)  # the source as it is read
     with AtomicOutput(dst, kind=w.output_kind(plan.max_shard_size), force=force, need_bytes=plan.need_bytes(),
-                      storage_options=storage_options, sources=[plan.ckpt.path], progress=progress,
+                      storage_options=storage_options, sources=sources or [plan.ckpt.path], progress=progress,
                       lineage=lineage) as out:
         progress.start(2 * total, "read+verified")  # each byte read from the source, then re-read from the output
         with ChunkReader(plan.ckpt) as reader:
-            source = TensorSource(reader, list(plan.items), kernel_copy=True)
+            source = values(reader, list(plan.items)) if values is not None else \
+                TensorSource(reader, list(plan.items), kernel_copy=True)
             # remote: every item this export reads, planned into fixed segments before the first read
             if not reader.handles.local:  # (a local reader plans nothing: files_at_once is 5 s for 300,000 tensors)
                 reader.plan_reads((c for it in plan.items for c in it.entry.chunks), (o for _, o in plan.objects),
