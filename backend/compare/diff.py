@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.chunks import torch_dtype
-from ..checkpoint.sources import CheckpointSource, EntryInfo, Source
+from ..checkpoint.sources import CheckpointSource, EntryInfo, Source, tensor_windows
 from ..checkpoint.values import finite_histogram
 from ..errors import CheckpointError
 from ..progress import Progress
 from .pairing import Pairing, pair_names, source_layout
-from .streams import Streams, tensor_windows
+from .streams import Streams
 
 BLOCK = 1 << 22
 
