@@ -144,3 +144,55 @@ def test_seal_refuses_a_damaged_checkpoint(copy_of):
     proc = run_cli("seal", src)
     assert proc.returncode == 2 and "not sealed" in proc.stderr and "Traceback" not in proc.stderr
     assert not (src / MANIFEST_NAME).exists()
+
+
+def ec_keys(tmp_path):
+    from cryptography.hazmat.primitives import serialization as s
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = tmp_path / "key.pem", tmp_path / "pub.pem"
+    priv.write_bytes(key.private_bytes(s.Encoding.PEM, s.PrivateFormat.PKCS8, s.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(s.Encoding.PEM, s.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+
+
+def test_signed_manifest_verifies_with_model_signing_and_a_changed_byte_fails(copy_of, tmp_path):
+    from model_signing import verifying
+
+    src = copy_of("fsdp2_r2")
+    priv, pub = ec_keys(tmp_path)
+    assert run_cli("seal", src, "--sign", priv).returncode == 0
+    bundle = src / "shardscope-manifest.sig"
+    verifying.Config().use_elliptic_key_verifier(public_key=pub).verify(src, bundle)  # the library's own check
+    proc = run_cli("verify", src, "--signature", pub)
+    assert proc.returncode == 0 and "signature  verified" in proc.stdout, proc.stdout + proc.stderr
+    manifest = src / MANIFEST_NAME
+    data = bytearray(manifest.read_bytes())
+    data[data.index(b'"sha256":"') + 10] ^= 1  # a tensor or file digest changed: the manifest itself is signed
+    manifest.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="Signature mismatch"):
+        verifying.Config().use_elliptic_key_verifier(public_key=pub).verify(src, bundle)
+    proc = run_cli("verify", src, "--signature", pub)
+    assert proc.returncode == 1 and "bad_signature" in proc.stdout
+
+
+def test_megatron_seal_writes_integrity_json_and_verify_checks_it(megatron_run, tmp_path):
+    import shutil
+
+    src = tmp_path / "iter"
+    shutil.copytree(megatron_run / "iter_0000300", src)
+    sealed(src)
+    integrity = json.loads((src / "integrity.json").read_text())
+    assert integrity["algorithm"] == "sha256"
+    assert integrity["files"]["common.pt"] == hashlib.sha256((src / "common.pt").read_bytes()).hexdigest()
+    os.remove(src / MANIFEST_NAME)  # integrity.json alone is still checked
+    with open(src / "common.pt", "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x20]))
+    proc = run_cli("verify", src, "--json")
+    assert proc.returncode == 1
+    assert any(p["file"] == "common.pt" and "integrity.json" in p["message"]
+               for p in json.loads(proc.stdout)["problems"])
