@@ -196,3 +196,32 @@ def test_megatron_seal_writes_integrity_json_and_verify_checks_it(megatron_run, 
     assert proc.returncode == 1
     assert any(p["file"] == "common.pt" and "integrity.json" in p["message"]
                for p in json.loads(proc.stdout)["problems"])
+
+
+def test_diff_of_sealed_copies_reads_no_tensor_bytes_and_a_later_change_is_read(copy_of, tmp_path):
+    import shutil
+
+    a = copy_of("fsdp2_r2")
+    b = tmp_path / "copy"
+    shutil.copytree(a, b)
+    m = sealed(a)
+    sealed(b)
+    before = json.loads(run_cli("diff", a, b, "--json").stdout)
+    assert before["unchanged_by_digest"] == len(m["tensors"]) and not before["changed"]
+    # a byte flipped behind the file system's back (size and time kept): diff trusts the digests and reads nothing
+    name, fqn = "__1_0.distcp", "model.emb.weight"
+    chunk = next(c for c in m["tensors"][fqn]["chunks"] if c["file"] == name)
+    st = os.stat(b / name)
+    with open(b / name, "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] - 9)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(b / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert json.loads(run_cli("diff", a, b, "--json").stdout)["unchanged_by_digest"] == len(m["tensors"])
+    assert run_cli("verify", b).returncode == 1  # verify reads the bytes
+    os.utime(b / name)  # now modified after the seal: diff no longer trusts B's manifest and reads the bytes
+    proc = run_cli("diff", a, b, "--json")
+    after = json.loads(proc.stdout)
+    assert after["unchanged_by_digest"] == 0 and proc.returncode != 0
+    assert fqn in json.dumps(after["changed"]) + json.dumps(after["unreadable"])

@@ -56,6 +56,8 @@ def print_result(result: Any, everything: bool) -> None:
     print(f"pairing: {p.describe()}" + ("; --exact-names pairs names as stored" if p.renamed else ""))
     print(f"{len(result.only_a)} only in A, {len(result.only_b)} only in B, {len(result.changed)} changed, "
           f"{result.unchanged} unchanged" + (f", {len(result.unreadable)} unreadable" if result.unreadable else ""))
+    if result.by_digest:
+        print(f"{result.by_digest} identical (same digests in both manifests; not read)")
     if p.hint:
         print(f"note: {p.hint}")
     unreadable = [(f"unreadable in {c.side}", c.detail) for c in result.unreadable]

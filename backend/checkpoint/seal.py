@@ -134,6 +134,30 @@ def _integrity_problems(listed: dict[str, str], actual: dict[str, str], where: s
     return out
 
 
+def unchanged_manifest(ckpt: Checkpoint) -> Manifest | None:
+    """The checkpoint's manifest when, by the file system's word, its files are the ones sealed: the same names
+    and sizes, none modified after the manifest was written; else None (no manifest, a bad one, a change). What
+    ``diff`` trusts to skip reading tensors whose digests are equal; ``verify`` checks the bytes themselves."""
+    if is_url(ckpt.path):
+        return None
+    is_folder = is_folder_checkpoint(ckpt)
+    path = manifest_path(ckpt.path, is_folder)
+    try:
+        manifest = read_manifest(path)
+        if manifest is None:
+            return None
+        sealed_at = os.stat(path).st_mtime_ns
+        names = checkpoint_files(ckpt.path, is_folder)
+        folder = ckpt.path if is_folder else os.path.dirname(ckpt.path)
+        if names.keys() != manifest.files.keys() or any(
+                manifest.files[k].bytes != n or os.stat(os.path.join(folder, *k.split("/"))).st_mtime_ns > sealed_at
+                for k, n in names.items()):
+            return None
+    except (CheckpointError, OSError):
+        return None
+    return manifest
+
+
 def check_seal(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = None) -> SealCheck:
     """The checkpoint checked against its manifest (and a Megatron ``integrity.json``), whenever it has one:
     missing, extra, resized and changed files, the tensors they hold and (``deep``) every tensor's digest.

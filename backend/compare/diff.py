@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.chunks import torch_dtype
+from ..checkpoint.seal import unchanged_manifest
 from ..checkpoint.sources import CheckpointSource, EntryInfo, Source, tensor_windows
 from ..checkpoint.values import finite_histogram
 from ..errors import CheckpointError
@@ -62,6 +63,7 @@ class DiffResult:
     unchanged: int = 0
     unreadable: list[Change] = field(default_factory=list)
     pairing: Pairing | None = None
+    by_digest: int = 0  # of the unchanged: tensor pairs whose sealed digests are equal, no byte of them read
 
     @property
     def differs(self) -> bool:
@@ -73,7 +75,7 @@ class DiffResult:
         unchanged, and the pairing rule."""
         return {"only_a": self.only_a, "only_b": self.only_b, "changed": [c.to_json() for c in self.changed],
                 "unreadable": [c.to_json() for c in self.unreadable], "unchanged": self.unchanged,
-                "pairing": self.pairing.to_json() if self.pairing else None}
+                "unchanged_by_digest": self.by_digest, "pairing": self.pairing.to_json() if self.pairing else None}
 
 
 class BlockStats:
@@ -345,13 +347,24 @@ def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bo
     ea, eb = a.entries(), b.entries()
     pairing = pair_names(list(ea), list(eb), source_layout(a), source_layout(b), exact=exact_names)
     res = DiffResult(a.name, b.name, pairing.only_a, pairing.only_b, pairing=pairing)
-    streamed = [(na, nb) for na, nb in pairing.pairs.values() if _streamable(a, b, ea[na], eb[nb])]
-    keys = {k for k, (na, nb) in pairing.pairs.items() if _streamable(a, b, ea[na], eb[nb])}
+    same = set(_same_digests(a, b, pairing))
+    for key in same:  # sealed on both sides with equal digests: equal values, no byte read
+        na, nb = pairing.pairs[key]
+        x, y = ea[na], eb[nb]
+        if x.layout is not None and y.layout is not None and x.layout != y.layout:
+            res.changed.append(Change(key, "layout", detail=f"{len(x.layout)} vs {len(y.layout)} chunks",
+                                      fqn_a=na, fqn_b=nb))
+        else:
+            res.unchanged += 1
+    res.by_digest = len(same)
+    todo = {k: p for k, p in pairing.pairs.items() if k not in same}
+    streamed = [(na, nb) for na, nb in todo.values() if _streamable(a, b, ea[na], eb[nb])]
+    keys = {k for k, (na, nb) in todo.items() if _streamable(a, b, ea[na], eb[nb])}
     if progress:
-        progress.start(len(pairing.pairs), "comparing")
+        progress.start(len(todo), "comparing")
     with contextlib.ExitStack() as stack:
         streams = stack.enter_context(Streams(a, b, streamed, BLOCK)) if streamed else None
-        for key, (na, nb) in pairing.pairs.items():
+        for key, (na, nb) in todo.items():
             if progress:
                 progress.advance(1, key)
             if key in keys:
@@ -369,6 +382,23 @@ def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bo
     res.changed.sort(key=lambda c: (order[c.kind], -(c.rel_l2 if c.rel_l2 is not None and c.rel_l2 == c.rel_l2
                                                       else 0.0), c.fqn))
     return res
+
+
+def _same_digests(a: Source, b: Source, pairing: Pairing) -> list[str]:
+    """The paired tensors whose digests in both sides' manifests are equal (same dtype, shape and SHA-256 of
+    their logical bytes), when both are sealed and unchanged since (:func:`.seal.unchanged_manifest`)."""
+    if not isinstance(a, CheckpointSource) or not isinstance(b, CheckpointSource):
+        return []
+    ma = unchanged_manifest(a.ckpt)
+    mb = unchanged_manifest(b.ckpt) if ma is not None else None
+    if ma is None or mb is None:
+        return []
+    out = []
+    for key, (na, nb) in pairing.pairs.items():
+        ta, tb = ma.tensors.get(na), mb.tensors.get(nb)
+        if ta is not None and tb is not None and (ta.dtype, ta.shape, ta.sha256) == (tb.dtype, tb.shape, tb.sha256):
+            out.append(key)
+    return out
 
 
 @dataclass
