@@ -73,11 +73,21 @@ TMP_PREFIX = ".shardscope-tmp-"  # every temporary's name: <prefix><pid>-... (do
 LEFTOVER_RE = re.compile(r"^\.shardscope-tmp-(\d+)-([0-9a-f]{6})-(.+)$")  # an export's temporary: pid, tag, name
 DOWNLOAD_RE = re.compile(r"^\.shardscope-tmp-(\d+)-dl-")  # a download's temporary copy
 SMALL_TMP_SUFFIX = ".tmp"  # a small file written atomically: ``.<name>.<random>.tmp``
+SMALL_TMP_RE = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")  # (mkstemp's 8 random characters; not ``.metadata.tmp``)
 WATCH_STATE = ".shardscope-watch.json"  # watch's record of a run's exports, in the folder that holds them
 # an export's lineage sidecar (what it was made from; see backend/lineage.py): beside the export, file or folder,
 # ``<export>.shardscope.json`` (never inside a folder export: it names local paths). A ``.json`` is never a
 # checkpoint (not a FILE_SUFFIXES name, not an ``.index.json``), so ``ls`` never lists one
 LINEAGE_FILE_SUFFIX = ".shardscope.json"
+# a checkpoint's content manifest (``shardscope seal``, see backend/checkpoint/manifest.py): inside a folder
+# checkpoint ``<folder>/shardscope-manifest.json``, beside a single file ``<file>.shardscope-manifest.json``; its
+# model-signing bundle is ``shardscope-manifest.sig`` beside it the same way. Never a checkpoint file (a ``.json``
+# and a ``.sig``), never a file of the checkpoint it describes (it is left out of the files it lists)
+MANIFEST_NAME = "shardscope-manifest.json"
+MANIFEST_FILE_SUFFIX = "." + MANIFEST_NAME
+SIGNATURE_NAME = "shardscope-manifest.sig"
+SIGNATURE_FILE_SUFFIX = "." + SIGNATURE_NAME
+MEGATRON_INTEGRITY = "integrity.json"  # Megatron-Core's manifest: {"algorithm": "sha256", "files": {name: hex}}
 # the small files that describe a checkpoint folder (its identity for lineage: their sizes, times and CRC32)
 DESCRIBING_NAMES = (LIGHTNING_META, MEGATRON_CONFIG, MEGATRON_COMMON, HF_TRAINER_STATE, DS_LATEST, "config.json")
 
@@ -157,6 +167,27 @@ def lineage_sidecar(path: str, is_folder: bool) -> str:
     """Where the lineage sidecar of an export at ``path`` lies: beside it, file or folder (never inside a folder
     export: a folder is uploaded whole, and the sidecar names local paths)."""
     return path.rstrip(os.sep) + LINEAGE_FILE_SUFFIX
+
+
+def manifest_path(path: str, is_folder: bool) -> str:
+    """Where the content manifest of the checkpoint at ``path`` lies: inside a folder, beside a file."""
+    return os.path.join(path, MANIFEST_NAME) if is_folder else path.rstrip(os.sep) + MANIFEST_FILE_SUFFIX
+
+
+def signature_path(path: str, is_folder: bool) -> str:
+    """Where the model-signing bundle of the checkpoint at ``path`` lies (beside its manifest)."""
+    return os.path.join(path, SIGNATURE_NAME) if is_folder else path.rstrip(os.sep) + SIGNATURE_FILE_SUFFIX
+
+
+def is_seal_file(name: str) -> bool:
+    """A file ``seal`` writes inside a folder checkpoint (its manifest and signature bundle): never one of the
+    checkpoint's own files."""
+    return name in (MANIFEST_NAME, SIGNATURE_NAME)
+
+
+def is_own_temporary(name: str) -> bool:
+    """A temporary of Shardscope's (an export's, a download's, a small file's): never a file of a checkpoint."""
+    return name.startswith(TMP_PREFIX) or bool(SMALL_TMP_RE.match(name))
 
 
 def describes_checkpoint(name: str) -> bool:

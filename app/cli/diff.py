@@ -64,6 +64,8 @@ def print_result(result: Any, everything: bool) -> None:
     if result.left_out:
         print(f"model weights only: {result.left_out[0]} entries of A and {result.left_out[1]} of B left out "
               "(training state)")
+    if result.by_digest:
+        print(f"{result.by_digest} identical (same digests in both manifests; not read)")
     if p.hint:
         print(f"note: {p.hint}")
     unreadable = [(f"unreadable in {c.side}", c.detail) for c in result.unreadable]

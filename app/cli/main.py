@@ -23,7 +23,7 @@ log = logging.getLogger("shardscope.cli")
 # One module per subcommand (or per pair of closely related ones); each has ``register(sub)``.
 GLOBAL_FLAGS = ("-v", "--verbose", "--no-cache")  # options given before the subcommand
 COMMAND_MODULES = ("inspect", "verify", "show", "gui", "export", "diff", "convert", "train", "runs", "follow",
-                   "stop", "demo", "library", "watch", "drift", "bisect", "average")
+                   "stop", "demo", "library", "watch", "drift", "bisect", "average", "seal")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

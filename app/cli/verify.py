@@ -21,24 +21,40 @@ def register(sub: Any) -> None:
     add_storage_options(sp)
     sp.add_argument("path")
     sp.add_argument("--deep", action="store_true", help="read every item, check CRC32, dtype and shape")
+    sp.add_argument("--signature", metavar="PUBLIC_KEY", help="also check the checkpoint's model-signing bundle "
+                    "(seal --sign) with this elliptic-curve public key (PEM)")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--no-cache", action="store_true", help="do not use the metadata cache (as the global --no-cache)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardscope.backend.checkpoint.seal import check_seal, check_signature
     from shardscope.backend.checkpoint.verify import verify
     from shardscope.backend.formats import open_checkpoint, verify_contents
 
     ckpt = open_checkpoint(args.path, storage_options(args), use_cache=not args.no_cache)
     with TerminalProgress(enabled=args.deep and not args.json) as progress:
         problems = verify_contents(ckpt, progress) if args.deep else verify(ckpt)
+    with TerminalProgress(enabled=not args.json, unit="bytes") as progress:
+        sealed = check_seal(ckpt, args.deep, progress)  # whenever there is a manifest: every file's SHA-256
+    problems += sealed.problems
+    if args.signature:
+        bad = check_signature(ckpt.path, args.signature)
+        problems += [bad] if bad else []
     if args.json:
         json.dump({"path": ckpt.path, "deep": args.deep, "healthy": not problems,
+                   "seal": {"state": sealed.state, "manifest": sealed.manifest, "files_checked": sealed.files_checked,
+                            "tensors_checked": sealed.tensors_checked,
+                            "integrity_checked": sealed.integrity_checked,
+                            "signature": None if not args.signature else "bad" if bad else "verified"},
                    "problems": [p.to_json() for p in problems]}, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(f"{escape_name(ckpt.path)}: {count(len(ckpt.tensors), 'tensor')}, "
               f"{count(len(ckpt.chunk_table), 'chunk')}, {count(len(ckpt.data_files), 'file')}"
               f"{DEEP_NOTE if args.deep else ''}")
+        print(f"  seal       {sealed.summary()}")
+        if args.signature and not bad:
+            print("  signature  verified (model-signing bundle)")
         print_problems(problems)
     return EXIT_PROBLEMS if problems else EXIT_OK

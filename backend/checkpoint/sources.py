@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .chunks import ChunkReader
+from .chunks import ChunkReader, torch_dtype
 from .model import Checkpoint, Problem, TensorEntry
 from .verify import overlap_problems
 
@@ -98,6 +98,26 @@ class CheckpointSource(Source):
         if self.reader is not None:
             self.reader.close()
         self.reader = self.ckpt = None  # type: ignore[assignment]
+
+
+def tensor_windows(source: CheckpointSource, fqn: str, window_elems: int, take: Any, check: bool = True
+                   ) -> Iterator[memoryview]:
+    """The bytes of tensor ``fqn`` in windows of ``window_elems`` elements: read run by run into buffers from
+    ``take(n)``, or, for a layout that must be assembled, views of the assembled tensor (``take`` not called)."""
+    entry = source.ckpt.tensor(fqn)
+    reader = source.reader
+    runs = reader.flat_runs(entry)
+    if runs is not None:
+        window = window_elems * torch_dtype(entry.dtype).itemsize
+        yield from reader.read_runs(entry, runs, window, take, check)
+        return
+    import torch
+
+    t = reader.read_tensor(entry).reshape(-1)
+    whole = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    window = window_elems * t.element_size()
+    for s in range(0, len(whole), window):
+        yield whole[s:s + window]
 
 
 def header_problem(ckpt: Checkpoint) -> Problem | None:

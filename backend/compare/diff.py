@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.chunks import torch_dtype
-from ..checkpoint.sources import CheckpointSource, EntryInfo, Source
+from ..checkpoint.seal import unchanged_manifest
+from ..checkpoint.sources import CheckpointSource, EntryInfo, Source, tensor_windows
 from ..checkpoint.values import finite_histogram
 from ..errors import CheckpointError
 from ..progress import Progress
 from .pairing import Pairing, pair_names, source_layout
-from .streams import Streams, tensor_windows
+from .streams import Streams
 
 BLOCK = 1 << 22
 
@@ -63,6 +64,7 @@ class DiffResult:
     unreadable: list[Change] = field(default_factory=list)
     pairing: Pairing | None = None
     left_out: tuple[int, int] | None = None  # entries of A and B that are not model weights, when only those are
+    by_digest: int = 0  # of the unchanged: tensor pairs whose sealed digests are equal, no byte of them read
 
     @property
     def differs(self) -> bool:
@@ -74,7 +76,7 @@ class DiffResult:
         unchanged, and the pairing rule."""
         return {"only_a": self.only_a, "only_b": self.only_b, "changed": [c.to_json() for c in self.changed],
                 "unreadable": [c.to_json() for c in self.unreadable], "unchanged": self.unchanged,
-                "pairing": self.pairing.to_json() if self.pairing else None,
+                "unchanged_by_digest": self.by_digest, "pairing": self.pairing.to_json() if self.pairing else None,
                 "not_weights": list(self.left_out) if self.left_out else None}
 
 
@@ -356,13 +358,24 @@ def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bo
         left_out, ea, eb = (len(ea) - len(wa), len(eb) - len(wb)), wa, wb
     pairing = pair_names(list(ea), list(eb), layout_a, layout_b, exact=exact_names)
     res = DiffResult(a.name, b.name, pairing.only_a, pairing.only_b, pairing=pairing, left_out=left_out)
-    streamed = [(na, nb) for na, nb in pairing.pairs.values() if _streamable(a, b, ea[na], eb[nb])]
-    keys = {k for k, (na, nb) in pairing.pairs.items() if _streamable(a, b, ea[na], eb[nb])}
+    same = set(_same_digests(a, b, pairing))
+    for key in same:  # sealed on both sides with equal digests: equal values, no byte read
+        na, nb = pairing.pairs[key]
+        x, y = ea[na], eb[nb]
+        if x.layout is not None and y.layout is not None and x.layout != y.layout:
+            res.changed.append(Change(key, "layout", detail=f"{len(x.layout)} vs {len(y.layout)} chunks",
+                                      fqn_a=na, fqn_b=nb))
+        else:
+            res.unchanged += 1
+    res.by_digest = len(same)
+    todo = {k: p for k, p in pairing.pairs.items() if k not in same}
+    streamed = [(na, nb) for na, nb in todo.values() if _streamable(a, b, ea[na], eb[nb])]
+    keys = {k for k, (na, nb) in todo.items() if _streamable(a, b, ea[na], eb[nb])}
     if progress:
-        progress.start(len(pairing.pairs), "comparing")
+        progress.start(len(todo), "comparing")
     with contextlib.ExitStack() as stack:
         streams = stack.enter_context(Streams(a, b, streamed, BLOCK)) if streamed else None
-        for key, (na, nb) in pairing.pairs.items():
+        for key, (na, nb) in todo.items():
             if progress:
                 progress.advance(1, key)
             if key in keys:
@@ -380,6 +393,23 @@ def diff(a: Source, b: Source, progress: Progress | None = None, exact_names: bo
     res.changed.sort(key=lambda c: (order[c.kind], -(c.rel_l2 if c.rel_l2 is not None and c.rel_l2 == c.rel_l2
                                                       else 0.0), c.fqn))
     return res
+
+
+def _same_digests(a: Source, b: Source, pairing: Pairing) -> list[str]:
+    """The paired tensors whose digests in both sides' manifests are equal (same dtype, shape and SHA-256 of
+    their logical bytes), when both are sealed and unchanged since (:func:`.seal.unchanged_manifest`)."""
+    if not isinstance(a, CheckpointSource) or not isinstance(b, CheckpointSource):
+        return []
+    ma = unchanged_manifest(a.ckpt)
+    mb = unchanged_manifest(b.ckpt) if ma is not None else None
+    if ma is None or mb is None:
+        return []
+    out = []
+    for key, (na, nb) in pairing.pairs.items():
+        ta, tb = ma.tensors.get(na), mb.tensors.get(nb)
+        if ta is not None and tb is not None and (ta.dtype, ta.shape, ta.sha256) == (tb.dtype, tb.shape, tb.sha256):
+            out.append(key)
+    return out
 
 
 @dataclass

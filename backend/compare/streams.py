@@ -12,10 +12,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
 
-from ..checkpoint.chunks import torch_dtype
-from ..checkpoint.sources import CheckpointSource, Source
+from ..checkpoint.sources import CheckpointSource, Source, tensor_windows
 from ..errors import CheckpointError
 
 AHEAD = 64 << 20  # bytes of windows in flight per side: being read, queued and being compared
@@ -24,26 +22,6 @@ REUSE = 1 << 20  # windows this large are read into recycled buffers (no new pag
 
 class _Stopped(Exception):
     pass
-
-
-def tensor_windows(source: CheckpointSource, fqn: str, window_elems: int, take: Any, check: bool = True
-                   ) -> Iterator[memoryview]:
-    """The bytes of tensor ``fqn`` in windows of ``window_elems`` elements: read run by run into buffers from
-    ``take(n)``, or, for a layout that must be assembled, views of the assembled tensor (``take`` not called)."""
-    entry = source.ckpt.tensor(fqn)
-    reader = source.reader
-    runs = reader.flat_runs(entry)
-    if runs is not None:
-        window = window_elems * torch_dtype(entry.dtype).itemsize
-        yield from reader.read_runs(entry, runs, window, take, check)
-        return
-    import torch
-
-    t = reader.read_tensor(entry).reshape(-1)
-    whole = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-    window = window_elems * t.element_size()
-    for s in range(0, len(whole), window):
-        yield whole[s:s + window]
 
 
 class SideReader(threading.Thread):

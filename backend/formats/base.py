@@ -48,6 +48,9 @@ class Format:
     kind = RESUMABLE  # what a checkpoint of this format is unless its probe says otherwise
     is_folder = True  # a folder of files, or one file
     checksums = CHECKSUMS_STORED
+    # the framework's own file manifest, in its own format, that ``seal`` writes beside its manifest (Megatron-Core's
+    # integrity.json); checked by ``verify`` wherever one lies in a folder, whatever the format
+    integrity_manifest = False
 
     # ------------------------------------------------------------ names only
     def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:

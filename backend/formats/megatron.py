@@ -34,6 +34,7 @@ class MegatronFolder(Format):
     name = "megatron"
     label = "Megatron-Core dist checkpoint (torch_dist)"
     kind = RESUMABLE  # common.pt holds the args, iteration and RNG a run resumes with
+    integrity_manifest = True  # seal writes integrity.json (Megatron-Core's verify_integrity_manifest reads it)
 
     def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
         config, common = MEGATRON_CONFIG in files, MEGATRON_COMMON in files

@@ -1,0 +1,202 @@
+"""SHA-256 digests of a checkpoint: of its files (hashed in parallel, each read once, front to back, with the
+digests of the chunk ranges in them taken in the same pass) and of its tensors' logical bytes (the whole tensor
+C-contiguous in its stored dtype, fed in row-major order: a tensor stored as runs of its row-major bytes, DCP's
+dim-0 shards or one chunk per tensor, is streamed run after run straight from its files; any other layout is
+assembled first, see :func:`.sources.tensor_windows`). hashlib, ``preadv`` and zlib release the GIL, so the
+thread pool of :func:`readers` keeps several cores busy."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+from ..filenames import is_own_temporary, is_seal_file
+from ..progress import Progress
+from .model import Checkpoint, ObjectEntry, TensorEntry
+from .sources import CheckpointSource, tensor_windows
+
+BLOCK = 8 << 20  # bytes read (and hashed) at a time
+WINDOW_ELEMS = 1 << 22  # elements of a tensor's bytes hashed at a time
+SMALL_TENSOR = 1 << 20  # tensors of at most this many bytes are read many at a time
+
+
+def readers() -> int:
+    """Threads that read and hash at once: min(4, CPUs)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, slots=True)
+class FileHash:
+    bytes: int
+    sha256: str
+    ranges: dict[Any, str]  # range key -> SHA-256 of that byte range (only ranges asked for)
+
+
+def checkpoint_files(path: str, is_folder: bool) -> dict[str, int]:
+    """Every file of the checkpoint at ``path`` by its name relative to it (forward slashes) -> size: for a
+    folder every regular file under it, Shardscope's own temporaries and seal files left out; for a file, the
+    file. A symbolic link is refused (it may lead outside the checkpoint)."""
+    if not is_folder:
+        return {os.path.basename(path): os.stat(path).st_size}
+    out = {}
+    for top, dirs, names in os.walk(path, followlinks=False):
+        rel_top = os.path.relpath(top, path)
+        for name in sorted(names) + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            full = os.path.join(top, name)
+            rel = name if rel_top == "." else f"{rel_top.replace(os.sep, '/')}/{name}"
+            if is_own_temporary(name) or (rel_top == "." and is_seal_file(name)):
+                continue
+            if os.path.islink(full):
+                raise CheckpointError(f"{full}: a symbolic link in the checkpoint; seal hashes only the "
+                                      "checkpoint's own files (copy the file in its place).", path=full)
+            st = os.stat(full)
+            if os.path.isfile(full):
+                out[rel] = st.st_size
+    return out
+
+
+def hash_file(full: str, ranges: Iterable[tuple[Any, int, int]] = (), progress: Progress | None = None) -> FileHash:
+    """SHA-256 of the file at ``full`` and of each (key, offset, length) range in it, in one front-to-back read."""
+    todo = sorted(ranges, key=lambda r: r[1])
+    hashers = {key: hashlib.sha256() for key, _, _ in todo}
+    active: list[tuple[Any, int, int]] = []
+    nxt = 0
+    h = hashlib.sha256()
+    buf = bytearray(BLOCK)
+    pos = 0
+    with open(full, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            view = memoryview(buf)[:n]
+            h.update(view)
+            end = pos + n
+            while nxt < len(todo) and todo[nxt][1] < end:
+                active.append(todo[nxt])
+                nxt += 1
+            for key, off, length in active:
+                lo, hi = max(off, pos), min(off + length, end)
+                if lo < hi:
+                    hashers[key].update(view[lo - pos:hi - pos])
+            active = [r for r in active if r[1] + r[2] > end]
+            pos = end
+            if progress:
+                progress.advance(n)
+    return FileHash(pos, h.hexdigest(), {k: x.hexdigest() for k, x in hashers.items()})
+
+
+def hash_files(root: str, is_folder: bool, names: Iterable[str], ranges: dict[str, list[tuple[Any, int, int]]],
+               progress: Progress | None = None) -> dict[str, FileHash]:
+    """:func:`hash_file` of every name (relative to the checkpoint at ``root``), largest first, on
+    :func:`readers` threads; ``ranges``: per name, the ranges to hash too."""
+    folder = root if is_folder else os.path.dirname(root)
+
+    def one(rel: str) -> FileHash:
+        if progress:
+            progress.check()
+        return hash_file(os.path.join(folder, *rel.split("/")), ranges.get(rel, ()), progress)
+
+    todo = sorted(names, key=lambda r: -_size(os.path.join(folder, *r.split("/"))))
+    return dict(zip(todo, parallel(one, todo, progress), strict=True))
+
+
+def _size(full: str) -> int:
+    try:
+        return os.stat(full).st_size
+    except OSError:
+        return 0
+
+
+def parallel(fn: Callable[[Any], Any], items: list[Any], progress: Progress | None) -> list[Any]:
+    """``fn`` of every item on :func:`readers` threads, in order; the first error cancels the rest."""
+    with ThreadPoolExecutor(readers(), thread_name_prefix="digest") as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            if progress:
+                progress.cancel()
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def chunk_ranges(ckpt: Checkpoint) -> dict[str, list[tuple[tuple[int, int], int, int]]]:
+    """Per file name: ((tensor index, chunk index), offset, length) of every stored chunk in it."""
+    t = ckpt.chunk_table
+    names = [f.name for f in ckpt.files]
+    out: dict[str, list] = {}
+    for j, (ti, fi, off, ln) in enumerate(zip(t.tensor.tolist(), t.file.tolist(), t.byte_offset.tolist(),
+                                              t.length.tolist(), strict=True)):
+        if fi >= 0:
+            out.setdefault(names[fi], []).append(((ti, j - ckpt.tensors[ti].first_chunk), off, ln))
+    return out
+
+
+def tensor_digests(source: CheckpointSource, entries: list[TensorEntry], progress: Progress | None = None,
+                   errors: dict[str, CheckpointError] | None = None) -> dict[str, str]:
+    """fqn -> SHA-256 of the tensor's logical bytes, stored CRC32s checked on the way (a chunk whose bytes
+    changed raises CorruptChunkError naming it; with ``errors``, a tensor that cannot be read is put there
+    instead and the others are still hashed). Small tensors are read many at a time."""
+    out: dict[str, str] = {}
+    small = [e for e in entries if e.nbytes <= SMALL_TENSOR]
+    large = [e for e in entries if e.nbytes > SMALL_TENSOR]
+    try:
+        for e, raw in source.small_values(small, SMALL_TENSOR):
+            if raw is None:
+                large.append(e)
+            else:
+                out[e.fqn] = hashlib.sha256(raw).hexdigest()
+                if progress:
+                    progress.advance(len(raw))
+    except CheckpointError:
+        if errors is None:
+            raise
+        large += [e for e in small if e.fqn not in out and e not in large]  # one at a time: which one is bad
+
+    def one(e: TensorEntry) -> str | None:
+        try:
+            return _tensor_digest(source, e, progress)
+        except CheckpointError as exc:
+            if errors is None:
+                raise
+            errors[e.fqn] = exc
+            return None
+
+    out.update((e.fqn, h) for e, h in zip(large, parallel(one, large, progress), strict=True) if h is not None)
+    return out
+
+
+def _tensor_digest(source: CheckpointSource, e: TensorEntry, progress: Progress | None) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(0)
+
+    def take(n: int) -> memoryview:  # one buffer, read into again: each window is hashed before the next
+        nonlocal buf
+        if len(buf) < n:
+            buf = bytearray(n)
+        return memoryview(buf)[:n]
+
+    for window in tensor_windows(source, e.fqn, WINDOW_ELEMS, take):
+        h.update(window)
+        if progress:
+            progress.advance(len(window))
+    return h.hexdigest()
+
+
+def object_digest(source: CheckpointSource, obj: ObjectEntry) -> str:
+    """SHA-256 of a non-tensor entry's stored bytes (a value held in a file's header: of its ``repr``)."""
+    if obj.inline or obj.file is None:
+        return hashlib.sha256(repr(obj.value).encode()).hexdigest()
+    return hashlib.sha256(source.reader.read_object_bytes(obj)).hexdigest()
+
+
+def bytes_digest(data: Any) -> str:
+    """SHA-256 of a buffer, hex."""
+    return hashlib.sha256(data).hexdigest()
