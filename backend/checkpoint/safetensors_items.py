@@ -115,7 +115,7 @@ def _loads(raw: bytes) -> tuple[dict, dict[str, str]]:
     if sum(map(text.count, ('"dtype"', '"shape"', '"data_offsets"'))) != 3 * entries or \
             text.count('"__metadata__"') > 1:
         _refuse_duplicate_fields(text)
-    if _SURROGATE.search(text):
+    if _lone_surrogate(text):
         try:
             json.dumps(header, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -130,6 +130,11 @@ def _loads(raw: bytes) -> tuple[dict, dict[str, str]]:
 # surrogate (JSON text that merely looks so, an escaped backslash before "u", only costs the exact check)
 _SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})"
                         r"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(text: str) -> bool:
+    """Whether JSON text may escape a lone surrogate (the regex only runs where a \\uD escape is at all)."""
+    return ("\\ud" in text or "\\uD" in text) and _SURROGATE.search(text) is not None
 
 
 def _refuse_duplicate_fields(text: str) -> None:
@@ -259,7 +264,7 @@ def _canonical_table(raw: bytes, base: int, data_limit: int) -> SafetensorsTable
         text = str(raw, "utf-8")
     except UnicodeDecodeError:
         return None
-    if _SURROGATE.search(text):
+    if _lone_surrogate(text):
         return None
     head = _META.match(text)
     pos = head.end()
