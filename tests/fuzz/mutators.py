@@ -414,10 +414,10 @@ def metadata_attribute_order(data: bytes, rng: random.Random) -> bytes:
     elif pick == 4 and len(tensors) > 1:  # chunks of tensors built first, in another order
         extra = [c for t in rng.sample(tensors, len(tensors)) for c in t.chunks]
     elif pick == 5 and tensors:  # inside a tensor's own state, before its chunk list
-        t = rng.choice(tensors)
+        t, chunks = rng.choice(tensors), rng.choice(tensors).chunks[::-1]
         state = dict(t.__dict__)
         t.__dict__.clear()
-        t.__dict__.update({"aa_extra": rng.choice(tensors).chunks[::-1], **state})
+        t.__dict__.update({"aa_extra": chunks, **state})
         extra = None
     else:
         md.__dict__.pop("storage_data") if rng.random() < 0.5 else setattr(md, "storage_data", None)
