@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import pickle
 import pickletools
 import random
@@ -428,77 +427,6 @@ def metadata_attribute_order(data: bytes, rng: random.Random) -> bytes:
         md.__dict__.update({"aa_extra": extra, **state})
     return pickle.dumps(md, protocol=rng.choice([2, 4]))
 
-
-# ---------------------------------------------------------------- safetensors layout (issue 29 item 8)
-def _safetensors_parts(data: bytes) -> tuple[dict, bytes]:
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]), data[8 + n:]
-
-
-def _safetensors_file(header: dict | bytes, body: bytes) -> bytes:
-    raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
-    return struct.pack("<Q", len(raw)) + raw + body
-
-
-def safetensors_layout(data: bytes, rng: random.Random) -> bytes:
-    """A ``save_file`` output with its layout changed as the library may refuse it: a hole between tensors or at
-    the start, an entry's bytes moved over another's, a name given twice (JSON keeps the last), bytes after the
-    data or the data cut short, a field or ``__metadata__`` given twice, an empty tensor moved."""
-    try:
-        header, body = _safetensors_parts(data)
-    except (ValueError, struct.error, RecursionError):
-        return flip_bits(data, rng)
-    names = [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
-    if not all(isinstance(header[k], dict) and isinstance(header[k].get("data_offsets"), list) and
-               len(header[k]["data_offsets"]) == 2 and all(type(x) is int for x in header[k]["data_offsets"])
-               for k in names):
-        return flip_bits(data, rng)  # an earlier mutation broke the header
-    if not names:
-        return data + b"\0" * rng.randint(1, 8)
-    name = rng.choice(names)
-    a, b = header[name]["data_offsets"]
-    pick = rng.randrange(9)
-    if pick == 0:  # a hole: every entry from this one on moves up
-        gap = rng.choice([1, 2, 4, 8])
-        for k in names:
-            if header[k]["data_offsets"][0] >= a:
-                header[k]["data_offsets"] = [x + gap for x in header[k]["data_offsets"]]
-        body = body[:a] + b"\0" * gap + body[a:]
-    elif pick == 1:  # moved over another entry's bytes
-        other = rng.choice(names)
-        o = header[other]["data_offsets"][0] + rng.choice([0, 1, 2])
-        header[name]["data_offsets"] = [o, o + b - a]
-    elif pick == 2:  # a name given twice: the text of another entry under this name, after it
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        other = rng.choice(names)
-        return _safetensors_file(raw[:-1] + b"," + json.dumps(name).encode() + b":" +
-                                 json.dumps(header[other], separators=(",", ":")).encode() + b"}", body)
-    elif pick == 3:
-        body += bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
-    elif pick == 4:
-        body = body[:max(0, len(body) - rng.randint(1, 9))]
-    elif pick == 5:  # a field twice
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        field = rng.choice([b'"dtype":', b'"shape":', b'"data_offsets":'])
-        i = raw.find(field)
-        value = {b'"dtype":': b'"F16",', b'"shape":': b'[1],', b'"data_offsets":': b'[0,0],'}[field]
-        return _safetensors_file(raw[:i] + field + value + raw[i:], body)
-    elif pick == 6:  # __metadata__ twice
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        return _safetensors_file(raw[:-1] + b',"__metadata__":{"x":"y"}}', body)
-    elif pick == 7:  # an empty tensor somewhere
-        at = rng.choice([0, a, b, len(body), len(body) + 4])
-        header[f"{name}.empty"] = {"dtype": "F32", "shape": [0], "data_offsets": [at, at]}
-    else:  # the whole data moved by a few bytes
-        shift = rng.choice([1, 4, 8])
-        for k in names:
-            header[k]["data_offsets"] = [x + shift for x in header[k]["data_offsets"]]
-        body = rng.choice([b"\0" * shift + body, body])
-    return _safetensors_file(header, body)
-
-
-SAFETENSORS_MUTATORS = [safetensors_layout, safetensors_layout, safetensors_layout, flip_bits, overwrite_int,
-                        insert_bytes, delete_bytes]
 
 def mutate(data: bytes, rng: random.Random, mutators: list[Callable[[bytes, random.Random], bytes]],
            rounds: int | None = None) -> bytes:
