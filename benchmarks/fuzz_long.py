@@ -2,9 +2,13 @@
 ``dcp.save`` checkpoints, each opened, verified deep and read in worker processes; counts tracebacks,
 hangs (over the per-case limit), peaks above 2x the checkpoint's size + 300 MB, and (``.distcp`` cases,
 torch's own DCP loader as the oracle) "healthy" verdicts on folders torch cannot load or values that differ
-from torch's.
+from torch's. Two more kinds with an oracle: ``order``, the same Metadata pickled in another order (an extra
+attribute placed first, or storage_data dropped: torch's loader the oracle, a problem where it reads is a
+failure too), and ``safetensors``, ``save_file`` outputs with holes, names twice, tails and overlaps
+(``safetensors.safe_open`` the oracle).
 
     python benchmarks/fuzz_long.py --metadata 100000 --distcp 20000 --workers 1 [--minutes M]
+    python benchmarks/fuzz_long.py --metadata 0 --distcp 0 --order 2000 --safetensors 20000   # the new kinds only
     python benchmarks/fuzz_long.py ... --start-metadata 26750 --start-distcp 5250   # continue case numbers
     python benchmarks/fuzz_long.py ... --isolated   # metadata loads in the helper process, as in the window
 
@@ -33,6 +37,7 @@ sys.path.insert(0, str(TESTS))
 
 CHECKPOINTS = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "nopg", "fsdp_safetensors_r2", "fsdp_nocoll_r2", "lightning_r2"]
 BATCH = 250
+KINDS = ("metadata", "distcp", "order", "safetensors")
 
 
 _SEEDS: dict[str, list] = {}
@@ -41,19 +46,44 @@ _SEEDS: dict[str, list] = {}
 def _load_corpus(fixtures: str, isolated: bool = False) -> None:
     """Worker initializer: read the seed files once per worker (it imports torch; it used to run per batch).
     ``isolated``: metadata loads go through the helper process, as on the window's worker threads."""
-    from fuzz.harness import corpus
+    import tempfile
+
+    from fuzz.harness import corpus, torch_reads
+    from fuzz.safetensors_files import safetensors_corpus
     from shardscope.backend.checkpoint import reader_process
 
     reader_process.ISOLATE = True if isolated else None
     _SEEDS["metadata"], _SEEDS["distcp"] = corpus([Path(fixtures) / n for n in CHECKPOINTS])
+    _SEEDS["order"] = [s for s in _SEEDS["metadata"] if s.target == ".metadata" and torch_reads(s.checkpoint)]
+    with tempfile.TemporaryDirectory(prefix="fuzz-st-") as tmp:
+        _SEEDS["safetensors"] = safetensors_corpus(Path(tmp))
+
+
+def _case(kind: str, seed: object, case: int, timeout: float, tmp: Path) -> tuple[bytes, str, object]:
+    """Run case ``case`` of a kind on its seed: (the mutated bytes, the file they went to, the outcome)."""
+    from fuzz.harness import make_case, mutated, run_case, run_same_metadata_case, torch_reads
+    from fuzz.mutators import metadata_attribute_order
+    from fuzz.safetensors_files import NAME, exercise_safetensors
+    from fuzz.safetensors_files import mutated_file as mutated_safetensors
+
+    if kind == "safetensors":
+        folder = tmp / "case"
+        folder.mkdir(exist_ok=True)
+        blob = mutated_safetensors(seed, case)
+        (folder / NAME).write_bytes(blob)
+        return blob, NAME, run_case(folder, timeout, oracle=True, check=exercise_safetensors)
+    blob = mutated(seed, case, [metadata_attribute_order] if kind == "order" else None)
+    folder = make_case(seed.checkpoint, seed.target, blob, tmp / "case")
+    if kind == "order":
+        return blob, seed.target, run_same_metadata_case(folder, timeout)
+    oracle = kind == "distcp" and torch_reads(seed.checkpoint)  # torch's loader as the oracle
+    return blob, seed.target, run_case(folder, timeout, oracle=oracle)
 
 
 def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
     """Worker: run a batch of cases of one kind; return counts, the worst peak and the failures."""
     import faulthandler
     import tempfile
-
-    from fuzz.harness import make_case, mutated, run_case, torch_reads
 
     fixtures, kind, cases, timeout, out = args
     if not _SEEDS:
@@ -65,14 +95,11 @@ def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
         for case in cases:
             seed = seeds[case % len(seeds)]
-            blob = mutated(seed, case)
-            folder = make_case(seed.checkpoint, seed.target, blob, Path(tmp) / "case")
             # NOTE: a hang inside C code never reaches the per-case SIGALRM; this watchdog (a C thread) then
             # prints every thread's stack and ends the worker, which the parent reports with the batch.
             faulthandler.dump_traceback_later(2 * timeout + 60, exit=True)
             try:
-                oracle = kind == "distcp" and torch_reads(seed.checkpoint)  # torch's loader as the oracle
-                result = run_case(folder, timeout, oracle=oracle)
+                blob, target, result = _case(kind, seed, case, timeout, Path(tmp))
             finally:
                 faulthandler.cancel_dump_traceback_later()
             counts[result.kind] += 1
@@ -80,11 +107,11 @@ def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
             if result.kind in ("crash", "hang", "memory", "unsound"):
                 dst = Path(out) / f"{kind}-{case}"
                 dst.mkdir(parents=True, exist_ok=True)
-                (dst / seed.target).write_bytes(blob)
-                (dst / "README.txt").write_text(f"{seed.checkpoint.name}/{seed.target} case {case}: {result.kind}\n"
-                                                f"{result.detail}\n")
-                failures.append({"kind": kind, "case": case, "seed": f"{seed.checkpoint.name}/{seed.target}",
-                                 "outcome": result.kind, "detail": result.detail[-1500:]})
+                (dst / target).write_bytes(blob)
+                where = getattr(seed, "name", None) or f"{seed.checkpoint.name}/{seed.target}"
+                (dst / "README.txt").write_text(f"{where} case {case}: {result.kind}\n{result.detail}\n")
+                failures.append({"kind": kind, "case": case, "seed": where, "outcome": result.kind,
+                                 "detail": result.detail[-1500:]})
     return {"counts": dict(counts), "worst_peak": worst, "failures": failures}
 
 
@@ -99,14 +126,17 @@ def _jobs(args: argparse.Namespace, fixtures: Path) -> list[tuple]:
     starts = {"metadata": args.start if args.start_metadata is None else args.start_metadata,
               "distcp": args.start if args.start_distcp is None else args.start_distcp}
     per_kind = {}
-    for kind, n in (("metadata", args.metadata), ("distcp", args.distcp)):
-        cases = list(range(starts[kind], starts[kind] + n))
+    for kind, n in (("metadata", args.metadata), ("distcp", args.distcp), ("order", args.order),
+                    ("safetensors", args.safetensors)):
+        first = starts.get(kind, args.start)
+        cases = list(range(first, first + n))
         per_kind[kind] = [(str(fixtures), kind, cases[i:i + BATCH], args.timeout, args.out) for i in range(0, n, BATCH)]
     meta_jobs, data_jobs = per_kind["metadata"], per_kind["distcp"]
     ratio = max(1, len(meta_jobs) // max(1, len(data_jobs)))
+    others = [per_kind["order"], per_kind["safetensors"]]
     order = []
-    while meta_jobs or data_jobs:
-        order += meta_jobs[:ratio] + data_jobs[:1]
+    while meta_jobs or data_jobs or any(others):
+        order += meta_jobs[:ratio] + data_jobs[:1] + [jobs.pop(0) for jobs in others if jobs]
         del meta_jobs[:ratio], data_jobs[:1]
     return order
 
@@ -116,8 +146,8 @@ class Run:
 
     def __init__(self) -> None:
         self.t0 = time.monotonic()
-        self.totals = {"metadata": Counter(), "distcp": Counter()}
-        self.done: dict[str, list[int]] = {"metadata": [], "distcp": []}
+        self.totals = {k: Counter() for k in KINDS}
+        self.done: dict[str, list[int]] = {k: [] for k in KINDS}
         self.worst = 0
         self.failures: list[dict] = []
 
@@ -129,12 +159,13 @@ class Run:
         self.failures += res["failures"]
         n = sum(sum(c.values()) for c in self.totals.values())
         secs = time.monotonic() - self.t0
-        print(f"{secs:7.0f} s  {n} cases ({n / max(secs, 1e-9):.1f}/s)  metadata {dict(self.totals['metadata'])}  "
-              f"distcp {dict(self.totals['distcp'])}  failures {len(self.failures)}", flush=True)
+        kinds = "  ".join(f"{k} {dict(c)}" for k, c in self.totals.items() if c)
+        print(f"{secs:7.0f} s  {n} cases ({n / max(secs, 1e-9):.1f}/s)  {kinds}  failures {len(self.failures)}",
+              flush=True)
 
     def report(self, timeout: float) -> None:
         print("\n| kind | cases | ok | problems found | clean error (exit 2) | tracebacks | hangs > "
-              f"{timeout:.0f} s | memory over 2x+300 MB | healthy or wrong values where torch disagrees |")
+              f"{timeout:.0f} s | memory over 2x+300 MB | healthy or wrong values where the oracle disagrees |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for kind, c in self.totals.items():
             print(f"| {kind} | {sum(c.values())} | {c['ok']} | {c['problems']} | {c['error']} | {c['crash']} | "
@@ -182,6 +213,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--metadata", type=int, default=100_000, help="mutated .metadata cases")
     ap.add_argument("--distcp", type=int, default=20_000, help="mutated .distcp cases")
+    ap.add_argument("--order", type=int, default=2_000, help=".metadata cases pickled in another order (torch oracle)")
+    ap.add_argument("--safetensors", type=int, default=20_000, help="mutated .safetensors cases (library oracle)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=30.0, help="per-case limit in seconds (a hang)")
     ap.add_argument("--start", type=int, default=0, help="first case number of both kinds (to continue a run)")

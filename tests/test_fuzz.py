@@ -12,10 +12,13 @@ from collections import Counter
 import pytest
 from conftest import run_cli
 from fuzz.deepspeed_files import deepspeed_corpus, exercise_deepspeed, mutated_file
-from fuzz.harness import corpus, make_case, mutated, run_case, torch_reads
+from fuzz.harness import corpus, make_case, mutated, run_case, run_same_metadata_case, torch_reads
 from fuzz.megatron_files import exercise_megatron, megatron_corpus
 from fuzz.megatron_files import mutated_file as mutated_megatron_file
-from fuzz.mutators import planner_paths
+from fuzz.mutators import metadata_attribute_order, planner_paths
+from fuzz.safetensors_files import NAME as SAFETENSORS_NAME
+from fuzz.safetensors_files import exercise_safetensors, safetensors_corpus
+from fuzz.safetensors_files import mutated_file as mutated_safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +26,8 @@ CHECKPOINTS = ["fsdp2_r2", "fsdp_safetensors_r2", "fsdp_nocoll_r2", "lightning_r
 METADATA_CASES = 600
 DISTCP_CASES = 250
 PLANNER_CASES = 150
+ATTRIBUTE_ORDER_CASES = 60
+SAFETENSORS_CASES = 300
 DEEPSPEED_CASES = 400
 DEEPSPEED_SAVES = ["z2-bf16-2r", "z3-bf16-3r", "z1-fp32-2r"]
 MEGATRON_CASES = 200
@@ -34,7 +39,7 @@ def seeds(fixtures):
     return corpus([fixtures[n] for n in CHECKPOINTS])
 
 
-def _fuzz(seed_list, examples: int, tmp_path, mutators=None) -> Counter:
+def _fuzz(seed_list, examples: int, tmp_path, mutators=None, oracle: bool = False) -> Counter:
     outcomes: Counter = Counter()
 
     @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
@@ -43,8 +48,8 @@ def _fuzz(seed_list, examples: int, tmp_path, mutators=None) -> Counter:
     def check(i: int, case: int) -> None:
         seed = seed_list[i]
         folder = make_case(seed.checkpoint, seed.target, mutated(seed, case, mutators), tmp_path / "case")
-        oracle = seed.target.endswith(".distcp") and torch_reads(seed.checkpoint)
-        out = run_case(folder, CASE_TIMEOUT, oracle=oracle)
+        use_oracle = (oracle or seed.target.endswith(".distcp")) and torch_reads(seed.checkpoint)
+        out = run_case(folder, CASE_TIMEOUT, oracle=use_oracle)
         outcomes[out.kind] += 1
         assert out.kind not in ("crash", "hang", "memory", "unsound"), \
             f"{seed.checkpoint.name}/{seed.target} #{case}: {out.kind}\n{out.detail}"
@@ -63,6 +68,53 @@ def test_mutated_distcp_gives_answers_or_clean_errors(seeds, tmp_path):
     _, data = seeds
     outcomes = _fuzz(data, DISTCP_CASES, tmp_path)
     assert outcomes["problems"] > 0, outcomes  # damaged items are found by deep verify
+
+
+def test_reordered_metadata_reads_as_torch_reads(seeds, tmp_path):
+    """Issue 29, item 7: the Metadata pickled again (torch's own classes) with an extra attribute placed first that
+    builds the storage keys, values or chunks in another order (or storage_data dropped), torch's own DCP loader
+    the oracle: healthy with torch's values where it reads the folder (the same Metadata, other pickle order),
+    never healthy where it refuses."""
+    meta, _ = seeds
+    trusted = [s for s in meta if s.target == ".metadata" and torch_reads(s.checkpoint)]
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=ATTRIBUTE_ORDER_CASES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, len(trusted) - 1), st.integers(0, 2**31))
+    def check(i: int, case: int) -> None:
+        seed = trusted[i]
+        folder = make_case(seed.checkpoint, seed.target, mutated(seed, case, [metadata_attribute_order]),
+                           tmp_path / "case")
+        out = run_same_metadata_case(folder, CASE_TIMEOUT)
+        outcomes[out.kind] += 1
+        assert out.kind not in ("crash", "hang", "memory", "unsound"), \
+            f"{seed.checkpoint.name} #{case}: {out.kind}\n{out.detail}"
+
+    check()
+    assert outcomes["ok"] > 0 and outcomes["error"] > 0, outcomes
+
+
+def test_mutated_safetensors_files_read_as_the_library_reads_them(tmp_path):
+    """Issue 29, item 8: ``save_file`` outputs with holes, names twice, tails, overlaps and byte damage, the
+    safetensors library the oracle: what it refuses is never healthy, what it reads reads the same."""
+    seed_list = safetensors_corpus(tmp_path)
+    outcomes: Counter = Counter()
+
+    @settings(max_examples=SAFETENSORS_CASES, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, len(seed_list) - 1), st.integers(0, 2**31))
+    def check(i: int, case: int) -> None:
+        folder = tmp_path / "case"
+        folder.mkdir(exist_ok=True)
+        (folder / SAFETENSORS_NAME).write_bytes(mutated_safetensors(seed_list[i], case))
+        out = run_case(folder, CASE_TIMEOUT, oracle=True, check=exercise_safetensors)
+        outcomes[out.kind] += 1
+        assert out.kind not in ("crash", "hang", "memory", "unsound"), f"{seed_list[i].name} #{case}: {out.kind}\n" \
+            f"{out.detail}"
+
+    check()
+    assert outcomes["ok"] > 0 and outcomes["error"] > 0, outcomes
 
 
 def test_mutated_planner_data_gives_answers_or_clean_errors(seeds, tmp_path):

@@ -12,6 +12,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import save_file
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.dtypes import MAX_INDEX
@@ -145,8 +146,6 @@ def _edit_entries(change):
     pytest.param(lambda h: _compact({**{k: v for k, v in json.loads(h).items() if k != "__metadata__"},
                                      "__metadata__": json.loads(h)["__metadata__"]}), False, id="metadata last"),
     pytest.param(lambda h: _compact({**json.loads(h), "__metadata__": None}), False, id="metadata null"),
-    pytest.param(lambda h: h.replace(b'"scalar":', b'"z.6":'), False, id="duplicate name"),
-    pytest.param(lambda h: h.replace(b'"scalar":', b'"\\u007a.6":'), False, id="duplicate name escaped"),
     pytest.param(_edit_entries(lambda o: o["z.6"].update(extra=1)), False, id="extra key"),
     pytest.param(lambda h: h.replace(b'"dtype":"F64"', b'"dtype":"\\u0046\\u0036\\u0034"'), False,
                  id="escaped dtype"),
@@ -159,8 +158,8 @@ def _edit_entries(change):
     pytest.param(lambda h: h.replace(b'"scalar":', b'"\\u0073c\\/a\\ud83d\\ude00":'), True, id="escaped name"),
 ])
 def test_other_spellings_give_the_json_parsers_entries(written, tmp_path, spelling, canonical):
-    """Spellings outside safetensors' own layout go through the JSON parser (duplicates: JSON keeps the last);
-    escapes and whitespace the layout allows are read as columns, names decoded as JSON decodes them."""
+    """Spellings outside safetensors' own layout go through the JSON parser; escapes and whitespace the layout
+    allows are read as columns, names decoded as JSON decodes them."""
     _, header, data = _header(written)
     path = tmp_path / "spelled.safetensors"
     _write(path, spelling(header.rstrip(b" ")), data)
@@ -226,21 +225,29 @@ def test_an_entry_named_metadata_is_the_json_parsers_error(written, tmp_path):
     path = tmp_path / "metadata.safetensors"
     _write(path, header.replace(b'"scalar":', b'"__metadata__":'), data)
     assert _fast(path) is None
-    with pytest.raises(CheckpointError, match=r"\(__metadata__ is not a map of strings\)\.$"):
+    with pytest.raises(CheckpointError, match=r"\(header names __metadata__ twice\)\.$"):  # the library's refusal
         open_checkpoint(path, use_cache=False)
 
 
 def test_entries_past_the_data_are_refused_with_a_limit_and_kept_without(written, tmp_path):
-    path = _damaged(written, tmp_path, lambda o: o["z.6"].update(data_offsets=[10**17, 10**17 + 24]))
+    last = _last_entry(json.loads(_header(written)[1]))
+    path = _damaged(written, tmp_path, lambda o: o[last].update(
+        data_offsets=[o[last]["data_offsets"][0], 10**17 + 24]))  # where a file cut short would end
     size = path.stat().st_size
     base = 8 + len(_header(path)[1])
-    with pytest.raises(ItemFormatError, match=fr"^header entry 'z.6': bytes {10**17}..{10**17 + 24} lie outside "
+    a = json.loads(_header(path)[1])[last]["data_offsets"][0]
+    with pytest.raises(ItemFormatError, match=fr"^header entry '{last}': bytes {a}..{10**17 + 24} lie outside "
                        fr"the {size - base}-byte data$"):
         _table(path, data_limit=size)
     assert _fast(path, size) is None and _fast(path) is not None  # a file's entries are kept: verify says short
     table, reference = _table(path)
     _same_entries(table, reference)
     assert table.end == base + 10**17 + 24
+
+
+def _last_entry(obj) -> str:
+    """The entry whose bytes end the data section."""
+    return max((k for k in obj if k != "__metadata__"), key=lambda k: obj[k]["data_offsets"])
 
 
 def _wrong_length(o):
@@ -252,24 +259,22 @@ def _huge_shape(o):
 
 
 def _past_float_precision(o):
-    a, _ = o["z.6"]["data_offsets"]
-    o["z.6"].update(shape=[2**53], data_offsets=[a, a + 2**55 + 4])  # one element more than the shape says,
-    # which float64 arithmetic cannot tell apart
-
-
-def _overlapping(o):
-    a, _ = o["bf16"]["data_offsets"]
-    o["f64"]["data_offsets"] = [a + 2, a + 2 + 32]
+    last = _last_entry(o)
+    a, _ = o[last]["data_offsets"]
+    o[last].update(dtype="F32", shape=[2**53], data_offsets=[a, a + 2**55 + 4])  # one element more than the shape
+    # says, which float64 arithmetic cannot tell apart
 
 
 @pytest.mark.parametrize("change, fqn, words", [
     (_wrong_length, "f64", "f64: 32 bytes in damaged.safetensors for shape [5] of float64."),
     (_huge_shape, "f64", f"f64: 32 bytes in damaged.safetensors for shape {[2**40] * 3} of float64."),
-    (_past_float_precision, "z.6", f"z.6: {2**55 + 4} bytes in damaged.safetensors for shape [{2**53}] of float32."),
-    (_overlapping, "f64", "overlap: one of them is read from another entry's bytes."),
+    (_past_float_precision, "LAST", f"LAST: {2**55 + 4} bytes in damaged.safetensors for shape [{2**53}] of float32."),
 ])
 def test_headers_the_library_refuses_are_refused_by_open_with_the_same_words(written, tmp_path, change, fqn,
                                                                                 words):
+    if fqn == "LAST":
+        fqn = _last_entry(json.loads(_header(written)[1]))
+        words = words.replace("LAST", fqn)
     path = _damaged(written, tmp_path, change)
     assert _fast(path) is not None  # the damage is past the parser: the model's checks find it
     with pytest.raises(CheckpointError) as err:
@@ -278,9 +283,6 @@ def test_headers_the_library_refuses_are_refused_by_open_with_the_same_words(wri
     assert text.startswith(f"{path} (tensor ") and ": not a valid safetensors header: " in text, text
     assert text.endswith(words), text
     assert err.value.fqn == fqn
-    if change is _overlapping:
-        a = 8 + len(_header(path)[1]) + json.loads(_header(path)[1])["bf16"]["data_offsets"][0]
-        assert f"of bf16 ({a}..{a + 10}) and f64 ({a + 2}..{a + 34}) overlap" in text, text
 
 
 def test_overlap_check_in_numpy_finds_what_the_sweep_finds():
@@ -374,7 +376,7 @@ def test_mutated_headers_read_as_the_json_parser_reads_them(written, tmp_path):
         else:
             _same_entries(got, want)
         fast += _canonical_table(bytes(h), 8 + len(h), MAX_INDEX) is not None
-    assert fast > 100  # many mutants stay in the canonical layout (other names, dims, offsets)
+    assert fast > 50  # many mutants stay in the canonical layout (other names, dims; offsets that still tile)
 
 
 def test_shardscope_exports_are_read_as_columns(written, tmp_path, capsys):
@@ -389,3 +391,119 @@ def test_shardscope_exports_are_read_as_columns(written, tmp_path, capsys):
     table, reference = _table(out)
     _same_entries(table, reference)
     assert set(table.names) == set(_state())
+
+
+def _two(tmp_path) -> tuple[bytes, bytes]:
+    """A header (its padding removed) and data that ``save_file`` writes for two 4-float tensors."""
+    path = tmp_path / "two.safetensors"
+    save_file({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}, path)
+    _, header, data = _header(path)
+    return header.rstrip(b" "), data
+
+
+def _entries(header: bytes, **offsets) -> bytes:
+    obj = json.loads(header)
+    for name, (a, b) in offsets.items():
+        obj[name]["data_offsets"] = [a, b]
+    return _compact(obj)
+
+
+LAYOUTS = {  # (header, data) of two.safetensors -> the file's header and data; the library refuses each
+    "hole between tensors": lambda h, d: (_entries(h, b=(20, 36)), d[:16] + b"\0" * 4 + d[16:]),
+    "hole at the start": lambda h, d: (_entries(h, a=(4, 20), b=(20, 36)), b"\0" * 4 + d),
+    "a key twice": lambda h, d: (h[:-1] + b',"a":' + _compact(json.loads(h)["b"]) + b"}", d),
+    "a key twice, both tiling": lambda h, d: (h[:-1] + b',"a":{"dtype":"F32","shape":[1],"data_offsets":[32,36]}}',
+                                              d + b"\0" * 4),
+    "bytes after the data": lambda h, d: (h, d + b"x"),
+    "bytes after no tensors": lambda h, d: (b"{}", b"\0"),
+    "overlap": lambda h, d: (_entries(h, b=(8, 24)), d[:24]),
+    "the same bytes twice": lambda h, d: (_entries(h, b=(0, 16)), d[:16]),
+    "an empty tensor past the end": lambda h, d: (
+        h[:-1] + b',"z":{"dtype":"F32","shape":[0],"data_offsets":[40,40]}}', d),
+    "a field twice": lambda h, d: (h.replace(b'"dtype":"F32"', b'"dtype":"F32","dtype":"I32"', 1), d),
+    "__metadata__ twice": lambda h, d: (b'{"__metadata__":{"x":"1"},' + h[1:-1] + b',"__metadata__":{"x":"2"}}', d),
+    "a lone surrogate": lambda h, d: (h.replace(b'"a":', b'"a\\ud800":'), d),
+    "a UTF-8 BOM": lambda h, d: (b"\xef\xbb\xbf" + h, d),
+    "a UTF-16 header": lambda h, d: (h.decode().encode("utf-16-le"), d),
+}
+ACCEPTED = {  # ... and reads each of these
+    "an empty tensor between": lambda h, d: (h[:-1] + b',"z":{"dtype":"F32","shape":[0],"data_offsets":[16,16]}}', d),
+    "an empty key twice (the last kept)": lambda h, d: (
+        h[:-1] + b',"z":{"dtype":"F32","shape":[0],"data_offsets":[32,32]},"z":{"dtype":"F32","shape":[0,2],'
+        b'"data_offsets":[32,32]}}', d),
+    "keys in another order": lambda h, d: (_compact(dict(reversed(json.loads(h).items()))), d),
+    "a leading space": lambda h, d: (b" " + h, d),
+    "a metadata key twice (the last kept)": lambda h, d: (b'{"__metadata__":{"x":"1","x":"2"},' + h[1:], d),
+}
+
+
+def _library_reads(path) -> dict | None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k).tolist() for k in f.keys()}
+    except SafetensorError:
+        return None
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_files_the_library_refuses_are_refused(tmp_path, layout):
+    """Issue 29, item 8: a hole, a key twice (JSON's last, leaving a hole), bytes after the data, an overlap, JSON
+    the library's parser refuses: never healthy or exported "verified"; one line naming the file, exit 2."""
+    header, data = LAYOUTS[layout](*_two(tmp_path))
+    path = tmp_path / "bad.safetensors"
+    _write(path, header, data)
+    assert _library_reads(path) is None, "the library reads it: not a refusal case"
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        open_checkpoint(path, use_cache=False)
+    proc = run_cli("inspect", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1 and str(path) in proc.stderr, proc.stderr
+    from shardscope.backend.formats.safetensors_file import _state
+
+    assert _state(str(path), path.stat().st_size)[0] != "complete"  # the listing's probe agrees
+
+
+@pytest.mark.parametrize("layout", list(ACCEPTED))
+def test_files_the_library_reads_read_the_same(tmp_path, layout):
+    header, data = ACCEPTED[layout](*_two(tmp_path))
+    path = tmp_path / "good.safetensors"
+    _write(path, header, data)
+    want = _library_reads(path)
+    assert want is not None
+    ckpt = open_checkpoint(path, use_cache=False)
+    from shardscope.backend.checkpoint.verify import verify
+
+    assert verify(ckpt, deep=True) == []
+    with ChunkReader(ckpt) as reader:
+        assert {t.fqn: reader.read_tensor(t).tolist() for t in ckpt.tensors} == want
+
+
+def test_a_big_non_canonical_header_costs_little_more_than_its_json(tmp_path):
+    """Issue 29, item 10: a header of 100,000 entries spelled otherwise than safetensors writes it (indented) is read
+    column by column after json.loads, not entry by entry (a 95 MB one took 86 s, the library 26 s): parsing it costs
+    at most 1.75x its json.loads alone (entry by entry: 2x and more). Best of three alternating runs."""
+    import time
+
+    n = 100_000
+    header = {f"model.layers.{i // 10}.experts.{i % 10}.w": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i,
+                                                                                                           4 * i + 4]}
+              for i in range(n)}
+    text = json.dumps(header, indent=1).encode()
+    path = tmp_path / "indented.safetensors"
+    _write(path, text, b"\0" * (4 * n))
+    assert _fast(path) is None
+    _table(path)  # first-use costs
+    ours, parse = [], []
+    size = path.stat().st_size
+    with open_folder(str(tmp_path)).handles() as h:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            table = parse_safetensors_table(h, path.name, 0, size, MAX_INDEX)
+            ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            json.loads(text)
+            parse.append(time.perf_counter() - t0)
+    assert len(table) == n and table.end == size
+    assert min(ours) <= 1.75 * min(parse), (ours, parse)

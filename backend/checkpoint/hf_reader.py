@@ -164,9 +164,11 @@ def index_weight_map(where: Folder) -> dict[str, str]:
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{index}: not a readable safetensors index ({type(exc).__name__}).",
                               path=index) from None
-    bad = sorted(repr(f) for f in files if not isinstance(f, str) or not safe_name(f))
-    if bad:
-        raise CheckpointError(f"{index}: names {bad[0]}, not a file inside the folder.", path=index)
+    bad = next((k for k, f in weight_map.items() if not isinstance(f, str) or not safe_name(f)), None) \
+        if files and not all(isinstance(f, str) and safe_name(f) for f in files) else None
+    if bad is not None:
+        raise CheckpointError(f"{index}: its weight_map places {str(bad)[:200]!r} in {str(weight_map[bad])[:200]!r}, "
+                              "not a file inside the folder; refused.", path=index, fqn=str(bad))
     return weight_map
 
 

@@ -1,12 +1,13 @@
 """Read a big ``.metadata`` as a stream of events instead of an object graph.
 
 pickle's memo keeps every object it made alive until the load ends, so a million chunks cost a
-million record objects plus a million-entry ``storage_data`` dict. Here the per-chunk classes
-(ChunkStorageMetadata, MetadataIndex, _StorageInfo) are stand-ins whose one shared instance
-receives each object's state in ``__setstate__`` and appends it to flat arrays, in file order.
-DCP pickles a tensor's chunks right before the tensor, and each storage key right before its
-value, so order alone ties them together; any file where that does not hold (a shared object,
-an unexpected state) is read again the ordinary way.
+million record objects. Here the per-chunk classes (ChunkStorageMetadata, MetadataIndex, _StorageInfo)
+are stand-ins: empty 16-byte objects whose ``__setstate__`` appends the object's state, and its
+identity, to flat arrays, in file order. A tensor claims its chunks by identity, and ``storage_data``
+pairs keys and values as the dict is actually built (SETITEMS), so a pickle that builds its objects
+somewhere else first (an extra attribute placed before the others) cannot re-pair them; any file whose
+pairs are not in the order DCP writes them (each key right before its value, a tensor's chunks right
+before it) is read again the ordinary way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .reader_process import must_isolate, run_isolated
-from .safe_pickle import NotStreamable, TensorStorageRecord, stream_size
+from .safe_pickle import NotStreamable, Record, TensorStorageRecord, stream_size
 from .unpickler import unpickle_metadata
 
 
@@ -34,6 +35,8 @@ class Events:
         self.info_path: list[str] = []
         self.info_offset = array("q")
         self.info_length = array("q")
+        # id() of each stand-in object, per row above: pickle's memo keeps them all alive, so ids are unique
+        self.chunk_ids, self.index_ids, self.info_ids = array("Q"), array("Q"), array("Q")
         self.transformed = False
         self.broken: str | None = None
         self.max_dims = 1 << 62  # chunk offsets+sizes a file of this size can plausibly hold
@@ -43,7 +46,9 @@ class Events:
 def _hooks(ev: Events) -> dict[str, Any]:
     """The stand-in classes, sharing ``ev`` through this closure.
 
-    NOTE: longer than 60 lines on purpose: four small classes that only make sense together."""
+    NOTE: longer than 60 lines on purpose: four small classes that only make sense together. Each stand-in
+    object is a distinct empty object (made and hashed in C), so ``storage_data`` is a real dict whose pairs
+    say which key got which value."""
     def fail(why: str) -> None:
         if ev.broken is None:
             ev.broken = why
@@ -52,9 +57,6 @@ def _hooks(ev: Events) -> dict[str, Any]:
         __slots__ = ()
         kind = "ChunkStorageMetadata"
 
-        def __new__(cls, *args: Any) -> Any:
-            return chunk
-
         def __setstate__(self, state: Any) -> None:
             try:
                 off, size = state["offsets"], state["sizes"]
@@ -62,6 +64,7 @@ def _hooks(ev: Events) -> dict[str, Any]:
                     raise TypeError("ragged chunk")
                 if len(ev.chunk_dims) > ev.max_dims:
                     raise TypeError("more chunk dimensions than the file can hold (pickle memo references)")
+                ev.chunk_ids.append(id(self))
                 ev.chunk_ndim.append(len(off))
                 ev.chunk_dims.extend(off)
                 ev.chunk_dims.extend(size)
@@ -73,13 +76,11 @@ def _hooks(ev: Events) -> dict[str, Any]:
         __slots__ = ()
         kind = "MetadataIndex"
 
-        def __new__(cls, *args: Any) -> Any:
-            return index
-
         def __setstate__(self, state: Any) -> None:
             try:
                 if not isinstance(state["fqn"], str):
                     raise TypeError("fqn")
+                ev.index_ids.append(id(self))
                 ev.index_fqn.append(state["fqn"])
                 off = state.get("offset")
                 if off is None:
@@ -91,20 +92,15 @@ def _hooks(ev: Events) -> dict[str, Any]:
             except (TypeError, KeyError, AttributeError, OverflowError):
                 fail("index state")
 
-        def __hash__(self) -> int:
-            return 0
-
     class Info:
         __slots__ = ()
         kind = "_StorageInfo"
-
-        def __new__(cls, *args: Any) -> Any:
-            return info
 
         def __setstate__(self, state: Any) -> None:
             try:
                 if not isinstance(state["relative_path"], str):
                     raise TypeError("relative_path")
+                ev.info_ids.append(id(self))
                 ev.info_path.append(state["relative_path"])
                 ev.info_offset.append(state["offset"])
                 ev.info_length.append(state["length"])
@@ -115,15 +111,15 @@ def _hooks(ev: Events) -> dict[str, Any]:
                 fail("storage info state")
 
     class Tensor(TensorStorageRecord):
-        """Claims the chunks pushed since the previous tensor."""
+        """Claims the chunks made since the previous tensor, which must be the ones its list names, in order."""
 
         def __setstate__(self, state: Any) -> None:
             chunks = state.get("chunks") if isinstance(state, dict) else None
-            if not isinstance(chunks, list) or chunks.count(chunk) != len(chunks):
+            if not isinstance(chunks, list):
                 fail("tensor chunks")
                 return
             n = len(chunks)
-            if ev.claimed + n != len(ev.chunk_ndim):
+            if ev.claimed + n != len(ev.chunk_ndim) or array("Q", map(id, chunks)) != ev.chunk_ids[ev.claimed:]:
                 fail("chunk order")
                 return
             if ev.tensors is not None:  # compact: one shared record, what it says kept in a list
@@ -136,7 +132,6 @@ def _hooks(ev: Events) -> dict[str, Any]:
     if ev.tensors is not None:
         shared = object.__new__(Tensor)
         Tensor.__new__ = lambda cls, *args: shared  # type: ignore[method-assign,assignment]
-    chunk, index, info = object.__new__(Chunk), object.__new__(Index), object.__new__(Info)
     return {"ChunkStorageMetadata": Chunk, "MetadataIndex": Index, "_StorageInfo": Info,
             "TensorStorageMetadata": Tensor}
 
@@ -166,7 +161,24 @@ def _stream(fh: Any, source: str, ev: Events) -> tuple[Any, Events]:
         raise NotStreamable(ev.broken)
     if len(ev.index_fqn) != len(ev.info_path) or ev.claimed != len(ev.chunk_ndim):
         raise NotStreamable("storage keys and values do not pair up")
+    _check_pairs(md, ev)
     return md, ev
+
+
+def _check_pairs(md: Any, ev: Events) -> None:
+    """``storage_data`` must pair the n-th key made with the n-th value made, every one once, in that order
+    (as DCP writes it); then the events' arrays are the pairs, and the dict of stand-ins is dropped (it is not
+    what the file's ``storage_data`` holds). A missing ``storage_data`` is refused by the ordinary reader."""
+    storage = md.get("storage_data") if isinstance(md, Record) else None
+    n = len(ev.index_ids)
+    if not isinstance(storage, dict) or len(storage) != n:
+        raise NotStreamable("storage_data missing, or not one entry per storage key")
+    if not (np.array_equal(np.fromiter(map(id, storage.keys()), np.uint64, n), np.frombuffer(ev.index_ids, np.uint64))
+            and np.array_equal(np.fromiter(map(id, storage.values()), np.uint64, n),
+                               np.frombuffer(ev.info_ids, np.uint64))):
+        raise NotStreamable("storage_data pairs keys and values other than in the order they were made")
+    md.__dict__["storage_data"] = {}  # NOTE: the pairs are in the events' arrays
+    ev.chunk_ids, ev.index_ids, ev.info_ids = array("Q"), array("Q"), array("Q")
 
 
 def max_dims(file_bytes: int) -> int:

@@ -82,9 +82,9 @@ def record(value: Any, where: str, what: str, fqn: str | None = None) -> Record:
 
 
 def mapping(value: Any, where: str, what: str) -> dict:
-    """A dict field (``storage_data``); None is empty."""
+    """A dict field (``storage_data``) a loader cannot do without: torch's reader refuses None too."""
     if value is None:
-        return {}
+        raise bad(where, f"it has no {what} (torch's loader refuses it: \"{what} must not be None\")")
     if not isinstance(value, dict):
         raise bad(where, f"{what} is {_short(value)}, not a mapping")
     return value

@@ -49,11 +49,12 @@ class HfIndexFolder(Format):
         if SAFETENSORS_INDEX not in listing and BIN_INDEX in listing:
             raise CheckpointError(f"{folder.join(BIN_INDEX)}: the shards of a .bin index are torch files: open "
                                   "one of them, or its model's safetensors.", path=folder.join(BIN_INDEX))
+        refused: CheckpointError | None = None
         try:
             weight_map: dict[str, str] | None = index_weight_map(folder)
             named = set(weight_map.values())  # type: ignore[union-attr]
-        except CheckpointError:
-            weight_map = None  # the reader reports the broken index
+        except CheckpointError as exc:
+            weight_map, refused = None, exc  # the reader reports the broken index
             named = {n for n in listing if n.endswith(".safetensors")}
         if SAFETENSORS_INDEX not in listing:  # a link leading out of the folder, or a FIFO: refused, and said why
             from ..checkpoint.storage import why_absent
@@ -61,10 +62,24 @@ class HfIndexFolder(Format):
             where = folder.join(SAFETENSORS_INDEX)
             raise CheckpointError(f"{where} {why_absent(folder.path, SAFETENSORS_INDEX)}.", path=where)
         present = {n: listing[n] for n in named if n in listing}
+        if not present:  # nothing to open: say why, not that the shards hold no tensors
+            raise refused or _no_shard(folder, weight_map or {})
         present[SAFETENSORS_INDEX] = listing[SAFETENSORS_INDEX]  # its problems: shards missing, tensors in none
         ckpt = open_hf_folder(folder, present, weight_map)
         ckpt.format, ckpt.folder = self.name, folder  # the chunk reader reads through it (no second listing)
         return ckpt
+
+
+def _no_shard(folder: Any, weight_map: dict[str, str]) -> CheckpointError:
+    """The error for an index none of whose shards can be opened: the first one, why, and a tensor it holds."""
+    from ..checkpoint.storage import why_absent
+
+    if not weight_map:
+        where = folder.join(SAFETENSORS_INDEX)
+        return CheckpointError(f"{where}: its weight_map names no shard file.", path=where)
+    key, name = min(weight_map.items(), key=lambda kv: (kv[1], kv[0]))
+    return CheckpointError(f"{folder.join(name)} {why_absent(folder.path, name)}; {SAFETENSORS_INDEX} places "
+                           f"{key!r} in it, and no shard it names is in the folder.", path=folder.join(name), fqn=key)
 
 
 FORMAT = HfIndexFolder()

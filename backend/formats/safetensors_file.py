@@ -81,7 +81,7 @@ def _state(path: str, size: int) -> tuple[str, str]:
     length-checked, to keep a listing quick), and its data ending within the file."""
     from ..checkpoint.dtypes import MAX_INDEX
     from ..checkpoint.items import ItemFormatError
-    from ..checkpoint.safetensors_items import MAX_SAFETENSORS_HEADER, parse_safetensors_header
+    from ..checkpoint.safetensors_items import MAX_SAFETENSORS_HEADER, parse_safetensors_header, trailing_bytes
 
     first = head(path, 8)
     if first is None:
@@ -103,7 +103,8 @@ def _state(path: str, size: int) -> tuple[str, str]:
         return "unreadable", "the file cannot be read"
     if end > size:
         return "incomplete", f"truncated: the header needs {end} bytes, the file has {size}"
-    return "complete", ""
+    tail = trailing_bytes(end, size)
+    return ("unreadable", tail) if tail else ("complete", "")
 
 
 FORMAT = SafetensorsFile()

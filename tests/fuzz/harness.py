@@ -179,6 +179,16 @@ def run_case(folder: Path, timeout: float = 30.0, oracle: bool = False,
     return Outcome(kind, detail, peak)
 
 
+def run_same_metadata_case(folder: Path, timeout: float = 30.0) -> Outcome:
+    """:func:`run_case` with torch's loader as the oracle, for a ``.metadata`` holding the same Metadata as a healthy
+    checkpoint's, pickled in another order (:func:`fuzz.mutators.metadata_attribute_order`): a problem or a refusal
+    where torch's loader reads the folder is unsound too."""
+    out = run_case(folder, timeout, oracle=True)
+    if out.kind in ("problems", "error") and not isinstance(torch_state(folder), str):
+        return Outcome("unsound", f"{out.kind} where torch's loader reads the folder: {out.detail}"[:1500], out.peak)
+    return out
+
+
 def make_case(source: Path, target: str, data: bytes, dst: Path) -> Path:
     """A copy of the checkpoint ``source`` (hard links) whose file ``target`` holds ``data``."""
     if dst.exists():

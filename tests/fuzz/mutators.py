@@ -381,6 +381,53 @@ def _pickled(md: object, data: bytes, rng: random.Random) -> bytes:
 
 METADATA_MUTATORS.append(planner_paths)
 
+
+# ---------------------------------------------------------------- attribute order (.metadata, issue 29 item 7)
+def _load_metadata(data: bytes) -> object:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+
+
+def metadata_attribute_order(data: bytes, rng: random.Random) -> bytes:
+    """The same Metadata pickled again (torch's own classes, so torch's loader may read it: the oracle) with an
+    extra unused attribute placed first whose objects are the ones ``storage_data`` or a tensor's chunk list refer
+    to: they are then built there, in another order, and only referenced later (a key mapped to another's value,
+    keys or values reversed or shuffled, a tensor's chunks or another tensor's); or ``storage_data`` dropped."""
+    try:
+        md = _load_metadata(data)
+        keys, infos = list(md.storage_data), list(md.storage_data.values())
+        tensors = [v for v in md.state_dict_metadata.values() if hasattr(v, "chunks")]
+    except Exception:  # not a Metadata torch's classes read (a seed is): the input, pickled as it was
+        return data
+    pick = rng.randrange(7)
+    if pick == 0 and len(keys) > 1:  # one key built first with another key's value
+        i, j = rng.sample(range(len(keys)), 2)
+        extra: object = {keys[i]: infos[j]}
+    elif pick == 1:
+        extra = keys[::-1]
+    elif pick == 2:
+        extra = infos[::-1]
+    elif pick == 3:
+        extra = rng.sample(keys + infos, len(keys + infos))
+    elif pick == 4 and len(tensors) > 1:  # chunks of tensors built first, in another order
+        extra = [c for t in rng.sample(tensors, len(tensors)) for c in t.chunks]
+    elif pick == 5 and tensors:  # inside a tensor's own state, before its chunk list
+        t, chunks = rng.choice(tensors), rng.choice(tensors).chunks[::-1]
+        state = dict(t.__dict__)
+        t.__dict__.clear()
+        t.__dict__.update({"aa_extra": chunks, **state})
+        extra = None
+    else:
+        md.__dict__.pop("storage_data") if rng.random() < 0.5 else setattr(md, "storage_data", None)
+        extra = None
+    if extra is not None:
+        state = dict(md.__dict__)
+        md.__dict__.clear()
+        md.__dict__.update({"aa_extra": extra, **state})
+    return pickle.dumps(md, protocol=rng.choice([2, 4]))
+
+
 def mutate(data: bytes, rng: random.Random, mutators: list[Callable[[bytes, random.Random], bytes]],
            rounds: int | None = None) -> bytes:
     """Apply 1-3 random mutators in a row (never returning the input unchanged if it can be helped)."""
