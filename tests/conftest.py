@@ -78,16 +78,53 @@ def _address_space_restored():
     assert resource.getrlimit(resource.RLIMIT_AS) == before, "an address-space limit was left set"
 
 
+# The scripts that write the session's fixture checkpoints: their bytes (and torch's version) key the cache below
+FIXTURE_SCRIPTS = ("make_fixtures.py", "make_deepspeed_fixtures.py", "make_megatron_fixtures.py", "gloo_retry.py")
+
+
+def fixture_root(tmp_path_factory, sub: str) -> Path:
+    """Where the fixtures of ``sub`` live: under SHARDSCOPE_FIXTURES when set; else in an on-disk cache shared by
+    every test run on this machine (``$SHARDSCOPE_FIXTURE_CACHE``, default ``~/.cache/shardscope/test-fixtures``),
+    in a folder keyed by Python's and torch's versions and a hash of the scripts that write them, so a change to
+    either writes them anew; SHARDSCOPE_FIXTURE_CACHE=off writes them into this session's temporary folder. Each
+    script writes a marker per fixture once it is whole, so an interrupted run's leftovers are written again."""
+    import hashlib
+
+    root = os.environ.get("SHARDSCOPE_FIXTURES")
+    if root:
+        return Path(root) / sub if sub else Path(root)
+    cache = os.environ.get("SHARDSCOPE_FIXTURE_CACHE", str(Path.home() / ".cache" / "shardscope" / "test-fixtures"))
+    if cache == "off":
+        return tmp_path_factory.mktemp(sub or "fixtures")
+    import torch
+
+    key = hashlib.sha256(f"{sys.version_info[:2]} {torch.__version__}".encode())
+    for name in FIXTURE_SCRIPTS:
+        key.update((HERE / name).read_bytes())
+    return Path(cache) / key.hexdigest()[:16] / sub
+
+
+def _write_fixtures(script: str, root: Path, timeout: int) -> None:
+    """Run ``script`` to write (or complete) the fixtures under ``root``, one writer at a time (a lock beside them:
+    two test runs sharing the cache wait for each other), failing the test session with why when it fails."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name or 'fixtures'}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run([sys.executable, str(HERE / script), str(root)], capture_output=True, text=True,
+                              timeout=timeout)
+    if proc.returncode != 0:  # say why: the fixtures are what most tests stand on
+        pytest.fail(f"tests/{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-8000:]}",
+                    pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def fixtures(tmp_path_factory) -> dict[str, Path]:
-    """All fixture checkpoints; written once per session (or reused from SHARDSCOPE_FIXTURES)."""
-    root = os.environ.get("SHARDSCOPE_FIXTURES")
-    root = Path(root) if root else tmp_path_factory.mktemp("fixtures")
-    proc = subprocess.run([sys.executable, str(HERE / "make_fixtures.py"), str(root)], capture_output=True,
-                          text=True, timeout=1800)
-    if proc.returncode != 0:  # say why: the fixtures are what most tests stand on
-        pytest.fail(f"tests/make_fixtures.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-8000:]}",
-                    pytrace=False)
+    """All fixture checkpoints; written once (:func:`fixture_root` says where), reused while their scripts and torch
+    stay the same."""
+    root = fixture_root(tmp_path_factory, "")
+    _write_fixtures("make_fixtures.py", root, 1800)
     from make_fixtures import FIXTURES
 
     return {name: root / name for name in FIXTURES}
@@ -97,13 +134,9 @@ def fixtures(tmp_path_factory) -> dict[str, Path]:
 def deepspeed_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """DeepSpeed ZeRO saves written by DeepSpeed itself (tests/make_deepspeed_fixtures.py: stages 1-3, fp32 and
     bf16, 2 and 3 ranks), each ``<name>/ckpt`` (``latest``, ``global_step2/``) beside ``<name>/reference.pt``
-    (DeepSpeed's own consolidation); written once per session (or kept under SHARDSCOPE_FIXTURES/deepspeed)."""
-    root = os.environ.get("SHARDSCOPE_FIXTURES")
-    root = Path(root) / "deepspeed" if root else tmp_path_factory.mktemp("deepspeed")
-    proc = subprocess.run([sys.executable, str(HERE / "make_deepspeed_fixtures.py"), str(root)], capture_output=True,
-                          text=True, timeout=1800)
-    if proc.returncode != 0:
-        pytest.fail(f"tests/make_deepspeed_fixtures.py exited {proc.returncode}:\n{proc.stderr[-8000:]}", pytrace=False)
+    (DeepSpeed's own consolidation); written once (:func:`fixture_root`)."""
+    root = fixture_root(tmp_path_factory, "deepspeed")
+    _write_fixtures("make_deepspeed_fixtures.py", root, 1800)
     from make_deepspeed_fixtures import VARIANTS
 
     return {name: root / name for name in VARIANTS}
@@ -113,13 +146,9 @@ def deepspeed_checkpoints(tmp_path_factory) -> dict[str, Path]:
 def megatron_run(tmp_path_factory) -> Path:
     """A Megatron-Core torch_dist save dir written by Megatron-Core itself (tests/make_megatron_fixtures.py: tensor
     parallel 2 over 2 gloo ranks, ``iter_0000100/`` to ``iter_0000300/`` and ``latest_checkpointed_iteration.txt``);
-    written once per session (or kept under SHARDSCOPE_FIXTURES/megatron)."""
-    root = os.environ.get("SHARDSCOPE_FIXTURES")
-    root = Path(root) / "megatron" if root else tmp_path_factory.mktemp("megatron")
-    proc = subprocess.run([sys.executable, str(HERE / "make_megatron_fixtures.py"), str(root)], capture_output=True,
-                          text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"tests/make_megatron_fixtures.py exited {proc.returncode}:\n{proc.stderr[-8000:]}", pytrace=False)
+    written once (:func:`fixture_root`)."""
+    root = fixture_root(tmp_path_factory, "megatron")
+    _write_fixtures("make_megatron_fixtures.py", root, 900)
     return root / "run"
 
 
