@@ -66,7 +66,7 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=0)
-    ap.add_argument("--kind", choices=("values", "numpy"), default="values", help="the seed file (tests' mutation_seed)")
+    ap.add_argument("--kind", choices=("values", "numpy"), default="values", help="the seed (mutation_seed)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fuzz-torch-"))
     torch.manual_seed(0)
