@@ -48,9 +48,13 @@ def describe_source(src: str, fmt: str = "") -> dict[str, Any]:
             "format": fmt or (facts.format if facts is not None else ""), "identity": ident}
 
 
-def lineage_for(src: str, export_format: str, fmt: str = "") -> bytes:
-    """The sidecar bytes of an export of ``src`` to ``export_format``."""
-    return sidecar_bytes(make_sidecar(describe_source(src, fmt), export_format))
+def lineage_for(src: str, export_format: str, fmt: str = "", model: dict | None = None) -> bytes:
+    """The sidecar bytes of an export of ``src`` to ``export_format``; ``model``: a Hugging Face model export's
+    architecture and every transform it applied, recorded under ``model``."""
+    doc = make_sidecar(describe_source(src, fmt), export_format)
+    if model is not None:
+        doc["model"] = model
+    return sidecar_bytes(doc)
 
 
 __all__ = ["describe_source", "lineage_for"]

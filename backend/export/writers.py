@@ -42,7 +42,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     check_sources(plan)
     total = plan.total_bytes
     left_out = list(plan.left_out)
-    lineage = lineage_for(plan.ckpt.path, plan.format, plan.ckpt.format)  # the source as it is read
+    lineage = lineage_for(plan.ckpt.path, plan.format, plan.ckpt.format, plan.model)  # the source as it is read
     with AtomicOutput(dst, kind=w.output_kind(plan.max_shard_size), force=force, need_bytes=plan.need_bytes(),
                       storage_options=storage_options, sources=[plan.ckpt.path], progress=progress,
                       lineage=lineage) as out:
