@@ -112,3 +112,13 @@ def test_torchtitan_without_a_config_is_one_line_exit_2(titan, tmp_path):
     proc = run_cli("export", titan / "gqa_untied" / "ckpt", tmp_path / "hf", "--hf")
     assert proc.returncode == 2 and "records no Hugging Face config" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
+
+
+def test_renaming_rotary_weights_to_hf_names_without_hf_says_the_permutation_is_missing(titan, tmp_path):
+    rules = [r"--rename=^layers\.(\d+)\.attention\.qkv_linear\.w([qk])\.=model.layers.\1.self_attn.\2_proj.",
+             r"--rename=^layers\.(\d+)\.attention\.qkv_linear\.wv\.=model.layers.\1.self_attn.v_proj."]
+    proc = run_cli("export", titan / "gqa_untied" / "ckpt", tmp_path / "renamed.safetensors", *rules, check=True)
+    lines = [x for x in proc.stdout.splitlines() if "without the rotary permutation" in x]
+    assert len(lines) == 1 and "(4 tensors)" in lines[0] and "(--hf) applies the permutation" in lines[0], proc.stdout
+    plain = run_cli("export", titan / "gqa_untied" / "ckpt", tmp_path / "plain.safetensors", check=True)
+    assert "rotary permutation" not in plain.stdout  # names as stored: nothing claims to be HF's
