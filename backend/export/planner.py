@@ -154,7 +154,7 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
     notes += [trap] if trap else []
     plan = ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
                       max_shard_size, w.nested and bool(ckpt.extra_files.get(LIGHTNING_META)) and not only,
-                      renamed, _read_config(config), record_source)
+                      renamed, _read_config(config), record_source=record_source)
     return hf_plan(plan, plan.config_file) if w.model else plan
 
 
