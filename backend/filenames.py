@@ -25,6 +25,8 @@ SAFETENSORS_SUFFIX = ".safetensors"
 HF_SHARD_RE = re.compile(r"^shard-(\d+)-.*\.safetensors$")  # torch's HuggingFaceStorageWriter: shard-0000K-model-…
 SAFETENSORS_INDEX = "model.safetensors.index.json"  # save_pretrained's map of tensor -> shard file
 BIN_INDEX = "pytorch_model.bin.index.json"  # the same for torch .bin shards
+HF_WEIGHTS = "model.safetensors"  # save_pretrained's weights, unsharded
+HF_CONFIG = "config.json"  # an HF model's (and a Trainer checkpoint's) config
 HF_INDEXES = (SAFETENSORS_INDEX, BIN_INDEX)
 HF_TRAINER_RE = re.compile(r"^(tmp-)?checkpoint-\d+$")  # transformers Trainer's checkpoint-500 (tmp- while saving)
 HF_TRAINER_STATE = "trainer_state.json"
@@ -89,7 +91,7 @@ SIGNATURE_NAME = "shardscope-manifest.sig"
 SIGNATURE_FILE_SUFFIX = "." + SIGNATURE_NAME
 MEGATRON_INTEGRITY = "integrity.json"  # Megatron-Core's manifest: {"algorithm": "sha256", "files": {name: hex}}
 # the small files that describe a checkpoint folder (its identity for lineage: their sizes, times and CRC32)
-DESCRIBING_NAMES = (LIGHTNING_META, MEGATRON_CONFIG, MEGATRON_COMMON, HF_TRAINER_STATE, DS_LATEST, "config.json")
+DESCRIBING_NAMES = (LIGHTNING_META, MEGATRON_CONFIG, MEGATRON_COMMON, HF_TRAINER_STATE, DS_LATEST, HF_CONFIG)
 
 # ------------------------------------------------------------------ steps in names
 STEP_RES = (

@@ -34,7 +34,8 @@ sys.path.insert(0, str(HERE))
 SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_cli_runs", "test_training_panel", "test_follow",
                 "test_library", "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm",
                 "test_install", "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state",
-                "test_deepspeed", "test_megatron", "test_watch", "test_export_transformers", "test_drift"}
+                "test_deepspeed", "test_megatron", "test_watch", "test_export_transformers", "test_drift",
+                "test_export_hf"}
 # modules of window tests: every test in them is `gui`, also one that starts no qtbot (--screenshot, the gui
 # command, the shard map's hover index)
 GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_library_gui", "test_workers",

@@ -71,10 +71,10 @@ REQUEST_RULES = {  # each rule of check_request, with words the message must hol
     "dcp is no export": (lambda: check_request("out", "dcp"), "written by import and reshard, not by export"),
     "no format from the name": (lambda: check_request("noext"), "choose a format, or give a maximum shard size"),
     "shard size for torch": (lambda: check_request("m.pt", "torch", max_shard_size=10**9),
-                             "a maximum shard size applies only to safetensors output"),
+                             "a maximum shard size applies only to safetensors and Hugging Face model output"),
     "config for torch": (lambda: check_request("m.pt", config="c.json"), "a config.json to copy applies only to"),
     "source path for torch": (lambda: check_request("m.pt", record_source=True),
-                              "recording the source path applies only to safetensors output"),
+                              "recording the source path applies only to safetensors and Hugging Face model output"),
     "config unsharded": (lambda: check_request("m.safetensors", config="c.json"), "give a maximum shard size too"),
     "dtype": (lambda: check_request("m.pt", dtype="int4"), "floating-point dtype int4: use bf16, fp16 or fp32"),
     "rename without =": (lambda: check_request("m.pt", rename=["abc"]), "rename rule 'abc': write it as"),
@@ -97,7 +97,8 @@ def test_plan_rules_name_no_command_line_flag(fixtures):
         "exclude": ({"exclude": ["nosuch"]}, "nosuch (a prefix to leave out) matches no entry"),
         "collision": ({"rename": [r"^model\..*=same"]}, "both become 'same' (the prefix stripped, the rename rules"),
         "rename matches nothing": ({"rename": ["^nosuch=x"]}, "rename rule ^nosuch: matches no exported key"),
-        "checked here too": ({"max_shard_size": 10**9}, "a maximum shard size applies only to safetensors output"),
+        "checked here too": ({"max_shard_size": 10**9},
+                             "a maximum shard size applies only to safetensors and Hugging Face model output"),
     }
     for name, (options, words) in cases.items():
         message = _message(lambda options=options: plan_export(ckpt, "torch", **options))
@@ -146,7 +147,7 @@ def test_no_export_error_names_a_command_line_flag():
 
 def test_export_refuses_a_format_no_writer_is_registered_under(fixtures, tmp_path):
     plan = plan_export(open_checkpoint(fixtures["fsdp2_r2"]), "safetensors")
-    for name, words in (("onnx", "unknown format 'onnx'; use one of safetensors, torch."),
+    for name, words in (("onnx", "unknown format 'onnx'; use one of safetensors, torch, hf."),
                         ("dcp", "DCP (reshard) output is written by import and reshard, not by export")):
         message = _message(lambda name=name: export(dataclasses.replace(plan, format=name), str(tmp_path / "x")))
         assert words in message, message

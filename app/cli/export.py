@@ -37,6 +37,10 @@ def register(sub: Any) -> None:
     # NOTE: with a metavar, argparse reads the choices only to check a value or to print help
     sp.add_argument("--format", choices=ExportFormats(), metavar="FORMAT",
                     help="one of %(choices)s; default: from the destination's name")
+    sp.add_argument("--hf", action="store_true", help="a Hugging Face model folder that from_pretrained loads: "
+                    "torchtitan, Megatron-Core or HF names renamed and transformed exactly (rotary permutation, fused "
+                    "QKV and gate/up split, vocabulary padding removed), every shape checked against --config (the "
+                    "HF config.json of the model); same as --format hf")
     sp.add_argument("--only", action="append", metavar="PREFIX",
                     help="export entries under this prefix (repeatable); safetensors default: the model weights of "
                     "the recognised layout (torch DCP, Lightning, torchtitan, accelerate FSDP, Megatron)")
@@ -49,7 +53,7 @@ def register(sub: Any) -> None:
                     "the layout's container, e.g. 'model.'; wrapper key parts such as torch.compile's '_orig_mod.' "
                     "are removed too; give '' to keep every key as stored)")
     sp.add_argument("--config", metavar="CONFIG_JSON", help="copy this config.json next to a sharded export, so "
-                    "from_pretrained loads the folder as it is")
+                    "from_pretrained loads the folder as it is; with --hf, the model's HF config")
     sp.add_argument("--record-source", action="store_true", help="write the source path into the output's metadata")
     sp.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16 or fp32")
     sp.add_argument("--max-shard-size", metavar="SIZE", help="sharded safetensors, e.g. 5GB or 500MB")
@@ -65,13 +69,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardscope.backend.export import check_request, export, parse_shard_size, plan_export
+    from shardscope.backend.export import ExportError, check_request, export, parse_shard_size, plan_export
     from shardscope.backend.export.layouts import find_model_folder
 
     options = {"only": args.only, "strip_prefix": args.strip_prefix, "dtype": args.dtype,
                "max_shard_size": parse_shard_size(args.max_shard_size), "exclude": args.exclude,
                "rename": args.rename, "config": args.config, "record_source": args.record_source}
-    writer = check_request(args.dst, args.format, **options)  # before anything is read
+    if args.hf and args.format not in (None, "hf"):
+        raise ExportError(f"--hf writes a Hugging Face model folder, not {args.format}; give one of them.")
+    writer = check_request(args.dst, "hf" if args.hf else args.format, **options)  # before anything is read
     src, note = find_model_folder(args.src)
     from shardscope.backend.formats import open_checkpoint
 

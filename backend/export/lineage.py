@@ -48,10 +48,14 @@ def describe_source(src: str, fmt: str = "") -> dict[str, Any]:
             "format": fmt or (facts.format if facts is not None else ""), "identity": ident}
 
 
-def lineage_for(src: str, export_format: str, fmt: str = "") -> dict[str, Any]:
+def lineage_for(src: str, export_format: str, fmt: str = "", model: dict | None = None) -> dict[str, Any]:
     """The sidecar document of an export of ``src`` to ``export_format`` (:class:`~.atomic.AtomicOutput` adds
-    the names a folder export wrote, and writes it)."""
-    return make_sidecar(describe_source(src, fmt), export_format)
+    the names a folder export wrote, and writes it); ``model``: a Hugging Face model export's architecture and
+    every transform it applied, recorded under ``model``."""
+    doc = make_sidecar(describe_source(src, fmt), export_format)
+    if model is not None:
+        doc["model"] = model
+    return doc
 
 
 __all__ = ["describe_source", "lineage_for"]

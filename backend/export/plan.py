@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.model import Checkpoint, ObjectEntry, TensorEntry, itemsize
 from ..errors import ShardscopeError
+from .hf_transforms import Transform
 from .layouts import Layout
 
 
@@ -17,21 +18,21 @@ class ExportError(ShardscopeError):
 
 @dataclass(frozen=True, slots=True)
 class ExportItem:
-    """One output tensor: its name in the output, the source entry, the output dtype."""
+    """One output tensor: its name in the output, the source entry, the output dtype, and the exact transform that
+    makes it from the source tensor (``hf_transforms.Transform``; None: the source tensor as stored)."""
 
     key: str
     entry: TensorEntry
     dtype: str
+    transform: Transform | None = None
+    shape: tuple[int, ...] = field(init=False, compare=False)  # of the output tensor
     nbytes: int = field(init=False, compare=False)  # size of the output tensor at the output dtype
 
     def __post_init__(self) -> None:
         # NOTE: worked out once: the writers ask for it millions of times in an export of 300,000 tensors
-        object.__setattr__(self, "nbytes", math.prod(self.entry.shape) * itemsize(self.dtype))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Shape of the output tensor (the full shape of its source entry)."""
-        return self.entry.shape
+        shape = self.transform.shape(self.entry.shape) if self.transform else self.entry.shape
+        object.__setattr__(self, "shape", tuple(shape))
+        object.__setattr__(self, "nbytes", math.prod(shape) * itemsize(self.dtype))
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class ExportPlan:
     include_meta: bool = False  # Lightning meta.pt merged into a torch export
     keys_renamed: bool = False
     config_file: str | None = None  # copied next to a sharded safetensors export
+    config_text: str | None = None  # a Hugging Face model export's config.json, as written
+    model: dict | None = None  # a Hugging Face model export: its architecture and transforms (the lineage sidecar)
     record_source: bool = False  # put the source path into the output's metadata
 
     @property

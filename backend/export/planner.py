@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from ..checkpoint.model import FLOAT_DTYPES, Checkpoint, TensorEntry
 from ..filenames import LIGHTNING_META
 from ..format import count
+from .hf_model import rotary_trap
+from .hf_writer import hf_plan
 from .layouts import Layout, model_key, recognise_layout
 from .plan import ExportError, ExportItem, ExportPlan
 from .registry import Writer, check_request, output_dtype, parse_rename
@@ -149,10 +151,12 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
         require_nesting(ckpt)
     notes = [f"layout: {layout.name}" + (f"; keys without the '{strip}' prefix" if strip else "")
              + (f"; wrapper key parts removed: {', '.join(sorted(unwrapped))}" if unwrapped else "")]
-    return ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
+    trap = None if w.model or not rules else rotary_trap([(it.entry.fqn, it.key) for it in items])
+    notes += [trap] if trap else []
+    plan = ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
                       max_shard_size, w.nested and bool(ckpt.extra_files.get(LIGHTNING_META)) and not only,
-                      renamed, _read_config(config),
-                      record_source)
+                      renamed, _read_config(config), record_source=record_source)
+    return hf_plan(plan, plan.config_file) if w.model else plan
 
 
 __all__ = ["plan_export", "require_nesting"]

@@ -14,7 +14,7 @@ from typing import Any
 from ..filenames import SAFETENSORS_SUFFIX, TORCH_SUFFIXES
 from ..format import parse_size
 from ..progress import Progress
-from . import safetensors_writer, torch_writer
+from . import hf_writer, safetensors_writer, torch_writer
 from .plan import ExportError, ExportPlan
 from .source import TensorSource
 from .verify import Expectation
@@ -51,6 +51,7 @@ class Writer:
     weights_only: bool = False  # tensors only, for a module: by default the model weights, keys as the module
     #                             names them; non-tensor entries go into its metadata where they are scalars
     nested: bool = False  # the nested state dict torch.save would write (planner_data rebuilds it)
+    model: bool = False  # a Hugging Face model folder: the weights named and transformed by hf_model (hf_writer)
 
     def output_kind(self, max_shard_size: int | None) -> str:
         """"file" or "dir": what an export with this maximum shard size writes."""
@@ -62,6 +63,8 @@ WRITERS: dict[str, Writer] = {w.name: w for w in (
            SELECTION | {"max_shard_size", "config", "record_source"}, safetensors_writer.write, weights_only=True),
     Writer("torch", "torch (.pt)", "file", TORCH_SUFFIXES, SELECTION, torch_writer.write,
            nested=True),
+    Writer("hf", "Hugging Face model", "dir", (), SELECTION | {"max_shard_size", "config", "record_source"},
+           hf_writer.write, weights_only=True, model=True),
     # NOTE: DCP is written from tensors one at a time, for a number of ranks (dcp_writer.import_file, reshard),
     # not from an export plan through the chunk reader: another signature, so listed here without a writer
     Writer("dcp", "DCP (reshard)", "dir", (), frozenset({"ranks"}), None),
@@ -151,7 +154,7 @@ def check_request(dst: str | None, fmt: str | None = None, **options: Any) -> Wr
             takers = [x.label for x in WRITERS.values() if name in x.options]
             raise ExportError(f"{OPTION_WORDS[name]} applies only to {' and '.join(takers)} output, not to "
                               f"{w.label}.")
-    if options.get("config") and not options.get("max_shard_size"):
+    if options.get("config") and w.output_kind(options.get("max_shard_size")) != "dir":
         raise ExportError("a config.json is copied next to a sharded export; give a maximum shard size too.")
     output_dtype(options.get("dtype"))
     parse_rename(options.get("rename"))

@@ -12,6 +12,7 @@ from typing import Any
 from ..checkpoint.chunks import ChunkReader
 from ..checkpoint.model import SAFETENSORS_CODES
 from ..errors import CheckpointError
+from ..filenames import HF_CONFIG, HF_WEIGHTS
 from ..filenames import SAFETENSORS_INDEX as INDEX_NAME
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
@@ -113,15 +114,14 @@ def check_header(path: str, head: bytes) -> None:
         pass
 
 
-def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progress: Progress | None,
-          left_out: list[str]) -> tuple[list[str], list[Expectation]]:
-    """Write the plan into ``out_path`` (a file, or a folder when sharded; ``dst``, its final name, names nothing
-    inside); returns the file names (relative to the output) and the verifier's expectations."""
-    meta = header_metadata(plan, source.reader, left_out)
-    items = list(plan.items)
-    if not plan.max_shard_size:
-        return [""], write_file(out_path, items, meta, source, progress)
-    shards = split_shards(items, plan.max_shard_size)
+def write_folder(out_path: str, items: list[ExportItem], meta: dict[str, str], source: TensorSource,
+                 progress: Progress | None, max_shard_size: int | None) -> tuple[list[str], list[Expectation]]:
+    """The tensors into folder ``out_path`` as Hugging Face lays them out: ``model.safetensors`` alone, or (with a
+    maximum shard size) ``model-0000i-of-0000n.safetensors`` files and their ``model.safetensors.index.json``.
+    Returns the file names and the verifier's expectations."""
+    if not max_shard_size:
+        return [HF_WEIGHTS], write_file(os.path.join(out_path, HF_WEIGHTS), items, meta, source, progress)
+    shards = split_shards(items, max_shard_size)
     n = len(shards)
     weight_map: dict[str, str] = {}
     expect: list[Expectation] = []
@@ -131,15 +131,29 @@ def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progr
         expect += write_file(os.path.join(out_path, name), shard, meta, source, progress)
         weight_map.update({it.key: name for it in shard})
         names.append(name)
-    index = {"metadata": {"total_size": plan.total_bytes, **{k: v for k, v in meta.items() if k != "format"}},
+    index = {"metadata": {"total_size": sum(it.nbytes for it in items),
+                          **{k: v for k, v in meta.items() if k != "format"}},
              "weight_map": dict(sorted(weight_map.items()))}
     with open(os.path.join(out_path, INDEX_NAME), "w", encoding="utf-8") as fh:
         json.dump(index, fh, indent=2)
     names.append(INDEX_NAME)
-    if plan.config_file:
-        shutil.copyfile(plan.config_file, os.path.join(out_path, "config.json"))
-        names.append("config.json")
     return names, expect
 
 
-__all__ = ["INDEX_NAME", "build_header", "check_header", "header_metadata", "split_shards", "write", "write_file"]
+def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progress: Progress | None,
+          left_out: list[str]) -> tuple[list[str], list[Expectation]]:
+    """Write the plan into ``out_path`` (a file, or a folder when sharded; ``dst``, its final name, names nothing
+    inside); returns the file names (relative to the output) and the verifier's expectations."""
+    meta = header_metadata(plan, source.reader, left_out)
+    items = list(plan.items)
+    if not plan.max_shard_size:
+        return [""], write_file(out_path, items, meta, source, progress)
+    names, expect = write_folder(out_path, items, meta, source, progress, plan.max_shard_size)
+    if plan.config_file:
+        shutil.copyfile(plan.config_file, os.path.join(out_path, HF_CONFIG))
+        names.append(HF_CONFIG)
+    return names, expect
+
+
+__all__ = ["INDEX_NAME", "build_header", "check_header", "header_metadata", "split_shards", "write", "write_file",
+           "write_folder"]

@@ -143,8 +143,11 @@ class TensorSource:
             self.reader.check_chunk(item.entry.fqn, c)
 
     def tensor(self, item: ExportItem) -> Any:
-        """The whole output tensor in memory (cast when the plan says so), contiguous."""
+        """The whole output tensor in memory (transformed and cast when the plan says so), contiguous: the source
+        tensor's stored CRC32s are checked as it is read."""
         t = self.reader.read_tensor(item.entry)
+        if item.transform is not None:
+            t = item.transform.apply(t)
         if item.dtype != item.entry.dtype:
             t = t.to(torch_dtype(item.dtype))
         return t.contiguous()
@@ -198,7 +201,7 @@ class TensorSource:
         fd = -1
         for i in order:
             item, f, offset = jobs[i]
-            small = item.nbytes <= SMALL_ITEM and item.dtype == item.entry.dtype
+            small = item.nbytes <= SMALL_ITEM and item.dtype == item.entry.dtype and item.transform is None
             if group and (not small or f != fd or offset != end or size + item.nbytes > SMALL_RUN or
                           len(group) >= SMALL_RUN_ITEMS):
                 yield group
@@ -324,10 +327,11 @@ class TensorSource:
 
 def row_bands(item: ExportItem) -> list[tuple[Chunk, int]] | None:
     """From the metadata alone: ``(chunk, offset in the output tensor)`` when the item's chunks are whole rows
-    (every dimension but the first complete) that tile it exactly and no cast is asked, sorted by offset; else
+    (every dimension but the first complete) that tile it exactly and no cast or transform is asked, sorted by
+    offset; else
     None. Whether each chunk's stored bytes can be copied as they are is known only once it is located."""
     e = item.entry
-    if item.dtype != e.dtype or e.ndim == 0 or not e.numel or not e.chunks:
+    if item.transform is not None or item.dtype != e.dtype or e.ndim == 0 or not e.numel or not e.chunks:
         return None
     row_bytes = math.prod(e.shape[1:]) * (item.nbytes // e.numel)
     out = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,11 +37,11 @@ def check_sources(plan: ExportPlan) -> None:
 def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
            progress: Progress | None = None, storage_options: dict | None = None,
            values: Callable[[ChunkReader, list[ExportItem]], TensorSource] | None = None,
-           sources: list[str] | None = None, lineage: bytes | None = None) -> ExportResult:
+           sources: list[str] | None = None, lineage: dict[str, Any] | None = None) -> ExportResult:
     """Write the plan to ``dst`` atomically (a folder when the plan is sharded). With ``verify`` every
     tensor's bytes are re-read from the output and compared with the source's before the rename.
     ``values`` makes the tensor source whose bytes are written in place of the plan's checkpoint's (the weight
-    average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar's bytes)."""
+    average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar document)."""
     t0 = time.monotonic()
     w = writer(plan.format)  # ExportError for a name no plan writer is registered under
     progress = progress or Progress()  # its cancel flag stops the writer threads when one of them fails
@@ -48,7 +49,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     total = plan.total_bytes
     left_out = list(plan.left_out)
     if lineage is None:
-        lineage = lineage_for(plan.ckpt.path, plan.format, plan.ckpt.format)  # the source as it is read
+        lineage = lineage_for(plan.ckpt.path, plan.format, plan.ckpt.format, plan.model)  # the source as it is read
     with AtomicOutput(dst, kind=w.output_kind(plan.max_shard_size), force=force, need_bytes=plan.need_bytes(),
                       storage_options=storage_options, sources=sources or [plan.ckpt.path], progress=progress,
                       lineage=lineage) as out:
