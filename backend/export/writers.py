@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ..checkpoint.chunks import ChunkReader
 from ..checkpoint.storage import why_absent
