@@ -42,7 +42,7 @@ GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_li
                "test_cli_gui", "test_main_window", "test_main_window_files", "test_checkpoint_view",
                "test_tensor_tree", "test_shard_map", "test_inspector_view", "test_health_panel", "test_ranks_view",
                "test_compare_view", "test_compare_picker", "test_library_view", "test_import_job",
-               "test_training_tab"}
+               "test_training_tab", "test_window_close"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -241,3 +241,49 @@ def _rows(model, parent):
         idx = model.index(r, 0, parent)
         yield idx
         yield from _rows(model, idx)
+
+
+def test_every_library_column_is_whole_at_1280x720(qtbot, tmp_path, fixtures):
+    """At 1280x720 the Library's `source / exports` column was off-screen (the loss header, "loss (mean of ranks)",
+    took ~140 px) and Disk usage cut run names to "run-202…-133538". Every column's right edge is now in view with
+    its header and a typical cell whole, and a run's name is whole in the tree and in Disk usage; at 1920x1080 too."""
+    from conftest import run_cli
+    from PySide6.QtWidgets import QApplication
+    from shardscope.backend.runs.follow import LOSS_LABEL
+    from shardscope.widgets.library_model import COLUMNS
+    from shardscope.widgets.library_view import LibraryView
+    from test_tensor_tree import shown_name
+
+    run = tmp_path / "runs" / "run-20261126-133538"
+    for i in (10, 20, 30):
+        aged_copy(fixtures["fsdp2_r2"], run / "checkpoints" / f"step_{i:06d}")
+    (run / "exports").mkdir()
+    run_cli("export", run / "checkpoints" / "step_000020", run / "exports" / "weights.safetensors", check=True)
+    aged_copy(fixtures["fsdp2_r2"], tmp_path / "runs" / "run-20261127-091204" / "checkpoints" / "step_000010")
+    lib = LibraryView([str(tmp_path / "runs")], None)
+    qtbot.addWidget(lib)
+    lineage = COLUMNS.index("lineage")
+    for size in ((1262, 640), (1902, 1000)):  # what the window's tab gives it at 1280x720 and 1920x1080
+        lib.resize(*size)
+        lib.show()
+        qtbot.waitUntil(lambda: lib.snapshot is not None and len(lib.snapshot.listing.checkpoints) >= 5, timeout=SLOW)
+        lib.tree.expandAll()
+        for _ in range(5):
+            QApplication.processEvents()
+        header, fm = lib.tree.header(), lib.tree.fontMetrics()
+        for col in range(header.count()):
+            right = header.sectionViewportPosition(col) + header.sectionSize(col)
+            assert right <= lib.tree.viewport().width(), (size, COLUMNS[col], right, lib.tree.viewport().width())
+            title = lib.model.headerData(col, Qt.Orientation.Horizontal)
+            assert fm.horizontalAdvance(title) < header.sectionSize(col), (size, title)
+        cells = {idx.data(Qt.ItemDataRole.DisplayRole): idx for idx in _rows(lib.tree.model(), QModelIndex())}
+        source = cells["step_000020"].siblingAtColumn(lineage)
+        assert source.data(Qt.ItemDataRole.DisplayRole) == "exported to weights.safetensors"
+        for idx in (cells["run-20261126-133538"], cells["weights.safetensors"].siblingAtColumn(lineage)):
+            assert shown_name(lib.tree, idx) == idx.data(Qt.ItemDataRole.DisplayRole), size
+        table = lib.usage_table
+        names = [table.model().index(r, 0) for r in range(table.model().rowCount())]
+        assert {n.data() for n in names} >= {"run-20261126-133538", "run-20261127-091204"}
+        assert all(shown_name(table, n) == n.data() for n in names), (size, [shown_name(table, n) for n in names])
+    loss = COLUMNS.index("loss")  # the header is short; what it means is in its tooltip
+    assert LOSS_LABEL in lib.model.headerData(loss, Qt.Orientation.Horizontal, Qt.ItemDataRole.ToolTipRole)

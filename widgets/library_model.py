@@ -12,11 +12,16 @@ from PySide6.QtGui import QColor
 from ..backend.format import human_bytes, ranks_text
 from ..backend.library.records import CheckpointRecord, RunRecord
 from ..backend.library.snapshot import LibrarySnapshot
+from ..backend.runs.follow import LOSS_LABEL
 
+NAME_SAMPLE = "run-20261126-133538"  # a run's name as `shardscope train` makes it: shown whole at 1280x720
 COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "kind", "format", "state", "loss", "lineage")
-# what a header says where the column's key is not enough: the loss is the mean over the ranks' losses at the
-# step, as the Training header shows it (step_metrics, follow.RunFollower.progress)
-HEADERS = {"loss": "loss (mean of ranks)", "lineage": "source / exports"}
+# what a header says where the column's key is not enough, and its tooltip: the loss is the mean over the ranks'
+# losses at the step, as the Training header shows it (step_metrics, follow.RunFollower.progress). NOTE: short:
+# "loss (mean of ranks)" took ~140 px and pushed `source / exports` off-screen at 1280x720
+HEADERS = {"loss": "mean loss", "lineage": "source / exports"}
+HEADER_TIPS = {"loss": f"{LOSS_LABEL} at the checkpoint's step, as the Training header shows it",
+               "lineage": "an export's source (and whether it changed since), or a checkpoint's exports"}
 SIZE_COLUMN = COLUMNS.index("size")
 ObjectRole = Qt.ItemDataRole.UserRole
 SortRole = Qt.ItemDataRole.UserRole + 1
@@ -106,6 +111,8 @@ class LibraryModel(QAbstractItemModel):
     def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
             return HEADERS.get(COLUMNS[section], COLUMNS[section])
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.ToolTipRole:
+            return HEADER_TIPS.get(COLUMNS[section])
         return None
 
     def record(self, index: QModelIndex | QPersistentModelIndex) -> RunRecord | CheckpointRecord | None:

@@ -25,7 +25,7 @@ from ..backend.format import count, human_bytes
 from ..backend.library.prune import Plan, Rules
 from ..backend.library.records import RunRecord
 from ..backend.library.snapshot import LibrarySnapshot
-from .library_model import ObjectRole
+from .library_model import NAME_SAMPLE, ObjectRole
 from .rows_table import RowsTableModel
 
 
@@ -49,7 +49,11 @@ class SizeBarDelegate(QStyledItemDelegate):
 class DiskUsageModel(RowsTableModel):
     """Runs of one root, largest first, with what the prune rules would free in each."""
 
-    HEADERS = ("run", "checkpoints", "size", "rules free")
+    HEADERS = ("run", "ckpts", "size", "rules free")  # NOTE: short, so a run's name has the room (was "checkpoints")
+    HEADER_TIPS = ("the run's folder", "checkpoints in the run", "what the run's checkpoints take on disk",
+                   "what the prune rules would remove from the run")
+    # what each column after the name must show whole
+    SAMPLES = ("000", "1023.9 MiB", "1023.9 MiB")
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
@@ -58,6 +62,11 @@ class DiskUsageModel(RowsTableModel):
 
     def rows_list(self) -> list:
         return self.rows
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.ToolTipRole:
+            return self.HEADER_TIPS[section]
+        return super().headerData(section, orientation, role)
 
     def set_rows(self, runs: list[RunRecord], plan: Plan | None) -> None:
         freed: dict[str, int] = {}
@@ -117,6 +126,16 @@ class DiskUsagePanel(QWidget):
         self.rules_label = QLabel()
         self.rules_label.setWordWrap(True)
         v.addWidget(self.rules_label)
+
+    def wanted_width(self) -> int:
+        """The width that shows a typical run's whole name beside its numbers (names longer than that elide in
+        the middle, keeping the end that tells runs of one day apart; so do all once a scroll bar takes its room)."""
+        table = self.usage_table
+        fm, header = table.fontMetrics(), table.horizontalHeader()
+        pad = fm.averageCharWidth() + 4  # NOTE: the header keeps 2 x PM_HeaderMargin (4), an item 2 x 3
+        words = zip(DiskUsageModel.HEADERS, (NAME_SAMPLE, *DiskUsageModel.SAMPLES), strict=True)
+        columns = sum(max(header.fontMetrics().horizontalAdvance(h), fm.horizontalAdvance(w)) + pad for h, w in words)
+        return columns + 2 * table.frameWidth()
 
     def set_roots(self, roots: list[str], current: str | None) -> None:
         """Offer ``roots`` in the box, ``current`` chosen (else the first); quietly: the caller fills next."""

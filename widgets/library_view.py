@@ -38,14 +38,13 @@ from ..backend.library.prune import Rules
 from ..backend.library.records import CheckpointRecord, RunRecord
 from ..backend.library.snapshot import LibrarySnapshot, take_snapshot
 from .drift_view import DriftView
-from .library_model import SIZE_COLUMN, LibraryModel, SortRole
+from .library_model import NAME_SAMPLE, SIZE_COLUMN, LibraryModel, SortRole
 from .library_usage import DiskUsagePanel, SizeBarDelegate
 from .prune_dialog import PruneDialog
 from .watch_dialog import WatchPlanDialog
 from .workers import Worker, run_in_background
 
-NAME_SAMPLE = "run-20261126-133538"  # a run's name as `shardscope train` makes it (the tree's first level)
-CHECKPOINT_SAMPLE = "step_00000030"  # a checkpoint's, one level deeper
+CHECKPOINT_SAMPLE = "weights.safetensors"  # a checkpoint's name (an export's), one level deeper than NAME_SAMPLE
 # what each column after the name must show whole (its header too)
 COLUMN_SAMPLES = ("000000", "2026-11-26 13:35", "1023.9 MiB", "000–000", "resumable", "lightning", "incomplete",
                   "00.0000", "source / exports")
@@ -108,9 +107,11 @@ class LibraryView(QWidget):
         split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(self._build_tree())
         split.addWidget(self._build_usage())
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 1)
-        split.setSizes([900, 340])
+        # NOTE: Disk usage as wide as a run's name needs, the tree the rest (it had a quarter: at 1280x720 the
+        # tree's last column was off-screen and Disk usage cut run names to "run-202…-133538")
+        split.setStretchFactor(0, 1)
+        split.setStretchFactor(1, 0)
+        split.setSizes([10 * self.usage_panel.wanted_width(), self.usage_panel.wanted_width()])
         lay.addWidget(split, 1)
         self.status = QLabel("Scanning …")
         self.status.setWordWrap(True)  # NOTE: a long roots line must not set the window's minimum width
@@ -185,13 +186,15 @@ class LibraryView(QWidget):
         self.tree.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.tree.setUniformRowHeights(True)
         self.tree.setAlternatingRowColors(True)
+        self.tree.setIndentation(16)  # NOTE: two levels only; Fusion's 20 px cost the name column 40 px at 1280x720
         self.tree.setItemDelegateForColumn(SIZE_COLUMN, SizeBarDelegate(
             lambda i: self.model.bar_fraction(self.proxy.mapToSource(i)), self.tree))
         header = self.tree.header()
         # NOTE: widths from the font, the name column first: stretched into what fixed widths (970 px) left, it
         # was 90 px at 1280x720 and every checkpoint read "step_0…"; the source column, last, takes the rest
         header.setStretchLastSection(True)
-        fm, pad = self.tree.fontMetrics(), self.tree.fontMetrics().averageCharWidth() + 10
+        fm = self.tree.fontMetrics()
+        pad = fm.averageCharWidth() + 4  # as in DiskUsagePanel.wanted_width
         indent = self.tree.indentation()
         name = pad + max(indent + fm.horizontalAdvance(NAME_SAMPLE),
                          2 * indent + fm.horizontalAdvance(CHECKPOINT_SAMPLE))

@@ -125,6 +125,14 @@ def run_in_background(func: Callable[..., Any], *args: Any, owner: QObject, on_r
     return w.start()
 
 
+def stop_background(wait_ms: int) -> bool:
+    """Ask every running worker to stop (each at its next progress check) and wait up to ``wait_ms`` for the pool
+    to empty; True when no work runs any more. For leaving the application: its teardown waits for the pool."""
+    for worker in list(Worker._alive):
+        worker.quit()
+    return QThreadPool.globalInstance().waitForDone(wait_ms)
+
+
 class Rerun:
     """One background computation at a time for a widget that recomputes as its inputs change (a dialog's plan):
     :meth:`ask` while one runs makes exactly one more run when it ends, ``start`` reading the inputs as they are
