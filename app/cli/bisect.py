@@ -46,6 +46,8 @@ def print_result(result: Any) -> None:
     """Which steps were compared, the first that differs and its entries."""
     print(f"{len(result.steps)} steps in both; compared {len(result.compared)}: "
           f"{', '.join(map(str, result.compared))}")
+    if result.by_digest:
+        print(f"{result.by_digest} tensor pairs by their sealed digests (equal, not read)")
     if result.first_step is None:
         print("no difference at any step compared")
         return
