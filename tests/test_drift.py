@@ -245,6 +245,30 @@ def test_average_equals_the_float64_reference(run, tmp_path, how):
         assert shares == pytest.approx([0.81, 0.09, 0.1]) and lineage["average"]["beta"] == 0.9
 
 
+def test_average_written_as_dcp_is_read_by_dcp_load(run, tmp_path):
+    steps = [5, 10, 20]
+    ref = reference(run, steps, [1, 2, 5])
+    out = tmp_path / "avg_dcp"
+    proc = run_cli("average", *(step_dir(run, s) for s in steps), out, "--weights", "1,2,5", "--format", "dcp",
+                   "--ranks", "2", "--prefix", "model")
+    assert proc.returncode == 0, proc.stderr
+    assert "verified" in proc.stdout
+    state = {"model": {k: torch.empty_like(v, dtype=torch.float32) for k, v in ref.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    for key, want in ref.items():
+        assert torch.equal(state["model"][key], want.float()), key  # the float64 result rounded once
+    assert {f.name for f in out.iterdir()} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    lineage = json.loads(Path(f"{out}.shardscope.json").read_text())  # beside the folder
+    assert lineage["export_format"] == "dcp" and lineage["average"]["method"] == "weighted"
+    sources = lineage["average"]["sources"]
+    assert [s["step"] for s in sources] == steps
+    assert [s["weight"] for s in sources] == pytest.approx([1 / 8, 2 / 8, 5 / 8])
+    bad = run_cli("average", step_dir(run, 5), step_dir(run, 10), tmp_path / "x", "--format", "dcp", "--hf")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
+
+
 def test_average_of_different_models_or_unequal_integers_exits_2(run, tmp_path, fixtures):
     other = fixtures["fsdp2_r2"]  # another model: other names and shapes
     proc = run_cli("average", step_dir(run, 5), other, tmp_path / "x.safetensors")
