@@ -11,8 +11,6 @@ from .export import ExportFormats
 from .output import TerminalProgress, add_command, sigterm_interrupts
 from .storage_options import add_storage_options, storage_options
 
-HF_SHARD_SIZE = "5GB"  # --hf: the folder save_pretrained writes by default
-
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "average", run, "The uniform or weighted mean of the model weights of several "
@@ -56,37 +54,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardscope.backend.compare.series import checkpoint_series
-    from shardscope.backend.export import ExportError, check_request, parse_shard_size
-    from shardscope.backend.export.average import average, average_dcp, make_recipe
-    from shardscope.backend.export.registry import output_dtype
+    from shardscope.backend.export import ExportError
+    from shardscope.backend.export.average import average_checkpoints
 
     if len(args.paths) < 3:
         raise ExportError("give at least two checkpoints and the output.")
     *inputs, dst = args.paths
-    recipe = make_recipe(len(inputs), _weights(args.weights), args.ema)
-    if args.format == "dcp":
-        if args.hf:
-            raise ExportError("--hf writes safetensors shards; leave it out with --format dcp.")
-        output_dtype(args.dtype)  # before anything is read
-        options: dict[str, Any] = {}  # average_dcp plans its own
-    else:
-        if args.ranks != 1 or args.prefix:
-            raise ExportError("--ranks and --prefix apply to --format dcp only.")
-        options = {"dtype": args.dtype, "max_shard_size": parse_shard_size(HF_SHARD_SIZE if args.hf else None)}
-        writer = check_request(dst, "safetensors" if args.hf else args.format, **options)  # before any read
-    if args.ema is not None:  # in step order, as the Library's walk finds them
-        inputs = [p.path for p in checkpoint_series(inputs)]
-        if len(inputs) < 2:
-            raise ExportError("EMA needs at least two complete checkpoints.")
-        recipe = make_recipe(len(inputs), None, args.ema)
     with TerminalProgress(unit="bytes") as progress:
-        if args.format == "dcp":
-            result = average_dcp(inputs, dst, recipe, args.ranks, args.prefix, args.dtype, args.force,
-                                 not args.no_verify, progress, storage_options(args))
-        else:
-            result = average(inputs, dst, writer.name, recipe, options, force=args.force,
-                             verify=not args.no_verify, progress=progress, storage_options=storage_options(args))
+        recipe, result = average_checkpoints(
+            inputs, dst, args.format, _weights(args.weights), args.ema, args.dtype, args.hf, args.ranks,
+            args.prefix, args.force, not args.no_verify, progress, storage_options(args))
     shares = ", ".join(f"{w:.4g}" for w in recipe.effective())
-    print(f"{recipe.method} of {len(inputs)} checkpoints (weights {shares})\n{result.summary()}")
+    print(f"{recipe.method} of {len(recipe.weights)} checkpoints (weights {shares})\n{result.summary()}")
     return EXIT_PROBLEMS if result.verified is False else EXIT_OK

@@ -153,4 +153,12 @@ def bisect(series_a: list[SeriesPoint], series_b: list[SeriesPoint], rtol: float
     return res
 
 
-__all__ = ["BisectResult", "PairDifference", "aligned", "bisect", "compare_pair"]
+def run_bisect(path_a: str, path_b: str, rtol: float = 0.0, atol: float = 0.0, storage_options: dict | None = None,
+               progress: Progress | None = None) -> BisectResult:
+    """:func:`bisect` of the checkpoints under two runs' folders (or URLs), each found and ordered by step."""
+    from .series import checkpoint_series
+
+    return bisect(checkpoint_series([path_a]), checkpoint_series([path_b]), rtol, atol, storage_options, progress)
+
+
+__all__ = ["BisectResult", "PairDifference", "aligned", "bisect", "compare_pair", "run_bisect"]
