@@ -152,7 +152,7 @@ class AverageDialog(_BackgroundDialog):
         self.result: Any = None
         inputs = QListWidget()
         inputs.addItems([escape_name(p) for p in self.paths])
-        inputs.setMaximumHeight(110)
+        inputs.setMaximumHeight(80)
         self.method = QComboBox()
         self.method.addItems(["mean", "weighted", "EMA (in step order)"])
         self.weights = QLineEdit(",".join("1" for _ in paths))
@@ -182,13 +182,13 @@ class AverageDialog(_BackgroundDialog):
         self.buttons.addButton(self.cancel_button, QDialogButtonBox.ButtonRole.ActionRole)
         layout = QVBoxLayout(self)
         layout.addLayout(form)
-        layout.addWidget(self.status)
+        layout.addWidget(self.status, 1)
         layout.addWidget(self.bar)
         layout.addWidget(self.buttons)
         self.method.currentIndexChanged.connect(self._method_changed)
         self.format.currentTextChanged.connect(self._format_changed)
         self._method_changed()
-        self.resize(720, 420)
+        self.resize(720, 460)
 
     def _method_changed(self) -> None:
         self.weights.setEnabled(self.method.currentIndex() == 1)
@@ -225,7 +225,7 @@ class AverageDialog(_BackgroundDialog):
     def _written(self, out: Any) -> None:
         recipe, self.result = out
         shares = ", ".join(f"{w:.4g}" for w in recipe.effective())
-        self.status.setText(f"{recipe.method} (weights {shares}): {escape_name(self.result.summary())}")
+        self.status.setText(f"{recipe.method} (weights {shares}): {self.result.summary()}")
 
     def _finished(self) -> None:
         super()._finished()
