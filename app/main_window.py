@@ -32,6 +32,7 @@ from ..widgets.checkpoint_view import CheckpointView
 from ..widgets.compare_view import CompareView
 from ..widgets.export_dialog import ExportDialog
 from ..widgets.library_view import LibraryView
+from ..widgets.series_dialogs import AverageDialog, BisectDialog
 from ..widgets.training_panel import TrainingPanel
 from .compare_picker import ComparePicker
 from .first_run import start_demo
@@ -272,6 +273,24 @@ class MainWindow(QMainWindow):
         view.start()
         return view
 
+    def compare_tensor(self, path_a: str, path_b: str, fqn: str) -> CompareView:
+        """Compare two checkpoints with one tensor selected once compared (a Drift cell, a Bisect row)."""
+        view = self.compare(path_a, path_b)
+        view.finished.connect(lambda result, v=view: result is not None and v.select(fqn))
+        return view
+
+    def bisect_dialog(self, run_a: str, run_b: str) -> BisectDialog:
+        """Bisect two runs in a modeless dialog; a differing entry opens Compare at the step found."""
+        dlg = self.series_dialog = BisectDialog(run_a, run_b, self)
+        dlg.compareRequested.connect(self.compare_tensor)
+        dlg.open()
+        return dlg
+
+    def average_dialog(self, paths: list[str]) -> AverageDialog:
+        dlg = self.series_dialog = AverageDialog(paths, self)
+        dlg.open()
+        return dlg
+
     def _mark_failed(self, view: QWidget, title: str) -> None:
         """A comparison that could not be made says so on its tab (its message is in the tab)."""
         for pane in (self.tabs, self.side_tabs):
@@ -294,6 +313,9 @@ class MainWindow(QMainWindow):
         lib.openRequested.connect(self.open_path)
         lib.exportRequested.connect(self._export_path)
         lib.compareRequested.connect(self.compare)
+        lib.compareTensorRequested.connect(self.compare_tensor)
+        lib.bisectRequested.connect(self.bisect_dialog)
+        lib.averageRequested.connect(self.average_dialog)
         lib.openFolderRequested.connect(self.open_dialog)
         lib.demoRequested.connect(self.run_demo)
         lib.rootsChanged.connect(set_library_roots)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import run_cli
+from shardscope.backend.filenames import MANIFEST_NAME
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -159,6 +161,41 @@ def test_bisect_of_series_with_no_common_step_cannot_compare(run, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no step is held by both" in proc.stderr
 
 
+def flip_a_byte_keeping_time(ckpt: Path, fqn: str) -> None:
+    """One byte of ``fqn``'s stored bytes flipped behind the file system's back (size and mtime kept), so that
+    only a read of the bytes, not the sealed manifest, would see it."""
+    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    chunk = manifest["tensors"][fqn]["chunks"][0]
+    path = ckpt / chunk["file"]
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_bisect_of_sealed_series_compares_equal_digests_without_reading(run, tmp_path):
+    a = copy_run(run, tmp_path / "a")
+    b = perturbed_copy(run, tmp_path / "b", 10)
+    for step in STEPS:
+        for side in (a, b):
+            assert run_cli("seal", step_dir(side, step)).returncode == 0
+    untouched = "model.blocks.0.mlp.0.weight"
+    for step in STEPS:  # a read of B's bytes would find this tensor parted at step 5 already
+        flip_a_byte_keeping_time(step_dir(b, step), untouched)
+    proc = run_cli("bisect", a, b, "--json")
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["first_step"] == 10 and out["tensors"] == [PERTURBED]
+    tensors = len(json.loads((step_dir(a, 5) / MANIFEST_NAME).read_text())["tensors"])
+    # every pair compared: all its tensors by digest but the perturbed one (from step 10 on)
+    assert out["by_digest"] == sum(tensors - (s >= 10) for s in out["compared"])
+    text = run_cli("bisect", a, b)
+    assert f"{out['by_digest']} tensor pairs by their sealed digests" in text.stdout
+
+
 def reference(run_dir: Path, steps: list[int], shares: list[float] | None = None, beta: float | None = None
               ) -> dict[str, torch.Tensor]:
     """The float64 mean (weighted by ``shares``) or EMA of the model weights, from torch's own loads."""
@@ -206,6 +243,30 @@ def test_average_equals_the_float64_reference(run, tmp_path, how):
         assert shares == pytest.approx([1 / 8, 2 / 8, 5 / 8])
     if how == "ema":
         assert shares == pytest.approx([0.81, 0.09, 0.1]) and lineage["average"]["beta"] == 0.9
+
+
+def test_average_written_as_dcp_is_read_by_dcp_load(run, tmp_path):
+    steps = [5, 10, 20]
+    ref = reference(run, steps, [1, 2, 5])
+    out = tmp_path / "avg_dcp"
+    proc = run_cli("average", *(step_dir(run, s) for s in steps), out, "--weights", "1,2,5", "--format", "dcp",
+                   "--ranks", "2", "--prefix", "model")
+    assert proc.returncode == 0, proc.stderr
+    assert "verified" in proc.stdout
+    state = {"model": {k: torch.empty_like(v, dtype=torch.float32) for k, v in ref.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    for key, want in ref.items():
+        assert torch.equal(state["model"][key], want.float()), key  # the float64 result rounded once
+    assert {f.name for f in out.iterdir()} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    lineage = json.loads(Path(f"{out}.shardscope.json").read_text())  # beside the folder
+    assert lineage["export_format"] == "dcp" and lineage["average"]["method"] == "weighted"
+    sources = lineage["average"]["sources"]
+    assert [s["step"] for s in sources] == steps
+    assert [s["weight"] for s in sources] == pytest.approx([1 / 8, 2 / 8, 5 / 8])
+    bad = run_cli("average", step_dir(run, 5), step_dir(run, 10), tmp_path / "x", "--format", "dcp", "--hf")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not (tmp_path / "x").exists()
 
 
 def test_average_of_different_models_or_unequal_integers_exits_2(run, tmp_path, fixtures):

@@ -71,6 +71,9 @@ class LibraryView(QWidget):
     openRequested = Signal(str)
     exportRequested = Signal(str)
     compareRequested = Signal(str, str)
+    compareTensorRequested = Signal(str, str, str)  # two checkpoints and the tensor to select (a Drift cell)
+    bisectRequested = Signal(str, str)  # two runs
+    averageRequested = Signal(list)  # checkpoints
     openFolderRequested = Signal()
     demoRequested = Signal()
     rootsChanged = Signal(list)  # the roots the user added (the default runs directory is not among them)
@@ -380,6 +383,9 @@ class LibraryView(QWidget):
             bool(paths))
         runs = sorted({c.run for c in self.selected_checkpoints()})
         menu.addAction("Drift of the run…", lambda: self.drift_window(runs[0])).setEnabled(len(runs) == 1)
+        two = self.selected_runs()
+        menu.addAction("Bisect the two runs…", lambda: self.bisectRequested.emit(*two)).setEnabled(len(two) == 2)
+        menu.addAction("Average…", lambda: self.averageRequested.emit(paths)).setEnabled(len(paths) >= 2)
         menu.addAction("Watch plan…", self.watch_dialog)
         menu.addAction("Prune…", self.prune_dialog)
         menu.exec(self.tree.viewport().mapToGlobal(pos))
@@ -390,6 +396,7 @@ class LibraryView(QWidget):
         view.setWindowFlag(Qt.WindowType.Window)
         view.setWindowTitle(f"Drift: {run}")
         view.resize(1280, 720)
+        view.compareRequested.connect(self.compareTensorRequested)
         view.show()
         view.load([run])
         return view

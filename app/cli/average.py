@@ -11,14 +11,13 @@ from .export import ExportFormats
 from .output import TerminalProgress, add_command, sigterm_interrupts
 from .storage_options import add_storage_options, storage_options
 
-HF_SHARD_SIZE = "5GB"  # --hf: the folder save_pretrained writes by default
-
 
 def register(sub: Any) -> None:
     sp = add_command(sub, "average", run, "The uniform or weighted mean of the model weights of several "
                      "checkpoints, or their exponential moving average in step order, accumulated in float64 and "
                      "rounded once; integer and bool tensors must be equal in every input. Written like export "
-                     "(safetensors, .pt, an HF folder with --hf), streaming, verified, with a lineage sidecar "
+                     "(safetensors, .pt, an HF folder with --hf) or as a DCP checkpoint (--format dcp), streaming, "
+                     "verified, with a lineage sidecar "
                      "listing every source and its weight. Exit 0 written and verified, 1 verification failed, "
                      "2 bad input (checkpoints of different models, unequal integer tensors).")
     sp.add_argument("paths", nargs="+", metavar="CKPT... OUT", help="two or more checkpoints, then the output")
@@ -26,8 +25,11 @@ def register(sub: Any) -> None:
                     "(the mean divides by their sum)")
     sp.add_argument("--ema", type=float, metavar="BETA", help="exponential moving average in step order: "
                     "e_0 = W_0, e_i = BETA*e_(i-1) + (1-BETA)*W_i")
-    sp.add_argument("--format", choices=ExportFormats(), metavar="FORMAT",
+    sp.add_argument("--format", choices=ExportFormats(extra=("dcp",)), metavar="FORMAT",
                     help="one of %(choices)s; default: from the output's name")
+    sp.add_argument("--ranks", type=int, default=1, help="--format dcp: as if saved by M ranks (row-wise chunks)")
+    sp.add_argument("--prefix", help="--format dcp: nest every key under this, e.g. 'model' for "
+                    "dcp.load({'model': model.state_dict()})")
     sp.add_argument("--hf", action="store_true", help="an HF-style folder of safetensors shards with its index")
     sp.add_argument("--dtype", help="output floating-point dtype: bf16, fp16 or fp32 (default: as stored)")
     sp.add_argument("--no-verify", action="store_true", help="skip the re-read of the output")
@@ -52,28 +54,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardscope.backend.compare.series import checkpoint_series
-    from shardscope.backend.export import check_request, parse_shard_size
-    from shardscope.backend.export.average import average, make_recipe
+    from shardscope.backend.export import ExportError
+    from shardscope.backend.export.average import average_checkpoints
 
     if len(args.paths) < 3:
-        from shardscope.backend.export import ExportError
-
         raise ExportError("give at least two checkpoints and the output.")
     *inputs, dst = args.paths
-    options = {"dtype": args.dtype, "max_shard_size": parse_shard_size(HF_SHARD_SIZE if args.hf else None)}
-    writer = check_request(dst, "safetensors" if args.hf else args.format, **options)  # before anything is read
-    recipe = make_recipe(len(inputs), _weights(args.weights), args.ema)
-    if args.ema is not None:  # in step order, as the Library's walk finds them
-        inputs = [p.path for p in checkpoint_series(inputs)]
-        if len(inputs) < 2:
-            from shardscope.backend.export import ExportError
-
-            raise ExportError("EMA needs at least two complete checkpoints.")
-        recipe = make_recipe(len(inputs), None, args.ema)
     with TerminalProgress(unit="bytes") as progress:
-        result = average(inputs, dst, writer.name, recipe, options, force=args.force, verify=not args.no_verify,
-                         progress=progress, storage_options=storage_options(args))
+        recipe, result = average_checkpoints(
+            inputs, dst, args.format, _weights(args.weights), args.ema, args.dtype, args.hf, args.ranks,
+            args.prefix, args.force, not args.no_verify, progress, storage_options(args))
     shares = ", ".join(f"{w:.4g}" for w in recipe.effective())
-    print(f"{recipe.method} of {len(inputs)} checkpoints (weights {shares})\n{result.summary()}")
+    print(f"{recipe.method} of {len(recipe.weights)} checkpoints (weights {shares})\n{result.summary()}")
     return EXIT_PROBLEMS if result.verified is False else EXIT_OK

@@ -28,13 +28,11 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardscope.backend.compare.bisect import bisect
-    from shardscope.backend.compare.series import checkpoint_series
+    from shardscope.backend.compare.bisect import run_bisect
 
     apply_to_fsspec(args, [args.a, args.b])
     with TerminalProgress(enabled=not args.json) as progress:
-        series_a, series_b = checkpoint_series([args.a]), checkpoint_series([args.b])
-        result = bisect(series_a, series_b, args.rtol, args.atol, storage_options(args), progress)
+        result = run_bisect(args.a, args.b, args.rtol, args.atol, storage_options(args), progress)
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -46,6 +44,8 @@ def print_result(result: Any) -> None:
     """Which steps were compared, the first that differs and its entries."""
     print(f"{len(result.steps)} steps in both; compared {len(result.compared)}: "
           f"{', '.join(map(str, result.compared))}")
+    if result.by_digest:
+        print(f"{result.by_digest} tensor pairs by their sealed digests (equal, not read)")
     if result.first_step is None:
         print("no difference at any step compared")
         return

@@ -15,12 +15,16 @@ from .storage_options import add_storage_options, storage_options
 class ExportFormats:
     """The --format choices: the names the backend's writer registry writes, asked for only when argparse checks
     a given --format or prints help. NOTE: importing the registry imports the writers (numpy, ~0.15 s); every
-    command builds this parser, and none but export needs them."""
+    command builds this parser, and none but export needs them. ``extra``: names a command writes apart from
+    an export plan (average's ``dcp``)."""
+
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        self.extra = extra
 
     def _names(self) -> tuple[str, ...]:
         from shardscope.backend.export import export_formats
 
-        return export_formats()
+        return export_formats() + self.extra
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())

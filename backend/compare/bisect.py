@@ -5,7 +5,10 @@ compared by :func:`.diff.diff`. Once two runs part they stay parted, which is wh
 
 A difference is any change in values, dtype, shape or entries; with a tolerance (``rtol``, ``atol``) a change in
 values counts only where some element has ``|a - b| > atol + rtol * |b|`` (NaN equal to NaN), as torch.isclose
-has it."""
+has it.
+
+Sealed checkpoints (``shardscope seal``) are compared by digest where they can be: a tensor pair whose digests in
+both manifests are equal is equal without a byte of it read (:func:`.diff.diff`); ``by_digest`` counts them."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class BisectResult:
     only_a: list[str] = field(default_factory=list)  # entries at the first step held by one side only
     only_b: list[str] = field(default_factory=list)
     paths: tuple[str, str] | None = None  # the checkpoints compared at the first step
+    by_digest: int = 0  # tensor pairs, over every pair of checkpoints compared, equal by their sealed digests
 
     @property
     def tensors(self) -> list[str]:
@@ -53,7 +57,8 @@ class BisectResult:
         """``{"first_step", "tensors", "parted_first", "changes", "steps", "compared", "paths"}``."""
         return {"first_step": self.first_step, "tensors": self.tensors, "parted_first": self.parted_first,
                 "changes": [c.to_json() for c in self.changes], "only_a": self.only_a, "only_b": self.only_b,
-                "steps": self.steps, "compared": self.compared, "paths": list(self.paths) if self.paths else None}
+                "steps": self.steps, "compared": self.compared, "paths": list(self.paths) if self.paths else None,
+                "by_digest": self.by_digest}
 
 
 def aligned(series_a: list[SeriesPoint], series_b: list[SeriesPoint]) -> list[tuple[int, str, str]]:
@@ -79,10 +84,25 @@ def _beyond(a: Any, b: Any, rtol: float, atol: float) -> bool:
     return False
 
 
+@dataclass
+class PairDifference:
+    """Two checkpoints compared: the changes beyond the tolerance (most changed first), the entries held by one
+    side only, and how many tensor pairs were equal by their sealed digests (none of their bytes read)."""
+
+    changes: list[Change]
+    only_a: list[str]
+    only_b: list[str]
+    by_digest: int = 0
+
+    @property
+    def differs(self) -> bool:
+        return bool(self.changes or self.only_a or self.only_b)
+
+
 def compare_pair(path_a: str, path_b: str, rtol: float = 0.0, atol: float = 0.0,
-                 storage_options: dict | None = None) -> tuple[list[Change], list[str], list[str]]:
-    """(changes beyond the tolerance, most changed first; entries only in A; only in B) of two checkpoints.
-    An entry that cannot be read, or two checkpoints no name of which pairs, cannot be compared: an error."""
+                 storage_options: dict | None = None) -> PairDifference:
+    """Two checkpoints compared by :func:`.diff.diff` (sealed ones by digest where equal). An entry that cannot
+    be read, or two checkpoints no name of which pairs, cannot be compared: an error."""
     from ..formats import open_source
 
     with open_source(path_a, storage_options) as a, open_source(path_b, storage_options) as b:
@@ -96,7 +116,7 @@ def compare_pair(path_a: str, path_b: str, rtol: float = 0.0, atol: float = 0.0,
             changes = [c for c in changes if c.kind != "values" or c.rel_l2 is None or
                        _beyond(a.tensor(c.fqn_a), b.tensor(c.fqn_b), rtol, atol)]
     changes.sort(key=lambda c: -(math.inf if c.rel_l2 is None or c.rel_l2 != c.rel_l2 else c.rel_l2))
-    return changes, result.only_a, result.only_b
+    return PairDifference(changes, result.only_a, result.only_b, result.by_digest)
 
 
 def bisect(series_a: list[SeriesPoint], series_b: list[SeriesPoint], rtol: float = 0.0, atol: float = 0.0,
@@ -108,13 +128,14 @@ def bisect(series_a: list[SeriesPoint], series_b: list[SeriesPoint], rtol: float
     if progress:
         progress.start(math.ceil(math.log2(len(pairs))) + 1, "comparing")
 
-    def parts(i: int) -> tuple[list[Change], list[str], list[str]] | None:
+    def parts(i: int) -> PairDifference | None:
         step, pa, pb = pairs[i]
         res.compared.append(step)
         if progress:
             progress.advance(1, f"step {step}")
         found = compare_pair(pa, pb, rtol, atol, storage_options)
-        return found if any(found) else None
+        res.by_digest += found.by_digest
+        return found if found.differs else None
 
     lo, hi = 0, len(pairs) - 1
     found = parts(hi)
@@ -128,8 +149,16 @@ def bisect(series_a: list[SeriesPoint], series_b: list[SeriesPoint], rtol: float
         else:
             lo = mid + 1
     res.first_step, res.paths = pairs[hi][0], (pairs[hi][1], pairs[hi][2])
-    res.changes, res.only_a, res.only_b = found
+    res.changes, res.only_a, res.only_b = found.changes, found.only_a, found.only_b
     return res
 
 
-__all__ = ["BisectResult", "aligned", "bisect", "compare_pair"]
+def run_bisect(path_a: str, path_b: str, rtol: float = 0.0, atol: float = 0.0, storage_options: dict | None = None,
+               progress: Progress | None = None) -> BisectResult:
+    """:func:`bisect` of the checkpoints under two runs' folders (or URLs), each found and ordered by step."""
+    from .series import checkpoint_series
+
+    return bisect(checkpoint_series([path_a]), checkpoint_series([path_b]), rtol, atol, storage_options, progress)
+
+
+__all__ = ["BisectResult", "PairDifference", "aligned", "bisect", "compare_pair", "run_bisect"]

@@ -11,11 +11,13 @@ the same model: the same tensors (names, dtypes, shapes) in what the export take
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.chunks import ChunkReader, torch_dtype
+from ..checkpoint.model import Checkpoint
 from ..checkpoint.sources import CheckpointSource
 from ..errors import ShardscopeError
 from ..lineage import make_sidecar
@@ -159,7 +161,7 @@ def check_same_model(plans: list[ExportPlan], paths: list[str]) -> None:
 
 
 def average_lineage(paths: list[str], formats: list[str], recipe: Recipe, export_format: str) -> dict[str, Any]:
-    """The sidecar: the first input as its ``source`` (what the Library reads), and ``sources``: every input
+    """The sidecar's document: the first input as its ``source`` (what the Library reads), and ``sources``: every input
     with its share of the result, and the method (mean, weighted, ema and its beta)."""
     described = [describe_source(p, f) for p, f in zip(paths, formats, strict=True)]
     for d, w, given in zip(described, recipe.effective(), recipe.weights, strict=True):
@@ -169,25 +171,31 @@ def average_lineage(paths: list[str], formats: list[str], recipe: Recipe, export
     return doc
 
 
+def _plans(paths: list[str], fmt: str, options: dict[str, Any],
+           storage_options: dict | None) -> tuple[list[Checkpoint], list[ExportPlan]]:
+    """Every input opened and planned for the writer ``fmt`` (a ``.pt``: the model's container only), checked
+    to hold the same model."""
+    from ..formats import open_checkpoint
+    from .layouts import recognise_layout
+    from .planner import plan_export
+
+    ckpts = [open_checkpoint(p, storage_options) for p in paths]
+    if not options.get("only") and fmt == "torch":  # a .pt of the model's weights, not of the optimizer
+        container = recognise_layout(ckpts[0]).container.rstrip(".")
+        options = {**options, "only": [container] if container else None}
+    plans = [plan_export(c, fmt, **options) for c in ckpts]
+    check_same_model(plans, paths)
+    return ckpts, plans
+
+
 def average(paths: list[str], dst: str, fmt: str, recipe: Recipe, plan_options: dict[str, Any] | None = None,
             force: bool = False, verify: bool = True, progress: Progress | None = None,
             storage_options: dict | None = None) -> ExportResult:
     """Combine the model weights of the checkpoints ``paths`` (in that order) by ``recipe`` into ``dst``
     written as ``fmt`` (an export writer's name); ``plan_options``: plan_export's keyword arguments."""
-    import contextlib
-
-    from ..formats import open_checkpoint
-    from .layouts import recognise_layout
-    from .planner import plan_export
     from .writers import export
 
-    options = dict(plan_options or {})
-    ckpts = [open_checkpoint(p, storage_options) for p in paths]
-    if not options.get("only") and fmt == "torch":  # a .pt of the model's weights, not of the optimizer
-        container = recognise_layout(ckpts[0]).container.rstrip(".")
-        options["only"] = [container] if container else None
-    plans = [plan_export(c, fmt, **options) for c in ckpts]
-    check_same_model(plans, paths)
+    ckpts, plans = _plans(paths, fmt, dict(plan_options or {}), storage_options)
     with contextlib.ExitStack() as stack:
         sources = [stack.enter_context(CheckpointSource(c)) for c in ckpts[1:]]
         others = [{it.key: (src, it.entry.fqn) for it in plan.items} for src, plan in zip(sources, plans[1:],
@@ -198,5 +206,66 @@ def average(paths: list[str], dst: str, fmt: str, recipe: Recipe, plan_options: 
                       values=lambda reader, items: AveragedValues(reader, items, others, recipe, paths))
 
 
-__all__ = ["AveragedValues", "Recipe", "average", "average_lineage", "check_same_model", "combine",
-           "make_recipe"]
+def average_dcp(paths: list[str], dst: str, recipe: Recipe, ranks: int = 1, prefix: str | None = None,
+                dtype: str | None = None, force: bool = False, verify: bool = True,
+                progress: Progress | None = None, storage_options: dict | None = None) -> ExportResult:
+    """The combined model weights written as a DCP checkpoint of ``ranks`` ranks (:func:`.dcp_writer.write_dcp`,
+    verified, atomic), keys as the model names them (as a safetensors export has them), nested under ``prefix``
+    when given, so ``dcp.load({prefix: model.state_dict()})`` reads them; one tensor's inputs in memory."""
+    from .dcp_writer import TensorIn, write_dcp
+
+    ckpts, plans = _plans(paths, "safetensors", {"dtype": dtype}, storage_options)
+    pre = prefix.strip(".") if prefix else ""
+    with contextlib.ExitStack() as stack:
+        sources = [stack.enter_context(CheckpointSource(c)) for c in ckpts]
+        inputs = [{it.key: it.entry.fqn for it in plan.items} for plan in plans]
+
+        def load(item: ExportItem) -> Any:
+            values = [src.tensor(names[item.key]) for src, names in zip(sources, inputs, strict=True)]
+            return combine(values, recipe, item.entry.fqn, paths).to(torch_dtype(item.dtype)).contiguous()
+
+        tensors = [TensorIn(f"{pre}.{it.key}" if pre else it.key, it.dtype, it.shape, lambda it=it: load(it))
+                   for it in plans[0].items]
+        planner = {t.fqn: (pre, it.key) for t, it in zip(tensors, plans[0].items, strict=True)} if pre else None
+        lineage = average_lineage(paths, [c.format for c in ckpts], recipe, "dcp")
+        return write_dcp(tensors, [], dst, ranks, planner, force, verify, progress, plans[0].total_bytes,
+                         storage_options, sources=list(paths), lineage=lineage)
+
+
+HF_SHARD_SIZE = "5GB"  # ``hf``: the folder save_pretrained writes by default
+
+
+def average_checkpoints(inputs: list[str], dst: str, fmt: str | None = None, weights: list[float] | None = None,
+                        ema: float | None = None, dtype: str | None = None, hf: bool = False, ranks: int = 1,
+                        prefix: str | None = None, force: bool = False, verify: bool = True,
+                        progress: Progress | None = None, storage_options: dict | None = None
+                        ) -> tuple[Recipe, ExportResult]:
+    """``shardscope average`` as the CLI and the window ask for it: the request checked before anything is read
+    (``fmt`` None: from ``dst``'s name; ``dcp``: :func:`average_dcp` with ``ranks`` and ``prefix``; ``hf``: a
+    sharded safetensors folder), the inputs put in step order for an EMA, then combined and written."""
+    from ..compare.series import checkpoint_series
+    from .registry import check_request, output_dtype, parse_shard_size
+
+    recipe = make_recipe(len(inputs), weights, ema)
+    if fmt == "dcp":
+        if hf:
+            raise ExportError("--hf writes safetensors shards; leave it out with --format dcp.")
+        output_dtype(dtype)
+    elif ranks != 1 or prefix:
+        raise ExportError("--ranks and --prefix apply to --format dcp only.")
+    options = {"dtype": dtype, "max_shard_size": parse_shard_size(HF_SHARD_SIZE if hf else None)}
+    if fmt != "dcp":
+        fmt = check_request(dst, "safetensors" if hf else fmt, **options).name
+    if ema is not None:  # in step order, as the Library's walk finds them
+        inputs = [p.path for p in checkpoint_series(inputs)]
+        if len(inputs) < 2:
+            raise ExportError("EMA needs at least two complete checkpoints.")
+        recipe = make_recipe(len(inputs), None, ema)
+    if fmt == "dcp":
+        return recipe, average_dcp(inputs, dst, recipe, ranks, prefix, dtype, force, verify, progress,
+                                   storage_options)
+    return recipe, average(inputs, dst, fmt, recipe, options, force, verify, progress, storage_options)
+
+
+__all__ = ["AveragedValues", "Recipe", "average", "average_checkpoints", "average_dcp", "average_lineage",
+           "check_same_model", "combine", "make_recipe"]

@@ -247,18 +247,21 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
               progress: Progress | None = None, total_bytes: int = 0,
               storage_options: dict | None = None, sources: list[str] | None = None,
-              source_format: str = "", release: Callable[[], None] | None = None) -> ExportResult:
+              source_format: str = "", release: Callable[[], None] | None = None,
+              lineage: dict[str, Any] | None = None) -> ExportResult:
     """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last.
     ``sources``: what the tensors are read from (the destination may not overlap them; the first is recorded
     in the output's lineage sidecar, opened as ``source_format``). ``planner_data`` None: every entry's key path
-    is its own name. ``release`` is called once every tensor is written (the source can go)."""
+    is its own name. ``release`` is called once every tensor is written (the source can go). ``lineage``: the
+    sidecar's document, when not the first source's (an average lists every input)."""
     if ranks < 1:
         raise ExportError("the number of ranks must be at least 1.")
     t0 = time.monotonic()
     progress = progress or Progress()  # its cancel flag is how a signal stops the writing
     names = [f"__{r}_0.distcp" for r in range(ranks)]
     need = total_bytes + sum(len(o.data) for o in objects) + 4096 * ranks + (1 << 20)
-    lineage = lineage_for(sources[0], "dcp", source_format) if sources else None
+    if lineage is None and sources:
+        lineage = lineage_for(sources[0], "dcp", source_format)
     with AtomicOutput(dst, kind="dir", force=force, need_bytes=need, storage_options=storage_options,
                       sources=sources or [], progress=progress, lineage=lineage) as out:
         cols = MetadataColumns(names)

@@ -41,7 +41,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     """Write the plan to ``dst`` atomically (a folder when the plan is sharded). With ``verify`` every
     tensor's bytes are re-read from the output and compared with the source's before the rename.
     ``values`` makes the tensor source whose bytes are written in place of the plan's checkpoint's (the weight
-    average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar document)."""
+    average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar's document)."""
     t0 = time.monotonic()
     w = writer(plan.format)  # ExportError for a name no plan writer is registered under
     progress = progress or Progress()  # its cancel flag stops the writer threads when one of them fails
