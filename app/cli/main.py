@@ -51,7 +51,8 @@ def unknown_command(word: str, names: Iterable[str]) -> str | None:
     None: a word naming something that exists, or that looks like a path or URL, opens the window on it."""
     if os.path.exists(word) or "/" in word or os.sep in word or "://" in word or "." in word:
         return None
-    close = difflib.get_close_matches(word, sorted(names), n=3, cutoff=0.6)
+    scored = sorted(((difflib.SequenceMatcher(None, word, n).ratio(), n) for n in names), reverse=True)
+    close = [n for r, n in scored if r >= 0.6 and r >= scored[0][0] - 0.1]  # the best, and any nearly as close
     if close:
         return f"unknown command '{word}'; did you mean {' or '.join(repr(c) for c in close)}?"
     return f"unknown command '{word}', and no file or folder of that name (commands: {', '.join(sorted(names))})"

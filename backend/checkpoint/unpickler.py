@@ -270,11 +270,42 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
     return struct.unpack("<" + codes[code], data)[0]
 
 
-def realize(value: Any, depth: int = 0) -> Any:
+def realize(value: Any) -> Any:
     """A loaded value with its numpy and ``io.BytesIO`` stand-ins made real (numbers only: their dtype and bytes
-    were checked when built), as torch.load would give them; everything else as it is."""
-    if depth > 512:
+    were checked when built), as torch.load would give them; everything else as it is. Each object is visited once
+    (a pickle's shared references stay shared, and a structure referenced twice at each of 40 levels costs 40
+    visits, not 2**40)."""
+    return _realize(value, {}, 0)
+
+
+def _realize(value: Any, done: dict[int, Any], depth: int) -> Any:
+    if depth > 512 or value is None or type(value) in (str, int, float, bool, bytes, TensorRef):
         return value
+    known = done.get(id(value), done)
+    if known is not done:
+        return known
+    out = done[id(value)] = _made_real(value)
+    if out is not value:
+        return out
+    if type(value) in (dict, OrderedDict, Counter):
+        for k, v in value.items():
+            r = _realize(v, done, depth + 1)
+            if r is not v:
+                value[k] = r
+    elif type(value) is list:
+        for i, v in enumerate(value):
+            r = _realize(v, done, depth + 1)
+            if r is not v:
+                value[i] = r
+    elif type(value) is tuple:
+        items = [_realize(v, done, depth + 1) for v in value]
+        if any(r is not v for r, v in zip(items, value, strict=True)):
+            out = done[id(value)] = tuple(items)
+    return out
+
+
+def _made_real(value: Any) -> Any:
+    """The real object a stand-in is (the value itself for anything else)."""
     if isinstance(value, NumpyArray) and value.state is not None:
         import numpy as np
 
@@ -296,18 +327,6 @@ def realize(value: Any, depth: int = 0) -> Any:
         if value.state is not None:
             out.__setstate__((bytes(value.state[0]), value.state[1], None))  # checked when built
         return out
-    if type(value) in (dict, OrderedDict):
-        for k, v in value.items():
-            r = realize(v, depth + 1)
-            if r is not v:
-                value[k] = r
-    elif type(value) is list:
-        for i, v in enumerate(value):
-            r = realize(v, depth + 1)
-            if r is not v:
-                value[i] = r
-    elif type(value) is tuple and any(isinstance(v, StandIn) or type(v) in (dict, list, tuple) for v in value):
-        return tuple(realize(v, depth + 1) for v in value)
     return value
 
 
