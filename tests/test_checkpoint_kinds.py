@@ -150,7 +150,7 @@ HOSTILE = {
     "top_none": (2, 2, "does not hold DCP Metadata"), "top_str": (2, 2, "does not hold DCP Metadata"),
     "top_tsm": (2, 2, "does not hold DCP Metadata"), "top_bytes": (2, 2, "does not hold DCP Metadata"),
     "top_index": (2, 2, "does not hold DCP Metadata"),
-    "entry_is_chunk": (0, 1, "a: unknown metadata entry ChunkStorageMetadata"),
+    "entry_is_chunk": (2, 2, "it has no storage_data (torch's loader refuses it"),  # and a chunk as an entry
     "files_100k": (0, 1, "__99999_0.distcp is missing"),
     "empty": (2, 2, "not a distributed checkpoint"),
     "is_a_file": (2, 2, "not a checkpoint file (.pt, .pth, .bin, .ckpt, .safetensors) or folder"),
