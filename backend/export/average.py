@@ -249,10 +249,10 @@ def average_checkpoints(inputs: list[str], dst: str, fmt: str | None = None, wei
     recipe = make_recipe(len(inputs), weights, ema)
     if fmt == "dcp":
         if hf:
-            raise ExportError("--hf writes safetensors shards; leave it out with --format dcp.")
+            raise ExportError("a Hugging Face model is written as safetensors, not as DCP.")
         output_dtype(dtype)
     elif ranks != 1 or prefix:
-        raise ExportError("--ranks and --prefix apply to --format dcp only.")
+        raise ExportError("a number of ranks and a key prefix apply to DCP output only.")
     options = {"dtype": dtype, "max_shard_size": parse_shard_size(HF_SHARD_SIZE if hf else None)}
     if fmt != "dcp":
         fmt = check_request(dst, "safetensors" if hf else fmt, **options).name
