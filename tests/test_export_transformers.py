@@ -130,6 +130,7 @@ def test_the_export_dialog_writes_every_weight_where_a_watch_adopts_it(qtbot, wr
     qtbot.addWidget(dlg)
     dst = out / "exports" / "checkpoint-2.safetensors"
     assert dlg.dst.text() == str(dst)
+    qtbot.waitUntil(lambda: not dlg.planning, timeout=120000)  # the dialog plans in the background
     with qtbot.waitSignal(dlg.finished_export, timeout=120000) as blocker:
         dlg.export_button.click()
     assert blocker.args[0] is not None and blocker.args[0].verified is True, dlg.message.text()
