@@ -1,7 +1,7 @@
 """Two dialogs over a Library's selection, each computing in the background (cancellable) through the backend:
 Bisect (the first step two runs part, :func:`backend.compare.bisect.run_bisect`; a differing tensor compared
 there in the Compare view) and Average (the mean, weighted mean or EMA of checkpoints' model weights written and
-verified, :func:`backend.export.average.average_checkpoints`)."""
+verified, :func:`backend.compare.averaging.average_checkpoints`)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..backend.compare.averaging import average_checkpoints
 from ..backend.compare.bisect import BisectResult, run_bisect
-from ..backend.export.average import average_checkpoints
 from ..backend.format import escape_name
 from .workers import Worker, run_in_background
 

@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from shardscope.backend.compare.averaging import average_checkpoints
     from shardscope.backend.export import ExportError
-    from shardscope.backend.export.average import average_checkpoints
 
     if len(args.paths) < 3:
         raise ExportError("give at least two checkpoints and the output.")
