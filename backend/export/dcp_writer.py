@@ -25,6 +25,7 @@ from ..progress import Progress
 from .atomic import AtomicOutput
 from .dcp_metadata import MetadataColumns, check_metadata, write_metadata
 from .lineage import lineage_for
+from .output_seal import Origin
 from .plan import ExportError
 from .planner import require_nesting
 from .result import ExportResult
@@ -247,11 +248,13 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
               planner_data: dict[str, tuple] | None = None, force: bool = False, verify: bool = True,
               progress: Progress | None = None, total_bytes: int = 0,
               storage_options: dict | None = None, sources: list[str] | None = None,
-              source_format: str = "", release: Callable[[], None] | None = None) -> ExportResult:
+              source_format: str = "", release: Callable[[], None] | None = None,
+              origins: dict[str, Origin] | None = None) -> ExportResult:
     """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last.
     ``sources``: what the tensors are read from (the destination may not overlap them; the first is recorded
     in the output's lineage sidecar, opened as ``source_format``). ``planner_data`` None: every entry's key path
-    is its own name. ``release`` is called once every tensor is written (the source can go)."""
+    is its own name. ``release`` is called once every tensor is written (the source can go). ``origins``: each
+    written tensor's entry in the first source (its digest there, when it is sealed, must be the written one's)."""
     if ranks < 1:
         raise ExportError("the number of ranks must be at least 1.")
     t0 = time.monotonic()
@@ -298,13 +301,14 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         planner = planner_data or None
         write_metadata(out.path, cols, planner, os.path.basename(dst), str(uuid.uuid4()), DCP_VERSION)
         progress.check()
-        if verify:
-            problem = check_metadata(out.path, cols, planner, DCP_VERSION)
-            mismatches = [problem] if problem else check_written(
-                _expectations(out.path, names, expect, plans.get("templates", {})) + files.runs, progress)
-            if mismatches:
-                return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
-                                    verified=False, mismatches=mismatches)
+        problem = check_metadata(out.path, cols, planner, DCP_VERSION) if verify else None
+        mismatches = [problem] if problem else check_written(
+            _expectations(out.path, names, expect, plans.get("templates", {})) + files.runs, progress) if verify else []
+        if not mismatches:  # the output's manifest, from the bytes written, checked against a sealed source's
+            mismatches = out.seal(sources[0] if sources else None, origins or {})
+        if mismatches:
+            return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
+                                verified=False, mismatches=mismatches)
         out.commit()
     return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, METADATA]], count, nbytes,
                         time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
@@ -389,8 +393,9 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
                 ckpt = None  # type: ignore[assignment]
                 gc.collect()  # the model's entries refer back to it: a cycle
 
+            origins = {key(e.fqn): Origin(e.fqn) for e in ckpt.tensors}
             return write_dcp(tensors(), objects, dst, ranks, planner, force, verify, progress, total,
-                             storage_options, sources=[src], source_format=kind, release=release)
+                             storage_options, sources=[src], source_format=kind, release=release, origins=origins)
         finally:
             source.close()
 
@@ -422,6 +427,7 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
         objects = [ObjectIn(o.fqn, _saved(o.value) if o.inline else reader.read_object_bytes(o))
                    for o in ckpt.objects if o.file or o.inline]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,
-                         ckpt.total_bytes, storage_options, sources=[ckpt.path], source_format=ckpt.format)
+                         ckpt.total_bytes, storage_options, sources=[ckpt.path], source_format=ckpt.format,
+                         origins={t.fqn: Origin(t.fqn) for t in ckpt.tensors})
     finally:
         reader.close()
