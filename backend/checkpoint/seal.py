@@ -23,6 +23,7 @@ from .manifest import (
     TensorDigest,
     megatron_integrity,
     read_manifest,
+    read_manifest_files,
     read_megatron_integrity,
     write_manifest,
 )
@@ -134,28 +135,44 @@ def _integrity_problems(listed: dict[str, str], actual: dict[str, str], where: s
     return out
 
 
+SEALED, UNSEALED, DAMAGED, MODIFIED = "sealed", "unsealed", "damaged", "modified"
+
+
+def seal_state(path: str, is_folder: bool) -> str:
+    """What a listing says of a checkpoint's seal, from its manifest's file list and the file system alone (no
+    byte of the checkpoint read): ``unsealed`` (no manifest), ``damaged`` (a bad manifest, a file missing, extra or
+    of another size), ``modified`` (a file modified after the seal, its size kept: ``verify`` tells), else
+    ``sealed``. Only ``verify`` proves the bytes."""
+    mpath = manifest_path(path, is_folder)
+    try:
+        files = read_manifest_files(mpath)
+        if files is None:
+            return UNSEALED
+        sealed_at = os.stat(mpath).st_mtime_ns
+        names = checkpoint_files(path, is_folder)
+        if names.keys() != files.keys() or any(files[k].bytes != n for k, n in names.items()):
+            return DAMAGED
+        folder = path if is_folder else os.path.dirname(path)
+        if any(os.stat(os.path.join(folder, *k.split("/"))).st_mtime_ns > sealed_at for k in names):
+            return MODIFIED
+    except (CheckpointError, OSError):  # a bad manifest (ManifestError), a file gone or a link in the folder
+        return DAMAGED
+    return SEALED
+
+
 def unchanged_manifest(ckpt: Checkpoint) -> Manifest | None:
-    """The checkpoint's manifest when, by the file system's word, its files are the ones sealed: the same names
-    and sizes, none modified after the manifest was written; else None (no manifest, a bad one, a change). What
-    ``diff`` trusts to skip reading tensors whose digests are equal; ``verify`` checks the bytes themselves."""
+    """The checkpoint's manifest when, by the file system's word, its files are the ones sealed (:func:`seal_state`
+    is ``sealed``); else None. What ``diff`` trusts to skip reading tensors whose digests are equal; ``verify``
+    checks the bytes themselves."""
     if is_url(ckpt.path):
         return None
     is_folder = is_folder_checkpoint(ckpt)
-    path = manifest_path(ckpt.path, is_folder)
-    try:
-        manifest = read_manifest(path)
-        if manifest is None:
-            return None
-        sealed_at = os.stat(path).st_mtime_ns
-        names = checkpoint_files(ckpt.path, is_folder)
-        folder = ckpt.path if is_folder else os.path.dirname(ckpt.path)
-        if names.keys() != manifest.files.keys() or any(
-                manifest.files[k].bytes != n or os.stat(os.path.join(folder, *k.split("/"))).st_mtime_ns > sealed_at
-                for k, n in names.items()):
-            return None
-    except (CheckpointError, OSError):
+    if seal_state(ckpt.path, is_folder) != SEALED:
         return None
-    return manifest
+    try:
+        return read_manifest(manifest_path(ckpt.path, is_folder))
+    except ManifestError:
+        return None
 
 
 def check_seal(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = None) -> SealCheck:

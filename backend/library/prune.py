@@ -189,8 +189,8 @@ def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord |
         out.append("the newest resumable checkpoint of its run")
     if c.pinned:  # its framework resumes from it (see formats.base.Facts.pinned)
         out.append(f"pinned: {c.pinned}")
-    if c.state == "unreadable":
-        out.append(f"unreadable ({c.reason}); check it with `shardscope verify`")
+    if c.unusable:
+        out.append(f"{c.unusable}; check it with `shardscope verify`")
     return out
 
 
@@ -220,7 +220,7 @@ def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str], runnin
     decided: dict[str, Decision] = {}
     for kind in (RESUMABLE, WEIGHTS):
         members = [c for c in run.checkpoints if c.kind == kind]
-        complete = sorted((c for c in members if c.state == "complete"), key=order_key)
+        complete = sorted((c for c in members if c.state == "complete" and not c.unusable), key=order_key)
         newest = complete[-1] if complete and kind == RESUMABLE else None
         last = {c.path for c in complete[-rules.keep_last:]} if rules.keep_last else set()
         best: dict[str, float] = {}
