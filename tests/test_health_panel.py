@@ -140,6 +140,8 @@ def test_verify_contents_says_what_the_manifest_proved(qtbot, copy_of):
     ckpt = copy_of("fsdp2_r2")
     assert run_cli("seal", ckpt).returncode == 0
     view = open_view(qtbot, ckpt)
+    quick = view.health.item(view.health.count() - 1).text()  # the quick check: the file system's word only
+    assert quick.startswith("✔ Manifest: sealed: every file the manifest lists is there"), quick
     with qtbot.waitSignal(view.contentsVerified, timeout=120000) as sig:
         view.verify_contents()
     assert sig.args[0] == []

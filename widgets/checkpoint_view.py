@@ -303,7 +303,8 @@ class CheckpointView(QWidget):
             checksums = format_named(self.data.ckpt.format).checksums if self.data is not None else ""
         except KeyError:
             checksums = CHECKSUMS_WHERE_STORED
-        self.health.set_problems(problems, deep=deep, checksums=checksums, seal=self.seal_summary if deep else "")
+        seal = self.seal_summary if deep else self.data.seal if self.data is not None else ""
+        self.health.set_problems(problems, deep=deep, checksums=checksums, seal=seal)
         self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems):,})")
         self.healthChanged.emit()
 

@@ -160,6 +160,18 @@ def seal_state(path: str, is_folder: bool) -> str:
     return SEALED
 
 
+def quick_seal_summary(path: str) -> str:
+    """One line of what :func:`seal_state` says of the checkpoint at ``path`` (no byte read); '' for a URL."""
+    if is_url(path):
+        return ""
+    return {SEALED: "sealed: every file the manifest lists is there, of its size, none modified since the seal "
+                    "(bytes not read: Verify contents checks every SHA-256)",
+            UNSEALED: "unsealed: no manifest (shardscope seal writes one)",
+            MODIFIED: "sealed, but a file was modified after the seal (Verify contents checks its SHA-256)",
+            DAMAGED: "damaged: a file the manifest lists is missing, extra or of another size (Verify contents "
+                     "names it)"}[seal_state(path, os.path.isdir(path))]
+
+
 def unchanged_manifest(ckpt: Checkpoint) -> Manifest | None:
     """The checkpoint's manifest when, by the file system's word, its files are the ones sealed (:func:`seal_state`
     is ``sealed``); else None. What ``diff`` trusts to skip reading tensors whose digests are equal; ``verify``

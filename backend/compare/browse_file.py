@@ -10,6 +10,7 @@ from typing import Any
 from ..checkpoint.browse import BrowseData, analyse, value_stats
 from ..checkpoint.chunks import CorruptChunkError
 from ..checkpoint.model import Checkpoint, Problem
+from ..checkpoint.seal import quick_seal_summary
 from ..checkpoint.tree import build_tree
 from ..filenames import basename
 from ..formats import open_checkpoint
@@ -27,8 +28,10 @@ def load_any(path: str, progress: Progress | None = None) -> BrowseData:
 
 
 def analyse_any(data: BrowseData, progress: Progress | None = None) -> BrowseData:
-    """Step 2: health, rank balance, heat map and small values."""
-    return analyse(data, progress)
+    """Step 2: health, rank balance, heat map and small values; what the manifest says, by the file system."""
+    data = analyse(data, progress)
+    data.seal = quick_seal_summary(data.ckpt.path)
+    return data
 
 
 def stats_any(data: BrowseData, fqn: str, progress: Progress | None = None) -> Any:
