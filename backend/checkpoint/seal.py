@@ -29,6 +29,7 @@ from .manifest import (
 )
 from .model import Checkpoint, Problem
 from .sources import CheckpointSource
+from .stream_digests import StreamedDigests
 
 MAX_NAMED = 5  # tensors or ranges named in one problem's message
 
@@ -68,17 +69,27 @@ def _local(ckpt: Checkpoint, what: str) -> None:
 
 
 def compute_manifest(ckpt: Checkpoint, progress: Progress | None = None) -> Manifest:
-    """The manifest of a checkpoint as it is now: every file hashed once (the chunk ranges in it in the same
-    pass), every tensor's logical digest, every non-tensor entry's."""
+    """The manifest of a checkpoint as it is now, each byte read once where the layout allows: every file hashed
+    front to back with, in the same pass, the chunk ranges in it and the logical digests of the tensors stored as
+    runs of their row-major bytes (:mod:`.stream_digests`); the other tensors (assembled layouts) in a second pass;
+    every non-tensor entry's digest."""
     _local(ckpt, "seal")
     is_folder = is_folder_checkpoint(ckpt)
     names = checkpoint_files(ckpt.path, is_folder)
-    if progress:
-        progress.start(sum(names.values()) + sum(e.nbytes for e in ckpt.tensors), f"sealing {ckpt.path}")
-    fh = hash_files(ckpt.path, is_folder, list(names), chunk_ranges(ckpt), progress)
     source = CheckpointSource(ckpt)
     try:
-        digests = tensor_digests(source, ckpt.tensors, progress)
+        streamed = StreamedDigests(source, ckpt.tensors)
+        ranges = chunk_ranges(ckpt)
+        for name, more in streamed.ranges.items():
+            ranges.setdefault(name, []).extend(more)
+        if progress:
+            progress.start(sum(names.values()), f"sealing {ckpt.path}")
+        fh = hash_files(ckpt.path, is_folder, list(names), ranges, progress)
+        digests = streamed.digests()
+        rest = [e for e in ckpt.tensors if e.fqn not in digests]
+        if progress and rest:
+            progress.start(sum(e.nbytes for e in rest), f"sealing {ckpt.path}: tensors in other layouts")
+        digests.update(tensor_digests(source, rest, progress))
         objects = {o.fqn: object_digest(source, o) for o in ckpt.objects}
     finally:
         source.close()

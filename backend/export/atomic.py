@@ -53,7 +53,7 @@ from ..lineage import read_sidecar, sidecar_bytes, with_written_files
 from ..procs import orphaned
 from ..progress import Progress
 from .destination import check_destination, index_files, replaceable
-from .output_seal import Origin, check_against_source, output_manifest, source_manifest
+from .output_seal import Origin, check_against_source, output_manifest, seal_kept, source_manifest
 from .plan import ExportError as OutputError
 from .remote_target import RemoteTarget
 
@@ -297,11 +297,14 @@ class AtomicOutput:
                     # NOTE: an old sidecar goes first and the new one comes after the output: a failure or a kill
                     # between the renames leaves an export without a sidecar, never one credited to another source
                     remove_path(lineage_sidecar(self.dst, self.kind == "dir"))
-                if self.kind == "file":  # likewise an old manifest: it never vouches for the new bytes
+                if self.kind == "file" and _name_fits(manifest_path(self.dst, False)):
+                    # likewise an old manifest: it never vouches for the new bytes
                     remove_path(manifest_path(self.dst, False))
                 if os.path.lexists(self.dst):  # --force, and check_destination saw a folder for a folder
                     if self.kind == "dir":
                         self.kept = self._carry_over(replaced)
+                        if self.kept and self.sealed:
+                            self.sealed = seal_kept(self.path)  # the kept entries are the output's files too
                         # a folder cannot be replaced in one step: move it aside under a temporary name first
                         aside = f"{self.path}-old"
                         os.rename(self.dst, aside)

@@ -11,11 +11,12 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..checkpoint.manifest import Manifest, read_manifest
+from ..checkpoint.digests import checkpoint_files, hash_files
+from ..checkpoint.manifest import FileDigest, Manifest, read_manifest, write_manifest
 from ..checkpoint.model import Checkpoint
 from ..checkpoint.seal import compute_manifest
 from ..errors import CheckpointError
-from ..filenames import is_url, manifest_path
+from ..filenames import MANIFEST_NAME, is_url, manifest_path
 from .plan import ExportError
 
 
@@ -66,6 +67,25 @@ def _opened(open_checkpoint: Callable[..., Checkpoint], path: str, dst: str) -> 
         raise ExportError(f"{dst}: the written output does not read back as a checkpoint ({exc}).") from None
 
 
+def seal_kept(folder: str) -> bool:
+    """--force over a folder: the entries kept from the old folder (a model folder's config.json) are files of
+    the output too, so its manifest lists them, hashed now. False (the manifest removed: the output goes unsealed)
+    when one cannot be sealed (a symbolic link)."""
+    path = os.path.join(folder, MANIFEST_NAME)
+    manifest = read_manifest(path)
+    try:
+        names = checkpoint_files(folder, True)
+    except CheckpointError:
+        os.unlink(path)
+        return False
+    if manifest is not None:
+        extra = [n for n in names if n not in manifest.files]
+        for rel, h in hash_files(folder, True, extra, {}).items():
+            manifest.files[rel] = FileDigest(h.bytes, h.sha256)
+        write_manifest(path, manifest)
+    return True
+
+
 def check_against_source(manifest: Manifest, source: Manifest | None, origins: dict[str, Origin]) -> list[str]:
     """Compare the output's tensors with the sealed source's (``origins``: output name -> where it came from):
     the tensors whose values were to be copied unchanged and whose digest differs (named with why), empty when
@@ -84,4 +104,4 @@ def check_against_source(manifest: Manifest, source: Manifest | None, origins: d
     return bad
 
 
-__all__ = ["Origin", "check_against_source", "output_manifest", "source_manifest"]
+__all__ = ["Origin", "check_against_source", "output_manifest", "seal_kept", "source_manifest"]
