@@ -267,7 +267,6 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         cols = MetadataColumns(names)
         expect: list[tuple[int, int, int, int, str]] = []  # torch.save's items (see _save_pieces)
         plans: dict = {}  # per (dtype, shape) of small tensors: their pieces and templates
-        count = nbytes = shown = 0
         progress.start(total_bytes * (2 if verify else 1) or 1, "read+verified" if verify else "read")
         files = _DataFiles(out.path, names)
         done = False
@@ -275,23 +274,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
             for obj in objects:
                 progress.check()
                 cols.add_object(obj.fqn, 0, files.add(0, obj.data, obj.fqn, gather=False), len(obj.data))
-            for t in tensors:
-                if t.raw is not None:
-                    _save_small(t, files, cols, ranks, plans)
-                    size = len(t.raw)
-                else:
-                    cols.add_tensor(t.fqn, t.dtype, t.shape)
-                    value = _save_pieces(t, files, cols, ranks, expect)
-                    size = value.numel() * value.element_size()
-                    del value
-                count += 1
-                nbytes += size
-                if size > (1 << 20) or count & 255 == 1:  # small ones reported a few hundred at a time
-                    progress.advance(nbytes - shown, t.fqn)
-                    shown = nbytes
-                if count == 1:
-                    out.hold_for_tests("written")
-            progress.advance(nbytes - shown)
+            count, nbytes = _write_tensors(tensors, files, cols, ranks, plans, expect, progress, out)
             done = True
         finally:
             files.close(sync=done)
@@ -301,11 +284,9 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         planner = planner_data or None
         write_metadata(out.path, cols, planner, os.path.basename(dst), str(uuid.uuid4()), DCP_VERSION)
         progress.check()
-        problem = check_metadata(out.path, cols, planner, DCP_VERSION) if verify else None
-        mismatches = [problem] if problem else check_written(
-            _expectations(out.path, names, expect, plans.get("templates", {})) + files.runs, progress) if verify else []
-        if not mismatches:  # the output's manifest, from the bytes written, checked against a sealed source's
-            mismatches = out.seal(sources[0] if sources else None, origins or {})
+        mismatches = _check_output(out, cols, planner, verify, lambda: _expectations(
+            out.path, names, expect, plans.get("templates", {})) + files.runs, progress) or \
+            out.seal(sources[0] if sources else None, origins or {})  # its manifest, checked against a sealed source
         if mismatches:
             return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
                                 verified=False, mismatches=mismatches)
@@ -314,6 +295,40 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
                         time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
                         verified_what=WHAT + "; the folder reads back as a DCP checkpoint" if verify else "",
                         uploaded=out.uploaded, kept=out.kept)
+
+
+def _write_tensors(tensors: Iterable[TensorIn], files: _DataFiles, cols: MetadataColumns, ranks: int, plans: dict,
+                   expect: list, progress: Progress, out: AtomicOutput) -> tuple[int, int]:
+    """Every tensor into the rank files and the metadata's columns; (tensors, bytes) written."""
+    count = nbytes = shown = 0
+    for t in tensors:
+        if t.raw is not None:
+            _save_small(t, files, cols, ranks, plans)
+            size = len(t.raw)
+        else:
+            cols.add_tensor(t.fqn, t.dtype, t.shape)
+            value = _save_pieces(t, files, cols, ranks, expect)
+            size = value.numel() * value.element_size()
+            del value
+        count += 1
+        nbytes += size
+        if size > (1 << 20) or count & 255 == 1:  # small ones reported a few hundred at a time
+            progress.advance(nbytes - shown, t.fqn)
+            shown = nbytes
+        if count == 1:
+            out.hold_for_tests("written")
+    progress.advance(nbytes - shown)
+    return count, nbytes
+
+
+def _check_output(out: AtomicOutput, cols: MetadataColumns, planner: dict | None, verify: bool,
+                  expectations: Callable[[], list[Expectation]], progress: Progress) -> list[str]:
+    """With ``verify``: what differs in the written folder (its ``.metadata`` read back, then every range of
+    ``expectations()`` re-read against its CRC32); empty when all agree, or without ``verify``."""
+    if not verify:
+        return []
+    problem = check_metadata(out.path, cols, planner, DCP_VERSION)
+    return [problem] if problem else check_written(expectations(), progress)
 
 
 def _expectations(folder: str, names: list[str], expect: list[tuple[int, int, int, int, str]],
