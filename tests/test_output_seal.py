@@ -88,3 +88,13 @@ def test_an_unsealed_source_gives_an_output_with_its_own_manifest_and_force_repl
     assert proc.returncode == 0, proc.stderr
     assert manifest_of(out)["tensors"].keys() == load_file(out).keys() != first["tensors"].keys()
     assert run_cli("verify", out).returncode == 0
+
+
+def test_an_average_carries_the_manifest_of_its_new_values(fixtures, tmp_path):
+    out = tmp_path / "avg.safetensors"
+    proc = run_cli("average", fixtures["steps_r2"] / "step2", fixtures["steps_r2"] / "step3", out)
+    assert proc.returncode == 0, proc.stderr
+    m = manifest_of(out)["tensors"]
+    loaded = load_file(out)
+    assert m.keys() == loaded.keys() and all(m[k]["sha256"] == logical_sha(loaded[k]) for k in loaded)
+    assert run_cli("verify", out).returncode == 0

@@ -18,7 +18,7 @@ from typing import Any
 from ..checkpoint.chunks import ChunkReader, torch_dtype
 from ..checkpoint.sources import CheckpointSource
 from ..errors import ShardscopeError
-from ..lineage import make_sidecar, sidecar_bytes
+from ..lineage import make_sidecar
 from ..progress import Progress
 from .lineage import describe_source
 from .plan import ExportError, ExportItem, ExportPlan
@@ -158,7 +158,7 @@ def check_same_model(plans: list[ExportPlan], paths: list[str]) -> None:
         raise ShardscopeError(f"{paths[0]}: no tensor to average.")
 
 
-def average_lineage(paths: list[str], formats: list[str], recipe: Recipe, export_format: str) -> bytes:
+def average_lineage(paths: list[str], formats: list[str], recipe: Recipe, export_format: str) -> dict[str, Any]:
     """The sidecar: the first input as its ``source`` (what the Library reads), and ``sources``: every input
     with its share of the result, and the method (mean, weighted, ema and its beta)."""
     described = [describe_source(p, f) for p, f in zip(paths, formats, strict=True)]
@@ -166,7 +166,7 @@ def average_lineage(paths: list[str], formats: list[str], recipe: Recipe, export
         d["weight"], d["given_weight"] = w, given
     doc = make_sidecar(described[0], export_format)
     doc["average"] = {"method": recipe.method, "beta": recipe.beta, "sources": described}
-    return sidecar_bytes(doc)
+    return doc  # AtomicOutput writes it (a folder output's with the names it wrote)
 
 
 def average(paths: list[str], dst: str, fmt: str, recipe: Recipe, plan_options: dict[str, Any] | None = None,

@@ -37,11 +37,11 @@ def check_sources(plan: ExportPlan) -> None:
 def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
            progress: Progress | None = None, storage_options: dict | None = None,
            values: Callable[[ChunkReader, list[ExportItem]], TensorSource] | None = None,
-           sources: list[str] | None = None, lineage: bytes | None = None) -> ExportResult:
+           sources: list[str] | None = None, lineage: dict | None = None) -> ExportResult:
     """Write the plan to ``dst`` atomically (a folder when the plan is sharded). With ``verify`` every
     tensor's bytes are re-read from the output and compared with the source's before the rename.
     ``values`` makes the tensor source whose bytes are written in place of the plan's checkpoint's (the weight
-    average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar's bytes)."""
+    average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar's document)."""
     t0 = time.monotonic()
     w = writer(plan.format)  # ExportError for a name no plan writer is registered under
     progress = progress or Progress()  # its cancel flag stops the writer threads when one of them fails
