@@ -46,3 +46,28 @@ def test_prune_never_keeps_a_damaged_checkpoint_as_the_newest_and_never_removes_
     assert plan["step_10"]["action"] == "keep"
     assert "the newest resumable checkpoint of its run" in " ".join(plan["step_10"]["reasons"])
     assert plan["step_20"]["action"] == "keep" and "damaged" in " ".join(plan["step_20"]["reasons"])
+
+
+def test_the_library_shows_the_seal_beside_the_state(qtmodeltester, fixtures, tmp_path):
+    from PySide6.QtCore import Qt
+    from shardscope.backend.library.snapshot import take_snapshot
+    from shardscope.widgets.library_model import COLUMNS, LibraryModel
+
+    for name in ("a", "b", "c"):
+        shutil.copytree(fixtures["fsdp2_r2"], tmp_path / name)
+    sealed(tmp_path / "b")
+    sealed(tmp_path / "c")
+    (tmp_path / "c" / "extra.bin").write_bytes(b"x")
+    model = LibraryModel()
+    model.set_snapshot(take_snapshot([str(tmp_path)]))
+    qtmodeltester.check(model)
+    col = list(COLUMNS).index("state")
+    states = {}
+    for r in range(model.rowCount()):
+        run = model.index(r, 0)
+        for k in range(model.rowCount(run)):
+            name = model.index(k, 0, run).data()
+            states[name] = model.index(k, col, run).data()
+            if name == "c":
+                assert "damaged" in model.index(k, col, run).data(Qt.ItemDataRole.ToolTipRole)
+    assert states == {"a": "complete", "b": "complete · sealed", "c": "complete · damaged"}

@@ -183,6 +183,16 @@ def quick_seal_summary(path: str) -> str:
                      "names it)"}[seal_state(path, os.path.isdir(path))]
 
 
+def remove_manifest_beside(path: str) -> None:
+    """After a single-file checkpoint at ``path`` was removed (prune): its manifest beside it, when it is one."""
+    mpath = manifest_path(path, False)
+    try:
+        if read_manifest_files(mpath) is not None:
+            os.unlink(mpath)
+    except (ManifestError, OSError):
+        pass  # not ours, or gone: left as it is
+
+
 def unchanged_manifest(ckpt: Checkpoint) -> Manifest | None:
     """The checkpoint's manifest when, by the file system's word, its files are the ones sealed (:func:`seal_state`
     is ``sealed``); else None. What ``diff`` trusts to skip reading tensors whose digests are equal; ``verify``
