@@ -54,6 +54,21 @@ def megatron_rules(folder: str) -> None:
                     h.update(block)
 
 
+def two_pass_seal(folder: str) -> None:
+    """seal as it was before the one-pass digests: files and chunk ranges in one pass, every tensor's logical
+    digest in a second pass through the page cache (the streamed ranges left out)."""
+    from shardscope.backend.checkpoint import seal
+    from shardscope.backend.checkpoint.stream_digests import StreamedDigests
+    from shardscope.backend.formats import open_checkpoint
+
+    class NoneStreamed(StreamedDigests):
+        def __init__(self, source, entries):
+            super().__init__(source, [])
+
+    seal.StreamedDigests = NoneStreamed
+    seal.compute_manifest(open_checkpoint(folder, use_cache=False))
+
+
 def timed(cmd: list[str]) -> float:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -82,6 +97,9 @@ def main() -> None:
                                                 f"{str(Path(__file__).parent)!r}); import seal_bench; "
                                                 f"seal_bench.megatron_rules({str(src)!r})"],
         "shardscope seal": [*cli, "seal", str(src)],
+        "seal, tensors in a second pass (before)": [sys.executable, "-c", f"import sys; sys.path.insert(0, "
+                                                    f"{str(Path(__file__).parent)!r}); import seal_bench; "
+                                                    f"seal_bench.two_pass_seal({str(src)!r})"],
         "shardscope verify": [*cli, "verify", str(src)],
         "shardscope verify --deep": [*cli, "verify", "--deep", str(src)],
     }

@@ -85,3 +85,24 @@ def test_compare_progress_text_is_not_clipped(qtbot, fixtures):
         assert fm.horizontalAdvance(text) <= width - 8, (text, width)
     assert [s for s in seen if "Comparing … " in s[2] and "model." in s[2]], seen  # the name, whole
     view.shutdown()
+
+
+def test_compare_of_sealed_copies_says_identical_by_digest(qtbot, copy_of, tmp_path):
+    """Two sealed copies: the diff takes every pair by its digests without reading, and the view says so."""
+    import shutil
+
+    from conftest import run_cli
+    from shardscope.widgets.compare_view import CompareView
+
+    a = copy_of("fsdp2_r2")
+    b = tmp_path / "copy"
+    shutil.copytree(a, b)
+    for path in (a, b):
+        assert run_cli("seal", path).returncode == 0
+    view = CompareView(str(a), str(b))
+    qtbot.addWidget(view)
+    with qtbot.waitSignal(view.finished, timeout=120000) as sig:
+        view.start()
+    assert 0 < sig.args[0].by_digest <= sig.args[0].unchanged  # every tensor (the other entries are read)
+    assert "identical (same digests)" in view.summary.text() and "identical (same digests)" in view.detail.text()
+    view.shutdown()

@@ -78,7 +78,8 @@ def test_kill_leftover_is_removed_by_the_next_run(many_tensors, fixtures, tmp_pa
     assert left and not (tmp_path / "m.pt").exists()
     again = run_cli("export", fixtures["nopg"], tmp_path / "small.pt")
     assert again.returncode == 0, again.stderr
-    assert sorted(os.listdir(tmp_path)) == ["small.pt", "small.pt.shardscope.json"]  # no leftover
+    assert sorted(os.listdir(tmp_path)) == ["small.pt", "small.pt.shardscope-manifest.json",
+                                           "small.pt.shardscope.json"]  # no leftover
 
 
 def test_long_destination_name(fixtures, tmp_path):

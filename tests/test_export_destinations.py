@@ -85,12 +85,14 @@ def test_force_into_a_folder_no_export_wrote_keeps_and_names_every_file(fixtures
         in proc.stdout
     assert {k: v for k, v in _tree(dst).items() if k in users} == users
     sidecar = json.loads(Path(f"{dst}.shardscope.json").read_text())
-    assert sidecar["files"] == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert sidecar["files"] == ["model-00001-of-00001.safetensors", "model.safetensors.index.json",
+                                "shardscope-manifest.json"]
     proc = run_cli("export", fixtures["fsdp2_r4"], dst, "--max-shard-size", "4KB", "--force")
     assert proc.returncode == 0, proc.stderr
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    assert set(os.listdir(dst)) == {*index["weight_map"].values(), "model.safetensors.index.json", *users}
+    assert set(os.listdir(dst)) == {*index["weight_map"].values(), "model.safetensors.index.json", *users,
+                                    "shardscope-manifest.json"}
     assert {k: v for k, v in _tree(dst).items() if k in users} == users
 
 
@@ -126,7 +128,7 @@ def test_force_over_an_export_without_a_file_list_goes_by_its_own_index(fixtures
     assert proc.returncode == 0, proc.stderr
     assert "kept in the folder (not written by an export): optimizer.bin" in proc.stdout
     assert sorted(os.listdir(dst)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json",
-                                       "optimizer.bin"]
+                                       "optimizer.bin", "shardscope-manifest.json"]
 
 
 # ------------------------------------------------------------------ item 2: the source
@@ -293,7 +295,8 @@ def test_signal_while_the_old_folder_is_swapped_out_keeps_a_whole_checkpoint(man
     _stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "it is complete" in stderr, stderr
     assert sorted(os.listdir(tmp_path)) == ["ck", "ck.shardscope.json", "held"]  # the reshard's lineage sidecar
-    assert sorted(os.listdir(dst)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "notes.txt"]
+    assert sorted(os.listdir(dst)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "notes.txt",
+                                       "shardscope-manifest.json"]
     check = run_cli("verify", dst, "--deep")
     assert check.returncode == 0, check.stdout + check.stderr
 

@@ -130,3 +130,26 @@ def test_the_health_message_wraps_instead_of_scrolling_sideways(qtbot):
 
     qtbot.waitUntil(wrapped, timeout=5000)
     assert panel.horizontalScrollBar().maximum() == 0 or not panel.horizontalScrollBar().isVisible()
+
+
+def test_verify_contents_says_what_the_manifest_proved(qtbot, copy_of):
+    """The Health tab after Verify contents: a sealed checkpoint's every file SHA-256 and tensor digest checked
+    against its manifest; a byte changed since the seal is found through the manifest too."""
+    from conftest import run_cli
+
+    ckpt = copy_of("fsdp2_r2")
+    assert run_cli("seal", ckpt).returncode == 0
+    view = open_view(qtbot, ckpt)
+    quick = view.health.item(view.health.count() - 1).text()  # the quick check: the file system's word only
+    assert quick.startswith("✔ Manifest: sealed: every file the manifest lists is there"), quick
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000) as sig:
+        view.verify_contents()
+    assert sig.args[0] == []
+    texts = [view.health.item(i).text() for i in range(view.health.count())]
+    assert texts[-1].startswith("✔ Manifest: sealed: 3 files SHA-256 checked") and "tensor digests recomputed" in \
+        texts[-1], texts
+    flip_a_value_byte(ckpt, "model.blocks.0.fc1.weight")  # changed since the seal
+    with qtbot.waitSignal(view.contentsVerified, timeout=120000) as sig:
+        view.verify_contents()
+    assert "digest_mismatch" in [p.kind for p in sig.args[0]]
+    assert view.health.item(view.health.count() - 1).text().startswith("✘ Manifest: damaged")

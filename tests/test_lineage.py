@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from shardscope.backend.filenames import lineage_sidecar
+from shardscope.backend.filenames import MANIFEST_NAME, lineage_sidecar
 
 SIDECAR_KEYS = {"schema", "written", "export_format", "source"}
 
@@ -136,7 +136,7 @@ def test_force_replaces_the_sidecar_with_its_output(fixtures, tmp_path):
     (folder / "config.json").write_text("{}")  # not the export's: kept by --force
     run_cli("export", second, folder, "--max-shard-size", "4KB", "--force", check=True)
     assert _sidecar(folder, True)["source"]["step"] == 30 and (folder / "config.json").exists()
-    assert not any(p.name.endswith(".json") and p.name != "config.json" and "index" not in p.name
+    assert not any(p.name.endswith(".json") and p.name not in ("config.json", MANIFEST_NAME) and "index" not in p.name
                    for p in folder.iterdir())  # the sidecar lies beside the folder, never inside it (uploaded)
     assert [p.name for p in folder.parent.iterdir()].count(folder.name + ".shardscope.json") == 1
 

@@ -154,6 +154,11 @@ def test_export_to_s3_file_and_sharded_folder(s3, tmp_path):
     proc, _ = shardscope(server, "export", src, f"s3://{BUCKET}/out/model.safetensors")
     assert proc.returncode == 0, proc.stderr
     assert fs.cat(f"{BUCKET}/out/model.safetensors") == (tmp_path / "ref.safetensors").read_bytes()
+    # its manifest: one more PUT beside it, the same files and digests as the local export's
+    sent = json.loads(fs.cat(f"{BUCKET}/out/model.safetensors.shardscope-manifest.json"))
+    made = json.loads((tmp_path / "ref.safetensors.shardscope-manifest.json").read_text())
+    assert list(sent["files"].values()) == list(made["files"].values()) and list(sent["files"]) == ["model.safetensors"]
+    assert {k: t["sha256"] for k, t in sent["tensors"].items()} == {k: t["sha256"] for k, t in made["tensors"].items()}
     again, _ = shardscope(server, "export", src, f"s3://{BUCKET}/out/model.safetensors")
     assert again.returncode == 2 and "already exists" in again.stderr and again.stderr.count("\n") == 1
 
@@ -165,14 +170,15 @@ def test_export_to_s3_file_and_sharded_folder(s3, tmp_path):
     assert proc.returncode == 0, proc.stderr
     local_names = sorted(os.listdir(ref_dir))  # the lineage sidecar lies beside the folder, not in it
     assert sorted(os.path.basename(p) for p in fs.find(dst)) == local_names
-    for name in local_names:
-        assert fs.cat(f"{dst}/{name}") == (ref_dir / name).read_bytes(), name
+    for name in local_names:  # the manifests alike but for the time each was written
+        strip = (lambda b: json.loads(b) | {"written": ""}) if name == "shardscope-manifest.json" else bytes
+        assert strip(fs.cat(f"{dst}/{name}")) == strip((ref_dir / name).read_bytes()), name
     # --force replaces the folder: fewer, larger shards and none of the old ones left behind
     proc, _ = shardscope(server, "export", src, f"s3://{dst}", "--max-shard-size", "1MB", "--force")
     assert proc.returncode == 0, proc.stderr
     index = json.loads(fs.cat(f"{dst}/model.safetensors.index.json"))
     assert sorted(os.path.basename(p) for p in fs.find(dst)) == sorted(
-        {*index["weight_map"].values(), "model.safetensors.index.json"})
+        {*index["weight_map"].values(), "model.safetensors.index.json", "shardscope-manifest.json"})
     assert not [p for p in fs.find(BUCKET) if ".shardscope-tmp" in p]
 
 
@@ -206,7 +212,7 @@ def test_failed_force_export_over_a_folder_leaves_the_old_folder_as_it_was(s3):
     assert proc.returncode == 0, proc.stderr
     fs.pipe(f"{dst}/config.json", b"{}")  # a model folder's own file, which no export writes
     before = {p: fs.cat(p) for p in fs.find(dst)}
-    assert len(before) == 5  # three shards, the index and config.json
+    assert len(before) == 6  # three shards, the index, the manifest and config.json
     try:
         # the new index's move into place fails (not the old one's put back)
         server.fail_puts(f"{dst}/model.safetensors.index.json<-{BUCKET}/force/.shardscope-tmp-")
@@ -612,7 +618,7 @@ def test_export_to_s3_sends_crc32_with_every_put_and_part(s3, tmp_path):
     proc, _ = shardscope(server, "export", str(local["big"]), f"s3://{BUCKET}/sums/big.safetensors")
     assert proc.returncode == 0, proc.stderr
     assert "verified (the local staged copy, before its upload):" in proc.stdout, proc.stdout
-    assert "uploaded: 1 object in 2 PUTs/parts" in proc.stdout, proc.stdout
+    assert "uploaded: 2 objects in 3 PUTs/parts" in proc.stdout, proc.stdout  # the file and its manifest
     assert "every final object reports the staged file's CRC32" in proc.stdout, proc.stdout
     data = fs.cat(f"{BUCKET}/sums/big.safetensors")
     parts = [zlib.crc32(data[i:i + (16 << 20)]).to_bytes(4, "big") for i in range(0, len(data), 16 << 20)]

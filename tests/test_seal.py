@@ -225,3 +225,52 @@ def test_diff_of_sealed_copies_reads_no_tensor_bytes_and_a_later_change_is_read(
     after = json.loads(proc.stdout)
     assert after["unchanged_by_digest"] == 0 and proc.returncode != 0
     assert fqn in json.dumps(after["changed"]) + json.dumps(after["unreadable"])
+
+
+READ_BYTES = """
+import sys
+from shardscope.backend.checkpoint.seal import compute_manifest
+from shardscope.backend.formats import open_checkpoint
+
+def rchar():
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+ckpt = open_checkpoint(sys.argv[1], use_cache=False)
+compute_manifest(ckpt)  # once first: the modules it imports on the way are read then
+before = rchar()
+compute_manifest(ckpt)
+print(rchar() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux's per-process I/O counters")
+def test_seal_reads_each_byte_once(tmp_path):
+    """The file digests, the chunk digests and the tensors' logical digests come from one read of every byte
+    (the kernel's count of bytes this process read), for a safetensors file and a DCP folder (CRC32s checked)."""
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"w{i}": torch.randn(512, 1024) for i in range(4)}  # 8 MiB
+    save_file(state, str(tmp_path / "m.safetensors"))
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "dcp"))
+    for path in (tmp_path / "m.safetensors", tmp_path / "dcp"):
+        size = sum(p.stat().st_size for p in ([path] if path.is_file() else path.iterdir()))
+        proc = subprocess.run([sys.executable, "-c", READ_BYTES, str(path)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert size <= int(proc.stdout) < 1.2 * size, (path, size, proc.stdout)
+
+
+def test_seal_of_a_chunk_failing_its_crc32_is_refused_naming_it(copy_of):
+    """The one-pass digest checks each record's stored CRC32 on the bytes it hashes: a flipped value byte is never
+    sealed (the second pass names the tensor)."""
+    from test_health_panel import flip_a_value_byte
+
+    ckpt = copy_of("fsdp2_r2")
+    flip_a_value_byte(ckpt, "model.blocks.0.fc1.weight")
+    proc = run_cli("seal", ckpt)
+    assert proc.returncode != 0 and "model.blocks.0.fc1.weight" in proc.stderr, proc.stderr
+    assert not (ckpt / MANIFEST_NAME).exists()

@@ -523,3 +523,20 @@ def test_watch_on_s3_only_plans_and_ls_reads_the_exports_lineage(tmp_path, fixtu
         assert {k: v["ETag"] for k, v in fs.find("lib", detail=True).items()} == before
     finally:
         server.stop()
+
+
+def test_a_damaged_checkpoint_is_never_the_newest_resumable_one(tmp_path, fixtures):
+    """Sealed checkpoints; the newest holds a file its manifest does not list (ls: damaged). Its values export
+    fine, yet it is not the run's newest resumable state: the rules keep it (damaged) and the one before it, and
+    the exports carry the manifests of what they wrote."""
+    root = tmp_path / "root"
+    run = _run(root, fixtures)
+    for s in STEPS:
+        assert run_cli("seal", run / "checkpoints" / f"step_{s:06d}").returncode == 0
+    (run / "checkpoints" / "step_000030" / "stray.bin").write_bytes(b"not sealed")
+    _age(root)
+    proc = run_cli("watch", root, "--export", "safetensors", "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000020", "step_000030"], proc.stdout
+    assert "damaged" in proc.stdout
+    assert len(list(root.rglob("*.safetensors.shardscope-manifest.json"))) == len(STEPS)

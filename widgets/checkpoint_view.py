@@ -69,6 +69,7 @@ class CheckpointView(QWidget):
         self._load_worker: Worker | None = None
         self._verify_worker: Worker | None = None
         self.verified_problems: list | None = None  # the findings of the last finished Verify contents
+        self.seal_summary = ""  # what its check against the checkpoint's manifest proved, in a line
         self.read_problems: list[Problem] = []  # CRC32 failures the Inspector's reads found (since Verify contents)
         self._selected: TreeNode | None = None
 
@@ -302,7 +303,8 @@ class CheckpointView(QWidget):
             checksums = format_named(self.data.ckpt.format).checksums if self.data is not None else ""
         except KeyError:
             checksums = CHECKSUMS_WHERE_STORED
-        self.health.set_problems(problems, deep=deep, checksums=checksums)
+        seal = self.seal_summary if deep else self.data.seal if self.data is not None else ""
+        self.health.set_problems(problems, deep=deep, checksums=checksums, seal=seal)
         self.tabs.setTabText(2, "Health ✔" if not problems else f"Health ({len(problems):,})")
         self.healthChanged.emit()
 
@@ -488,11 +490,13 @@ class CheckpointView(QWidget):
             on_result=self._on_verified, on_error=lambda msg: self._verify_ended(f"Verify contents stopped: {msg}"),
             on_cancelled=lambda: self._verify_ended("Verify contents cancelled: nothing was concluded."))
 
-    def _on_verified(self, problems: list) -> None:
+    def _on_verified(self, found: tuple[list, str]) -> None:
+        problems, seal = found
         self._verify_worker = None
         self.progress.finish()
         self.verify_button.setEnabled(True)
         self.verified_problems = problems
+        self.seal_summary = seal
         self.read_problems = []  # every byte was read again: what a read found before is among its findings
         self._show_problems(problems, deep=True)
         self.contentsVerified.emit(problems)

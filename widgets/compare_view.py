@@ -136,6 +136,9 @@ def summary_html(result: DiffResult) -> str:
     lines = [f"{verdict}: {len(result.only_a)} only in A, {len(result.only_b)} only in B, "
              f"{len(result.changed) - layout_only} changed, {layout_only} with another layout only, "
              f"{result.unchanged} unchanged"]
+    if result.by_digest:
+        lines.append(f"{count(result.by_digest, 'tensor')} identical (same digests): both sides are sealed and their "
+                     "manifests give each the same SHA-256 of its values, so none of their bytes was read.")
     p = result.pairing
     if p is not None and p.renamed:
         lines.append(html.escape(f"Pairing: {p.describe()}. Tick Exact names to pair the names as stored.",
@@ -335,8 +338,11 @@ class CompareView(QWidget):
         self.summary.setText(summary_html(result))
         if not (result.changed or result.only_a or result.only_b or result.unreadable):
             same = count(result.unchanged, "entry", "entries")
+            how = "every element compared" if not result.by_digest else \
+                "identical (same digests)" if result.by_digest == result.unchanged else \
+                f"{result.by_digest:,} identical (same digests), every element of the others compared"
             self.detail.setText(f"Nothing to list: both hold the same {same}, each with the same "
-                                "dtype, shape and values (every element compared).")
+                                f"dtype, shape and values ({how}).")
         self.finished.emit(result)
 
     def _failed(self, message: str) -> None:

@@ -37,9 +37,10 @@ class HealthPanel(QListWidget):
         self.addItem(QListWidgetItem(message))
 
     def set_problems(self, problems: list[Problem], deep: bool = False, note: str = "",
-                     checksums: str = "") -> None:
+                     checksums: str = "", seal: str = "") -> None:
         """``deep``: the list comes from Verify contents (every stored item read, its CRC32 checked where
-        the format stores one); ``checksums`` says which ones do (never claim a CRC safetensors lacks)."""
+        the format stores one); ``checksums`` says which ones do (never claim a CRC safetensors lacks); ``seal``:
+        what the check against the checkpoint's manifest proved (SealCheck.summary)."""
         self.clear()
         self.problems = list(problems)
         check = " and checks its size" if checksums == NO_CHECKSUMS else " and checks its CRC32"
@@ -51,6 +52,7 @@ class HealthPanel(QListWidget):
                 "every file present, every tensor tiled exactly." if deep else
                 "✔ Healthy: every file present and long enough, every tensor tiled exactly. (Bytes not read: "
                 f"Verify contents reads every item{check}.)"))
+            self._add_seal(seal)
             return
         if deep:
             self.addItem(QListWidgetItem(f"Verify contents read every stored item: {count(len(problems), 'problem')}"))
@@ -62,6 +64,13 @@ class HealthPanel(QListWidget):
         if len(problems) > MAX_LISTED:
             self.addItem(QListWidgetItem(f"… and {len(problems) - MAX_LISTED:,} more (`shardscope verify --json` "
                                          "lists them all)"))
+        self._add_seal(seal)
+
+    def _add_seal(self, seal: str) -> None:
+        """The line saying what the checkpoint's manifest proved (last: the problems keep their rows)."""
+        if seal:
+            mark = "✔ " if seal.startswith("sealed") else "✘ " if seal.startswith("damaged") else ""
+            self.addItem(QListWidgetItem(f"{mark}Manifest: {seal}"))
 
     def _clicked(self, item: QListWidgetItem) -> None:
         fqn = item.data(Qt.ItemDataRole.UserRole)

@@ -25,6 +25,8 @@ HEADER_TIPS = {"loss": f"{LOSS_LABEL} at the checkpoint's step, as the Training 
 SIZE_COLUMN = COLUMNS.index("size")
 ObjectRole = Qt.ItemDataRole.UserRole
 SortRole = Qt.ItemDataRole.UserRole + 1
+# a checkpoint's seal beside its state (backend/checkpoint/seal.seal_state: the file system's word, no byte read)
+SEAL_TEXT = {"sealed": " · sealed", "damaged": " · damaged", "modified": " · sealed, modified since"}
 STATE_COLORS = {"complete": "#2ca02c", "incomplete": "#d62728", "writing": "#ff7f0e", "unreadable": "#9467bd",
                 "running": "#ff7f0e", "failed": "#d62728", "finished": "#2ca02c", "queued": "#1f77b4",
                 "starting": "#ff7f0e"}
@@ -167,7 +169,8 @@ class LibraryModel(QAbstractItemModel):
         if role == Qt.ItemDataRole.DisplayRole:
             return {"checkpoint": c.name, "step": "" if c.step is None else str(c.step), "modified": _when(c.mtime),
                     "size": human_bytes(c.bytes), "ranks": ranks_text(c.ranks), "kind": c.kind, "format": c.format,
-                    "state": c.state, "loss": "" if loss is None else f"{loss:.4f}", "lineage": c.lineage_text()}[col]
+                    "state": c.state + SEAL_TEXT.get(c.seal, ""), "loss": "" if loss is None else f"{loss:.4f}",
+                    "lineage": c.lineage_text()}[col]
         if role == SortRole:
             return {"checkpoint": natural(c.name), "step": -1 if c.step is None else c.step, "modified": c.mtime,
                     "size": c.bytes, "ranks": len(c.ranks), "kind": c.kind, "format": c.format, "state": c.state,
@@ -175,9 +178,9 @@ class LibraryModel(QAbstractItemModel):
         if role == Qt.ItemDataRole.ToolTipRole:
             if col == "lineage" and (c.lineage is not None or c.exports):
                 return lineage_tooltip(c)
-            return c.path + (f"\n{c.state}: {c.reason}" if c.reason else "")
+            return c.path + (f"\n{c.state}: {c.reason}" if c.reason else "") + (f"\n{c.unusable}" if c.unusable else "")
         if role == Qt.ItemDataRole.ForegroundRole and col == "state":
-            return QColor(STATE_COLORS.get(c.state, "#777777"))
+            return QColor(STATE_COLORS.get("incomplete" if c.unusable else c.state, "#777777"))
         if role == Qt.ItemDataRole.ForegroundRole and col == "lineage" and c.source_warning:
             return QColor(STATE_COLORS["writing"])
         return self._align(col, role)

@@ -108,6 +108,8 @@ def run_ls(args: argparse.Namespace) -> int:
             note = f"  ({c.reason})" if c.reason and c.state != "complete" else ""
             link = c.lineage_text().replace("\u26a0 ", "! ")  # plain text: terminals need not speak UTF-8
             note += f"  [{escape_name(link)}]" if link else ""
+            note += {"sealed": "  [sealed]", "modified": "  [sealed, modified since: verify checks it]",
+                     "damaged": f"  [{c.unusable}]"}.get(c.seal, "")
             lines.append(f"  {'-' if c.step is None else c.step:>8}  {c.state:<10}  {c.kind:<9}  {c.format:<15}  "
                          f"{ranks_text(c.ranks):<7}  {human_bytes(c.bytes):>10}  {when:<16}  "
                          f"{escape_name(c.name)}{note}")

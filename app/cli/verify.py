@@ -28,16 +28,15 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardscope.backend.checkpoint.seal import check_seal, check_signature
-    from shardscope.backend.checkpoint.verify import verify
-    from shardscope.backend.formats import open_checkpoint, verify_contents
+    from shardscope.backend.checkpoint.seal import check_signature
+    from shardscope.backend.formats import open_checkpoint
+    from shardscope.backend.formats.registry import verify_sealed
 
     ckpt = open_checkpoint(args.path, storage_options(args), use_cache=not args.no_cache)
-    with TerminalProgress(enabled=args.deep and not args.json) as progress:
-        problems = verify_contents(ckpt, progress) if args.deep else verify(ckpt)
-    with TerminalProgress(enabled=not args.json, unit="bytes") as progress:
-        sealed = check_seal(ckpt, args.deep, progress)  # whenever there is a manifest: every file's SHA-256
-    problems += sealed.problems
+    with TerminalProgress(enabled=args.deep and not args.json) as progress, \
+            TerminalProgress(enabled=not args.json, unit="bytes") as hashing:
+        # whenever there is a manifest: every file's SHA-256 (--deep: every tensor's digest too)
+        problems, sealed = verify_sealed(ckpt, args.deep, progress, hashing)
     if args.signature:
         bad = check_signature(ckpt.path, args.signature)
         problems += [bad] if bad else []

@@ -31,6 +31,7 @@ class BrowseData:
     balance: list[RankBalance] | None = None
     heat: tuple[list[int], np.ndarray] | None = None
     values: dict[str, str] | None = None  # small non-tensor values as text
+    seal: str = ""  # what its manifest says by the file system's word (seal.quick_seal_summary)
 
 
 def analyse(data: BrowseData, progress: Progress | None = None) -> BrowseData:

@@ -60,10 +60,22 @@ def checkpoint_files(path: str, is_folder: bool) -> dict[str, int]:
     return out
 
 
+class RangeSink:
+    """What a byte range of a file feeds in :func:`hash_file`'s pass, in place of a SHA-256 of its own: ``update``
+    with each piece in order, ``close`` once its last byte has passed (never for a file that ends before it)."""
+
+    def update(self, data: memoryview) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
 def hash_file(full: str, ranges: Iterable[tuple[Any, int, int]] = (), progress: Progress | None = None) -> FileHash:
-    """SHA-256 of the file at ``full`` and of each (key, offset, length) range in it, in one front-to-back read."""
+    """SHA-256 of the file at ``full`` and of each (key, offset, length) range in it, in one front-to-back read;
+    a key that is a :class:`RangeSink` is fed the range's bytes instead (and left out of the result)."""
     todo = sorted(ranges, key=lambda r: r[1])
-    hashers = {key: hashlib.sha256() for key, _, _ in todo}
+    hashers = {key: key if isinstance(key, RangeSink) else hashlib.sha256() for key, _, _ in todo}
     active: list[tuple[Any, int, int]] = []
     nxt = 0
     h = hashlib.sha256()
@@ -84,11 +96,15 @@ def hash_file(full: str, ranges: Iterable[tuple[Any, int, int]] = (), progress: 
                 lo, hi = max(off, pos), min(off + length, end)
                 if lo < hi:
                     hashers[key].update(view[lo - pos:hi - pos])
+            for key, off, length in active:
+                if off + length <= end and isinstance(key, RangeSink):
+                    key.close()
             active = [r for r in active if r[1] + r[2] > end]
             pos = end
             if progress:
                 progress.advance(n)
-    return FileHash(pos, h.hexdigest(), {k: x.hexdigest() for k, x in hashers.items()})
+    return FileHash(pos, h.hexdigest(), {k: x.hexdigest() for k, x in hashers.items()
+                                         if not isinstance(k, RangeSink)})
 
 
 def hash_files(root: str, is_folder: bool, names: Iterable[str], ranges: dict[str, list[tuple[Any, int, int]]],

@@ -31,6 +31,7 @@ from .dtypes import DTYPE_NAMES, MAX_INDEX, MAX_NDIM
 SCHEMA = "shardscope-manifest/1"
 MAX_MANIFEST_BYTES = 512 << 20  # a manifest of 1,000,000 tensors is about 300 MB; far larger is not one
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+HEAD_BYTES = 1 << 20  # read_manifest_files: the first bytes, where a written manifest lists its files
 
 
 class ManifestError(CheckpointError):
@@ -129,11 +130,40 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     fmt, written = doc.get("format"), doc.get("written", "")
     if not isinstance(fmt, str) or not isinstance(written, str):
         raise ManifestError(f"{where}: 'format' and 'written' must be strings.", path=where)
-    files = {_relpath(k, where): FileDigest(_count(v, "bytes", where, k), _hex(v, "sha256", where, k))
-             for k, v in _mapping(doc, "files", where).items()}
+    files = _files(doc, where)
     tensors = {k: _tensor(k, v, where) for k, v in _mapping(doc, "tensors", where).items()}
     objects = {k: _hex(v, "sha256", where, k) for k, v in _mapping(doc, "objects", where).items()}
     return Manifest(fmt, files, tensors, objects, written)
+
+
+def read_manifest_files(path: str) -> dict[str, FileDigest] | None:
+    """Only the files the manifest at ``path`` lists (None when there is none; ManifestError when it is not one):
+    what a listing compares with the disk. A manifest in the order Shardscope writes it is parsed only up to its
+    ``"tensors"`` member (a listing must not parse 300,000 tensors' digests; a quote inside a name is escaped in
+    JSON, so the first ``,"tensors":`` ends the files); any other is parsed whole."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read the manifest ({exc.strerror}).", path=path) from None
+    cut = head.find(b',"tensors":')
+    if cut < 0:
+        manifest = read_manifest(path)
+        return None if manifest is None else manifest.files
+    try:
+        doc = json.loads(head[:cut] + b"}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: not valid JSON ({exc}).", path=path) from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ManifestError(f"{path}: not a Shardscope manifest (its schema is not {SCHEMA!r}).", path=path)
+    return _files(doc, path)
+
+
+def _files(doc: dict, where: str) -> dict[str, FileDigest]:
+    return {_relpath(k, where): FileDigest(_count(v, "bytes", where, k), _hex(v, "sha256", where, k))
+            for k, v in _mapping(doc, "files", where).items()}
 
 
 def _mapping(doc: dict, key: str, where: str) -> dict[str, Any]:

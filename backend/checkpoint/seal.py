@@ -23,11 +23,13 @@ from .manifest import (
     TensorDigest,
     megatron_integrity,
     read_manifest,
+    read_manifest_files,
     read_megatron_integrity,
     write_manifest,
 )
 from .model import Checkpoint, Problem
 from .sources import CheckpointSource
+from .stream_digests import StreamedDigests
 
 MAX_NAMED = 5  # tensors or ranges named in one problem's message
 
@@ -67,17 +69,27 @@ def _local(ckpt: Checkpoint, what: str) -> None:
 
 
 def compute_manifest(ckpt: Checkpoint, progress: Progress | None = None) -> Manifest:
-    """The manifest of a checkpoint as it is now: every file hashed once (the chunk ranges in it in the same
-    pass), every tensor's logical digest, every non-tensor entry's."""
+    """The manifest of a checkpoint as it is now, each byte read once where the layout allows: every file hashed
+    front to back with, in the same pass, the chunk ranges in it and the logical digests of the tensors stored as
+    runs of their row-major bytes (:mod:`.stream_digests`); the other tensors (assembled layouts) in a second pass;
+    every non-tensor entry's digest."""
     _local(ckpt, "seal")
     is_folder = is_folder_checkpoint(ckpt)
     names = checkpoint_files(ckpt.path, is_folder)
-    if progress:
-        progress.start(sum(names.values()) + sum(e.nbytes for e in ckpt.tensors), f"sealing {ckpt.path}")
-    fh = hash_files(ckpt.path, is_folder, list(names), chunk_ranges(ckpt), progress)
     source = CheckpointSource(ckpt)
     try:
-        digests = tensor_digests(source, ckpt.tensors, progress)
+        streamed = StreamedDigests(source, ckpt.tensors)
+        ranges = chunk_ranges(ckpt)
+        for name, more in streamed.ranges.items():
+            ranges.setdefault(name, []).extend(more)
+        if progress:
+            progress.start(sum(names.values()), f"sealing {ckpt.path}")
+        fh = hash_files(ckpt.path, is_folder, list(names), ranges, progress)
+        digests = streamed.digests()
+        rest = [e for e in ckpt.tensors if e.fqn not in digests]
+        if progress and rest:
+            progress.start(sum(e.nbytes for e in rest), f"sealing {ckpt.path}: tensors in other layouts")
+        digests.update(tensor_digests(source, rest, progress))
         objects = {o.fqn: object_digest(source, o) for o in ckpt.objects}
     finally:
         source.close()
@@ -134,28 +146,66 @@ def _integrity_problems(listed: dict[str, str], actual: dict[str, str], where: s
     return out
 
 
+SEALED, UNSEALED, DAMAGED, MODIFIED = "sealed", "unsealed", "damaged", "modified"
+
+
+def seal_state(path: str, is_folder: bool) -> str:
+    """What a listing says of a checkpoint's seal, from its manifest's file list and the file system alone (no
+    byte of the checkpoint read): ``unsealed`` (no manifest), ``damaged`` (a bad manifest, a file missing, extra or
+    of another size), ``modified`` (a file modified after the seal, its size kept: ``verify`` tells), else
+    ``sealed``. Only ``verify`` proves the bytes."""
+    mpath = manifest_path(path, is_folder)
+    try:
+        files = read_manifest_files(mpath)
+        if files is None:
+            return UNSEALED
+        sealed_at = os.stat(mpath).st_mtime_ns
+        names = checkpoint_files(path, is_folder)
+        if names.keys() != files.keys() or any(files[k].bytes != n for k, n in names.items()):
+            return DAMAGED
+        folder = path if is_folder else os.path.dirname(path)
+        if any(os.stat(os.path.join(folder, *k.split("/"))).st_mtime_ns > sealed_at for k in names):
+            return MODIFIED
+    except (CheckpointError, OSError):  # a bad manifest (ManifestError), a file gone or a link in the folder
+        return DAMAGED
+    return SEALED
+
+
+def quick_seal_summary(path: str) -> str:
+    """One line of what :func:`seal_state` says of the checkpoint at ``path`` (no byte read); '' for a URL."""
+    if is_url(path):
+        return ""
+    return {SEALED: "sealed: every file the manifest lists is there, of its size, none modified since the seal "
+                    "(bytes not read: Verify contents checks every SHA-256)",
+            UNSEALED: "unsealed: no manifest (shardscope seal writes one)",
+            MODIFIED: "sealed, but a file was modified after the seal (Verify contents checks its SHA-256)",
+            DAMAGED: "damaged: a file the manifest lists is missing, extra or of another size (Verify contents "
+                     "names it)"}[seal_state(path, os.path.isdir(path))]
+
+
+def remove_manifest_beside(path: str) -> None:
+    """After a single-file checkpoint at ``path`` was removed (prune): its manifest beside it, when it is one."""
+    mpath = manifest_path(path, False)
+    try:
+        if read_manifest_files(mpath) is not None:
+            os.unlink(mpath)
+    except (ManifestError, OSError):
+        pass  # not ours, or gone: left as it is
+
+
 def unchanged_manifest(ckpt: Checkpoint) -> Manifest | None:
-    """The checkpoint's manifest when, by the file system's word, its files are the ones sealed: the same names
-    and sizes, none modified after the manifest was written; else None (no manifest, a bad one, a change). What
-    ``diff`` trusts to skip reading tensors whose digests are equal; ``verify`` checks the bytes themselves."""
+    """The checkpoint's manifest when, by the file system's word, its files are the ones sealed (:func:`seal_state`
+    is ``sealed``); else None. What ``diff`` trusts to skip reading tensors whose digests are equal; ``verify``
+    checks the bytes themselves."""
     if is_url(ckpt.path):
         return None
     is_folder = is_folder_checkpoint(ckpt)
-    path = manifest_path(ckpt.path, is_folder)
-    try:
-        manifest = read_manifest(path)
-        if manifest is None:
-            return None
-        sealed_at = os.stat(path).st_mtime_ns
-        names = checkpoint_files(ckpt.path, is_folder)
-        folder = ckpt.path if is_folder else os.path.dirname(ckpt.path)
-        if names.keys() != manifest.files.keys() or any(
-                manifest.files[k].bytes != n or os.stat(os.path.join(folder, *k.split("/"))).st_mtime_ns > sealed_at
-                for k, n in names.items()):
-            return None
-    except (CheckpointError, OSError):
+    if seal_state(ckpt.path, is_folder) != SEALED:
         return None
-    return manifest
+    try:
+        return read_manifest(manifest_path(ckpt.path, is_folder))
+    except ManifestError:
+        return None
 
 
 def check_seal(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = None) -> SealCheck:

@@ -10,9 +10,11 @@ from typing import Any
 from ..checkpoint.browse import BrowseData, analyse, value_stats
 from ..checkpoint.chunks import CorruptChunkError
 from ..checkpoint.model import Checkpoint, Problem
+from ..checkpoint.seal import quick_seal_summary
 from ..checkpoint.tree import build_tree
 from ..filenames import basename
-from ..formats import open_checkpoint, verify_contents
+from ..formats import open_checkpoint
+from ..formats.registry import verify_sealed
 from ..progress import Progress
 
 
@@ -26,8 +28,10 @@ def load_any(path: str, progress: Progress | None = None) -> BrowseData:
 
 
 def analyse_any(data: BrowseData, progress: Progress | None = None) -> BrowseData:
-    """Step 2: health, rank balance, heat map and small values."""
-    return analyse(data, progress)
+    """Step 2: health, rank balance, heat map and small values; what the manifest says, by the file system."""
+    data = analyse(data, progress)
+    data.seal = quick_seal_summary(data.ckpt.path)
+    return data
 
 
 def stats_any(data: BrowseData, fqn: str, progress: Progress | None = None) -> Any:
@@ -39,9 +43,11 @@ def stats_any(data: BrowseData, fqn: str, progress: Progress | None = None) -> A
         return Problem("corrupt", str(exc), fqn=fqn, file=basename(exc.path) if exc.path else None)
 
 
-def verify_contents_any(ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:
-    """The window's Verify contents (see :func:`..formats.verify_contents`)."""
-    return verify_contents(ckpt, progress)
+def verify_contents_any(ckpt: Checkpoint, progress: Progress | None = None) -> tuple[list[Problem], str]:
+    """The window's Verify contents (see :func:`..formats.registry.verify_sealed`, deep): every problem, and one
+    line saying what the checkpoint's manifest proved."""
+    problems, sealed = verify_sealed(ckpt, True, progress)
+    return problems, sealed.summary()
 
 
 __all__ = ["analyse_any", "load_any", "stats_any", "verify_contents_any"]

@@ -35,14 +35,25 @@ from types import FrameType
 from typing import Any
 
 from ..atomic_file import fsync_path
+from ..checkpoint.manifest import ManifestError, read_manifest, write_manifest
 from ..checkpoint.storage import is_url
 from ..errors import Cancelled, ShardscopeError
-from ..filenames import LINEAGE_FILE_SUFFIX, MAX_INDEX_BYTES, SAFETENSORS_INDEX, TMP_PREFIX, lineage_sidecar
+from ..filenames import (
+    LINEAGE_FILE_SUFFIX,
+    MANIFEST_FILE_SUFFIX,
+    MANIFEST_NAME,
+    MAX_INDEX_BYTES,
+    SAFETENSORS_INDEX,
+    TMP_PREFIX,
+    lineage_sidecar,
+    manifest_path,
+)
 from ..format import human_bytes
 from ..lineage import read_sidecar, sidecar_bytes, with_written_files
 from ..procs import orphaned
 from ..progress import Progress
 from .destination import check_destination, index_files, replaceable
+from .output_seal import Origin, check_against_source, output_manifest, seal_kept, source_manifest
 from .plan import ExportError as OutputError
 from .remote_target import RemoteTarget
 
@@ -148,6 +159,8 @@ class AtomicOutput:
         self.lineage = None if self.remote or not _name_fits(lineage_sidecar(self.dst, kind == "dir")) else lineage
         # a file's sidecar is staged under a temporary name of its own (removed with the output's on failure)
         self.lineage_tmp = self.path + LINEAGE_FILE_SUFFIX
+        self.manifest_tmp = self.path + MANIFEST_FILE_SUFFIX  # a file's manifest, staged (see ``seal``)
+        self.sealed = False  # the output's manifest is staged and goes with it
         self.progress = progress or Progress()
         self.signalled: int | None = None  # the first SIGINT/SIGTERM received
         self._old_handlers: dict[int, Any] = {}
@@ -166,12 +179,26 @@ class AtomicOutput:
             # (a user's own notes) is never removed
             raise OutputError(f"{sidecar}: exists and is not a Shardscope lineage sidecar (the export writes its "
                               "sidecar there); move it away. Nothing was written.")
+        self._check_manifest_name()
         if not os.access(self.folder, os.W_OK):
             raise OutputError(f"{self.folder}: cannot write here (permission denied).")
         free = shutil.disk_usage(self.folder).free
         if self.need_bytes > free:
             raise OutputError(f"{self.folder}: needs {human_bytes(self.need_bytes)} but only {human_bytes(free)} "
                               "is free.")
+
+    def _check_manifest_name(self) -> None:
+        """A file output's manifest goes beside it, replacing only a manifest (a user's file of that name is
+        never removed)."""
+        if self.remote or self.kind == "dir":
+            return
+        path = manifest_path(self.dst, False)
+        try:
+            if os.path.lexists(path) and (not os.path.isfile(path) or read_manifest(path) is None):
+                raise ManifestError(path)
+        except ManifestError:
+            raise OutputError(f"{path}: exists and is not a Shardscope manifest (the output's manifest is written "
+                              "there); move it away. Nothing was written.") from None
 
     # ------------------------------------------------------------------ lifetime
     def __enter__(self) -> AtomicOutput:
@@ -231,12 +258,30 @@ class AtomicOutput:
         except OSError as exc:
             raise write_error(self.dst, exc) from None
 
+    def seal(self, source: str | None, origins: dict[str, Origin]) -> list[str]:
+        """Stage the output's content manifest, read back from what was written (inside a folder output; beside
+        a file output under a temporary name, renamed with it), checked against the manifest of ``source`` when it
+        is sealed (``origins``: output tensor -> where its values come from). Returns the tensors whose digest
+        differs from the source's (then nothing is staged and the output must not be committed)."""
+        manifest = output_manifest(self.path, self.kind, self.dst)
+        bad = check_against_source(manifest, source_manifest(source) if source else None, origins)
+        if not bad and (self.kind == "dir" or _name_fits(manifest_path(self.dst, False))):
+            try:
+                write_manifest(os.path.join(self.path, MANIFEST_NAME) if self.kind == "dir" else self.manifest_tmp,
+                               manifest)
+            except OSError as exc:
+                raise write_error(self.dst, exc) from None
+            self.sealed = True
+        return bad
+
     def commit(self) -> None:
         """Make the temporary durable and give it the destination's name (replacing it with --force). Once
         the renames begin they finish: a signal then is acted on after them (see ``__exit__``)."""
         self._stop_if_asked()
         if self.remote:  # the upload is the commit
             self.remote.commit(self.path, self.kind, stop=self._stop_if_asked, replaceable=self._remote_replaceable)
+            if self.sealed and self.kind == "file":  # a folder's manifest went up with it
+                self.remote.commit_beside(self.manifest_tmp, MANIFEST_FILE_SUFFIX)
             self.uploaded = self.remote.report.describe()
             self.kept = self.remote.kept
             self._discard()
@@ -252,9 +297,14 @@ class AtomicOutput:
                     # NOTE: an old sidecar goes first and the new one comes after the output: a failure or a kill
                     # between the renames leaves an export without a sidecar, never one credited to another source
                     remove_path(lineage_sidecar(self.dst, self.kind == "dir"))
+                if self.kind == "file" and _name_fits(manifest_path(self.dst, False)):
+                    # likewise an old manifest: it never vouches for the new bytes
+                    remove_path(manifest_path(self.dst, False))
                 if os.path.lexists(self.dst):  # --force, and check_destination saw a folder for a folder
                     if self.kind == "dir":
                         self.kept = self._carry_over(replaced)
+                        if self.kept and self.sealed:
+                            self.sealed = seal_kept(self.path)  # the kept entries are the output's files too
                         # a folder cannot be replaced in one step: move it aside under a temporary name first
                         aside = f"{self.path}-old"
                         os.rename(self.dst, aside)
@@ -269,6 +319,8 @@ class AtomicOutput:
                         os.replace(self.path, self.dst)
                 else:
                     os.rename(self.path, self.dst)
+                if self.sealed and self.kind == "file":
+                    os.rename(self.manifest_tmp, manifest_path(self.dst, False))
                 if self.lineage is not None:
                     os.rename(self.lineage_tmp, lineage_sidecar(self.dst, self.kind == "dir"))
                 fsync_path(self.folder)
@@ -293,7 +345,7 @@ class AtomicOutput:
     def _replaced(self) -> set[str]:
         """The old folder's entries this export replaces or removes: what an earlier export recorded writing
         there. Refused (nothing written) when the export would write over an entry no export recorded."""
-        replaced = replaceable(self.dst)
+        replaced = replaceable(self.dst) | self._old_manifest()
         mine = set(os.listdir(self.path))
         for name in sorted(os.listdir(self.dst)):
             if name in mine and name not in replaced:
@@ -302,11 +354,19 @@ class AtomicOutput:
                                   "written.")
         return replaced
 
+    def _old_manifest(self) -> set[str]:
+        """The old folder's manifest, when it is one (``seal`` of an earlier output): replaced by the new one."""
+        try:
+            return {MANIFEST_NAME} if read_manifest(os.path.join(self.dst, MANIFEST_NAME)) is not None else set()
+        except ManifestError:
+            return set()
+
     def _remote_replaceable(self) -> set[str]:
         """What a --force upload over a URL folder may replace of the old one: the files an earlier export's own
         index records (a URL folder has no lineage sidecar)."""
         assert self.remote is not None
-        return index_files(self.remote.read_small(SAFETENSORS_INDEX, MAX_INDEX_BYTES))
+        ours = index_files(self.remote.read_small(SAFETENSORS_INDEX, MAX_INDEX_BYTES))
+        return ours | {MANIFEST_NAME} if ours else ours
 
     def _carry_over(self, replaced: set[str]) -> list[str]:
         """Hard links (copies across file systems) in the new folder of the old folder's entries no earlier
@@ -336,6 +396,7 @@ class AtomicOutput:
         with self._held():  # a second signal must not stop it half-way
             if not self.committed:
                 remove_path(self.lineage_tmp)
+                remove_path(self.manifest_tmp)
             for attempt in range(20):
                 remove_path(self.path)
                 if not os.path.lexists(self.path):

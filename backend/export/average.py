@@ -161,8 +161,8 @@ def check_same_model(plans: list[ExportPlan], paths: list[str]) -> None:
 
 
 def average_lineage(paths: list[str], formats: list[str], recipe: Recipe, export_format: str) -> dict[str, Any]:
-    """The sidecar's document: the first input as its ``source`` (what the Library reads), and ``sources``: every input
-    with its share of the result, and the method (mean, weighted, ema and its beta)."""
+    """The sidecar's document: the first input as its ``source`` (what the Library reads), and ``sources``: every
+    input with its share of the result, and the method (mean, weighted, ema and its beta)."""
     described = [describe_source(p, f) for p, f in zip(paths, formats, strict=True)]
     for d, w, given in zip(described, recipe.effective(), recipe.weights, strict=True):
         d["weight"], d["given_weight"] = w, given

@@ -25,6 +25,7 @@ from ..progress import Progress
 from .atomic import AtomicOutput
 from .dcp_metadata import MetadataColumns, check_metadata, write_metadata
 from .lineage import lineage_for
+from .output_seal import Origin
 from .plan import ExportError
 from .planner import require_nesting
 from .result import ExportResult
@@ -248,12 +249,13 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
               progress: Progress | None = None, total_bytes: int = 0,
               storage_options: dict | None = None, sources: list[str] | None = None,
               source_format: str = "", release: Callable[[], None] | None = None,
-              lineage: dict[str, Any] | None = None) -> ExportResult:
+              lineage: dict[str, Any] | None = None, origins: dict[str, Origin] | None = None) -> ExportResult:
     """Write a DCP checkpoint of ``ranks`` ranks into an atomic output folder; ``.metadata`` last.
     ``sources``: what the tensors are read from (the destination may not overlap them; the first is recorded
     in the output's lineage sidecar, opened as ``source_format``). ``planner_data`` None: every entry's key path
     is its own name. ``release`` is called once every tensor is written (the source can go). ``lineage``: the
-    sidecar's document, when not the first source's (an average lists every input)."""
+    sidecar's document, when not the first source's (an average lists every input). ``origins``: each written
+    tensor's entry in the first source (its digest there, when it is sealed, must be the written one's)."""
     if ranks < 1:
         raise ExportError("the number of ranks must be at least 1.")
     t0 = time.monotonic()
@@ -267,7 +269,6 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         cols = MetadataColumns(names)
         expect: list[tuple[int, int, int, int, str]] = []  # torch.save's items (see _save_pieces)
         plans: dict = {}  # per (dtype, shape) of small tensors: their pieces and templates
-        count = nbytes = shown = 0
         progress.start(total_bytes * (2 if verify else 1) or 1, "read+verified" if verify else "read")
         files = _DataFiles(out.path, names)
         done = False
@@ -275,23 +276,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
             for obj in objects:
                 progress.check()
                 cols.add_object(obj.fqn, 0, files.add(0, obj.data, obj.fqn, gather=False), len(obj.data))
-            for t in tensors:
-                if t.raw is not None:
-                    _save_small(t, files, cols, ranks, plans)
-                    size = len(t.raw)
-                else:
-                    cols.add_tensor(t.fqn, t.dtype, t.shape)
-                    value = _save_pieces(t, files, cols, ranks, expect)
-                    size = value.numel() * value.element_size()
-                    del value
-                count += 1
-                nbytes += size
-                if size > (1 << 20) or count & 255 == 1:  # small ones reported a few hundred at a time
-                    progress.advance(nbytes - shown, t.fqn)
-                    shown = nbytes
-                if count == 1:
-                    out.hold_for_tests("written")
-            progress.advance(nbytes - shown)
+            count, nbytes = _write_tensors(tensors, files, cols, ranks, plans, expect, progress, out)
             done = True
         finally:
             files.close(sync=done)
@@ -301,18 +286,51 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         planner = planner_data or None
         write_metadata(out.path, cols, planner, os.path.basename(dst), str(uuid.uuid4()), DCP_VERSION)
         progress.check()
-        if verify:
-            problem = check_metadata(out.path, cols, planner, DCP_VERSION)
-            mismatches = [problem] if problem else check_written(
-                _expectations(out.path, names, expect, plans.get("templates", {})) + files.runs, progress)
-            if mismatches:
-                return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
-                                    verified=False, mismatches=mismatches)
+        mismatches = _check_output(out, cols, planner, verify, lambda: _expectations(
+            out.path, names, expect, plans.get("templates", {})) + files.runs, progress) or \
+            out.seal(sources[0] if sources else None, origins or {})  # its manifest, checked against a sealed source
+        if mismatches:
+            return ExportResult(out.dst, [], count, nbytes, time.monotonic() - t0, "dcp", ranks=ranks,
+                                verified=False, mismatches=mismatches)
         out.commit()
     return ExportResult(out.dst, [os.path.join(out.dst, n) for n in [*names, METADATA]], count, nbytes,
                         time.monotonic() - t0, "dcp", ranks=ranks, verified=True if verify else None,
                         verified_what=WHAT + "; the folder reads back as a DCP checkpoint" if verify else "",
                         uploaded=out.uploaded, kept=out.kept)
+
+
+def _write_tensors(tensors: Iterable[TensorIn], files: _DataFiles, cols: MetadataColumns, ranks: int, plans: dict,
+                   expect: list, progress: Progress, out: AtomicOutput) -> tuple[int, int]:
+    """Every tensor into the rank files and the metadata's columns; (tensors, bytes) written."""
+    count = nbytes = shown = 0
+    for t in tensors:
+        if t.raw is not None:
+            _save_small(t, files, cols, ranks, plans)
+            size = len(t.raw)
+        else:
+            cols.add_tensor(t.fqn, t.dtype, t.shape)
+            value = _save_pieces(t, files, cols, ranks, expect)
+            size = value.numel() * value.element_size()
+            del value
+        count += 1
+        nbytes += size
+        if size > (1 << 20) or count & 255 == 1:  # small ones reported a few hundred at a time
+            progress.advance(nbytes - shown, t.fqn)
+            shown = nbytes
+        if count == 1:
+            out.hold_for_tests("written")
+    progress.advance(nbytes - shown)
+    return count, nbytes
+
+
+def _check_output(out: AtomicOutput, cols: MetadataColumns, planner: dict | None, verify: bool,
+                  expectations: Callable[[], list[Expectation]], progress: Progress) -> list[str]:
+    """With ``verify``: what differs in the written folder (its ``.metadata`` read back, then every range of
+    ``expectations()`` re-read against its CRC32); empty when all agree, or without ``verify``."""
+    if not verify:
+        return []
+    problem = check_metadata(out.path, cols, planner, DCP_VERSION)
+    return [problem] if problem else check_written(expectations(), progress)
 
 
 def _expectations(folder: str, names: list[str], expect: list[tuple[int, int, int, int, str]],
@@ -392,8 +410,9 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
                 ckpt = None  # type: ignore[assignment]
                 gc.collect()  # the model's entries refer back to it: a cycle
 
+            origins = {key(e.fqn): Origin(e.fqn) for e in ckpt.tensors}
             return write_dcp(tensors(), objects, dst, ranks, planner, force, verify, progress, total,
-                             storage_options, sources=[src], source_format=kind, release=release)
+                             storage_options, sources=[src], source_format=kind, release=release, origins=origins)
         finally:
             source.close()
 
@@ -425,6 +444,7 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
         objects = [ObjectIn(o.fqn, _saved(o.value) if o.inline else reader.read_object_bytes(o))
                    for o in ckpt.objects if o.file or o.inline]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,
-                         ckpt.total_bytes, storage_options, sources=[ckpt.path], source_format=ckpt.format)
+                         ckpt.total_bytes, storage_options, sources=[ckpt.path], source_format=ckpt.format,
+                         origins={t.fqn: Origin(t.fqn) for t in ckpt.tensors})
     finally:
         reader.close()

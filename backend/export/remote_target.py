@@ -194,6 +194,16 @@ class RemoteTarget:
             else:
                 self.kept.append(name)  # no export recorded writing it (config.json, a user's files): kept
 
+    def commit_beside(self, local_path: str, suffix: str) -> None:
+        """One more object beside a file output, ``<url><suffix>`` (its manifest), once the output is in place."""
+        final = self.root + suffix
+        self._stop()
+        if self.protocol in ATOMIC_PUT:
+            self._confirm(self._put(local_path, final), final)
+        else:
+            tmp = self._temp_name()
+            self._upload_then_move([(local_path, tmp, final)], tmp)
+
     def _set_aside(self, paths: list[str]) -> tuple[str, list[tuple[str, str]]]:
         """Copies of ``paths`` in a folder next to the destination, ``.shardscope-old-…``. NOTE: unlike the
         temporary uploads it is never removed by a later run: after a kill -9 during the moves it holds the

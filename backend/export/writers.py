@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from ..progress import Progress
 from .atomic import AtomicOutput
 from .lineage import lineage_for
+from .output_seal import Origin
 from .plan import ExportItem, ExportPlan
 from .registry import writer
 from .result import ExportResult
@@ -84,6 +85,8 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
             for key in mismatches:  # a kernel-copied record that fails its stored CRC: name the bad source
                 if key in by_key:
                     source.check_source(by_key[key])
+        if not mismatches:  # the output's manifest, from the bytes written, checked against a sealed source's
+            mismatches = out.seal(None if values is not None else plan.ckpt.path, _origins(plan))
         if mismatches:
             return ExportResult(out.dst, [], len(plan.items), total, time.monotonic() - t0, plan.format,
                                 left_out=left_out, notes=list(plan.notes), verified=False, mismatches=mismatches)
@@ -92,6 +95,12 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     return ExportResult(out.dst, files, len(plan.items), total, time.monotonic() - t0, plan.format,
                         left_out=left_out, notes=list(plan.notes), verified=True if verify else None,
                         verified_what=WHAT if verify else "", uploaded=out.uploaded, kept=out.kept)
+
+
+def _origins(plan: ExportPlan) -> dict[str, Origin]:
+    """Each output tensor's source entry, and the cast when its dtype is not the source's."""
+    return {it.key: Origin(it.entry.fqn, None if it.dtype == it.entry.dtype else f"cast {it.entry.dtype} to {it.dtype}")
+            for it in plan.items}
 
 
 def _one_by_one(names: list[str], failed: list[Expectation], expect: list[Expectation], by_key: dict) -> list[str]:

@@ -164,6 +164,20 @@ def verify_contents(ckpt: Any, progress: Any = None) -> list[Any]:
     return checked(ckpt, progress) + deep_checks(ckpt, progress)
 
 
+def verify_sealed(ckpt: Any, deep: bool = False, progress: Any = None, seal_progress: Any = None
+                  ) -> tuple[list[Any], Any]:
+    """What ``verify`` and the window's Verify contents check, each once: the quick check (``deep``: every check of
+    :func:`verify_contents`), then the checkpoint against its manifest whenever it has one (every file's SHA-256;
+    ``deep``: every tensor's digest too; ``seal_progress`` counts its bytes, else ``progress`` does). Returns
+    (every problem, the :class:`~..checkpoint.seal.SealCheck` saying what the manifest proved)."""
+    from ..checkpoint.seal import check_seal
+    from ..checkpoint.verify import verify
+
+    problems = verify_contents(ckpt, progress) if deep else verify(ckpt)
+    sealed = check_seal(ckpt, deep, seal_progress or progress)
+    return problems + sealed.problems, sealed
+
+
 __all__ = ["FILE_FORMATS", "FOLDER_FORMATS", "FORMATS", "METADATA", "NOT_A_CHECKPOINT", "deep_checks",
            "detect_file", "detect_folder", "format_named", "label_of", "open_checkpoint", "open_source", "resolve",
-           "verify_contents"]
+           "verify_contents", "verify_sealed"]

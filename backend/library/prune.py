@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic_file import fsync_folder
+from ..checkpoint.seal import remove_manifest_beside
 from ..errors import ShardscopeError
 from ..filenames import is_url, lineage_sidecar
 from ..format import count, human_bytes
@@ -189,8 +190,8 @@ def _protections(c: CheckpointRecord, run: RunRecord, newest: CheckpointRecord |
         out.append("the newest resumable checkpoint of its run")
     if c.pinned:  # its framework resumes from it (see formats.base.Facts.pinned)
         out.append(f"pinned: {c.pinned}")
-    if c.state == "unreadable":
-        out.append(f"unreadable ({c.reason}); check it with `shardscope verify`")
+    if c.unusable:
+        out.append(f"{c.unusable}; check it with `shardscope verify`")
     return out
 
 
@@ -220,7 +221,7 @@ def _plan_run(run: RunRecord, rules: Rules, now: float, roots: list[str], runnin
     decided: dict[str, Decision] = {}
     for kind in (RESUMABLE, WEIGHTS):
         members = [c for c in run.checkpoints if c.kind == kind]
-        complete = sorted((c for c in members if c.state == "complete"), key=order_key)
+        complete = sorted((c for c in members if c.state == "complete" and not c.unusable), key=order_key)
         newest = complete[-1] if complete and kind == RESUMABLE else None
         last = {c.path for c in complete[-rules.keep_last:]} if rules.keep_last else set()
         best: dict[str, float] = {}
@@ -445,9 +446,8 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
     if sidecar is not None and read_sidecar(sidecar) is None:
         sidecar = None  # gone since the listing, or no longer ours: left as it is
     if mode == "trash" and sidecar is None and _trash_is_a_rename(c.path):
-        # NOTE: the trash on this device takes it in one rename (atomic), so it is whole or gone without our own
-        # rename first, and the trash entry keeps the checkpoint's name (Restore brings back `step_100`, not a
-        # hidden folder).
+        # NOTE: the trash on this device takes it in one rename (atomic): whole or gone without our own rename
+        # first, and the trash entry keeps the checkpoint's name (Restore brings back `step_100`, not a hidden one)
         try:
             _dispose(c.path, mode)
         except OSError as exc:
@@ -474,8 +474,7 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
                 pass
         return Outcome(c.path, "failed", 0, f"stopped half-way ({exc}); the rest is in {hidden}, which the next "
                        "prune removes")
-    # the sidecar, wherever the renames left it, then the record (on a failure the record stays: the next prune,
-    # watch or ls finishes it)
+    # the sidecar, wherever the renames left it, then the record (a failure leaves it to the next prune or ls)
     finish_leftovers([Leftover(hidden, c.path, mode, record)])
     return Outcome(c.path, "trashed" if mode == "trash" else "deleted", c.bytes)
 
@@ -494,6 +493,8 @@ def execute(plan: Plan, delete: bool = False, progress: Progress | None = None) 
     roots = [resolve_root(r) for r in plan.roots]
     for d in todo:
         result.outcomes.append(remove_one(d.checkpoint, result.mode, roots, plan.running_ok))
+        if d.checkpoint.is_file and result.outcomes[-1].result in ("trashed", "deleted"):
+            remove_manifest_beside(d.checkpoint.path)  # its manifest beside it goes with it
         if progress:
             progress.advance(1, d.checkpoint.name)
     return result

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.seal import DAMAGED
 from ..formats.base import RESUMABLE
 from ..lineage import CHANGED, MISSING, Lineage
 from ..runs.rundir import ACTIVE_STATES
@@ -40,6 +41,9 @@ class CheckpointRecord:
     lineage: Lineage | None = None
     # the exports under the same roots whose sidecar names this checkpoint (their paths; set by the scan)
     exports: list[str] = field(default_factory=list)
+    # its content manifest by the file system's word (checkpoint.seal.seal_state): sealed, unsealed, damaged,
+    # modified; empty where the listing does not look (a URL)
+    seal: str = ""
 
     @property
     def name(self) -> str:
@@ -52,6 +56,14 @@ class CheckpointRecord:
         if self.lineage is None:
             return ""
         return {CHANGED: "source changed", MISSING: "source missing"}.get(self.lineage.state, "")
+
+    @property
+    def unusable(self) -> str:
+        """Why no one may resume from it though it may look complete, in words (unreadable, or damaged: its files
+        differ from its manifest in number or size); empty when nothing says so."""
+        if self.state == "unreadable":
+            return f"unreadable ({self.reason})"
+        return "damaged (its files differ from its manifest)" if self.seal == DAMAGED else ""
 
     def lineage_text(self) -> str:
         """One short line: ``from <source>`` for an export (with its warning), ``exported to <name>`` (or ``N
@@ -73,7 +85,7 @@ class CheckpointRecord:
         a checkpoint that has exports adds ``exports``."""
         out = {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
                "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state,
-               "pinned": self.pinned}
+               "pinned": self.pinned, "seal": self.seal or None}
         if self.lineage is not None:
             out.update(self.lineage.to_json())
         if self.exports:

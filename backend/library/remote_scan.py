@@ -90,6 +90,9 @@ class RemoteTree:
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind,
                            f.pinned)
 
+    def seal_state(self, path: str, is_folder: bool) -> str:
+        return ""  # a URL's manifest is not read by a listing (verify reads it)
+
     def lineage(self, sidecar: str) -> Lineage | None:
         """The lineage in an export's sidecar object. NOTE: every sidecar under the root is read at the first
         call, in one batch (fsspec's ``cat`` of a list: concurrent GETs, one per sidecar, in one round), and

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ..checkpoint.seal import seal_state
 from ..errors import ShardscopeError
 from ..filenames import LINEAGE_FILE_SUFFIX, WATCH_STATE, is_url, step_from_name
 from ..formats import Format
@@ -95,6 +96,9 @@ class LocalTree:
         if entry and entry["export"] == export and "removed" in entry:
             return dataclasses.replace(found, state=REMOVED)
         return found
+
+    def seal_state(self, path: str, is_folder: bool) -> str:
+        return seal_state(path, is_folder)
 
     def usage(self, path: str, files: dict[str, os.DirEntry], dirs: list[str]) -> tuple[int, float, int]:
         """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..checkpoint.seal import DAMAGED, MODIFIED, SEALED, UNSEALED
 from ..filenames import LINEAGE_FILE_SUFFIX, MP_RANK_RE, step_from_name
 from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder
 from ..lineage import Lineage
@@ -78,6 +79,9 @@ class Tree(Protocol):
     def lineage(self, sidecar: str) -> Lineage | None:
         """The lineage an export's sidecar at ``sidecar`` records, its source compared with now; None for none."""
 
+    def seal_state(self, path: str, is_folder: bool) -> str:
+        """The checkpoint's seal by its manifest and the file system (checkpoint.seal.seal_state); '' unlooked."""
+
 
 def join(tree: Tree, path: str, name: str) -> str:
     """``path/name`` in the tree's own separator."""
@@ -88,6 +92,14 @@ def split(tree: Tree, path: str) -> tuple[str, str]:
     """(parent, name) of a path in the tree."""
     parent, _, name = path.rstrip(tree.sep).rpartition(tree.sep)
     return parent or tree.sep, name
+
+
+def composite_seal(own: str, parts: list[str]) -> str:
+    """A step folder's seal: its own manifest's when it has one, else its parts' together (any damaged: damaged;
+    all sealed: sealed; any modified: modified)."""
+    if own != UNSEALED or not parts:
+        return own
+    return next((s for s in (DAMAGED, MODIFIED) if s in parts), SEALED if set(parts) == {SEALED} else own)
 
 
 class Walker:
@@ -181,6 +193,7 @@ class Walker:
                                    facts.mtime, facts.state, facts.reason, True, 1, facts.kind, facts.pinned)
             if sidecar:
                 self.add_lineage(rec, path + LINEAGE_FILE_SUFFIX)
+            rec.seal = self.tree.seal_state(path, False)
             self.add(rec)
 
     def add_folder(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str], run: str | None,
@@ -192,6 +205,7 @@ class Walker:
                                total, newest, f.state, f.reason, False, count, f.kind, f.pinned)
         if sidecar:
             self.add_lineage(rec, path.rstrip(self.tree.sep) + LINEAGE_FILE_SUFFIX)
+        rec.seal = self.tree.seal_state(path, True)
         self.add(rec)
 
     def add_lineage(self, rec: CheckpointRecord, sidecar: str) -> None:
@@ -219,6 +233,7 @@ class Walker:
         pinned = next((c.pinned for c in parts if c.pinned), "")
         rec = CheckpointRecord(here, run or self.default_run(path), step, fmt, ranks, total, newest, state, reason,
                                False, count, kind, pinned)
+        rec.seal = composite_seal(self.tree.seal_state(path, True), [c.seal for c in parts])
         self.mark_writing(rec)
         return rec
 

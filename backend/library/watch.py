@@ -171,7 +171,7 @@ class Watcher:
                 elif why := unverified(c):
                     d.remove, d.reasons = False, [why]
             out.append(d)
-        readable = [d for d in out if not unverified(d.checkpoint)]
+        readable = [d for d in out if not unverified(d.checkpoint) and not d.checkpoint.unusable]
         newest = max(readable, key=lambda d: order_key(d.checkpoint), default=None)
         if newest and newest.remove:  # a newer checkpoint failed its export: it may not be readable
             newest.remove, newest.reasons = False, ["the newest resumable checkpoint of its run whose export is "
