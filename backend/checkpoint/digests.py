@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from ..filenames import is_own_temporary, is_seal_file
 from ..progress import Progress
+from .manifest import checkpoint_files  # noqa: F401  (re-exported: hashing a checkpoint starts from its files)
 from .model import Checkpoint, ObjectEntry, TensorEntry
 from .sources import CheckpointSource, tensor_windows
 
@@ -35,29 +35,6 @@ class FileHash:
     bytes: int
     sha256: str
     ranges: dict[Any, str]  # range key -> SHA-256 of that byte range (only ranges asked for)
-
-
-def checkpoint_files(path: str, is_folder: bool) -> dict[str, int]:
-    """Every file of the checkpoint at ``path`` by its name relative to it (forward slashes) -> size: for a
-    folder every regular file under it, Shardscope's own temporaries and seal files left out; for a file, the
-    file. A symbolic link is refused (it may lead outside the checkpoint)."""
-    if not is_folder:
-        return {os.path.basename(path): os.stat(path).st_size}
-    out = {}
-    for top, dirs, names in os.walk(path, followlinks=False):
-        rel_top = os.path.relpath(top, path)
-        for name in sorted(names) + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
-            full = os.path.join(top, name)
-            rel = name if rel_top == "." else f"{rel_top.replace(os.sep, '/')}/{name}"
-            if is_own_temporary(name) or (rel_top == "." and is_seal_file(name)):
-                continue
-            if os.path.islink(full):
-                raise CheckpointError(f"{full}: a symbolic link in the checkpoint; seal hashes only the "
-                                      "checkpoint's own files (copy the file in its place).", path=full)
-            st = os.stat(full)
-            if os.path.isfile(full):
-                out[rel] = st.st_size
-    return out
 
 
 class RangeSink:

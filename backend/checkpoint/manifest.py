@@ -18,6 +18,7 @@ untrusted JSON is checked before it is used. Computing digests is :mod:`.digests
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -25,7 +26,7 @@ from typing import Any
 
 from ..atomic_file import write_atomic
 from ..errors import CheckpointError
-from ..filenames import MEGATRON_INTEGRITY
+from ..filenames import MEGATRON_INTEGRITY, is_own_temporary, is_seal_file, manifest_path
 from .dtypes import DTYPE_NAMES, MAX_INDEX, MAX_NDIM
 
 SCHEMA = "shardscope-manifest/1"
@@ -254,3 +255,50 @@ def read_megatron_integrity(path: str) -> dict[str, str] | None:
         out[name] = h
     return out
 
+
+def checkpoint_files(path: str, is_folder: bool) -> dict[str, int]:
+    """Every file of the checkpoint at ``path`` by its name relative to it (forward slashes) -> size: for a
+    folder every regular file under it, Shardscope's own temporaries and seal files left out; for a file, the
+    file. A symbolic link is refused (it may lead outside the checkpoint)."""
+    if not is_folder:
+        return {os.path.basename(path): os.stat(path).st_size}
+    out = {}
+    for top, dirs, names in os.walk(path, followlinks=False):
+        rel_top = os.path.relpath(top, path)
+        for name in sorted(names) + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            full = os.path.join(top, name)
+            rel = name if rel_top == "." else f"{rel_top.replace(os.sep, '/')}/{name}"
+            if is_own_temporary(name) or (rel_top == "." and is_seal_file(name)):
+                continue
+            if os.path.islink(full):
+                raise CheckpointError(f"{full}: a symbolic link in the checkpoint; seal hashes only the "
+                                      "checkpoint's own files (copy the file in its place).", path=full)
+            st = os.stat(full)
+            if os.path.isfile(full):
+                out[rel] = st.st_size
+    return out
+
+
+SEALED, UNSEALED, DAMAGED, MODIFIED = "sealed", "unsealed", "damaged", "modified"
+
+
+def seal_state(path: str, is_folder: bool) -> str:
+    """What a listing says of a checkpoint's seal, from its manifest's file list and the file system alone (no
+    byte of the checkpoint read): ``unsealed`` (no manifest), ``damaged`` (a bad manifest, a file missing, extra or
+    of another size), ``modified`` (a file modified after the seal, its size kept: ``verify`` tells), else
+    ``sealed``. Only ``verify`` proves the bytes."""
+    mpath = manifest_path(path, is_folder)
+    try:
+        files = read_manifest_files(mpath)
+        if files is None:
+            return UNSEALED
+        sealed_at = os.stat(mpath).st_mtime_ns
+        names = checkpoint_files(path, is_folder)
+        if names.keys() != files.keys() or any(files[k].bytes != n for k, n in names.items()):
+            return DAMAGED
+        folder = path if is_folder else os.path.dirname(path)
+        if any(os.stat(os.path.join(folder, *k.split("/"))).st_mtime_ns > sealed_at for k in names):
+            return MODIFIED
+    except (CheckpointError, OSError):  # a bad manifest (ManifestError), a file gone or a link in the folder
+        return DAMAGED
+    return SEALED

@@ -14,17 +14,23 @@ from ..errors import CheckpointError, ShardscopeError
 from ..filenames import MEGATRON_INTEGRITY, SIGNATURE_NAME, is_url, manifest_path, signature_path
 from ..format import count
 from ..progress import Progress
-from .digests import FileHash, checkpoint_files, chunk_ranges, hash_files, object_digest, tensor_digests
+from .digests import FileHash, chunk_ranges, hash_files, object_digest, tensor_digests
 from .manifest import (
+    DAMAGED,
+    MODIFIED,
+    SEALED,
+    UNSEALED,
     ChunkDigest,
     FileDigest,
     Manifest,
     ManifestError,
     TensorDigest,
+    checkpoint_files,
     megatron_integrity,
     read_manifest,
     read_manifest_files,
     read_megatron_integrity,
+    seal_state,
     write_manifest,
 )
 from .model import Checkpoint, Problem
@@ -144,31 +150,6 @@ def _integrity_problems(listed: dict[str, str], actual: dict[str, str], where: s
         elif actual[name] != h:
             out.append(Problem("digest_mismatch", f"{name}: its SHA-256 differs from {where}'s.", file=name))
     return out
-
-
-SEALED, UNSEALED, DAMAGED, MODIFIED = "sealed", "unsealed", "damaged", "modified"
-
-
-def seal_state(path: str, is_folder: bool) -> str:
-    """What a listing says of a checkpoint's seal, from its manifest's file list and the file system alone (no
-    byte of the checkpoint read): ``unsealed`` (no manifest), ``damaged`` (a bad manifest, a file missing, extra or
-    of another size), ``modified`` (a file modified after the seal, its size kept: ``verify`` tells), else
-    ``sealed``. Only ``verify`` proves the bytes."""
-    mpath = manifest_path(path, is_folder)
-    try:
-        files = read_manifest_files(mpath)
-        if files is None:
-            return UNSEALED
-        sealed_at = os.stat(mpath).st_mtime_ns
-        names = checkpoint_files(path, is_folder)
-        if names.keys() != files.keys() or any(files[k].bytes != n for k, n in names.items()):
-            return DAMAGED
-        folder = path if is_folder else os.path.dirname(path)
-        if any(os.stat(os.path.join(folder, *k.split("/"))).st_mtime_ns > sealed_at for k in names):
-            return MODIFIED
-    except (CheckpointError, OSError):  # a bad manifest (ManifestError), a file gone or a link in the folder
-        return DAMAGED
-    return SEALED
 
 
 def quick_seal_summary(path: str) -> str:

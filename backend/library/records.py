@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.seal import DAMAGED
+from ..checkpoint.manifest import DAMAGED
 from ..formats.base import RESUMABLE
 from ..lineage import CHANGED, MISSING, Lineage
 from ..runs.rundir import ACTIVE_STATES

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ..checkpoint.seal import seal_state
+from ..checkpoint.manifest import seal_state
 from ..errors import ShardscopeError
 from ..filenames import LINEAGE_FILE_SUFFIX, WATCH_STATE, is_url, step_from_name
 from ..formats import Format

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..checkpoint.seal import DAMAGED, MODIFIED, SEALED, UNSEALED
+from ..checkpoint.manifest import DAMAGED, MODIFIED, SEALED, UNSEALED
 from ..filenames import LINEAGE_FILE_SUFFIX, MP_RANK_RE, step_from_name
 from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder
 from ..lineage import Lineage
