@@ -259,7 +259,8 @@ def test_average_written_as_dcp_is_read_by_dcp_load(run, tmp_path):
         dcp.load(state, checkpoint_id=str(out), no_dist=True)
     for key, want in ref.items():
         assert torch.equal(state["model"][key], want.float()), key  # the float64 result rounded once
-    assert {f.name for f in out.iterdir()} == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    # two ranks' files, the metadata, and the manifest every output carries (issue 33)
+    assert {f.name for f in out.iterdir()} == {"__0_0.distcp", "__1_0.distcp", ".metadata", "shardscope-manifest.json"}
     lineage = json.loads(Path(f"{out}.shardscope.json").read_text())  # beside the folder
     assert lineage["export_format"] == "dcp" and lineage["average"]["method"] == "weighted"
     sources = lineage["average"]["sources"]
