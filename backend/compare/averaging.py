@@ -4,7 +4,7 @@ above both, because ordering a series is the Library's and writing is the export
 
 from __future__ import annotations
 
-from ..export.average import HF_SHARD_SIZE, Recipe, average, average_dcp, make_recipe
+from ..export.average import DCP_OUTPUT, HF_SHARD_SIZE, Recipe, average, average_dcp, make_recipe
 from ..export.plan import ExportError
 from ..export.result import ExportResult
 from ..progress import Progress
@@ -22,21 +22,21 @@ def average_checkpoints(inputs: list[str], dst: str, fmt: str | None = None, wei
     from ..export.registry import check_request, output_dtype, parse_shard_size
 
     recipe = make_recipe(len(inputs), weights, ema)
-    if fmt == "dcp":
+    if fmt == DCP_OUTPUT:
         if hf:
             raise ExportError("a Hugging Face model is written as safetensors, not as DCP.")
         output_dtype(dtype)
     elif ranks != 1 or prefix:
         raise ExportError("a number of ranks and a key prefix apply to DCP output only.")
     options = {"dtype": dtype, "max_shard_size": parse_shard_size(HF_SHARD_SIZE if hf else None)}
-    if fmt != "dcp":
+    if fmt != DCP_OUTPUT:
         fmt = check_request(dst, "safetensors" if hf else fmt, **options).name
     if ema is not None:  # in step order, as the Library's walk finds them
         inputs = [p.path for p in checkpoint_series(inputs)]
         if len(inputs) < 2:
             raise ExportError("EMA needs at least two complete checkpoints.")
         recipe = make_recipe(len(inputs), None, ema)
-    if fmt == "dcp":
+    if fmt == DCP_OUTPUT:
         return recipe, average_dcp(inputs, dst, recipe, ranks, prefix, dtype, force, verify, progress,
                                    storage_options)
     return recipe, average(inputs, dst, fmt, recipe, options, force, verify, progress, storage_options)

@@ -227,11 +227,12 @@ def average_dcp(paths: list[str], dst: str, recipe: Recipe, ranks: int = 1, pref
         tensors = [TensorIn(f"{pre}.{it.key}" if pre else it.key, it.dtype, it.shape, lambda it=it: load(it))
                    for it in plans[0].items]
         planner = {t.fqn: (pre, it.key) for t, it in zip(tensors, plans[0].items, strict=True)} if pre else None
-        lineage = average_lineage(paths, [c.format for c in ckpts], recipe, "dcp")
+        lineage = average_lineage(paths, [c.format for c in ckpts], recipe, DCP_OUTPUT)
         return write_dcp(tensors, [], dst, ranks, planner, force, verify, progress, plans[0].total_bytes,
                          storage_options, sources=list(paths), lineage=lineage)
 
 
+DCP_OUTPUT = "dcp"  # the DCP writer's name (export/registry.WRITERS): an average written for N ranks
 HF_SHARD_SIZE = "5GB"  # ``hf``: the folder save_pretrained writes by default
 
 
