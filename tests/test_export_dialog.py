@@ -127,7 +127,8 @@ def test_export_dialog_previews_runs_and_cancels(qtbot, fixtures, tmp_path):
     assert blocker.args[0] is None
     assert not (tmp_path / "all.pt").exists()
     # no temporary of any name left: the output and its lineage sidecar
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "m.safetensors.shardscope.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "m.safetensors.shardscope-manifest.json",
+                                                          "m.safetensors.shardscope.json"]  # and its manifest
 
 
 def test_export_dialog_reshards(qtbot, fixtures, tmp_path):
@@ -277,7 +278,7 @@ def test_overwrite_into_a_model_folder_keeps_the_files_an_export_does_not_write(
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert {p.name for p in folder.iterdir()} == {*shards, "model.safetensors.index.json", "config.json",
-                                                  "pytorch_model.bin", "tokenizer"}
+                                                  "pytorch_model.bin", "tokenizer", "shardscope-manifest.json"}
 
 
 def test_open_after_an_export_shows_the_written_file_in_the_window(qtbot, fixtures, tmp_path):
