@@ -31,8 +31,9 @@ SIDECAR = ".shardscope.json"  # each export's lineage sidecar (tests/test_lineag
 
 
 def _names(folder) -> list[str]:
-    """What a folder holds, its exports' lineage sidecars left out."""
-    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(SIDECAR))
+    """What a folder holds, its exports' lineage sidecars and manifests left out (tests/test_output_seal.py)."""
+    return sorted(p.name for p in folder.iterdir()
+                  if not p.name.endswith(SIDECAR) and not p.name.endswith(".shardscope-manifest.json"))
 
 
 def _age(path: Path, seconds: float = 3600) -> None:
