@@ -105,17 +105,22 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     return (json.dumps(manifest.to_json(), separators=(",", ":")) + "\n").encode()
 
 
-def read_manifest(path: str) -> Manifest | None:
-    """The manifest at ``path``; None when there is none. ManifestError naming the file and the field when it is
-    not a valid one (fail closed: a damaged manifest is never read as "no manifest")."""
+def _read_small(path: str, failure: str) -> bytes | None:
+    """At most one byte more than a manifest may hold, of the file at ``path``; None when there is none."""
     try:
         with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+            return f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise ManifestError(f"{path}: cannot read the manifest ({exc.strerror}).", path=path) from None
-    return parse_manifest(data, path)
+        raise ManifestError(f"{path}: {failure} ({exc.strerror}).", path=path) from None
+
+
+def read_manifest(path: str) -> Manifest | None:
+    """The manifest at ``path``; None when there is none. ManifestError naming the file and the field when it is
+    not a valid one (fail closed: a damaged manifest is never read as "no manifest")."""
+    data = _read_small(path, "cannot read the manifest")
+    return None if data is None else parse_manifest(data, path)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -235,13 +240,9 @@ def megatron_integrity(files: dict[str, FileDigest]) -> bytes:
 def read_megatron_integrity(path: str) -> dict[str, str] | None:
     """The name -> SHA-256 map of a Megatron ``integrity.json`` (None when there is none); ManifestError when it
     is not one."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
+    data = _read_small(path, "cannot read")
+    if data is None:
         return None
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot read ({exc.strerror}).", path=path) from None
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
