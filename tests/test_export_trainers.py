@@ -224,7 +224,7 @@ def test_export_from_and_to_s3_single_and_sharded(s3, written, tmp_path):
     assert fs.cat("dst/fabric.safetensors") == (tmp_path / "f.safetensors").read_bytes()
     assert sorted(p.rsplit("/", 1)[1] for p in fs.find("dst/hf")) == [
         "config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+        "model-00003-of-00003.safetensors", "model.safetensors.index.json", "shardscope-manifest.json"]
     index = fs.cat("dst/hf/model.safetensors.index.json")
     assert str(written).encode() not in index and b"model.embed_tokens.weight" in index
 
