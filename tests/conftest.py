@@ -27,38 +27,38 @@ atexit.register(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], ignore_errors=True
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-# Markers (declared in pyproject.toml), given by what a test uses, so none is forgotten: `gui` (a Qt widget or
-# window: qtbot, or a window started with --screenshot), `s3` (the local S3 API server), `slurm` (the one-node
-# cluster), `slow` (a module whose tests each start training runs or writers: torchrun, Lightning, DeepSpeed,
-# the soak and the fuzzers). The fast subset: pytest -m "not slow and not slurm and not s3 and not gui".
-SLOW_MODULES = {"test_soak", "test_fuzz", "test_runs", "test_cli_runs", "test_training_panel", "test_follow",
-                "test_library", "test_library_gui", "test_accelerate_writer", "test_export_trainers", "test_slurm",
-                "test_install", "test_checkpoint_kinds", "test_export_destinations", "test_deepspeed_state",
-                "test_deepspeed", "test_megatron", "test_watch", "test_export_transformers", "test_drift",
-                "test_export_hf"}
-# modules of window tests: every test in them is `gui`, also one that starts no qtbot (--screenshot, the gui
-# command, the shard map's hover index)
-GUI_MODULES = {"test_window_scale", "test_soak", "test_training_panel", "test_library_gui", "test_workers",
-               "test_cli_gui", "test_main_window", "test_main_window_files", "test_checkpoint_view",
-               "test_tensor_tree", "test_shard_map", "test_inspector_view", "test_health_panel", "test_ranks_view",
-               "test_compare_view", "test_compare_picker", "test_library_view", "test_import_job",
-               "test_training_tab", "test_window_close"}
+# Markers (declared in pyproject.toml) come from what a test uses: a module whose tests start training runs or real
+# writers (torchrun, Lightning, DeepSpeed, Megatron), the soak or the fuzzers says `pytestmark = pytest.mark.slow`
+# itself, as the window modules whose tests start no qtbot say `gui` and the SLURM and S3 modules say theirs; a test
+# that asks for a Qt widget (`qtbot`, `window`) is `gui` and one that asks for the S3 server (`s3`) is `s3` wherever it
+# is. The fast subset: pytest -m "not slow and not slurm and not s3 and not gui"; a test of it that takes longer than
+# QUICK_LIMIT_S is named at the end of the run, so a new module cannot slow the subset unseen.
+QUICK_MARKERS = ("slow", "slurm", "s3", "gui")
+QUICK_LIMIT_S = 15.0
+_slow_quick_tests: list[tuple[float, str]] = []
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
         uses = set(getattr(item, "fixturenames", ()))
         source = getattr(item.function, "__code__", None)
         names = set(source.co_names) if source else set()
-        if "qtbot" in uses or "window" in uses or module in GUI_MODULES:
+        if "qtbot" in uses or "window" in uses:
             item.add_marker(pytest.mark.gui)
-        if "s3" in uses or "S3Server" in names or module == "test_remote":
+        if "s3" in uses or "S3Server" in names:
             item.add_marker(pytest.mark.s3)
-        if module == "test_slurm":
-            item.add_marker(pytest.mark.slurm)
-        if module in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > QUICK_LIMIT_S and not set(report.keywords) & set(QUICK_MARKERS):
+        _slow_quick_tests.append((report.duration, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _slow_quick_tests:
+        terminalreporter.section(f"quick tests over {QUICK_LIMIT_S:.0f} s (mark them slow, or make them quick)")
+        for duration, nodeid in sorted(_slow_quick_tests, reverse=True):
+            terminalreporter.write_line(f"{duration:7.1f}s {nodeid}")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -209,3 +209,14 @@ def wait_for(cond, what: str, timeout: float = 240.0, interval: float = 0.2):
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(interval)
+
+
+def cli_in_process(capsys, *args: object) -> tuple[int, str, str]:
+    """One ``shardscope`` command line through the real entry point, in this process (fast): its exit code, stdout
+    and stderr. The one in-process CLI of the tests (``run_cli`` is the one in a fresh process)."""
+    from shardscope.app.cli.main import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err

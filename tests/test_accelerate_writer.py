@@ -18,6 +18,8 @@ from accelerate_writer import VOCAB, tiny_llama_config
 from conftest import run_cli
 from safetensors import safe_open
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 
 

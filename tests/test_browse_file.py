@@ -13,22 +13,13 @@ import sys
 
 import pytest
 import torch
+from conftest import cli_in_process as cli
 from conftest import run_cli_peak
 from hostile_torch_files import uni, with_pickle
 from safetensors.torch import save_file
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.format import escape_name
 from shardscope.backend.formats import open_checkpoint
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    """One ``shardscope`` command line through the real entry point, in this process."""
-    from shardscope.app.cli.main import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def bad_input(rc: int, err: str, path) -> None:

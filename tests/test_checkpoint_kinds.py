@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import cli_in_process as cli
 from gloo_retry import ATTEMPTS, RunFailed, retry_gloo, run_ok
 from kinds_writer import RTL_NAME, SINGLE, SPAWNED, write_hostile
+
+pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
 
@@ -38,16 +41,6 @@ def unseen(tmp_path_factory) -> Path:
     hostile.mkdir()
     write_hostile(hostile, root / "extra_state")
     return root
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    """One ``shardscope`` command line through the real entry point (in this process: fast)."""
-    from shardscope.app.cli.main import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _bits(t: torch.Tensor) -> list[int]:

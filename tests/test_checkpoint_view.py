@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from gui_support import no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
 from PySide6.QtCore import Qt
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication
+
+pytestmark = pytest.mark.gui
 
 
 def test_header_names_the_format_and_counts_ranks_in_words(qtbot, fixtures):

@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import run_cli
 from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture)
 from safetensors.torch import save_file
 from shardscope.widgets.palette import rank_color
+
+pytestmark = pytest.mark.gui
 
 
 def test_main_window_screenshot(tmp_path, fixtures):

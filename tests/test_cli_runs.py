@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import run_cli, wait_for
 from shardscope.backend.runs.rundir import read_status, run_state
+
+pytestmark = pytest.mark.slow
 
 SMALL = ["--strategy", "ddp", "--nproc", "2", "--checkpoint-every", "0", "--width", "32", "--depth", "1",
          "--heads", "2", "--seq-len", "16", "--batch-size", "2"]

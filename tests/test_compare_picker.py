@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture)
+
+pytestmark = pytest.mark.gui
 
 SLOW = 120000  # ms: a checkpoint load or a background read on a loaded 2-core machine
 

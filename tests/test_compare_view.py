@@ -3,8 +3,11 @@ window, a checkpoint compared with its own export."""
 
 from __future__ import annotations
 
+import pytest
 from gui_support import min_width, no_thread_left_running  # noqa: F401  (an autouse fixture)
 from PySide6.QtCore import Qt
+
+pytestmark = pytest.mark.gui
 
 
 def test_compare_view_lists_changes_and_shows_detail(qtbot, fixtures):

@@ -11,21 +11,15 @@ import shutil
 
 import pytest
 import torch
+from conftest import cli_in_process as cli
 from safetensors.torch import load_file
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.formats.deepspeed import flat_boxes
 
+pytestmark = pytest.mark.slow
+
 VARIANTS = ["z1-fp32-2r", "z2-bf16-2r", "z2-fp32-3r", "z3-bf16-3r", "z3-fp32-2r"]
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    from shardscope.app.cli.main import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def reference(deepspeed_checkpoints, name: str) -> dict:

@@ -25,6 +25,8 @@ from shardscope.backend.errors import CheckpointError, RefusedPickleError
 from shardscope.backend.filenames import is_deepspeed_save_dir, is_deepspeed_step_folder
 from shardscope.backend.filenames import parse_ds_latest as parse_latest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 
 

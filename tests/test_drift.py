@@ -19,6 +19,8 @@ from shardscope.backend.filenames import MANIFEST_NAME
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+pytestmark = pytest.mark.slow
+
 STEPS = (5, 10, 15, 20)
 PLANTED = "model.blocks.0.mlp.0.weight"
 

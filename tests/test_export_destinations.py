@@ -22,6 +22,8 @@ from shardscope.backend.export.dcp_writer import import_file
 from shardscope.backend.export.destination import check_destination
 from shardscope.backend.export.plan import ExportError
 
+pytestmark = pytest.mark.slow
+
 
 def _tree(path: Path) -> dict[str, str]:
     """Every file under ``path`` (links as their target) and a hash of its bytes: what must not change."""

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 
 

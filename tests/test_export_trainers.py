@@ -30,6 +30,8 @@ from shardscope.backend.formats import open_checkpoint
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from trainers_writer import TITAN_TO_HF
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 
 

@@ -20,6 +20,8 @@ from conftest import run_cli
 from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture: no worker outlives a test)
 from safetensors import safe_open
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 
 

@@ -16,6 +16,8 @@ from shardscope.backend.runs.metric_logs import field_for
 from shardscope.backend.runs.rundir import checkpoints, is_run_dir, scalar_logs
 from torch.utils.tensorboard import SummaryWriter
 
+pytestmark = pytest.mark.slow
+
 
 def test_tag_names_map_to_fields():
     assert field_for("train/loss") == field_for("train_loss") == field_for("loss_step") == "loss"

@@ -13,21 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_in_process as cli
 from safetensors.torch import save_file
 from shardscope.backend import formats
 from shardscope.backend.checkpoint.chunks import ChunkReader, CorruptChunkError
 from shardscope.backend.formats import detect_file, detect_folder, format_named, open_checkpoint, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    from shardscope.app.cli.main import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _model_state() -> dict[str, torch.Tensor]:

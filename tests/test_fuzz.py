@@ -22,6 +22,8 @@ from fuzz.safetensors_files import mutated_file as mutated_safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.slow
+
 CHECKPOINTS = ["fsdp2_r2", "fsdp_safetensors_r2", "fsdp_nocoll_r2", "lightning_r2"]
 METADATA_CASES = 600
 DISTCP_CASES = 250

@@ -8,6 +8,8 @@ from damaged_metadata import write_evil_metadata
 from gui_support import no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
 from shardscope.widgets.checkpoint_view import CheckpointView
 
+pytestmark = pytest.mark.gui
+
 
 def test_hostile_folder_shows_error_and_runs_nothing(qtbot, copy_of, tmp_path):
     ckpt = copy_of("nopg")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture)
 from PySide6.QtWidgets import QApplication
+
+pytestmark = pytest.mark.gui
 
 
 def test_import_into_an_existing_folder_does_not_speak_of_force(qtbot, tmp_path):

@@ -7,6 +7,8 @@ import pytest
 from gui_support import min_width, no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
 from torch_reference import flatten, torch_consolidated
 
+pytestmark = pytest.mark.gui
+
 
 def test_inspector_stats_equal_torch(qtbot, fixtures):
     view = open_view(qtbot, fixtures["ddp_r2"])

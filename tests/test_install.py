@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).parent.parent
 SOURCES = {"app": "shardscope/app", "backend": "shardscope/backend", "widgets": "shardscope/widgets",
            "resources": "shardscope/resources"}

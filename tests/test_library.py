@@ -27,6 +27,8 @@ from shardscope.backend.library.prune import PAUSE_ENV
 from shardscope.backend.library.prune_record import PRUNE_PREFIX
 from shardscope.backend.runs.launcher import RunConfig, RunLauncher
 
+pytestmark = pytest.mark.slow
+
 SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
 RUN_STEPS = [5, 10, 15, 20]
 

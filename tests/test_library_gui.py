@@ -17,6 +17,8 @@ from shardscope.widgets.library_model import COLUMNS, LibraryModel
 from shardscope.widgets.library_view import LibraryView
 from shardscope.widgets.prune_dialog import PruneDialog
 
+pytestmark = [pytest.mark.slow, pytest.mark.gui]
+
 TIMEOUT = 60_000
 
 

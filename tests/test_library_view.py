@@ -12,6 +12,8 @@ import pytest
 from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture)
 from PySide6.QtCore import QModelIndex, Qt, QTimer
 
+pytestmark = pytest.mark.gui
+
 
 def test_library_says_why_a_double_click_did_not_open(qtbot, tmp_path, fixtures):
     """Double-clicking a consolidated .pt in the Library said "a.pt is complete; it opens once it is

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from gui_support import no_thread_left_running, wait_loaded  # noqa: F401  (an autouse fixture)
 from PySide6.QtCore import QEvent, QMimeData, QObject, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 from shardscope.widgets.checkpoint_view import CheckpointView
+
+pytestmark = pytest.mark.gui
 
 
 def test_two_checkpoints_side_by_side(qtbot, fixtures):

@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from shardscope.app.main_window import MainWindow
 from shardscope.widgets.checkpoint_view import CheckpointView
 
+pytestmark = pytest.mark.gui
+
 
 @pytest.fixture
 def window(qtbot):

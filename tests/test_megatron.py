@@ -19,6 +19,8 @@ import torch
 from conftest import run_cli
 from make_megatron_fixtures import ITERATIONS, OPTIMIZER_STATES, TENSORS, full_tensor, stored_key
 
+pytestmark = pytest.mark.slow
+
 ITER = "iter_0000100"
 FC1 = "decoder.layers.mlp.linear_fc1.weight"
 

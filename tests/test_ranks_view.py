@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from gui_support import leaf_paths, no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
+
+pytestmark = pytest.mark.gui
 
 
 def test_rank_click_filters_tree_and_highlights(qtbot, fixtures):

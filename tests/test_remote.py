@@ -16,6 +16,8 @@ import pytest
 import s3fs
 from s3_server import S3Server
 
+pytestmark = pytest.mark.s3  # every test here talks to the local S3 API server
+
 BUCKET = "ckpts"
 REMOTE_FIXTURES = ("fsdp2_r4", "fsdp_safetensors_r2", "hf_r2")
 

@@ -17,6 +17,8 @@ from shardscope.backend.runs.metric_logs import read_rank_metrics
 from shardscope.backend.runs.rundir import checkpoints, read_status
 from torch.distributed.checkpoint import FileSystemReader
 
+pytestmark = pytest.mark.slow
+
 SMALL = {"width": 32, "depth": 2, "heads": 2, "seq_len": 32, "batch_size": 4}
 
 

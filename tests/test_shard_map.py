@@ -9,6 +9,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 from shardscope.widgets.palette import rank_color
 
+pytestmark = pytest.mark.gui
+
 
 def test_shard_map_draws_one_rect_per_chunk(qtbot, fixtures):
     view = open_view(qtbot, fixtures["fsdp2_r4"])

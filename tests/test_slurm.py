@@ -23,6 +23,8 @@ from shardscope.backend.runs.metric_logs import read_rank_metrics
 from shardscope.backend.runs.rundir import checkpoints, log_tail, read_config, read_status
 from slurm_cluster import SlurmCluster
 
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
 SMALL = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
 DEADLINE = 240.0
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from soak_driver import REFCOUNT_SLACK, WARMUP_ACTIONS, make_big_checkpoint
 
+pytestmark = [pytest.mark.slow, pytest.mark.gui]
+
 HERE = Path(__file__).parent
 # A count, not a time: a busy machine (2-11 actions/s measured with the load average at 9-12 on 2 cores)
 # takes longer rather than proving less. 2,000 took 54-106 s of actions at a load average of 2-4.

@@ -3,9 +3,12 @@ highlighted on focus."""
 
 from __future__ import annotations
 
+import pytest
 from gui_support import leaf_paths, no_thread_left_running, open_view  # noqa: F401  (an autouse fixture)
 from PySide6.QtCore import Qt
 from shardscope.widgets.tensor_tree import TensorTreeModel
+
+pytestmark = pytest.mark.gui
 
 
 def test_tree_has_every_entry(qtbot, qtmodeltester, fixtures):

@@ -21,6 +21,8 @@ from shardscope.backend.runs.rundir import checkpoints, read_config, read_status
 from shardscope.backend.runs.supervisor import STOP_NOTE
 from shardscope.widgets.training_panel import TrainingPanel
 
+pytestmark = [pytest.mark.slow, pytest.mark.gui]
+
 SMALL = {"width": 32, "depth": 1, "heads": 2, "seq_len": 16, "batch_size": 2}
 LONG = 300_000  # ms: a deadline for anything a real torchrun does on a loaded 2-core machine (imports torch)
 SHORT = 120_000  # ms: a deadline for the panel's own polling (every 0.5 s, the Runs list every 2 s)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixture)
 from PySide6.QtCore import Qt
 from test_training_panel import SHORT, fake_run
+
+pytestmark = pytest.mark.gui
 
 
 def test_a_followed_run_renamed_on_disk_leaves_no_blank_entry(qtbot, tmp_path):

@@ -24,6 +24,8 @@ from shardscope.backend.filenames import TMP_PREFIX, WATCH_STATE
 from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.library.watch import model_prefixes
 
+pytestmark = pytest.mark.slow
+
 STEPS = [10, 20, 30]
 
 

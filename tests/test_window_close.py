@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
+pytestmark = pytest.mark.gui
+
 HERE = Path(__file__).parent
 PROMPT_S = 1.5  # generous for a busy machine: it takes 0.4-0.8 s here
 

@@ -15,6 +15,8 @@ from shardscope.backend.format import byte_unit, natural_key
 from shardscope.widgets.checkpoint_view import CheckpointView, summary_html
 from shardscope.widgets.plot_style import CategoryAxis, nice_step
 
+pytestmark = pytest.mark.gui
+
 
 @pytest.fixture(autouse=True)
 def no_thread_left_running():

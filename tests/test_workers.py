@@ -17,6 +17,8 @@ from PySide6.QtWidgets import QLabel, QWidget
 from shardscope.backend.errors import ShardscopeError
 from shardscope.widgets.workers import Worker, run_in_background
 
+pytestmark = pytest.mark.gui
+
 DEADLINE_MS = 120_000
 
 
