@@ -1,4 +1,4 @@
-"""The long mutation-fuzzing run of the torch-file reader (backend/checkpoint/unpickler.py through torch_load.py):
+"""The long mutation-fuzzing run of the torch-file reader (backend/checkpoint/unpickler/ through torch_load.py):
 N mutated ``data.pkl`` files of a real ``torch.save`` file (bytes flipped, cut, inserted; BUILD/SETITEM/APPEND opcodes
 and memo references inserted at opcode boundaries), each read, with ``torch.load(weights_only=True)`` as the oracle:
 what the reader reads, torch reads to the same names, tensors and values; what it refuses, torch refuses. Failures

@@ -33,7 +33,7 @@ from .unpickler import ShippedUnpickler, shippable_globals, unpickle_metadata
 
 ISOLATE: bool | None = None  # None: decide per call (see must_isolate); True/False: always/never isolate
 _IN_HELPER = False
-_FUNCS = ("shardscope.backend.checkpoint.unpickler:unpickle_metadata",
+_FUNCS = ("shardscope.backend.checkpoint.unpickler.metadata:unpickle_metadata",
           "shardscope.backend.checkpoint.streaming:stream_metadata",
           "shardscope.backend.checkpoint.streaming:stream_metadata_compact")
 _HELPER_MAIN = "from shardscope.backend.checkpoint.reader_process import helper_main; helper_main()"
