@@ -111,3 +111,11 @@ def test_a_llama_checkpoint_with_a_qwen3_config_is_one_line_exit_2(tmp_path):
     proc = run_cli("export", tmp_path / "ckpt", tmp_path / "hf", "--hf", "--config", config)
     assert proc.returncode == 2, proc.stderr
     assert "no q_norm/k_norm (a torchtitan Llama" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_renaming_qwen3_rotary_weights_to_hf_names_is_not_called_a_trap(qwen, tmp_path):
+    """torchtitan's Qwen3 rotates halves, as HF does: renamed q/k weights need no permutation, so no note says so
+    (the Llama's note is tests/test_export_hf.py's)."""
+    rules = [r"--rename=^layers\.(\d+)\.attention\.qkv_linear\.w([qk])\.=model.layers.\1.self_attn.\2_proj."]
+    proc = run_cli("export", qwen / "dense_untied" / "ckpt", tmp_path / "renamed.safetensors", *rules, check=True)
+    assert "rotary permutation" not in proc.stdout, proc.stdout

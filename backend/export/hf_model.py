@@ -377,15 +377,16 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
     return HfMapping(tuple(out.values()), tuple(left_out), tuple(words[k] for k in sorted(kinds)))
 
 
+_QK_NORM_ANYWHERE = re.compile(r"(^|\.)layers\.\d+\.attention\.[qk]_norm\.weight$")
 _INTERLEAVED_QK = re.compile(r"(^|\.)layers\.\d+\.attention\.(qkv_linear\.)?w[qk]\.weight$")
 
 
 def rotary_trap(renamed: list[tuple[str, str]]) -> str | None:
     """A note when rename rules gave torchtitan's q and k weights (adjacent rotary pairs) HF's ``q_proj``/``k_proj``
     names (HF rotates halves): such a model loads with every key matched and computes wrong logits. ``renamed``:
-    (source key, output key) pairs."""
+    (source key, output key) pairs. torchtitan's Qwen3 (q/k norms) rotates halves already: no note for it."""
     hits = [src for src, out in renamed if _INTERLEAVED_QK.search(src) and re.search(r"[qk]_proj\.weight$", out)]
-    if not hits:
+    if not hits or any(_QK_NORM_ANYWHERE.search(src) for src, _ in renamed):
         return None
     return (f"{hits[0]} renamed to Hugging Face's q_proj/k_proj names without the rotary permutation ({len(hits)} "
             "tensors): torchtitan stores q and k with adjacent rotary pairs and HF rotates halves, so the model "
