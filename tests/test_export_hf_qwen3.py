@@ -64,13 +64,17 @@ def test_torchtitan_qwen3_export_runs_as_the_trained_model(qwen, tmp_path, varia
             "up half of an interleaved [F, 2, D] gate/up"
 
 
-def _config(qwen: Path, tmp_path: Path, variant: str, **changes) -> Path:
-    doc = json.loads((qwen / variant / "config.json").read_text())
-    doc.update(changes)
-    doc = {k: v for k, v in doc.items() if v is not None}
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(doc))
-    return path
+def _mapping(ckpt: Path, doc: dict):
+    """What ``export --hf`` plans for the checkpoint's model tensors under the config ``doc`` (in process: the
+    checks the CLI runs, without a process per case)."""
+    from shardscope.backend.export.hf_model import HfConfig, interleaved_rotary, map_names, recognise_scheme
+    from shardscope.backend.formats import open_checkpoint
+
+    shapes = {t.fqn: t.shape for t in open_checkpoint(ckpt, use_cache=False).tensors
+              if not t.fqn.startswith(("optimizer.", "train_state."))}
+    cfg = HfConfig.from_json(doc, "config.json")
+    scheme = recognise_scheme(list(shapes))
+    return map_names(shapes, scheme, cfg, interleaved_rotary(scheme, cfg))
 
 
 @pytest.mark.parametrize("variant,changes,words", [
@@ -78,39 +82,55 @@ def _config(qwen: Path, tmp_path: Path, variant: str, **changes) -> Path:
                                 "the 8 stacked experts the config gives"),
     ("moe", {"moe_intermediate_size": 48}, "becomes model.layers.0.mlp.experts.0.gate_proj.weight of shape [32, 64], "
                                            "but the config says [48, 64]"),
-    ("moe", {"norm_topk_prob": None}, "the config gives no norm_topk_prob"),
     ("moe", {"num_experts_per_tok": None}, "the config gives no num_experts_per_tok"),
     ("moe", {"mlp_only_layers": [1]}, "layers.1.moe.routed_experts.inner_experts.w1_EFD: becomes "
                                       "model.layers.1.mlp.experts.0.gate_proj.weight of shape [32, 64], but a name "
                                       "HF's model does not have"),
+    ("moe", {"decoder_sparse_step": 2}, "layers.0.moe.routed_experts.inner_experts.w1_EFD: becomes "
+                                        "model.layers.0.mlp.experts.0.gate_proj.weight"),
     ("moe", {"model_type": "qwen3"}, "layers.0.moe.routed_experts.inner_experts.w1_EFD: a MoE's stacked experts, but "
                                      "the config (qwen3) has no experts"),
     ("dense_untied", {"model_type": "llama"}, "a torchtitan Qwen3 (q/k norms, rotary halves), but the config's "
                                               "model_type is llama"),
+    ("dense_untied", {"head_dim": 16}, "becomes model.layers.0.self_attn.q_proj.weight of shape [96, 64], but the "
+                                       "config says [64, 64]"),
 ])
-def test_a_qwen3_config_that_does_not_fit_is_one_line_exit_2(qwen, tmp_path, variant, changes, words):
-    config = _config(qwen, tmp_path, variant, **changes)
-    proc = run_cli("export", qwen / variant / "ckpt", tmp_path / "hf", "--hf", "--config", config)
+def test_a_qwen3_config_that_does_not_fit_names_the_tensor(qwen, variant, changes, words):
+    from shardscope.backend.export.hf_model import HfModelError
+
+    doc = json.loads((qwen / variant / "config.json").read_text())
+    doc = {k: v for k, v in {**doc, **changes}.items() if v is not None}
+    with pytest.raises(HfModelError) as exc:
+        _mapping(qwen / variant / "ckpt", doc)
+    assert words in str(exc.value), exc.value
+    good = json.loads((qwen / variant / "config.json").read_text())
+    assert _mapping(qwen / variant / "ckpt", good).tensors  # the config the model was made with fits
+
+
+def test_a_missing_routing_value_is_one_line_exit_2(qwen, tmp_path):
+    doc = json.loads((qwen / "moe" / "config.json").read_text())
+    del doc["norm_topk_prob"]  # HF's default (false) is not torchtitan's route_norm: never guessed
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    proc = run_cli("export", qwen / "moe" / "ckpt", tmp_path / "hf", "--hf", "--config", tmp_path / "config.json")
     assert proc.returncode == 2, proc.stderr
-    assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the config gives no norm_topk_prob" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_llama_checkpoint_with_a_qwen3_config_is_one_line_exit_2(tmp_path):
+def test_a_llama_checkpoint_with_a_qwen3_config_is_refused_by_name(tmp_path):
     """The converse of the family check: no q/k norms (a torchtitan Llama, whose rotary pairs need the permutation)
     under a Qwen3 config would be exported unpermuted; it is refused by name, before anything is written."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from shardscope.backend.export.hf_model import HfModelError
 
     state = {"tok_embeddings.weight": torch.zeros(16, 8), "norm.weight": torch.ones(8),
              "layers.0.attention.wq.weight": torch.zeros(8, 8)}
-    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 16,
-                                  "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 16}))
-    proc = run_cli("export", tmp_path / "ckpt", tmp_path / "hf", "--hf", "--config", config)
-    assert proc.returncode == 2, proc.stderr
-    assert "no q_norm/k_norm (a torchtitan Llama" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    doc = {"model_type": "qwen3", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "vocab_size": 16}
+    with pytest.raises(HfModelError, match=r"no q_norm/k_norm \(a torchtitan Llama"):
+        _mapping(tmp_path / "ckpt", doc)
 
 
 def test_renaming_qwen3_rotary_weights_to_hf_names_is_not_called_a_trap(qwen, tmp_path):
