@@ -54,6 +54,8 @@ def test_torchtitan_qwen3_export_runs_as_the_trained_model(qwen, tmp_path, varia
         assert "stacked experts split (one tensor per expert)" in proc.stdout
         bias = "expert_bias" if variant == "moe_old_names" else "expert_bias_E"
         assert f"left out: layers.1.moe.{bias}: torchtitan's load-balancing routing state" in proc.stdout
+        assert f"left out: layers.0.moe.{bias} (2 MoE layers): torchtitan's expert_bias is zero in every layer" \
+            in proc.stdout
         assert tensors["model.layers.1.mlp.experts.3.down_proj.weight"]["transform"] == "expert 3 of 4 stacked experts"
         tokens = load_file(str(ref / "tokens.safetensors"))["tokens"]
         bf16 = load_file(str(ref / "logits_bf16.safetensors"))["logits"]
@@ -131,6 +133,33 @@ def test_a_llama_checkpoint_with_a_qwen3_config_is_refused_by_name(tmp_path):
            "num_attention_heads": 2, "vocab_size": 16}
     with pytest.raises(HfModelError, match=r"no q_norm/k_norm \(a torchtitan Llama"):
         _mapping(tmp_path / "ckpt", doc)
+
+
+def test_a_nonzero_routing_bias_is_said(tmp_path):
+    """torchtitan's load-balancing bias steers which experts are chosen; HF's Qwen3-MoE router has none, so a
+    nonzero one left out is said, with its size (a zero one is the case above)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    d, f, e, v = 8, 8, 2, 16
+    layer = {"attention.wq.weight": (d, d), "attention.wk.weight": (4, d), "attention.wv.weight": (4, d),
+             "attention.wo.weight": (d, d), "attention.q_norm.weight": (4,), "attention.k_norm.weight": (4,),
+             "attention_norm.weight": (d,), "ffn_norm.weight": (d,), "moe.router.gate.weight": (e, d),
+             "moe.experts.w1": (e, f, d), "moe.experts.w2": (e, d, f), "moe.experts.w3": (e, f, d)}
+    state = {f"layers.0.{k}": torch.randn(shape) for k, shape in layer.items()}
+    state.update({"tok_embeddings.weight": torch.randn(v, d), "norm.weight": torch.ones(d),
+                  "output.weight": torch.randn(v, d), "layers.0.moe.expert_bias": torch.tensor([0.25, -0.5])})
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "hidden_size": d, "intermediate_size": 32, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "vocab_size": v, "num_experts": e,
+         "moe_intermediate_size": f, "num_experts_per_tok": 1, "norm_topk_prob": True}))
+    proc = run_cli("export", tmp_path / "ckpt", tmp_path / "hf", "--hf", "--config", tmp_path / "config.json",
+                   check=True)
+    assert "layers.0.moe.expert_bias (1 MoE layer): torchtitan's expert_bias is not zero (largest |bias| 0.5)" \
+        in proc.stdout, proc.stdout
+    assert sorted(_tensors(tmp_path / "hf"))[:3] == ["lm_head.weight", "model.embed_tokens.weight",
+                                                      "model.layers.0.input_layernorm.weight"]
 
 
 def test_renaming_qwen3_rotary_weights_to_hf_names_is_not_called_a_trap(qwen, tmp_path):

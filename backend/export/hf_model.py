@@ -207,6 +207,7 @@ TORCHTITAN: list[Rule] = [
 ]
 # torchtitan's MoE routing state: the load-balancing bias (used only to choose experts) and the token counts
 _TT_ROUTING_STATE = re.compile(_TT_LAYER + r"moe\.(expert_bias|tokens_per_expert)(_E)?$")
+ROUTING_BIAS = re.compile(_TT_LAYER + r"moe\.expert_bias(_E)?$")
 _TT_SHARED_EXPERTS = re.compile(_TT_LAYER + r"moe\.shared_experts?\.")
 _TT_QK_NORM = re.compile(_TT_LAYER + r"attention\.[qk]_norm\.weight$")
 
@@ -393,5 +394,5 @@ def rotary_trap(renamed: list[tuple[str, str]]) -> str | None:
             "loads but computes wrong logits; a Hugging Face model export (--hf) applies the permutation")
 
 
-__all__ = ["LEFT_OUT_BUFFERS", "SCHEMES", "HfConfig", "HfMapping", "HfModelError", "HfTensor", "interleaved_rotary",
-           "map_names", "recognise_scheme", "rotary_trap"]
+__all__ = ["LEFT_OUT_BUFFERS", "ROUTING_BIAS", "SCHEMES", "HfConfig", "HfMapping", "HfModelError", "HfTensor",
+           "interleaved_rotary", "map_names", "recognise_scheme", "rotary_trap"]
