@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ShardscopeError
 from .hf_transforms import Step, Transform
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-QK_NORM_TYPES = ("qwen3",)  # HF models with q_norm/k_norm per head
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # HF models with q_norm/k_norm per head
 LEFT_OUT_BUFFERS = re.compile(r"(^|\.)(inv_freq|_extra_state)$|\._extra_state\.|(^|\.)rotary_emb\.")
 
 
@@ -36,6 +36,9 @@ class HfConfig:
     vocab: int
     tied: bool
     doc: dict
+    experts: int = 0  # a MoE's routed experts per MoE layer (0: a dense model)
+    moe_intermediate: int = 0
+    moe_layers: frozenset[int] = frozenset()  # the layers whose MLP is the experts (HF's decoder_sparse_step rule)
 
     @classmethod
     def from_json(cls, doc: dict, where: str) -> HfConfig:
@@ -59,8 +62,9 @@ class HfConfig:
         head_dim = need("head_dim") if doc.get("head_dim") is not None else hidden // heads
         if heads % kv:
             raise HfModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}.")
-        return cls(model_type, hidden, need("num_hidden_layers"), heads, kv, head_dim, need("intermediate_size"),
-                   need("vocab_size"), bool(doc.get("tie_word_embeddings", False)), doc)
+        cfg = cls(model_type, hidden, need("num_hidden_layers"), heads, kv, head_dim, need("intermediate_size"),
+                  need("vocab_size"), bool(doc.get("tie_word_embeddings", False)), doc)
+        return _with_experts(cfg, need, where) if model_type == "qwen3_moe" else cfg
 
     def expected_shape(self, hf_name: str) -> tuple[int, ...] | None:
         """The shape HF's model has for ``hf_name`` (None: a name the check does not know)."""
@@ -72,18 +76,57 @@ class HfConfig:
                  "self_attn.q_norm.weight": (self.head_dim,), "self_attn.k_norm.weight": (self.head_dim,),
                  "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-        m = re.match(r"model\.layers\.\d+\.(.*)$", hf_name)
-        return table.get(m.group(1) if m else hf_name)
+        m = re.match(r"model\.layers\.(\d+)\.(.*)$", hf_name)
+        if m is None:
+            return table.get(hf_name)
+        part, moe = m.group(2), int(m.group(1)) in self.moe_layers
+        if part.startswith(("self_attn.q_norm.", "self_attn.k_norm.")) and self.model_type not in QK_NORM_TYPES:
+            return None
+        if part.startswith("mlp."):
+            return _moe_shape(self, part) if moe else table.get(part)
+        return table.get(part)
 
     def required_names(self) -> list[str]:
         """Every tensor HF's model loads (biases aside: checked when the source has them)."""
         per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                     "input_layernorm.weight", "post_attention_layernorm.weight"]
+                     "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
         if self.model_type in QK_NORM_TYPES:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        moe = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(self.experts)
+                                     for p in ("gate_proj", "up_proj", "down_proj")]
         return (["model.embed_tokens.weight", "model.norm.weight"] + ([] if self.tied else ["lm_head.weight"])
-                + [f"model.layers.{i}.{p}" for i in range(self.layers) for p in per_layer])
+                + [f"model.layers.{i}.{p}" for i in range(self.layers)
+                   for p in per_layer + (moe if i in self.moe_layers else dense)])
+
+
+def _with_experts(cfg: HfConfig, need: Callable[[str], Any], where: str) -> HfConfig:
+    """A Qwen3-MoE config's experts: their count and size, and which layers are MoE (HF's rule: not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, both with HF's defaults). The routing values the
+    weights cannot show (``num_experts_per_tok``, ``norm_topk_prob``) must be given: never a guess."""
+    doc = cfg.doc
+    experts = need("num_local_experts" if "num_local_experts" in doc else "num_experts")
+    need("num_experts_per_tok")
+    if not isinstance(doc.get("norm_topk_prob"), bool):
+        raise HfModelError(f"{where}: the config gives no norm_topk_prob (true or false); it decides how the router "
+                           "weighs the chosen experts (torchtitan's route_norm) and the weights cannot say it.")
+    step = need("decoder_sparse_step") if "decoder_sparse_step" in doc else 1
+    dense = doc.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise HfModelError(f"{where}: mlp_only_layers is {dense!r}, not a list of layer numbers.")
+    moe = frozenset(i for i in range(cfg.layers) if i not in dense and (i + 1) % step == 0)
+    return replace(cfg, experts=experts, moe_intermediate=need("moe_intermediate_size"), moe_layers=moe)
+
+
+def _moe_shape(cfg: HfConfig, part: str) -> tuple[int, ...] | None:
+    """The shape of a MoE layer's ``mlp.*`` tensor (the router and one expert's projections) in HF's Qwen3-MoE."""
+    if part == "mlp.gate.weight":
+        return (cfg.experts, cfg.hidden)
+    m = re.match(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", part)
+    if m is None or int(m.group(1)) >= cfg.experts:
+        return None
+    f, h = cfg.moe_intermediate, cfg.hidden
+    return (h, f) if m.group(2) == "down_proj" else (f, h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +165,12 @@ def _megatron_qkv(kind: str) -> Callable:
     return parts
 
 
+def _experts(proj: str) -> Callable:
+    """torchtitan's stacked experts ``[E, ...]``: one HF tensor per expert (none where the config has no experts)."""
+    return lambda cfg, il: [(f"{_L}mlp.experts.{e}.{proj}.weight", (Step("index", (e, cfg.experts)),))
+                            for e in range(cfg.experts)]
+
+
 def _halves(gate: str, up: str) -> Callable:
     f = lambda cfg: cfg.intermediate  # noqa: E731
     return lambda cfg, interleaved: [(gate, (Step("rows", (0, f(cfg))),)),
@@ -129,6 +178,7 @@ def _halves(gate: str, up: str) -> Callable:
 
 
 _TT_LAYER = r"^layers\.(?P<i>\d+)\."
+_TT_EXPERTS = r"moe\.(routed_experts\.inner_experts|experts)\."
 TORCHTITAN: list[Rule] = [
     (re.compile(r"^tok_embeddings\.weight$"), _one("model.embed_tokens.weight")),
     (re.compile(r"^norm\.weight$"), _one("model.norm.weight")),
@@ -144,12 +194,22 @@ TORCHTITAN: list[Rule] = [
     (re.compile(_TT_LAYER + r"feed_forward\.w1\.weight$"), _one(_L + "mlp.gate_proj.weight")),
     (re.compile(_TT_LAYER + r"feed_forward\.w3\.weight$"), _one(_L + "mlp.up_proj.weight")),
     (re.compile(_TT_LAYER + r"feed_forward\.w2\.weight$"), _one(_L + "mlp.down_proj.weight")),
-    (re.compile(_TT_LAYER + r"feed_forward\.w13\.weight$"),
+    (re.compile(_TT_LAYER + r"feed_forward\.w13(\.weight)?$"),
      lambda cfg, il: [(_L + "mlp.gate_proj.weight", (Step("pair", (0,)),)),
                       (_L + "mlp.up_proj.weight", (Step("pair", (1,)),))]),
     (re.compile(_TT_LAYER + r"attention_norm\.weight$"), _one(_L + "input_layernorm.weight")),
     (re.compile(_TT_LAYER + r"ffn_norm\.weight$"), _one(_L + "post_attention_layernorm.weight")),
+    # MoE (Qwen3-MoE), both name generations: moe.experts.w1 and moe.routed_experts.inner_experts.w1_EFD
+    (re.compile(_TT_LAYER + r"moe\.router\.gate\.weight$"), _one(_L + "mlp.gate.weight")),
+    (re.compile(_TT_LAYER + _TT_EXPERTS + r"w1(_EFD)?$"), _experts("gate_proj")),
+    (re.compile(_TT_LAYER + _TT_EXPERTS + r"w3(_EFD)?$"), _experts("up_proj")),
+    (re.compile(_TT_LAYER + _TT_EXPERTS + r"w2(_EDF)?$"), _experts("down_proj")),
 ]
+# torchtitan's MoE routing state: the load-balancing bias (used only to choose experts) and the token counts
+_TT_ROUTING_STATE = re.compile(_TT_LAYER + r"moe\.(expert_bias|tokens_per_expert)(_E)?$")
+ROUTING_BIAS = re.compile(_TT_LAYER + r"moe\.expert_bias(_E)?$")
+_TT_SHARED_EXPERTS = re.compile(_TT_LAYER + r"moe\.shared_experts?\.")
+_TT_QK_NORM = re.compile(_TT_LAYER + r"attention\.[qk]_norm\.weight$")
 
 # Megatron-Core: layers stacked on a prepended axis (torch_dist: "decoder.layers.X") or numbered ("decoder.layers.3.X")
 _MG_LAYER = r"^decoder\.layers\.(?:(?P<i>\d+)\.)?"
@@ -220,6 +280,9 @@ def _outputs(name: str, shape: tuple[int, ...], rules: list[Rule], cfg: HfConfig
         groups = m.groupdict()
         fill = {"k": groups.get("k") or "weight"}
         made = [(n.replace("{k}", fill["k"]), steps) for n, steps in make(cfg, interleaved)]
+        if not made:  # stacked experts, and a config with none
+            raise HfModelError(f"{name}: a MoE's stacked experts, but the config ({cfg.model_type}) has no experts; "
+                               "give the MoE's config (model_type qwen3_moe with num_experts).")
         if "i" not in groups:  # not a per-layer tensor
             return made
         if groups["i"] is not None:
@@ -230,6 +293,23 @@ def _outputs(name: str, shape: tuple[int, ...], rules: list[Rule], cfg: HfConfig
         return [(n.replace("{i}", str(i)), (Step("index", (i,)), *steps))
                 for i in range(cfg.layers) for n, steps in made]
     return None
+
+
+def _check_torchtitan_family(names: list[str], cfg: HfConfig) -> None:
+    """torchtitan's Llama (adjacent rotary pairs: permuted) and Qwen3 (halves already: not permuted) told apart by
+    both the names (Qwen3 has q/k norms) and the config's model_type; :class:`HfModelError` where they disagree."""
+    qk_norm = next((n for n in names if _TT_QK_NORM.match(n)), None)
+    shared = next((n for n in names if _TT_SHARED_EXPERTS.match(n)), None)
+    if shared:
+        raise HfModelError(f"{shared}: shared experts, which Hugging Face's {cfg.model_type} model does not have "
+                           "(Qwen3-MoE has routed experts only); the export cannot write this model exactly.")
+    if qk_norm and cfg.model_type not in QK_NORM_TYPES:
+        raise HfModelError(f"{qk_norm}: a torchtitan Qwen3 (q/k norms, rotary halves), but the config's model_type "
+                           f"is {cfg.model_type} (a Llama's adjacent rotary pairs); give the Qwen3 config.")
+    if not qk_norm and cfg.model_type in QK_NORM_TYPES and any(n.startswith("layers.") for n in names):
+        first = next(n for n in names if n.startswith("layers."))
+        raise HfModelError(f"{first}: the checkpoint has no q_norm/k_norm (a torchtitan Llama, adjacent rotary "
+                           f"pairs), but the config's model_type is {cfg.model_type}; give the Llama config.")
 
 
 def _vocab_rows(hf_name: str, shape: tuple[int, ...], cfg: HfConfig) -> tuple[Step, ...]:
@@ -247,10 +327,16 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
     out: dict[str, HfTensor] = {}
     left_out: list[str] = []
     kinds: set[str] = set()
+    if scheme == "torchtitan":
+        _check_torchtitan_family(list(shapes), cfg)
     for name, shape in shapes.items():
         if LEFT_OUT_BUFFERS.search(name):
             left_out.append(f"{name}: a buffer Hugging Face's model does not load (rotary frequencies or "
                             "Transformer Engine's extra state)")
+            continue
+        if scheme == "torchtitan" and _TT_ROUTING_STATE.match(name):
+            left_out.append(f"{name}: torchtitan's load-balancing routing state; Hugging Face's {cfg.model_type} "
+                            "router has none (torchtitan's to_hf leaves it out too): it routes as if it were zero")
             continue
         made = _outputs(name, shape, rules, cfg, interleaved)
         if made is None:
@@ -278,7 +364,8 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
             if hf_name in out:
                 raise HfModelError(f"{name} and {out[hf_name].source} both become {hf_name}.")
             out[hf_name] = HfTensor(hf_name, name, transform)
-            kinds.update(s.op for s in (transform.steps if transform else ()))
+            kinds.update("experts" if s.op == "index" and len(s.args) == 2 else s.op
+                         for s in (transform.steps if transform else ()))
     missing = [n for n in cfg.required_names() if n not in out]
     if missing:
         raise HfModelError(f"{missing[0]}: no source tensor makes it ({len(missing)} Hugging Face tensor"
@@ -286,24 +373,26 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
                            f"{'' if cfg.tied else ', untied embeddings'}).")
     words = {"index": "stacked layers split", "rows": "row ranges (vocabulary padding removed, gate/up halves)",
              "groups": "fused QKV split by KV groups", "pair": "interleaved gate/up split",
-             "rotary": "rotary permutation of q and k (adjacent pairs to halves)"}
+             "rotary": "rotary permutation of q and k (adjacent pairs to halves)",
+             "experts": "stacked experts split (one tensor per expert)"}
     return HfMapping(tuple(out.values()), tuple(left_out), tuple(words[k] for k in sorted(kinds)))
 
 
+_QK_NORM_ANYWHERE = re.compile(r"(^|\.)layers\.\d+\.attention\.[qk]_norm\.weight$")
 _INTERLEAVED_QK = re.compile(r"(^|\.)layers\.\d+\.attention\.(qkv_linear\.)?w[qk]\.weight$")
 
 
 def rotary_trap(renamed: list[tuple[str, str]]) -> str | None:
     """A note when rename rules gave torchtitan's q and k weights (adjacent rotary pairs) HF's ``q_proj``/``k_proj``
     names (HF rotates halves): such a model loads with every key matched and computes wrong logits. ``renamed``:
-    (source key, output key) pairs."""
+    (source key, output key) pairs. torchtitan's Qwen3 (q/k norms) rotates halves already: no note for it."""
     hits = [src for src, out in renamed if _INTERLEAVED_QK.search(src) and re.search(r"[qk]_proj\.weight$", out)]
-    if not hits:
+    if not hits or any(_QK_NORM_ANYWHERE.search(src) for src, _ in renamed):
         return None
     return (f"{hits[0]} renamed to Hugging Face's q_proj/k_proj names without the rotary permutation ({len(hits)} "
             "tensors): torchtitan stores q and k with adjacent rotary pairs and HF rotates halves, so the model "
             "loads but computes wrong logits; a Hugging Face model export (--hf) applies the permutation")
 
 
-__all__ = ["LEFT_OUT_BUFFERS", "SCHEMES", "HfConfig", "HfMapping", "HfModelError", "HfTensor", "interleaved_rotary",
-           "map_names", "recognise_scheme", "rotary_trap"]
+__all__ = ["LEFT_OUT_BUFFERS", "ROUTING_BIAS", "SCHEMES", "HfConfig", "HfMapping", "HfModelError", "HfTensor",
+           "interleaved_rotary", "map_names", "recognise_scheme", "rotary_trap"]

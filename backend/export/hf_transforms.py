@@ -21,7 +21,8 @@ def _need(ok: bool, why: str) -> None:
 class Step:
     """One exact transform: ``op`` with its integer arguments.
 
-    - ``index (i,)``: ``t[i]`` (one layer of Megatron's stacked layers, one expert of stacked experts)
+    - ``index (i,)`` or ``(i, n)``: ``t[i]`` (one layer of Megatron's stacked layers; one expert of ``n`` stacked
+      experts, the first dimension checked to be ``n``)
     - ``rows (start, stop)``: ``t[start:stop]`` (vocabulary padding removed; Megatron's ``[G; U]`` halves)
     - ``groups (n_kv, per, d, start, stop)``: ``t.view(n_kv, per, d, ...)[:, start:stop]`` flattened (Megatron's fused
       QKV, ``per = g + 2`` blocks of ``d`` rows per KV group: q ``[0, g)``, k ``[g, g+1)``, v ``[g+1, g+2)``)
@@ -38,6 +39,8 @@ class Step:
         _need(len(shape) >= 1, f"{self.describe()} needs at least one dimension, not a scalar")
         rest = tuple(shape[1:])
         if self.op == "index":
+            _need(len(self.args) < 2 or shape[0] == self.args[1],
+                  f"the first dimension ({shape[0]}) is not the {self.args[-1]} stacked experts the config gives")
             _need(self.args[0] < shape[0], f"index {self.args[0]} is past the first dimension ({shape[0]})")
             return rest
         if self.op == "rows":
@@ -83,7 +86,8 @@ class Step:
     def describe(self) -> str:
         """The step in words (the plan's notes and the lineage sidecar)."""
         a = self.args
-        return {"index": lambda: f"index {a[0]} of the stacked first dimension",
+        return {"index": lambda: (f"expert {a[0]} of {a[1]} stacked experts" if len(a) == 2
+                                  else f"index {a[0]} of the stacked first dimension"),
                 "rows": lambda: f"rows {a[0]}:{a[1]}",
                 "groups": lambda: f"fused QKV split by {a[0]} KV groups of {a[1]}x{a[2]} rows, rows {a[3]}:{a[4]} of "
                                   "each group",

@@ -12,14 +12,22 @@ from typing import Any
 
 from ..filenames import HF_CONFIG
 from ..progress import Progress
-from .hf_model import LEFT_OUT_BUFFERS, HfConfig, HfModelError, interleaved_rotary, map_names, recognise_scheme
+from .hf_model import (
+    LEFT_OUT_BUFFERS,
+    ROUTING_BIAS,
+    HfConfig,
+    HfModelError,
+    interleaved_rotary,
+    map_names,
+    recognise_scheme,
+)
 from .plan import ExportError, ExportItem, ExportPlan
 from .safetensors_writer import header_metadata, write_folder
 from .source import TensorSource
 from .verify import Expectation
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -61,6 +69,9 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
              "transforms": list(mapping.transforms),
              "tensors": {t.name: {"source": t.source, "transform": t.transform.describe()}
                          for t in mapping.tensors if t.transform is not None}}
+    bias = [by_key[k].entry.fqn for k in shapes if scheme == "torchtitan" and ROUTING_BIAS.match(k)]
+    if bias:  # said once read (hf_writer.write): whether leaving it out changes the routing
+        model["routing_bias_left_out"] = bias
     return replace(base, items=items, objects=(), left_out=tuple(left_out), notes=tuple(notes), config_file=None,
                    config_text=json.dumps(doc, indent=2, sort_keys=True) + "\n", model=model)
 
@@ -68,12 +79,29 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
 def write(plan: ExportPlan, out_path: str, dst: str, source: TensorSource, progress: Progress | None,
           left_out: list[str]) -> tuple[list[str], list[Expectation]]:
     """The model folder into ``out_path``: weights (sharded past the plan's maximum shard size), then config.json."""
+    left_out += _routing_bias(plan, source)
     meta = header_metadata(plan, source.reader, left_out)
     names, expect = write_folder(out_path, list(plan.items), meta, source, progress, plan.max_shard_size)
     with open(os.path.join(out_path, HF_CONFIG), "w", encoding="utf-8") as fh:
         fh.write(plan.config_text or "{}")
     names.append(HF_CONFIG)
     return names, expect
+
+
+def _routing_bias(plan: ExportPlan, source: TensorSource) -> list[str]:
+    """torchtitan's load-balancing expert bias, left out (HF's Qwen3-MoE router has none), read (E numbers a layer)
+    to say whether leaving it out changes which experts are chosen: a zero bias changes nothing."""
+    fqns = (plan.model or {}).get("routing_bias_left_out") or []
+    if not fqns:
+        return []
+    worst = max(float(source.reader.read_tensor(plan.ckpt.tensor(f)).abs().max()) for f in fqns)
+    where = f"{fqns[0]} ({len(fqns)} MoE layer{'s' if len(fqns) > 1 else ''})"
+    if worst == 0:
+        return [f"{where}: torchtitan's expert_bias is zero in every layer, so Hugging "
+                "Face's router, which has none, chooses the experts the trained model chose"]
+    return [f"{where}: torchtitan's expert_bias is not zero (largest |bias| {worst:.3g}): "
+            "Hugging Face's Qwen3-MoE router has no bias, so the exported model may choose other experts than the "
+            "trained one did (torchtitan's own to_hf drops it too)"]
 
 
 __all__ = ["ARCHITECTURES", "hf_plan", "read_config", "write"]

@@ -17,7 +17,9 @@ from ..crc import crc32, crc32_combine
 from ..errors import CheckpointError
 from ..progress import Progress
 from .atomic import start_writeback
+from .hf_transforms import Transform
 from .plan import ExportItem
+from .stacked_reads import StackedReads, stacked_index
 
 SMALL_ITEM = 1 << 20  # tensors of at most this many bytes are written many at a time (TensorSource._small_runs)
 SMALL_RUN = 8 << 20
@@ -79,6 +81,7 @@ class TensorSource:
         self.kernel_copy = kernel_copy
         self.kernel_copied: set[str] = set()  # keys whose bytes only the verifier's re-read has checked
         self.verifier: Any = None  # a verify.Verifier: each tensor written to a named file is checked at once
+        self.stacked = StackedReads(reader, items)  # one expert/layer of a stacked tensor: its chunks read once
 
     def _copyable(self, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor | None:
         """The chunk's stored tensor when it can be copied byte for byte in blocks: the whole storage record
@@ -144,10 +147,15 @@ class TensorSource:
 
     def tensor(self, item: ExportItem) -> Any:
         """The whole output tensor in memory (transformed and cast when the plan says so), contiguous: the source
-        tensor's stored CRC32s are checked as it is read."""
-        t = self.reader.read_tensor(item.entry)
-        if item.transform is not None:
-            t = item.transform.apply(t)
+        tensor's stored CRC32s are checked as it is read. One index of a stacked tensor is read from the chunks
+        that hold it (``StackedReads``), not the whole stacked tensor."""
+        i = stacked_index(item)
+        if i is not None and item.transform is not None:
+            t = Transform(item.transform.steps[1:]).apply(self.stacked.row(item.entry, i))
+        else:
+            t = self.reader.read_tensor(item.entry)
+            if item.transform is not None:
+                t = item.transform.apply(t)
         if item.dtype != item.entry.dtype:
             t = t.to(torch_dtype(item.dtype))
         return t.contiguous()
