@@ -93,7 +93,7 @@ def test_an_architecture_it_does_not_name_is_one_line_exit_2(imported, tmp_path)
     assert proc.returncode == 2 and "model.layers.2." in proc.stderr and "lacks it" in proc.stderr, proc.stderr
     (folder / "config.json").unlink()
     proc = run_cli("import", folder, tmp_path / "tt", "--as", "torchtitan")
-    assert proc.returncode == 2 and "no config.json" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "no transformers config.json" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "tt").exists()
 
 
@@ -107,3 +107,23 @@ def test_the_inverse_rotary_permutation_undoes_the_export_s():
     assert not torch.equal(forward.apply(w), w)
     with pytest.raises(TransformError, match="no inverse on one tensor"):
         Transform((Step("rows", (0, 4)),)).inverse()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_an_import_exported_back_is_the_hf_model_bit_for_bit(imported, tmp_path, variant):
+    """HF -> torchtitan -> HF is the identity; the import's manifest (its output's proof) is the sealed source the
+    export proves its untransformed tensors against, and records the transformed ones as derived from it."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = imported[0] / variant
+    proc = run_cli("export", folder / "tt", tmp_path / "hf", "--hf", "--config", folder / "hf" / "config.json",
+                   check=True)
+    assert "torchtitan names -> Hugging Face LlamaForCausalLM" in proc.stdout, proc.stdout
+    written, original = load_file(str(tmp_path / "hf" / "model.safetensors")), \
+        load_file(str(folder / "hf" / "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for key, value in original.items():
+        assert torch.equal(written[key], value), key
+    manifest = json.loads((tmp_path / "hf" / "shardscope-manifest.json").read_text())["tensors"]
+    assert manifest["model.layers.0.self_attn.q_proj.weight"]["transform"].startswith("rotary permutation over 4")

@@ -17,7 +17,7 @@ from ..progress import Progress
 from .dcp_writer import SMALL_TENSOR, TensorIn, write_dcp
 from .hf_model import LEFT_OUT_BUFFERS, SCHEMES, HfConfig, HfModelError, _outputs, interleaved_rotary
 from .hf_transforms import Transform, TransformError
-from .layouts import MAX_HF_CONFIG_BYTES
+from .layouts import MAX_HF_CONFIG_BYTES, transformers_config_path
 from .lineage import lineage_for
 from .output_seal import Origin
 from .plan import ExportError
@@ -27,12 +27,6 @@ from .result import ExportResult
 IMPORT_TARGETS = {"torchtitan": ("LlamaForCausalLM",)}
 _MODEL_TYPES = {"LlamaForCausalLM": "llama"}
 _WORDS = {"unrotary": "inverse rotary permutation of q and k (halves to adjacent pairs)"}
-
-
-def config_beside(path: str) -> str | None:
-    """The transformers ``config.json`` in the folder ``path`` or beside the file ``path`` (None: none there)."""
-    where = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), HF_CONFIG)
-    return where if os.path.isfile(where) else None
 
 
 def _read_config(path: str) -> dict:
@@ -136,10 +130,10 @@ def import_hf(src: str, dst: str, target: str = "torchtitan", ranks: int = 1, pr
     ``ranks`` ranks in ``target``'s names, every name and shape checked before anything is written."""
     from ..checkpoint.model import itemsize
 
-    where = config_beside(src)
+    where = transformers_config_path(src)
     if where is None:
-        raise ExportError(f"{src}: no {HF_CONFIG} in the Hugging Face folder; the import needs it to name the "
-                          "tensors and undo the rotary permutation.")
+        raise ExportError(f"{src}: no transformers {HF_CONFIG} (naming its model_type) beside the weights; the "
+                          "import needs it to name the tensors and undo the rotary permutation.")
     try:
         arch, cfg = _target_config(_read_config(where), where, target)
     except HfModelError as exc:
@@ -192,4 +186,4 @@ def import_hf(src: str, dst: str, target: str = "torchtitan", ranks: int = 1, pr
     return result
 
 
-__all__ = ["IMPORT_TARGETS", "ImportTensor", "config_beside", "import_hf", "torchtitan_names"]
+__all__ = ["IMPORT_TARGETS", "ImportTensor", "import_hf", "torchtitan_names"]
