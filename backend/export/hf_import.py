@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..filenames import HF_CONFIG
@@ -80,7 +80,10 @@ def torchtitan_names(hf_names: list[str], cfg: HfConfig) -> tuple[list[ImportTen
         for i in range(cfg.layers) if "{i}" in template else (0,):
             for k in ("weight", "bias") if "{k}" in template else ("weight",):
                 name = template.format(i=i, k=k)
-                made = _outputs(name, (), SCHEMES["torchtitan"], cfg, interleaved)
+                try:
+                    made = _outputs(name, (), SCHEMES["torchtitan"], cfg, interleaved)
+                except (HfModelError, TransformError):  # a rule for stacked tensors (experts): not one to one
+                    continue
                 if made and len(made) == 1:  # a fused source (w13) is not what the current generation writes
                     hf_name, steps = made[0]
                     inverse.setdefault(hf_name, (name, Transform(steps).inverse() if steps else None))
@@ -123,6 +126,30 @@ def _target_config(doc: dict, where: str, target: str) -> tuple[str, HfConfig]:
     return arch, HfConfig.from_json(doc, where)
 
 
+def _checked_names(src: str, entries: dict, cfg: HfConfig) -> tuple[list[ImportTensor], list[str]]:
+    """:func:`torchtitan_names` with every source shape checked against the config, before anything is written."""
+    try:
+        plan, left_out = torchtitan_names(list(entries), cfg)
+        for t in plan:
+            want, shape = cfg.expected_shape(t.source), entries[t.source].shape
+            if want is not None and tuple(shape) != want:
+                raise HfModelError(f"{t.source}: shape {list(shape)}, but the config says {list(want)}.")
+            if t.transform is not None:
+                t.transform.shape(shape)
+    except (HfModelError, TransformError) as exc:
+        raise ExportError(f"{src}: {exc}") from None
+    return plan, left_out
+
+
+def _lineage_model(architecture: str, target: str, cfg: HfConfig, plan: list[ImportTensor], left_out: list[str],
+                   key: Callable[[str], str]) -> dict:
+    """The lineage sidecar's ``model``: the architecture and every transform applied, by output tensor."""
+    return {"architecture": architecture, "target_names": target, "model_type": cfg.model_type, "left_out": left_out,
+            "transforms": sorted({_WORDS[s.op] for t in plan if t.transform for s in t.transform.steps}),
+            "tensors": {key(t.name): {"source": t.source, "transform": t.transform.describe()}
+                        for t in plan if t.transform is not None}}
+
+
 def import_hf(src: str, dst: str, target: str = "torchtitan", ranks: int = 1, prefix: str | None = None,
               force: bool = False, verify: bool = True, progress: Progress | None = None,
               storage_options: dict | None = None) -> ExportResult:
@@ -141,16 +168,7 @@ def import_hf(src: str, dst: str, target: str = "torchtitan", ranks: int = 1, pr
     source = open_source(src, storage_options)
     try:
         entries = {t.fqn: t for t in source.ckpt.tensors}
-        try:
-            plan, left_out = torchtitan_names(list(entries), cfg)
-            for t in plan:
-                want, shape = cfg.expected_shape(t.source), entries[t.source].shape
-                if want is not None and tuple(shape) != want:
-                    raise HfModelError(f"{t.source}: shape {list(shape)}, but the config says {list(want)}.")
-                if t.transform is not None:
-                    t.transform.shape(shape)
-        except (HfModelError, TransformError) as exc:
-            raise ExportError(f"{src}: {exc}") from None
+        plan, left_out = _checked_names(src, entries, cfg)
         pre = prefix.strip(".") if prefix else ""
         key = (lambda n: f"{pre}.{n}") if pre else (lambda n: n)
         planner = {key(t.name): (pre, t.name) for t in plan} if pre else None
@@ -169,11 +187,7 @@ def import_hf(src: str, dst: str, target: str = "torchtitan", ranks: int = 1, pr
                                    lambda e=e, f=t.transform: f.apply(source.tensor(e.fqn)))
 
         total = sum(entries[t.source].numel * itemsize(entries[t.source].dtype) for t in plan)
-        model = {"architecture": f"Hugging Face {arch} -> {target} names",
-                 "target_names": target, "model_type": cfg.model_type, "left_out": left_out,
-                 "transforms": sorted({_WORDS[s.op] for t in plan if t.transform for s in t.transform.steps}),
-                 "tensors": {key(t.name): {"source": t.source, "transform": t.transform.describe()}
-                             for t in plan if t.transform is not None}}
+        model = _lineage_model(f"Hugging Face {arch} -> {target} names", target, cfg, plan, left_out, key)
         origins = {key(t.name): Origin(t.source, t.transform.describe() if t.transform else None) for t in plan}
         result = write_dcp(tensors(), [], dst, ranks, planner, force, verify, progress, total, storage_options,
                            sources=[src], source_format=source.kind, origins=origins,
