@@ -29,6 +29,8 @@ class Step:
     - ``pair (i,)``: ``t.view(F, 2, ...)[:, i]`` (torchtitan's fused ``w13``: gate 0, up 1)
     - ``rotary (n,)``: ``t.view(n, d//2, 2, ...).transpose(1, 2)`` flattened: adjacent rotary pairs (torchtitan's
       complex RoPE) to rotated halves (HF); ``n`` heads of ``d`` rows
+    - ``unrotary (n,)``: ``t.view(n, 2, d//2, ...).transpose(1, 2)`` flattened: the inverse of ``rotary`` (HF's halves
+      back to adjacent pairs, as an import to torchtitan needs)
     """
 
     op: str
@@ -56,7 +58,7 @@ class Step:
                 return (shape[0], shape[2])
             _need(shape[0] % 2 == 0, f"first dimension {shape[0]} is not pairs of rows")
             return (shape[0] // 2, *rest)
-        if self.op == "rotary":
+        if self.op in ("rotary", "unrotary"):
             (n,) = self.args
             _need(shape[0] % n == 0 and (shape[0] // n) % 2 == 0,
                   f"first dimension {shape[0]} is not {n} heads of an even size")
@@ -81,6 +83,10 @@ class Step:
             (n,) = self.args
             d = t.shape[0] // n
             return t.reshape(n, d // 2, 2, *rest).transpose(1, 2).reshape(t.shape)
+        if self.op == "unrotary":
+            (n,) = self.args
+            d = t.shape[0] // n
+            return t.reshape(n, 2, d // 2, *rest).transpose(1, 2).reshape(t.shape)
         raise TransformError(f"unknown transform {self.op}")
 
     def describe(self) -> str:
@@ -93,7 +99,15 @@ class Step:
                                   "each group",
                 "pair": lambda: f"{'gate' if a[0] == 0 else 'up'} half of an interleaved [F, 2, D] gate/up",
                 "rotary": lambda: f"rotary permutation over {a[0]} heads (adjacent pairs to halves)",
+                "unrotary": lambda: f"inverse rotary permutation over {a[0]} heads (halves to adjacent pairs)",
                 }.get(self.op, lambda: self.op)()
+
+    def inverse(self) -> Step:
+        """The step that undoes this one on its output; :class:`TransformError` for a step that drops values (an
+        index, a row range, a split: its inverse needs the other parts, not one tensor)."""
+        undo = {"rotary": "unrotary", "unrotary": "rotary"}.get(self.op)
+        _need(undo is not None, f"{self.describe()} has no inverse on one tensor")
+        return Step(undo, self.args)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +130,11 @@ class Transform:
 
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.steps)
+
+    def inverse(self) -> Transform:
+        """The transform that makes the source tensor back from the output (steps undone in reverse order);
+        :class:`TransformError` when a step has no inverse on one tensor."""
+        return Transform(tuple(s.inverse() for s in reversed(self.steps)))
 
 
 __all__ = ["Step", "Transform", "TransformError"]

@@ -21,6 +21,7 @@ from .hf_model import (
     map_names,
     recognise_scheme,
 )
+from .layouts import transformers_config_path
 from .plan import ExportError, ExportItem, ExportPlan
 from .safetensors_writer import header_metadata, write_folder
 from .source import TensorSource
@@ -39,21 +40,40 @@ def read_config(path: str) -> dict[str, Any]:
     return doc
 
 
+_HF_EMBEDDING = "model.embed_tokens.weight"
+
+
+def hf_container(keys: list[str]) -> str:
+    """The container prefix around a Hugging Face model's own names that the layout did not remove (a
+    LightningModule's attribute, ``model.``; ``_forward_module.``; DDP's ``module.``): what stands before the one
+    ``model.embed_tokens.weight``; "" when the names are HF's as they are, or another scheme's."""
+    found = {k[:-len(_HF_EMBEDDING)] for k in keys if k == _HF_EMBEDDING or k.endswith("." + _HF_EMBEDDING)}
+    if len(found) != 1:
+        return ""
+    (prefix,) = found
+    if len({k.removeprefix(prefix) for k in keys}) != len(keys):
+        raise HfModelError(f"{prefix}{_HF_EMBEDDING}: the names with and without the container '{prefix}' collide.")
+    return prefix
+
+
 def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
     """``base`` (the model's weights, keys as the model names them) as a Hugging Face model: every tensor named,
     transformed and shape-checked against the config (``hf_model.map_names``) before anything is written."""
+    own = config_path is None  # a Trainer's checkpoint-N/ (and save_pretrained) holds the model's config.json
+    config_path = config_path or transformers_config_path(base.ckpt.path)
     if config_path is None:
         raise ExportError(f"{base.ckpt.path}: the checkpoint records no Hugging Face config; give the HF config.json "
                           "of the model it trains (head counts, rotary base and norm epsilon are not in the weights).")
     doc = read_config(config_path)
     try:
         cfg = HfConfig.from_json(doc, config_path)
-        shapes = {it.key: it.entry.shape for it in base.items}
+        container = hf_container([it.key for it in base.items])
+        by_key = {it.key.removeprefix(container): it for it in base.items}
+        shapes = {key: it.entry.shape for key, it in by_key.items()}
         scheme = recognise_scheme(list(shapes))
         mapping = map_names(shapes, scheme, cfg, interleaved_rotary(scheme, cfg))
     except HfModelError as exc:
         raise ExportError(str(exc)) from None
-    by_key = {it.key: it for it in base.items}
     items = tuple(ExportItem(t.name, by_key[t.source].entry, by_key[t.source].dtype, t.transform)
                   for t in mapping.tensors)
     left_out = list(base.left_out) + list(mapping.left_out)
@@ -62,6 +82,8 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
                                         else "not a tensor; a Hugging Face model folder holds only its weights"))
     architecture = f"{scheme} names -> Hugging Face {ARCHITECTURES[cfg.model_type]}"
     notes = [*base.notes, f"architecture: {architecture}",
+             *([f"config: {config_path} (the checkpoint's own)"] if own else []),
+             *([f"Hugging Face names under the container '{container}' (removed)"] if container else []),
              "transforms: " + ("; ".join(mapping.transforms) or "none (names only)")]
     if "architectures" not in doc:
         doc = {**doc, "architectures": [ARCHITECTURES[cfg.model_type]]}
@@ -104,4 +126,4 @@ def _routing_bias(plan: ExportPlan, source: TensorSource) -> list[str]:
             "trained one did (torchtitan's own to_hf drops it too)"]
 
 
-__all__ = ["ARCHITECTURES", "hf_plan", "read_config", "write"]
+__all__ = ["ARCHITECTURES", "hf_container", "hf_plan", "read_config", "write"]

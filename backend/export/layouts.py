@@ -95,17 +95,23 @@ def recognise_layout(ckpt: Checkpoint) -> Layout:
 def has_transformers_config(path: str) -> bool:
     """True when a transformers ``config.json`` (a JSON object naming ``model_type`` or ``architectures``) lies
     in the checkpoint folder ``path``, or beside the checkpoint file ``path``, as ``save_pretrained`` writes it."""
+    return transformers_config_path(path) is not None
+
+
+def transformers_config_path(path: str) -> str | None:
+    """The transformers ``config.json`` of :func:`has_transformers_config` (a Trainer's ``checkpoint-N/`` holds
+    the model's), None when there is none."""
     if is_url(path):
-        return False
+        return None
     where = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), HF_CONFIG)
     try:
         if os.path.getsize(where) > MAX_HF_CONFIG_BYTES:
-            return False
+            return None
         with open(where, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
+        return None
+    return where if isinstance(config, dict) and ("model_type" in config or "architectures" in config) else None
 
 
 def layout_of_names(tensor_names: Iterable[str], folder: str = "", has_meta_pt: bool = False,
@@ -240,4 +246,4 @@ def find_model_folder(path: str) -> tuple[str, str | None]:
 
 
 __all__ = ["Layout", "checkpoint_kind", "find_model_folder", "is_training_state", "layout_of_names",
-           "optimizer_shaped_roots", "recognise_layout", "unwrap_key"]
+           "optimizer_shaped_roots", "recognise_layout", "transformers_config_path", "unwrap_key"]

@@ -98,9 +98,14 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
 
 
 def _origins(plan: ExportPlan) -> dict[str, Origin]:
-    """Each output tensor's source entry, and the cast when its dtype is not the source's."""
-    return {it.key: Origin(it.entry.fqn, None if it.dtype == it.entry.dtype else f"cast {it.entry.dtype} to {it.dtype}")
-            for it in plan.items}
+    """Each output tensor's source entry, and what was done to it: a Hugging Face model's transform (the rotary
+    permutation, a split), the cast when its dtype is not the source's."""
+    def done(it: ExportItem) -> str | None:
+        what = [it.transform.describe()] if it.transform is not None else []
+        what += [f"cast {it.entry.dtype} to {it.dtype}"] if it.dtype != it.entry.dtype else []
+        return "; ".join(what) or None
+
+    return {it.key: Origin(it.entry.fqn, done(it)) for it in plan.items}
 
 
 def _one_by_one(names: list[str], failed: list[Expectation], expect: list[Expectation], by_key: dict) -> list[str]:
