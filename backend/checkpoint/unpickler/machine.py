@@ -7,6 +7,7 @@ import io
 import struct
 import sys
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import RefusedPickleError
@@ -39,6 +40,12 @@ _MARK = _Mark()
 _UNPACK_I, _UNPACK_H, _UNPACK_D, _UNPACK_UI = (struct.Struct(f).unpack_from for f in ("<i", "<H", ">d", "<I"))
 
 
+# opcodes that push a new empty container or a constant, and those that push a number or short string
+_EMPTY: dict[int, Callable[[], Any]] = {0x29: tuple, 0x7D: dict, 0x5D: list, 0x8F: set, 0x4E: lambda: None,
+                                        0x88: lambda: True, 0x89: lambda: False}
+_SCALARS = frozenset({0x4A, 0x4D, 0x47, 0x8A, 0x55})
+
+
 class Unpickler:
     """torch's weights-only unpickler, opcode for opcode, over :class:`Rules`: a pickle read from ``data`` builds
     only what the rules allow. ``storages`` holds each storage the pickle named, by key."""
@@ -65,7 +72,6 @@ class Unpickler:
         stack: list[Any] = []
         metastack: list[list[Any]] = []  # as torch's: MARK starts a new stack, the ones below are out of reach
         memo: dict[int, Any] = {}
-        budget = self.budget
         i = 0
         while True:
             if i >= n:
@@ -107,107 +113,109 @@ class Unpickler:
                 stack[-2:] = [(stack[-2], stack[-1])]
             elif op == 0x87:  # TUPLE3
                 stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(())
-            elif op == 0x7D:  # EMPTY_DICT
-                stack.append({})
-            elif op == 0x5D:  # EMPTY_LIST
-                stack.append([])
-            elif op == 0x8F:  # EMPTY_SET
-                stack.append(set())
-            elif op == 0x4E:  # NONE
-                stack.append(None)
-            elif op == 0x88:  # NEWTRUE
-                stack.append(True)
-            elif op == 0x89:  # NEWFALSE
-                stack.append(False)
-            elif op == 0x4A:  # BININT
-                stack.append(_UNPACK_I(data, i)[0])
-                i += 4
-            elif op == 0x4D:  # BININT2
-                stack.append(_UNPACK_H(data, i)[0])
-                i += 2
-            elif op == 0x47:  # BINFLOAT
-                stack.append(_UNPACK_D(data, i)[0])
-                i += 8
-            elif op == 0x8A:  # LONG1
-                size = data[i]
-                if i + 1 + size > n:
-                    raise NotBuilt("data.pkl ends inside a number")
-                stack.append(int.from_bytes(data[i + 1:i + 1 + size], "little", signed=True))
-                i += 1 + size
-            elif op == 0x55:  # SHORT_BINSTRING (torch.load decodes it as UTF-8)
-                size = data[i]
-                if i + 1 + size > n:
-                    raise NotBuilt("data.pkl ends inside a string")
-                stack.append(data[i + 1:i + 1 + size].decode("utf-8", "strict"))
-                i += 1 + size
-            elif op == 0x63:  # GLOBAL
-                a = data.index(b"\n", i)
-                b = data.index(b"\n", a + 1)
-                key = (data[i:a].decode("utf-8"), data[a + 1:b].decode("utf-8"))
-                i = b + 1
-                made = self._globals.get(key)
-                if made is None:
-                    made = self._globals[key] = self.rules.resolve(key[0], key[1], budget)
-                stack.append(made)
-            elif op == 0x52:  # REDUCE
-                args = stack.pop()
-                func = stack[-1]
-                if type(func) is not Builder or func.call is None:
-                    raise budget.refused(f"calls {_kind(func)}")
-                if type(args) is not tuple:
-                    raise NotBuilt("a call's arguments are not a tuple")
-                stack[-1] = func.call(*args)
-            elif op == 0x81:  # NEWOBJ
-                args = stack.pop()
-                cls = stack.pop()
-                if type(cls) is not Builder or cls.new is None:
-                    raise (NotBuilt("a parameter is made by NEWOBJ")
-                           if type(cls) is Builder and isinstance(cls.kind, TensorType) else
-                           budget.refused(f"makes a new object of {_kind(cls)}"))
-                if type(args) is not tuple:
-                    raise NotBuilt("a new object's arguments are not a tuple")
-                stack.append(cls.new(*args))
-            elif op == 0x62:  # BUILD
-                state = stack.pop()
-                self._build(stack[-1], state)
-            elif op == 0x61:  # APPEND
-                item = stack.pop()
-                if type(stack[-1]) is not list:
-                    raise budget.refused(f"appends to {_kind(stack[-1])}")
-                stack[-1].append(item)
-            elif op == 0x65:  # APPENDS
-                items = stack
-                stack = metastack.pop()
-                if type(stack[-1]) is not list:
-                    raise budget.refused(f"appends to {_kind(stack[-1])}")
-                stack[-1].extend(items)
-            elif op == 0x73:  # SETITEM
-                value, key = stack.pop(), stack.pop()
-                if type(stack[-1]) not in (dict, OrderedDict, Counter):
-                    raise budget.refused(f"sets an item of {_kind(stack[-1])}")
-                stack[-1][key] = value
-            elif op == 0x75:  # SETITEMS
-                items = stack
-                stack = metastack.pop()
-                target = stack[-1]
-                if type(target) not in (dict, OrderedDict, Counter):
-                    raise budget.refused(f"sets an item of {_kind(target)}")
-                for j in range(0, len(items) - 1, 2):
-                    target[items[j]] = items[j + 1]
-                if len(items) % 2:
-                    raise NotBuilt("SETITEMS of an odd number of items")
-            elif op == 0x51:  # BINPERSID
-                stack.append(self._storage(stack.pop()))
+            elif op in _EMPTY:  # EMPTY_TUPLE, EMPTY_DICT, EMPTY_LIST, EMPTY_SET, NONE, NEWTRUE, NEWFALSE
+                stack.append(_EMPTY[op]())
+            elif op in _SCALARS:  # BININT, BININT2, BINFLOAT, LONG1, SHORT_BINSTRING
+                value, i = self._scalar(op, i)
+                stack.append(value)
             elif op == 0x80:  # PROTO (torch only warns of another protocol)
                 i += 1
             elif op == 0x2E:  # STOP
                 if metastack or len(stack) != 1:
                     raise NotBuilt("data.pkl stops with items left on its stack")
                 return stack.pop()
-            else:  # torch's unpickler runs no other opcode ("Unsupported operand")
-                raise budget.refused(f"holds opcode {bytes([op])!r}, which its unpickler does not run,")
+            else:  # the opcodes that act on objects, each as torch's unpickler allows it
+                stack, i = self._act(op, i, stack, metastack)
+
+    def _scalar(self, op: int, i: int) -> tuple[Any, int]:
+        """A number or short string read at ``i`` (its bounds checked), and the position after it."""
+        data = self.data
+        if op == 0x4A:  # BININT
+            return _UNPACK_I(data, i)[0], i + 4
+        if op == 0x4D:  # BININT2
+            return _UNPACK_H(data, i)[0], i + 2
+        if op == 0x47:  # BINFLOAT
+            return _UNPACK_D(data, i)[0], i + 8
+        size = data[i]
+        if i + 1 + size > len(data):
+            raise NotBuilt("data.pkl ends inside a number" if op == 0x8A else "data.pkl ends inside a string")
+        if op == 0x8A:  # LONG1
+            return int.from_bytes(data[i + 1:i + 1 + size], "little", signed=True), i + 1 + size
+        # SHORT_BINSTRING (torch.load decodes it as UTF-8)
+        return data[i + 1:i + 1 + size].decode("utf-8", "strict"), i + 1 + size
+
+    def _act(self, op: int, i: int, stack: list[Any], metastack: list[list[Any]]) -> tuple[list[Any], int]:
+        """GLOBAL, REDUCE, NEWOBJ, BUILD, APPEND(S), SETITEM(S), BINPERSID: what torch allows each to do, else
+        refused; the stack after it (APPENDS and SETITEMS end a MARK's stack) and the position after its
+        arguments."""
+        budget = self.budget
+        if op == 0x63:  # GLOBAL
+            made, i = self._global(i)
+            stack.append(made)
+        elif op == 0x52:  # REDUCE
+            args = stack.pop()
+            func = stack[-1]
+            if type(func) is not Builder or func.call is None:
+                raise budget.refused(f"calls {_kind(func)}")
+            if type(args) is not tuple:
+                raise NotBuilt("a call's arguments are not a tuple")
+            stack[-1] = func.call(*args)
+        elif op == 0x81:  # NEWOBJ
+            args = stack.pop()
+            cls = stack.pop()
+            if type(cls) is not Builder or cls.new is None:
+                raise (NotBuilt("a parameter is made by NEWOBJ")
+                       if type(cls) is Builder and isinstance(cls.kind, TensorType) else
+                       budget.refused(f"makes a new object of {_kind(cls)}"))
+            if type(args) is not tuple:
+                raise NotBuilt("a new object's arguments are not a tuple")
+            stack.append(cls.new(*args))
+        elif op == 0x62:  # BUILD
+            state = stack.pop()
+            self._build(stack[-1], state)
+        elif op == 0x61:  # APPEND
+            item = stack.pop()
+            if type(stack[-1]) is not list:
+                raise budget.refused(f"appends to {_kind(stack[-1])}")
+            stack[-1].append(item)
+        elif op == 0x65:  # APPENDS
+            items = stack
+            stack = metastack.pop()
+            if type(stack[-1]) is not list:
+                raise budget.refused(f"appends to {_kind(stack[-1])}")
+            stack[-1].extend(items)
+        elif op == 0x73:  # SETITEM
+            value, key = stack.pop(), stack.pop()
+            if type(stack[-1]) not in (dict, OrderedDict, Counter):
+                raise budget.refused(f"sets an item of {_kind(stack[-1])}")
+            stack[-1][key] = value
+        elif op == 0x75:  # SETITEMS
+            items = stack
+            stack = metastack.pop()
+            target = stack[-1]
+            if type(target) not in (dict, OrderedDict, Counter):
+                raise budget.refused(f"sets an item of {_kind(target)}")
+            for j in range(0, len(items) - 1, 2):
+                target[items[j]] = items[j + 1]
+            if len(items) % 2:
+                raise NotBuilt("SETITEMS of an odd number of items")
+        elif op == 0x51:  # BINPERSID
+            stack.append(self._storage(stack.pop()))
+        else:  # torch's unpickler runs no other opcode ("Unsupported operand")
+            raise budget.refused(f"holds opcode {bytes([op])!r}, which its unpickler does not run,")
+        return stack, i
+
+    def _global(self, i: int) -> tuple[Any, int]:
+        """GLOBAL's module and name lines at ``i``: what the rules make of them (once per pair), and the position
+        after them."""
+        data = self.data
+        a = data.index(b"\n", i)
+        b = data.index(b"\n", a + 1)
+        key = (data[i:a].decode("utf-8"), data[a + 1:b].decode("utf-8"))
+        made = self._globals.get(key)
+        if made is None:
+            made = self._globals[key] = self.rules.resolve(key[0], key[1], self.budget)
+        return made, b + 1
 
     def _build(self, inst: Any, state: Any) -> None:
         """BUILD as torch's weights-only unpickler allows it."""
