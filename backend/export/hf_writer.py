@@ -12,7 +12,15 @@ from typing import Any
 
 from ..filenames import HF_CONFIG
 from ..progress import Progress
-from .hf_model import LEFT_OUT_BUFFERS, HfConfig, HfModelError, interleaved_rotary, map_names, recognise_scheme
+from .hf_model import (
+    LEFT_OUT_BUFFERS,
+    HfConfig,
+    HfModelError,
+    describe_transforms,
+    interleaved_rotary,
+    map_names,
+    recognise_scheme,
+)
 from .plan import ExportError, ExportItem, ExportPlan
 from .safetensors_writer import header_metadata, write_folder
 from .source import TensorSource
@@ -54,11 +62,11 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
                                         else "not a tensor; a Hugging Face model folder holds only its weights"))
     architecture = f"{scheme} names -> Hugging Face {ARCHITECTURES[cfg.model_type]}"
     notes = [*base.notes, f"architecture: {architecture}",
-             "transforms: " + ("; ".join(mapping.transforms) or "none (names only)")]
+             "transforms: " + ("; ".join(describe_transforms(mapping.tensors)) or "none (names only)")]
     if "architectures" not in doc:
         doc = {**doc, "architectures": [ARCHITECTURES[cfg.model_type]]}
     model = {"architecture": architecture, "source_names": scheme, "model_type": cfg.model_type,
-             "transforms": list(mapping.transforms),
+             "transforms": list(mapping.transforms), "applied": describe_transforms(mapping.tensors),
              "tensors": {t.name: {"source": t.source, "transform": t.transform.describe()}
                          for t in mapping.tensors if t.transform is not None}}
     return replace(base, items=items, objects=(), left_out=tuple(left_out), notes=tuple(notes), config_file=None,
