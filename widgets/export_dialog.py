@@ -48,10 +48,9 @@ from shardscope.backend.export.destination import (
     missing_folders,
     write_into_new_folders,
 )
-from shardscope.backend.export.hf_model import describe_architecture
-from shardscope.backend.export.layouts import model_keys
 from shardscope.backend.format import count, human_bytes
 
+from .export_model import ArchitectureLine, ConfigField, model_summary
 from .form_wheel import wheel_only_when_focused
 from .workers import Rerun, Worker, run_in_background
 
@@ -69,21 +68,6 @@ def plan_preview(ckpt: Checkpoint, writer: Writer, kw: dict[str, Any],
     plan = plan_export(ckpt, writer.name, **kw)
     return plan, ([f"{it.key}    {it.dtype} {list(it.shape)}" for it in plan.items]
                   + [f"{key}    (non-tensor)" for key, _ in plan.objects])
-
-
-def model_architecture(ckpt: Checkpoint, progress: Any = None) -> str:
-    """The architecture the weights' names say (a worker function: names of every tensor), in the dialog's words."""
-    found = describe_architecture(model_keys(ckpt))
-    return f"Recognised: {found}" if found else ("The weights' names are in no scheme the Hugging Face export knows "
-                                                 "(torchtitan, Megatron-Core, Hugging Face names).")
-
-
-def model_summary(model: dict) -> str:
-    """A Hugging Face model plan's architecture and the transforms it applies, as rich text."""
-    applied = model.get("applied") or []
-    steps = "".join(f"<li>{html.escape(t)}</li>" for t in applied) or "<li>none: names only</li>"
-    return (f"<br>architecture: <b>{html.escape(model['architecture'])}</b> (model_type "
-            f"{html.escape(model['model_type'])})<br>transforms:<ul style='margin:0'>{steps}</ul>")
 
 
 class ExportDialog(QDialog):
@@ -107,14 +91,11 @@ class ExportDialog(QDialog):
         self._plan_delay.setSingleShot(True)
         self._plan_delay.setInterval(PLAN_DELAY_MS)
         self._plan_delay.timeout.connect(self._plans.ask)
-        self._architecture: Worker | None = None  # the model's architecture, recognised once (Hugging Face output)
 
         layout = QVBoxLayout(self)
         layout.addLayout(self._build_form(ckpt, prefix))
 
-        self.model_line = QLabel("")  # Hugging Face model output: the architecture the weights' names say
-        self.model_line.setWordWrap(True)
-        self.model_line.hide()
+        self.model_line = ArchitectureLine(ckpt)  # Hugging Face model output: the architecture the names say
         layout.addWidget(self.model_line)
         self.summary = QLabel("")
         self.summary.setWordWrap(True)
@@ -224,16 +205,8 @@ class ExportDialog(QDialog):
         self.dtype = QComboBox()
         self.dtype.addItems(["keep", "bf16", "fp16", "fp32"])
         form.addRow("Floating-point dtype", self.dtype)
-        self.config_row = QWidget()  # one widget: enabled and locked with its Browse button
-        config_box = QHBoxLayout(self.config_row)
-        config_box.setContentsMargins(0, 0, 0, 0)
-        self.config = QLineEdit()
-        self.config.setPlaceholderText("the model's Hugging Face config.json, when the checkpoint records none "
-                                       "(sharded safetensors: copied beside)")
-        config_browse = QPushButton("Browse…")
-        config_browse.clicked.connect(self._browse_config)
-        config_box.addWidget(self.config, 1)
-        config_box.addWidget(config_browse)
+        self.config_row = ConfigField()
+        self.config = self.config_row.edit
         form.addRow("Config", self.config_row)
         self.verify = QCheckBox("Verify: re-read every written tensor and compare its CRC32 with the source bytes")
         self.verify.setChecked(True)
@@ -306,7 +279,8 @@ class ExportDialog(QDialog):
         """The fields changed: what the format takes, the folders to offer, at once; the plan in a worker once the
         typing pauses (``at_once``: now). Until it is back the preview is empty and Export disabled."""
         self._offer_folders()
-        self._show_architecture()
+        chosen = self.format.currentData()
+        self.model_line.show_for(chosen is not None and WRITERS[chosen].model)
         taken = self.taken()
         for name, field in self.option_fields().items():
             field.setEnabled(name in taken)
@@ -335,17 +309,6 @@ class ExportDialog(QDialog):
         suffix = export_suffix(w) if w is not None and w.model else ".safetensors"
         self._proposed = default_export_path(self.ckpt.path, self._stem, suffix)
         self.dst.setText(self._proposed)
-
-    def _show_architecture(self) -> None:
-        """For a Hugging Face model output, the architecture the weights' names say (recognised once, in a worker)."""
-        name = self.format.currentData()
-        model = name is not None and WRITERS[name].model
-        self.model_line.setVisible(model)
-        if model and self._architecture is None:
-            self.model_line.setText("Recognising the architecture …")
-            self._architecture = run_in_background(model_architecture, self.ckpt, owner=self,
-                                                   on_result=self.model_line.setText,
-                                                   on_error=self.model_line.setText)
 
     def _start_plan(self, done: Callable[[], None]) -> Worker | None:
         """Plan the fields as they are now (a plan asked for while another ran starts after it)."""
@@ -397,12 +360,6 @@ class ExportDialog(QDialog):
                              + (f" in shards of at most {human_bytes(plan.max_shard_size)}" if plan.max_shard_size
                                 else "") + notes)
         self.export_button.setEnabled(True)
-
-    def _browse_config(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "The model's Hugging Face config", self.config.text(),
-                                              "HF config (*.json)")
-        if path:
-            self.config.setText(path)
 
     def _browse(self) -> None:
         if self.resharding or (self.shard.isEnabled() and self.shard.text().strip()):  # a folder is written

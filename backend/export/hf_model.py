@@ -314,20 +314,21 @@ def describe_transforms(tensors: tuple[HfTensor, ...]) -> list[str]:
     return out
 
 
-def describe_architecture(names: list[str]) -> str | None:
-    """The architecture a model's tensor keys name, in words (``inspect``, the Export dialog); None when the keys are
-    no decoder of a scheme the Hugging Face export knows. Names only: no config is needed."""
+def describe_architecture(names: list[str], export: str = "--hf") -> str | None:
+    """The architecture a model's tensor keys name, in words (``inspect``, the Export dialog, whose ``export`` names
+    the Hugging Face export in its own words); None when the keys are no decoder of a scheme the export knows.
+    Names only: no config is needed."""
     has = lambda pattern: any(re.search(pattern, n) for n in names)  # noqa: E731
     if has(r"^model\.layers\.\d+\.self_attn\.") and has(r"^model\.embed_tokens\."):
-        return "Hugging Face names (--hf keeps them; no transform)"
+        return f"Hugging Face names ({export} keeps them; no transform)"
     if has(r"^decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\."):
-        return ("Megatron-Core GPT (fused QKV and gate/up: --hf splits them; rotary halves unless the run set "
+        return (f"Megatron-Core GPT (fused QKV and gate/up: {export} splits them; rotary halves unless the run set "
                 "rotary_interleaved)")
     if has(r"^tok_embeddings\.") and has(r"^layers\.\d+\.attention\."):
         moe = " MoE" if has(r"^layers\.\d+\.moe\.") else ""
         if has(r"^layers\.\d+\.attention\.q_norm\."):
-            return f"torchtitan Qwen3{moe} (rotary halves: --hf renames, no permutation)"
-        return f"torchtitan Llama 3{moe} (interleaved rotary: --hf permutes q/k)"
+            return f"torchtitan Qwen3{moe} (rotary halves: {export} renames, no permutation)"
+        return f"torchtitan Llama 3{moe} (interleaved rotary: {export} permutes q/k)"
     return None
 
 
