@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -114,18 +115,26 @@ def cold() -> bool:
         return False
 
 
+def cpu_of_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def measure(code: str, argv: list[str], out: Path) -> dict:
-    """One run in a fresh process: its wall time as the parent sees it, and its own VmHWM."""
+    """One run in a fresh process: its wall time as the parent sees it, its CPU time (user + system: what a
+    shared machine's load does not stretch), and its own VmHWM."""
     shutil.rmtree(out, ignore_errors=True)
     dropped = cold()
+    cpu0 = cpu_of_children()
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code + EMIT.format(here=str(HERE)), *argv], capture_output=True,
                           text=True)
     seconds = time.perf_counter() - t0
+    cpu = cpu_of_children() - cpu0
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     inner = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"seconds": seconds, "peak_rss": inner["peak_rss"], "cold": dropped}
+    return {"seconds": seconds, "cpu": cpu, "peak_rss": inner["peak_rss"], "cold": dropped}
 
 
 def same_tensors(a: Path, b: Path) -> bool:
@@ -175,13 +184,16 @@ def main() -> None:
           f"end; tensors bit-identical: {identical}")
     base_t = statistics.median(r["seconds"] for r in results["torchtitan"])
     base_m = statistics.median(r["peak_rss"] for r in results["torchtitan"])
-    print("| route | median s | x torchtitan | peak RSS MiB | x torchtitan | runs (s) |")
-    print("|---|---:|---:|---:|---:|---|")
+    base_c = statistics.median(r["cpu"] for r in results["torchtitan"])
+    print("| route | median wall s | x torchtitan | median CPU s | x torchtitan | peak RSS MiB | x torchtitan | "
+          "wall runs (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for name, runs in results.items():
         t = statistics.median(r["seconds"] for r in runs)
+        c = statistics.median(r["cpu"] for r in runs)
         m = statistics.median(r["peak_rss"] for r in runs)
-        print(f"| {name} | {t:.2f} | {t / base_t:.2f} | {m / 2**20:.0f} | {m / base_m:.2f} | "
-              + " ".join(f"{r['seconds']:.2f}" for r in runs) + " |")
+        print(f"| {name} | {t:.2f} | {t / base_t:.2f} | {c:.2f} | {c / base_c:.2f} | {m / 2**20:.0f} | "
+              f"{m / base_m:.2f} | " + " ".join(f"{r['seconds']:.2f}" for r in runs) + " |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from gui_support import no_thread_left_running  # noqa: F401  (an autouse fixtur
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 from safetensors import safe_open
-from shardscope.backend.filenames import MANIFEST_NAME
 from shardscope.backend.formats import open_checkpoint
 
 SLOW = 120000  # ms: a checkpoint load or a background job on a loaded 2-core machine
@@ -398,16 +397,6 @@ def test_the_dialog_plans_off_the_gui_thread_and_never_shows_a_stale_plan(qtbot,
     assert all(count == 0 or field == "" for field, count in shown), shown  # "model.head"'s plan never shown
 
 
-def same_model_folder(a, b) -> None:
-    """Two model folders hold the same files, the weights and config.json byte for byte (our manifest aside: it
-    says when it was written)."""
-    names = sorted(p.name for p in a.iterdir())
-    assert names == sorted(p.name for p in b.iterdir()) and "config.json" in names, names
-    for name in names:
-        if name.endswith((".safetensors", ".json")) and name != MANIFEST_NAME:
-            assert (a / name).read_bytes() == (b / name).read_bytes(), name
-
-
 def test_hugging_face_model_output_shows_the_architecture_and_writes_what_the_cli_writes(qtbot, tmp_path):
     """Hugging Face model output: before it starts, the architecture the weights' names say and the transforms it
     will apply; a checkpoint that records no HF config gives the CLI's one line with Export disabled until a
@@ -416,7 +405,7 @@ def test_hugging_face_model_output_shows_the_architecture_and_writes_what_the_cl
 
     from conftest import run_cli
     from shardscope.widgets.export_dialog import ExportDialog
-    from titan_names import LAYERS, write, write_config
+    from titan_names import LAYERS, same_model_folder, write, write_config
 
     ckpt = tmp_path / "run" / "checkpoints" / "step_000010"
     write(ckpt)

@@ -44,3 +44,15 @@ def write(ckpt: Path, seed: int = 0) -> None:
 def write_config(path: Path) -> Path:
     path.write_text(json.dumps(CONFIG, indent=2))
     return path
+
+
+def same_model_folder(a: Path, b: Path) -> None:
+    """Two model folders hold the same files, the weights, their index and config.json byte for byte (our manifest
+    aside: it says when it was written)."""
+    from shardscope.backend.filenames import MANIFEST_NAME
+
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and "config.json" in names, names
+    for name in names:
+        if name.endswith((".safetensors", ".json")) and name != MANIFEST_NAME:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name

@@ -319,7 +319,9 @@ def describe_architecture(names: list[str], export: str = "--hf") -> str | None:
     the Hugging Face export in its own words); None when the keys are no decoder of a scheme the export knows.
     Names only: no config is needed."""
     has = lambda pattern: any(re.search(pattern, n) for n in names)  # noqa: E731
-    if has(r"^model\.layers\.\d+\.self_attn\.") and has(r"^model\.embed_tokens\."):
+    # NOTE: HF's names may come without "model.": a layout takes it for a container where no config.json says that
+    # it is the base model
+    if has(r"^(model\.)?layers\.\d+\.self_attn\.") and has(r"^(model\.)?embed_tokens\."):
         return f"Hugging Face names ({export} keeps them; no transform)"
     if has(r"^decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\."):
         return (f"Megatron-Core GPT (fused QKV and gate/up: {export} splits them; rotary halves unless the run set "
