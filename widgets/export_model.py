@@ -7,10 +7,10 @@ import html
 from typing import Any
 
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QLineEdit, QPushButton, QWidget
-from shardscope.backend.checkpoint.model import Checkpoint
-from shardscope.backend.export.hf_model import describe_architecture
-from shardscope.backend.export.layouts import model_keys
 
+from ..backend.checkpoint.model import Checkpoint
+from ..backend.export.hf_model import describe_architecture
+from ..backend.export.layouts import model_keys
 from .workers import Worker, run_in_background
 
 
