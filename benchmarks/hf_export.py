@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _measure import drop_caches  # benchmarks/, this script's folder
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 VOCAB, HEADS, KV_HEADS, THETA, EPS = 32000, 16, 8, 500000.0, 1e-5
@@ -105,16 +107,6 @@ def hf_config(dim: int, layers: int, hidden: int) -> dict:
             "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "torch_dtype": "float32"}
 
 
-def cold() -> bool:
-    subprocess.run(["sync"], check=True)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def cpu_of_children() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -124,7 +116,7 @@ def measure(code: str, argv: list[str], out: Path) -> dict:
     """One run in a fresh process: its wall time as the parent sees it, its CPU time (user + system: what a
     shared machine's load does not stretch), and its own VmHWM."""
     shutil.rmtree(out, ignore_errors=True)
-    dropped = cold()
+    dropped = drop_caches()
     cpu0 = cpu_of_children()
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code + EMIT.format(here=str(HERE)), *argv], capture_output=True,
