@@ -318,7 +318,7 @@ def describe_architecture(names: list[str], export: str = "--hf") -> str | None:
     """The architecture a model's tensor keys name, in words (``inspect``, the Export dialog, whose ``export`` names
     the Hugging Face export in its own words); None when the keys are no decoder of a scheme the export knows.
     Names only: no config is needed."""
-    has = lambda pattern: any(re.search(pattern, n) for n in names)  # noqa: E731
+    has = lambda pattern: any(map(re.compile(pattern).match, names))  # noqa: E731  (one compile, C-speed scan)
     # NOTE: HF's names may come without "model.": a layout takes it for a container where no config.json says that
     # it is the base model
     if has(r"^(model\.)?layers\.\d+\.self_attn\.") and has(r"^(model\.)?embed_tokens\."):
