@@ -20,6 +20,19 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def drop_caches() -> bool:
+    """Sync and drop the page cache (a cold read); False when not allowed (not root)."""
+    import subprocess
+
+    subprocess.run(["sync"], check=True)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def emit(seconds: float, **extra) -> None:
     print(json.dumps({"seconds": seconds, "peak_rss": peak_rss(), **extra}))
 

@@ -58,3 +58,37 @@ def test_inspect_takes_a_trainer_checkpoint_holding_an_fsdp_model_folder_as_expo
     exported = run_cli("export", ckpt, tmp_path / "w.safetensors")
     assert exported.returncode == 0, exported.stderr
     assert "exporting pytorch_model_fsdp_0/" in exported.stdout
+
+
+def test_inspect_names_the_architecture_a_torchtitan_checkpoint_holds(tmp_path, fixtures):
+    """``inspect`` says which architecture the weights' names are (what ``export --hf`` will do with them), in its
+    text and its JSON; a checkpoint whose names fit no scheme says nothing of it."""
+    from conftest import run_cli
+    from titan_names import write
+
+    write(tmp_path / "ckpt")
+    words = "torchtitan Llama 3 (interleaved rotary: --hf permutes q/k)"
+    shown = run_cli("inspect", tmp_path / "ckpt")
+    assert shown.returncode == 0 and f"architecture: {words}" in shown.stdout, shown.stdout + shown.stderr
+    assert json.loads(run_cli("inspect", "--json", tmp_path / "ckpt").stdout)["architecture"] == words
+    plain = run_cli("inspect", fixtures["fsdp2_r2"])
+    assert plain.returncode == 0 and "architecture" not in plain.stdout
+    assert inspect_json(open_checkpoint(fixtures["fsdp2_r2"]), [])["architecture"] is None
+
+
+@pytest.mark.parametrize("names, words", [
+    (["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"], "Hugging Face names (--hf keeps them"),
+    (["embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight"],
+     "Megatron-Core GPT (fused QKV and gate/up: --hf splits them"),
+    (["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.attention.q_norm.weight"],
+     "torchtitan Qwen3 (rotary halves"),
+    (["tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.moe.experts.w1"], "torchtitan Llama 3 MoE"),
+    (["tok_embeddings.weight", "layers.0.weight"], None),  # a torchtitan-like embedding, no attention: no scheme
+])
+def test_the_architecture_is_said_from_the_names_of_each_scheme(tmp_path, names, words):
+    from safetensors.torch import save_file
+    from shardscope.app.cli.inspect import architecture
+
+    save_file({n: torch.zeros(2) for n in names}, str(tmp_path / "m.safetensors"))
+    said = architecture(open_checkpoint(tmp_path / "m.safetensors", use_cache=False))
+    assert said == words if words is None else said.startswith(words), said

@@ -395,3 +395,42 @@ def test_the_dialog_plans_off_the_gui_thread_and_never_shows_a_stale_plan(qtbot,
     assert all(name != threading.main_thread().name for name, _ in planned_in), planned_in  # opening's too
     assert [exclude for _, exclude in planned_in] == [None, ["model.head"], None]  # once per pause, not per key
     assert all(count == 0 or field == "" for field, count in shown), shown  # "model.head"'s plan never shown
+
+
+def test_hugging_face_model_output_shows_the_architecture_and_writes_what_the_cli_writes(qtbot, tmp_path):
+    """Hugging Face model output: before it starts, the architecture the weights' names say and the transforms it
+    will apply; a checkpoint that records no HF config gives the CLI's one line with Export disabled until a
+    config.json is chosen; the folder written is the CLI's, byte for byte."""
+    import html
+
+    from conftest import run_cli
+    from shardscope.widgets.export_dialog import ExportDialog
+    from titan_names import LAYERS, same_model_folder, write, write_config
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000010"
+    write(ckpt)
+    config = write_config(tmp_path / "config.json")
+    dlg = ExportDialog(open_checkpoint(ckpt))
+    qtbot.addWidget(dlg)
+    dlg.show()
+    dlg.format.setCurrentText("Hugging Face model")
+    assert dlg.dst.text() == str(tmp_path / "run" / "exports" / "step_000010-hf")  # a folder, beside checkpoints/
+    dlg.dst.setText(str(tmp_path / "dialog-hf"))
+    planned(qtbot, dlg)
+    qtbot.waitUntil(lambda: "Recognised" in dlg.model_line.text(), timeout=SLOW)
+    assert "torchtitan Llama 3 (interleaved rotary" in dlg.model_line.text()
+    cli = run_cli("export", ckpt, tmp_path / "none", "--hf")
+    assert cli.returncode == 2 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+    line = cli.stderr.strip().split(": ", 1)[1]  # after the program's name
+    assert html.escape(line) in dlg.summary.text() and not dlg.export_button.isEnabled()
+    dlg.config.setText(str(config))
+    planned(qtbot, dlg)
+    summary = dlg.summary.text()
+    assert "torchtitan names -&gt; Hugging Face LlamaForCausalLM" in summary and "model_type llama" in summary
+    assert f"rotary permutation of q and k in {LAYERS} layers" in summary, summary
+    assert dlg.export_button.isEnabled()
+    with qtbot.waitSignal(dlg.finished_export, timeout=SLOW) as done:
+        dlg.export_button.click()
+    assert done.args[0] is not None and done.args[0].verified is True, dlg.message.text()
+    run_cli("export", ckpt, tmp_path / "cli-hf", "--hf", "--config", config, check=True)
+    same_model_folder(tmp_path / "dialog-hf", tmp_path / "cli-hf")

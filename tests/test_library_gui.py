@@ -375,6 +375,33 @@ def test_watch_plan_dialog_shows_what_a_watch_would_do_and_did(qtbot, keep_alive
     assert QThreadPool.globalInstance().waitForDone(TIMEOUT)
 
 
+def test_watch_plan_dialog_takes_a_hugging_face_model_export_with_its_config(qtbot, tmp_path):
+    """Watch plan… with the hf format: the config field is taken (disabled for other formats), the plan names the
+    model folders a watch writes (RUN/exports/<name>-hf), and the command line it shows, --config included, prints
+    the very plan."""
+    from conftest import run_cli
+    from shardscope.widgets.watch_dialog import WatchPlanDialog
+    from titan_names import write, write_config
+
+    root = tmp_path.resolve() / "root"
+    write(root / "runA" / "checkpoints" / "step_000010")
+    _age(root)
+    config = write_config(tmp_path / "config.json")
+    dlg = WatchPlanDialog([str(root / "runA")], Rules(keep_last=1))
+    qtbot.addWidget(dlg)
+    assert not dlg.config_field.isEnabled()
+    dlg.format.setCurrentText("hf")
+    dlg.config_field.edit.setText(str(config))
+    qtbot.waitUntil(lambda: dlg.plan is not None and dlg.plan.format == "hf" and not dlg.planning, timeout=TIMEOUT)
+    assert dlg.config_field.isEnabled()
+    assert [s.export for r in dlg.plan.runs for s in r.exports] == \
+        [str(root / "runA" / "exports" / "step_000010-hf")]
+    cmd = dlg.command_line()
+    assert cmd == f"shardscope watch {root / 'runA'} --export hf --config {config} --keep-last 1"
+    dry = run_cli(*cmd.split()[1:], "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.splitlines() == dlg.plan.lines()
+
+
 def test_open_folder_starts_in_the_library_not_in_an_unrelated_earlier_folder(qtbot, root, tmp_path):
     """File › Open folder started in the last checkpoint opened, whatever it was; now in the run of the checkpoint
     selected in the Library, else in the root Disk usage shows."""

@@ -543,3 +543,37 @@ def test_a_damaged_checkpoint_is_never_the_newest_resumable_one(tmp_path, fixtur
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000020", "step_000030"], proc.stdout
     assert "damaged" in proc.stdout
     assert len(list(root.rglob("*.safetensors.shardscope-manifest.json"))) == len(STEPS)
+
+
+def test_watch_exports_a_hugging_face_model_of_each_checkpoint_as_the_cli_does(tmp_path):
+    """``watch --export hf --config``: each complete checkpoint becomes RUN/exports/<name>-hf, the folder
+    ``export --hf`` writes (weights and config.json byte for byte), verified, so the keep rules may remove the
+    checkpoint; a second pass finds the folders verified. ``--config`` belongs to ``--export hf`` only, and a
+    checkpoint that records no HF config fails with the export's one line and is kept."""
+    from titan_names import same_model_folder, write, write_config
+
+    root = tmp_path / "root"
+    ck, exports = root / "run" / "checkpoints", root / "run" / "exports"
+    for s in (10, 20):
+        write(ck / f"step_{s:06d}", seed=s)
+    _age(root)
+    config = write_config(tmp_path / "config.json")
+    plan = run_cli("watch", root, "--export", "hf", "--config", config, "--dry-run", "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert [s["export"] for s in json.loads(plan.stdout)["runs"][0]["exports"]] == \
+        [str(exports / "step_000010-hf"), str(exports / "step_000020-hf")], plan.stdout
+    bare = run_cli("watch", root, "--export", "hf", "--once")
+    assert bare.returncode == 1 and "records no Hugging Face config" in bare.stdout and not list(exports.glob("*-hf"))
+    names = ["step_000010", "step_000020"]
+    for name in names:  # what the CLI writes (step 10's checkpoint is removed below)
+        run_cli("export", ck / name, tmp_path / name, "--hf", "--config", config, check=True)
+    proc = run_cli("watch", root, "--export", "hf", "--config", config, "--once", "--keep-last", "1", "--delete")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"exported {ck}/step_000020 -> {exports}/step_000020-hf (verified, 21 tensors" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000020"]  # step 10 removed once its export was verified
+    for name in names:
+        same_model_folder(exports / f"{name}-hf", tmp_path / name)
+    again = run_cli("watch", root, "--export", "hf", "--config", config, "--once")
+    assert again.returncode == 0 and "exported" not in again.stdout, again.stdout
+    other = run_cli("watch", root, "--export", "safetensors", "--config", config, "--once")
+    assert other.returncode == 2 and "--config is the Hugging Face config of --export hf" in other.stderr

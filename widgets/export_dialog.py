@@ -44,11 +44,13 @@ from shardscope.backend.export.dcp_writer import import_file, reshard
 from shardscope.backend.export.destination import (
     check_destination,
     default_export_path,
+    export_suffix,
     missing_folders,
     write_into_new_folders,
 )
 from shardscope.backend.format import count, human_bytes
 
+from .export_model import ArchitectureLine, ConfigField, model_summary
 from .form_wheel import wheel_only_when_focused
 from .workers import Rerun, Worker, run_in_background
 
@@ -93,6 +95,8 @@ class ExportDialog(QDialog):
         layout = QVBoxLayout(self)
         layout.addLayout(self._build_form(ckpt, prefix))
 
+        self.model_line = ArchitectureLine(ckpt)  # Hugging Face model output: the architecture the names say
+        layout.addWidget(self.model_line)
         self.summary = QLabel("")
         self.summary.setWordWrap(True)
         layout.addWidget(self.summary)
@@ -126,8 +130,9 @@ class ExportDialog(QDialog):
         self.close_button.clicked.connect(self.accept)
         layout.addWidget(self.buttons)
 
-        for w in (self.dst, self.shard, self.only, self.exclude, self.strip, self.rename):
+        for w in (self.dst, self.shard, self.only, self.exclude, self.strip, self.rename, self.config):
             w.textChanged.connect(self._options_changed)
+        self.format.currentIndexChanged.connect(self._propose_destination)
         for c in (self.format, self.dtype):
             c.currentIndexChanged.connect(self._options_changed)
         self.ranks.valueChanged.connect(self._options_changed)
@@ -151,7 +156,9 @@ class ExportDialog(QDialog):
         form = QFormLayout()
         dst_row = QHBoxLayout()
         stem = prefix or os.path.splitext(os.path.basename(ckpt.path.rstrip("/")))[0]
+        self._stem = stem
         self.dst = QLineEdit(default_export_path(ckpt.path, stem))
+        self._proposed = self.dst.text()  # the destination proposed, replaced when the format changes
         browse = self.browse_button = QPushButton("Browse…")
         browse.clicked.connect(self._browse)
         dst_row.addWidget(self.dst, 1)
@@ -198,6 +205,9 @@ class ExportDialog(QDialog):
         self.dtype = QComboBox()
         self.dtype.addItems(["keep", "bf16", "fp16", "fp32"])
         form.addRow("Floating-point dtype", self.dtype)
+        self.config_row = ConfigField()
+        self.config = self.config_row.edit
+        form.addRow("Config", self.config_row)
         self.verify = QCheckBox("Verify: re-read every written tensor and compare its CRC32 with the source bytes")
         self.verify.setChecked(True)
         self.verify.setToolTip("For a URL destination this checks the local staged copy before its upload; the "
@@ -214,7 +224,7 @@ class ExportDialog(QDialog):
     def option_fields(self) -> dict[str, QWidget]:
         """The field of each option a writer may take (registry.OPTION_WORDS), ``record_source`` aside."""
         return {"max_shard_size": self.shard, "only": self.only, "exclude": self.exclude, "strip_prefix": self.strip,
-                "rename": self.rename, "dtype": self.dtype, "ranks": self.ranks}
+                "rename": self.rename, "dtype": self.dtype, "ranks": self.ranks, "config": self.config_row}
 
     def taken(self) -> frozenset[str]:
         """The options the chosen format takes; from the name: what any export writer takes."""
@@ -236,7 +246,8 @@ class ExportDialog(QDialog):
                 "exclude": lambda: [p.strip() for p in self.exclude.text().split(",") if p.strip()] or None,
                 "rename": lambda: [r.strip() for r in self.rename.text().split("  ") if r.strip()] or None,
                 "strip_prefix": lambda: self.strip.text() or None,
-                "dtype": lambda: None if self.dtype.currentText() == "keep" else self.dtype.currentText()}
+                "dtype": lambda: None if self.dtype.currentText() == "keep" else self.dtype.currentText(),
+                "config": lambda: self.config.text().strip() or None}
         kw = {name: value() for name, value in read.items() if name in self.taken()}
         return dst, check_request(dst, self.format.currentData(), **kw), kw
 
@@ -268,6 +279,8 @@ class ExportDialog(QDialog):
         """The fields changed: what the format takes, the folders to offer, at once; the plan in a worker once the
         typing pauses (``at_once``: now). Until it is back the preview is empty and Export disabled."""
         self._offer_folders()
+        chosen = self.format.currentData()
+        self.model_line.show_for(chosen is not None and WRITERS[chosen].model)
         taken = self.taken()
         for name, field in self.option_fields().items():
             field.setEnabled(name in taken)
@@ -286,6 +299,16 @@ class ExportDialog(QDialog):
             self._plans.ask()
         else:
             self._plan_delay.start()
+
+    def _propose_destination(self) -> None:
+        """A destination still as proposed follows the format: a folder ``<name>-hf`` for a Hugging Face model."""
+        if self.dst.text() != self._proposed:  # typed or chosen: kept
+            return
+        name = self.format.currentData()
+        w = WRITERS[name] if name is not None else None
+        suffix = export_suffix(w) if w is not None and w.model else ".safetensors"
+        self._proposed = default_export_path(self.ckpt.path, self._stem, suffix)
+        self.dst.setText(self._proposed)
 
     def _start_plan(self, done: Callable[[], None]) -> Worker | None:
         """Plan the fields as they are now (a plan asked for while another ran starts after it)."""
@@ -323,7 +346,9 @@ class ExportDialog(QDialog):
                                  "with even row-wise chunks; values unchanged (verified)")
             self.export_button.setEnabled(True)
             return
-        notes = "".join(f"<br>{html.escape(n)}" for n in plan.notes)
+        shown = [n for n in plan.notes if not (plan.model and n.startswith(("architecture: ", "transforms: ")))]
+        notes = model_summary(plan.model) if plan.model else ""
+        notes += "".join(f"<br>{html.escape(n)}" for n in shown)
         notes += "".join(f"<br>left out: {html.escape(n)}" for n in plan.left_out)
         if writer.weights_only and plan.objects:
             entries = count(len(plan.objects), "non-tensor entry", "non-tensor entries")
@@ -394,7 +419,7 @@ class ExportDialog(QDialog):
     def option_widgets(self) -> list[QWidget]:
         """Every field of the form (all locked while an export runs)."""
         return [self.dst, self.browse_button, self.make_folders, self.format, self.ranks, self.shard, self.only,
-                self.exclude, self.strip, self.rename, self.dtype, self.verify, self.force]
+                self.exclude, self.strip, self.rename, self.dtype, self.config_row, self.verify, self.force]
 
     def _set_running(self, running: bool) -> None:
         self.progress.setVisible(running)

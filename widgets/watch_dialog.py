@@ -39,6 +39,7 @@ from ..backend.library.watch import (
     plan_watch,
     rules_text,
 )
+from .export_model import ConfigField
 from .form_wheel import wheel_only_when_focused
 from .prune_dialog import plan_table, rule_check, rule_spin
 from .rows_table import RowsTableModel
@@ -153,8 +154,8 @@ class WatchPlanDialog(QDialog):
         self.roots = list(roots)
         self.plan: WatchPlan | None = None
         self._plans = Rerun(lambda done: run_in_background(
-            plan_watch, self.roots, self.format.currentText(), self.rules(), owner=self, on_result=self._show,
-            on_error=lambda m: self._show(None, m), on_finished=done))
+            plan_watch, self.roots, self.format.currentText(), self.rules(), config=self.config(), owner=self,
+            on_result=self._show, on_error=lambda m: self._show(None, m), on_finished=done))
         rules = rules or Rules(keep_last=3)
         lay = QVBoxLayout(self)
         lay.addLayout(self._build_form(rules, fmt))
@@ -217,6 +218,10 @@ class WatchPlanDialog(QDialog):
                       "exports.")
         note.setWordWrap(True)
         g.addWidget(note, 4, 0, 1, 5)
+        self.config_field = ConfigField()  # a Hugging Face model export's config.json (watch --config)
+        self.config_field.edit.textChanged.connect(self._changed)
+        g.addWidget(QLabel("HF config"), 5, 0)
+        g.addWidget(self.config_field, 5, 1, 1, 3)
         g.setColumnStretch(4, 1)
         return g
 
@@ -228,10 +233,17 @@ class WatchPlanDialog(QDialog):
                       if self.glob_on.isChecked() else ())
         return rules if rules.has_keep_rule() else None
 
+    def config(self) -> str | None:
+        """The config.json of a Hugging Face model export (None for another format, or none given)."""
+        hf = self.format.currentText() == "hf"
+        return (self.config_field.edit.text().strip() or None) if hf else None
+
     def command_line(self) -> str:
         """The ``shardscope watch`` command whose plan this is."""
         rules = self.rules()
         words = ["shardscope", "watch", *self.roots, "--export", self.format.currentText()]
+        config = self.config()
+        words += ["--config", config] if config else []
         if rules is not None:
             words += ["--keep-last", str(rules.keep_last)] if rules.keep_last else []
             words += ["--keep-every", str(rules.keep_every)] if rules.keep_every else []
@@ -244,6 +256,7 @@ class WatchPlanDialog(QDialog):
 
     def update_plan(self) -> None:
         """Plan in a worker (one at a time; a change meanwhile plans again after it)."""
+        self.config_field.setEnabled(self.format.currentText() == "hf")
         self.command.setText(f"<code>{self.command_line()} --dry-run</code> prints this plan; without "
                              "<code>--dry-run</code> it is done.")
         self._plans.ask()

@@ -31,6 +31,14 @@ LAZY_TENSORS = "\x00tensors\x00"  # where write_inspect_json puts the tensors it
 WRITE_PIECE = 1 << 20
 
 
+def architecture(ckpt: Any) -> str | None:
+    """The model architecture the weights' names say, in words (None: names of no scheme ``export --hf`` knows)."""
+    from shardscope.backend.export.hf_model import describe_architecture
+    from shardscope.backend.export.layouts import model_keys
+
+    return describe_architecture(model_keys(ckpt))
+
+
 def inspect_json(ckpt: Any, problems: list, with_tensors: bool = True) -> dict:
     """The ``--json`` document of ``inspect`` (``with_tensors=False``: a placeholder where the tensors go)."""
     from shardscope.backend.checkpoint.layout import rank_balance
@@ -41,6 +49,7 @@ def inspect_json(ckpt: Any, problems: list, with_tensors: bool = True) -> dict:
         "path": ckpt.path,
         "format": ckpt.format,
         "kind": checkpoint_kind(ckpt),
+        "architecture": architecture(ckpt),
         "version": ckpt.version,
         "save_id": ckpt.save_id,
         "files": [{"name": f.name, "rank": f.rank, "bytes": f.bytes, "kind": f.kind} for f in ckpt.files],
@@ -125,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"  note       {escape_name(note)}\n")
     kind = checkpoint_kind(ckpt)
     out.write(f"  kind       {kind} ({KIND_TEXT[kind]})\n")
+    arch = architecture(ckpt)
+    if arch:
+        out.write(f"  model      architecture: {escape_name(arch)}\n")
     if ckpt.save_id:
         out.write(f"  save id    {escape_name(ckpt.save_id)}\n")
     out.write(f"  tensors    {len(ckpt.tensors)}  ({human_bytes(ckpt.total_bytes)}, "

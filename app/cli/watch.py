@@ -29,6 +29,8 @@ def register(sub: Any) -> None:
     sp.add_argument("roots", nargs="+", metavar="ROOT")
     sp.add_argument("--export", required=True, choices=ExportFormats(), metavar="FORMAT",
                     help="the exports' format: one of %(choices)s")
+    sp.add_argument("--config", metavar="CONFIG_JSON", help="with --export hf: the model's Hugging Face config.json "
+                    "(as export --hf --config), for every checkpoint the watch exports")
     sp.add_argument("--export-to", metavar="DIR", help="write exports to DIR/<run name>/ instead of RUN/exports/")
     add_keep_rules(sp)
     sp.add_argument("--delete", action="store_true", help="remove for good instead of moving to the trash")
@@ -52,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
     urls = [r for r in args.roots if is_url(r)]
     if args.json and not args.dry_run:
         raise ShardscopeError("watch: --json prints the plan of --dry-run; give both.")
+    if args.config and args.export != "hf":
+        raise ShardscopeError(f"watch: --config is the Hugging Face config of --export hf, not of {args.export}.")
     if args.dry_run or urls:
         apply_to_fsspec(args, args.roots)
-        plan = plan_watch(args.roots, args.export, rules, export_to=args.export_to)
+        plan = plan_watch(args.roots, args.export, rules, export_to=args.export_to, config=args.config)
         if args.json:
             json.dump({**plan.to_json(), "acted": False}, sys.stdout)
             sys.stdout.write("\n")
@@ -65,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         err(f"{urls[0]}: {URL_PLANS_ONLY} (the plan above; --dry-run shows it and exits 0).")
         return EXIT_BAD_INPUT
-    watcher = Watcher(args.roots, args.export, rules, export_to=args.export_to, delete=args.delete, log=_log)
+    watcher = Watcher(args.roots, args.export, rules, export_to=args.export_to, delete=args.delete, log=_log,
+                      config=args.config)
 
     def on_signal(signum: int, frame: Any) -> None:
         # NOTE: only noted (and the export in flight cancelled through its Progress): the pass stops at its next

@@ -150,6 +150,12 @@ def replaceable(folder: str) -> set[str]:
 __all__ = ["check_destination", "index_files", "replaceable"]
 
 
+def export_suffix(w: Any) -> str:
+    """What the name of an export by writer ``w`` (``registry.Writer``) ends in: its first suffix; a Hugging Face
+    model folder ``-hf`` (beside a safetensors export of the same checkpoint); a DCP folder nothing."""
+    return w.suffixes[0] if w.suffixes else ("-hf" if w.model else "")
+
+
 def default_export_path(ckpt_path: str, stem: str, suffix: str = ".safetensors") -> str:
     """The Export dialog's proposal: ``RUN/exports/<stem><suffix>`` for a checkpoint in ``RUN/checkpoints/``,
     else ``exports/`` beside the checkpoint. NOTE: it once proposed ``RUN/checkpoints/<name>.safetensors``,

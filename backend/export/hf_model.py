@@ -379,6 +379,54 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
 
 
 _QK_NORM_ANYWHERE = re.compile(r"(^|\.)layers\.\d+\.attention\.[qk]_norm\.weight$")
+
+
+_LAYER_OF = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def describe_transforms(tensors: tuple[HfTensor, ...]) -> list[str]:
+    """What the mapping does, counted in the user's words ("rotary permutation of q and k in 16 layers"): what the
+    Export dialog shows before it starts and the plan's notes say."""
+    layers: dict[str, set[str]] = {}
+    for t in tensors:
+        for step in t.transform.steps if t.transform else ():
+            what = {"rotary": "rotary permutation of q and k", "groups": "fused QKV split by KV groups",
+                    "pair": "interleaved gate/up (w13) split",
+                    "index": "stacked experts split" if ".experts." in t.name else "stacked layers split"}.get(step.op,
+                                                                                                           step.op)
+            if step.op == "rows":
+                vocab = t.name in ("model.embed_tokens.weight", "lm_head.weight")
+                what = "vocabulary padding removed" if vocab else "fused gate/up halves split"
+            m = _LAYER_OF.match(t.name)
+            layers.setdefault(what, set()).add(f"layer {m.group(1)}" if m else t.name)
+    out = []
+    for what, where in layers.items():
+        n = sum(w.startswith("layer ") for w in where)
+        out.append(f"{what} in {n} layer{'s' if n != 1 else ''}" if n == len(where) else
+                   f"{what} ({', '.join(sorted(where))})")
+    return out
+
+
+def describe_architecture(names: list[str], export: str = "--hf") -> str | None:
+    """The architecture a model's tensor keys name, in words (``inspect``, the Export dialog, whose ``export`` names
+    the Hugging Face export in its own words); None when the keys are no decoder of a scheme the export knows.
+    Names only: no config is needed."""
+    has = lambda pattern: any(map(re.compile(pattern).match, names))  # noqa: E731  (one compile, C-speed scan)
+    # NOTE: HF's names may come without "model.": a layout takes it for a container where no config.json says that
+    # it is the base model
+    if has(r"^(model\.)?layers\.\d+\.self_attn\.") and has(r"^(model\.)?embed_tokens\."):
+        return f"Hugging Face names ({export} keeps them; no transform)"
+    if has(r"^decoder\.layers\.(\d+\.)?self_attention\.linear_qkv\."):
+        return (f"Megatron-Core GPT (fused QKV and gate/up: {export} splits them; rotary halves unless the run set "
+                "rotary_interleaved)")
+    if has(r"^tok_embeddings\.") and has(r"^layers\.\d+\.attention\."):
+        moe = " MoE" if has(r"^layers\.\d+\.moe\.") else ""
+        if has(r"^layers\.\d+\.attention\.q_norm\."):
+            return f"torchtitan Qwen3{moe} (rotary halves: {export} renames, no permutation)"
+        return f"torchtitan Llama 3{moe} (interleaved rotary: {export} permutes q/k)"
+    return None
+
+
 _INTERLEAVED_QK = re.compile(r"(^|\.)layers\.\d+\.attention\.(qkv_linear\.)?w[qk]\.weight$")
 
 
@@ -395,4 +443,5 @@ def rotary_trap(renamed: list[tuple[str, str]]) -> str | None:
 
 
 __all__ = ["LEFT_OUT_BUFFERS", "ROUTING_BIAS", "SCHEMES", "HfConfig", "HfMapping", "HfModelError", "HfTensor",
-           "interleaved_rotary", "map_names", "recognise_scheme", "rotary_trap"]
+           "describe_architecture", "describe_transforms", "interleaved_rotary", "map_names", "recognise_scheme",
+           "rotary_trap"]

@@ -17,6 +17,7 @@ from .hf_model import (
     ROUTING_BIAS,
     HfConfig,
     HfModelError,
+    describe_transforms,
     interleaved_rotary,
     map_names,
     recognise_scheme,
@@ -84,11 +85,11 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
     notes = [*base.notes, f"architecture: {architecture}",
              *([f"config: {config_path} (the checkpoint's own)"] if own else []),
              *([f"Hugging Face names under the container '{container}' (removed)"] if container else []),
-             "transforms: " + ("; ".join(mapping.transforms) or "none (names only)")]
+             "transforms: " + ("; ".join(describe_transforms(mapping.tensors)) or "none (names only)")]
     if "architectures" not in doc:
         doc = {**doc, "architectures": [ARCHITECTURES[cfg.model_type]]}
     model = {"architecture": architecture, "source_names": scheme, "model_type": cfg.model_type,
-             "transforms": list(mapping.transforms),
+             "transforms": list(mapping.transforms), "applied": describe_transforms(mapping.tensors),
              "tensors": {t.name: {"source": t.source, "transform": t.transform.describe()}
                          for t in mapping.tensors if t.transform is not None}}
     bias = [by_key[k].entry.fqn for k in shapes if scheme == "torchtitan" and ROUTING_BIAS.match(k)]

@@ -230,6 +230,13 @@ def model_key(name: str, container: str, unwrap: bool = True) -> tuple[str, set[
     return unwrap_key(key) if unwrap else (key, set())
 
 
+def model_keys(ckpt: Checkpoint) -> list[str]:
+    """The model weights' keys as an export names them by default (the layout's container and wrapper key parts
+    removed): what ``inspect`` and the Export dialog recognise an architecture from."""
+    layout = recognise_layout(ckpt)
+    return [model_key(t.fqn, layout.container)[0] for t in ckpt.tensors if layout.keeps_tensor(t.fqn)]
+
+
 def find_model_folder(path: str) -> tuple[str, str | None]:
     """For an HF Trainer/accelerate checkpoint folder (``checkpoint-500/`` holding
     ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; else ``path``."""
@@ -246,4 +253,4 @@ def find_model_folder(path: str) -> tuple[str, str | None]:
 
 
 __all__ = ["Layout", "checkpoint_kind", "find_model_folder", "is_training_state", "layout_of_names",
-           "optimizer_shaped_roots", "recognise_layout", "transformers_config_path", "unwrap_key"]
+           "model_keys", "optimizer_shaped_roots", "recognise_layout", "transformers_config_path", "unwrap_key"]

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Cancelled, ShardscopeError
-from ..export import ExportPlan, ExportResult, export, plan_export, writer
+from ..export import ExportPlan, ExportResult, check_request, export, plan_export
 from ..export.atomic import clean_leftovers
-from ..export.destination import EXPORTS_FOLDER
+from ..export.destination import EXPORTS_FOLDER, export_suffix
 from ..export.layouts import find_model_folder
 from ..filenames import is_url, within
 from ..format import count, human_bytes
@@ -104,9 +104,11 @@ class Watcher:
     flight through its :class:`Progress` and ends the pass. ``plan()`` takes a pass's decisions and does nothing."""
 
     def __init__(self, roots: list[str], fmt: str, rules: Rules | None = None, export_to: str | None = None,
-                 delete: bool = False, log: Callable[[str], None] = print) -> None:
+                 delete: bool = False, log: Callable[[str], None] = print, config: str | None = None) -> None:
         self.roots = list(roots)
-        self.writer = writer(fmt)  # ExportError for a name no plan writer is registered under
+        # ExportError for a name no plan writer is registered under, or a config the format does not take
+        self.writer = check_request(None, fmt, config=config)
+        self.config = config  # a Hugging Face model export's config.json (the model's, for every checkpoint)
         self.rules = rules
         self.export_to = os.path.abspath(export_to) if export_to else None
         self.delete = delete
@@ -136,8 +138,8 @@ class Watcher:
             os.path.join(run.path, EXPORTS_FOLDER)
 
     def export_path(self, folder: str, c: CheckpointRecord) -> str:
-        return f"{folder}/{c.name}{self.writer.suffixes[0]}" if is_url(folder) else \
-            os.path.join(folder, c.name + self.writer.suffixes[0])
+        name = c.name + export_suffix(self.writer)
+        return f"{folder}/{name}" if is_url(folder) else os.path.join(folder, name)
 
     # ------------------------------------------------------------------ the decisions (a pass and a plan)
     def _listing(self, progress: Progress | None = None) -> tuple[Listing, dict[str, str]]:
@@ -273,7 +275,7 @@ class Watcher:
         except (Cancelled, KeyboardInterrupt) as exc:  # the export's own signal handler took the signal
             self.stop("SIGINT" if isinstance(exc, KeyboardInterrupt) else
                       next((w.strip(";,") for w in str(exc).split() if w.startswith("SIG")), "a signal"))
-            if entry and entry["state"] == EXPORTING and os.path.isfile(dst):  # the signal came after the rename
+            if entry and entry["state"] == EXPORTING and os.path.exists(dst):  # the signal came after the rename
                 self._done(c, state, entry, report, "verified")
             else:
                 self.log(f"cancelled: the export of {c.path} (nothing of it was left)")
@@ -293,7 +295,7 @@ class Watcher:
         src, _ = find_model_folder(c.path)
         ckpt = open_checkpoint(src)
         only = None if self.writer.weights_only else model_prefixes(ckpt)
-        return plan_export(ckpt, self.writer.name, only=only)
+        return plan_export(ckpt, self.writer.name, only=only, config=self.config)
 
     def _record(self, c: CheckpointRecord, dst: str, plan: ExportPlan, state: WatchState) -> dict[str, Any]:
         """Record (atomically) that the export of ``c`` to ``dst`` is being made: ``exporting`` until it is done."""
@@ -364,10 +366,10 @@ class Watcher:
 
 
 def plan_watch(roots: list[str], fmt: str, rules: Rules | None = None, export_to: str | None = None,
-               progress: Progress | None = None) -> WatchPlan:
+               progress: Progress | None = None, config: str | None = None) -> WatchPlan:
     """What ``shardscope watch`` would do now under ``roots`` (``watch --dry-run``, the Library's Watch plan):
     the decisions of a pass, computed by the same code, with nothing written."""
-    return Watcher(roots, fmt, rules, export_to=export_to, log=lambda _line: None).plan(progress)
+    return Watcher(roots, fmt, rules, export_to=export_to, log=lambda _line: None, config=config).plan(progress)
 
 
 __all__ = ["BLOCKED", "EXISTS", "EXPORT", "NOT_EXPORTED", "RECOVERED", "URL_PLANS_ONLY", "VERIFIED", "WAITING",

@@ -76,7 +76,7 @@ class WatchState:
             return f"its record names the export {e['export']}, not {export_path} (the export this watch writes)"
         if e.get("identity") != identity(c):
             return "saved again since its export"
-        if not os.path.isfile(export_path):
+        if not os.path.exists(export_path):  # a file, or a folder (a Hugging Face model)
             return f"its export {export_path} is missing"
         return made_from(export_path, c)
 
