@@ -182,6 +182,9 @@ class Checkpoint:
     raw_values: bool = False
     # tensors whose values the format already located (a torch file's storage records): fqn -> StoredTensor
     located: dict[tuple[str, str, int], Any] | None = field(default=None, repr=False)  # (fqn, file, offset) ->
+    # how the chunk reader decodes stored items (a .codecs.ItemCodec the format's open attaches: DCP's items with
+    # their stream transforms); None: the codec raw_values names
+    codec: Any = field(default=None, repr=False)
     notes: list[str] = field(default_factory=list)  # what the format wants said (which tag of a save folder)
     format_data: Any = field(default=None, repr=False)  # what the format keeps for its own deep checks
     _by_fqn: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
