@@ -235,7 +235,8 @@ class ChunkReader(RunReads):
             blob = self._blobs[(name, offset)] = parse_safetensors_header(self.handles, name, offset, self._size(name))
         return blob
 
-    def decoded_item(self, name: str, offset: int, length: int, transforms: tuple[str, ...], limit: int) -> bytes:
+    def decoded_item(self, name: str, offset: int, length: int, transforms: tuple[str, ...], limit: int
+                     ) -> bytes | bytearray:
         """The item's stored bytes with its stream transforms undone, at most ``limit`` bytes (its range already
         checked); this thread keeps the last one until the chunk is released (locating and reading decode once)."""
         slot = getattr(self._decoded, "item", None)
@@ -393,7 +394,8 @@ class ChunkReader(RunReads):
 
     # ------------------------------------------------------------ non-tensor entries
     def read_object_bytes(self, obj: ObjectEntry) -> bytes:
-        """The raw stored bytes of a non-tensor entry (a torch.save archive), range checked; an archive's
+        """The stored bytes of a non-tensor entry (a torch.save archive), range checked, its stream transforms undone
+        (the codec's, at most MAX_OBJECT_BYTES decoded); an archive's
         records are checked against the zip directory and their stored CRC32 (torch.load checks neither)."""
         if obj.file is None:
             raise CheckpointError(f"{obj.fqn}: no storage entry in the metadata.", fqn=obj.fqn)
@@ -409,7 +411,7 @@ class ChunkReader(RunReads):
         transforms = self.codec.transforms_of(obj.file, obj.offset)
         if transforms:  # decoded first, never past what a non-tensor entry may hold
             try:
-                data = decode(data, transforms, MAX_OBJECT_BYTES)
+                data = bytes(decode(data, transforms, MAX_OBJECT_BYTES))
             except ItemFormatError as exc:
                 where = self.handles.where(obj.file)
                 raise CheckpointError(f"{where} (entry {obj.fqn}): cannot be decoded ({exc}).", path=where,

@@ -46,7 +46,7 @@ def check_descriptors(descriptors: Sequence[str]) -> str | None:
     return None
 
 
-def decode(data: bytes, descriptors: Sequence[str], limit: int) -> bytes:
+def decode(data: bytes | bytearray, descriptors: Sequence[str], limit: int) -> bytes | bytearray:
     """The item's bytes with its stream transforms undone, at most ``limit`` bytes; ItemFormatError otherwise."""
     unknown = check_descriptors(descriptors)
     if unknown is not None:
@@ -57,7 +57,7 @@ def decode(data: bytes, descriptors: Sequence[str], limit: int) -> bytes:
     return data
 
 
-def _zstd(data: bytes, limit: int) -> bytes:
+def _zstd(data: bytes | bytearray, limit: int) -> bytearray:
     """One zstd frame decompressed, refused past ``limit`` bytes (declared or produced); the frame's content
     checksum, when it has one, is checked by libzstd."""
     try:
@@ -79,7 +79,7 @@ def _zstd(data: bytes, limit: int) -> bytes:
                     raise ItemFormatError(f"its zstd stream holds more than the {limit} bytes the item can hold")
     except zstandard.ZstdError as exc:
         raise ItemFormatError(f"its zstd stream cannot be decoded ({str(exc)[:120]})") from None
-    return bytes(out)
+    return out  # NOTE: not bytes(out): a copy would double the peak of a large item
 
 
 def compressed_bound(limit: int) -> int:

@@ -314,7 +314,9 @@ class InMemory:
     def read(self, name: str, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > len(self.data):
             raise ItemFormatError(f"the archive needs bytes {offset}..{offset + length} of {len(self.data)}")
-        return self.data[offset:offset + length]
+        part = self.data[offset:offset + length] if isinstance(self.data, bytes) else \
+            bytes(memoryview(self.data)[offset:offset + length])  # a decoded item (bytearray): bytes, hashable
+        return part
 
     def where(self, name: str) -> str:
         return self.label or name
