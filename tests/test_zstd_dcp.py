@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_cli, run_cli_peak
+from fuzz.harness import same_value as same
 from fuzz.harness import torch_state
 from fuzz.zstd_files import compress, declaring, decompress, items, read_metadata, rebuild, write_zstd_checkpoint
 from shardscope.backend.checkpoint.chunks import ChunkReader
@@ -40,14 +41,6 @@ def cli(capsys, *args) -> tuple[int, str, str]:
     rc = main([str(a) for a in args])
     out = capsys.readouterr()
     return rc, out.out, out.err
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, tuple | list):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def test_every_item_decodes_to_what_dcp_load_reads(saved, oracle):
