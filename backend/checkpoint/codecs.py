@@ -16,14 +16,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .dtypes import ITEMSIZE, contiguous_strides
 from .items import ZIP_LOCAL, InMemory, ItemFormatError, StoredTensor, parse_torch_item
 
 if TYPE_CHECKING:
-    from .chunks import ChunkReader
     from .model import Chunk
+    from .safetensors_items import SafetensorsHeader
+
+
+class ItemReader(Protocol):
+    """What a codec reads through: the chunk reader's handles, its safetensors header cache and its decoded items."""
+
+    handles: Any
+
+    def safetensors_blob(self, name: str, offset: int) -> SafetensorsHeader:
+        """The header of the safetensors blob at ``offset`` of file ``name``."""
+        ...
+
+    def decoded_item(self, name: str, offset: int, length: int, transforms: tuple[str, ...], limit: int
+                     ) -> bytes | bytearray:
+        """The item's bytes with its transforms undone, at most ``limit`` bytes."""
+        ...
 
 MAX_OBJECT_BYTES = 1 << 30  # a non-tensor entry (an optimizer step, an lr) is small; refuse a 1 GiB pickle
 ITEM_OVERHEAD = 1 << 20  # a one-tensor torch.save archive's records beside its values are ~1 KiB
@@ -106,7 +121,7 @@ class ItemCodec:
             if bad is not None:
                 yield file, offset, bad
 
-    def stored(self, reader: ChunkReader, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
+    def stored(self, reader: ItemReader, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
         """Where the chunk's values are (its item range already checked against the file)."""
         descs = self.transforms_of(chunk.file, chunk.offset)
         if descs:
@@ -121,7 +136,7 @@ class ItemCodec:
             raise ItemFormatError(f"tensor {fqn} is not in the safetensors header")
         return st
 
-    def _decoded(self, reader: ChunkReader, fqn: str, chunk: Chunk, dtype: str, descs: tuple[str, ...]
+    def _decoded(self, reader: ItemReader, fqn: str, chunk: Chunk, dtype: str, descs: tuple[str, ...]
                  ) -> StoredTensor:
         data = reader.decoded_item(chunk.file, chunk.offset, chunk.length, descs, self.item_limit(chunk, dtype))
         if data[:4] != ZIP_LOCAL:  # torch writes a safetensors blob untransformed (only its framing is)
@@ -153,7 +168,7 @@ class ItemCodec:
 class RawValues(ItemCodec):
     """Each chunk's byte range is the raw values themselves (a safetensors file's data, an HF storage folder)."""
 
-    def stored(self, reader: ChunkReader, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
+    def stored(self, reader: ItemReader, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
         need = math.prod(chunk.sizes) * max(1, ITEMSIZE.get(dtype, 1))
         if chunk.length != need:  # the safetensors library refuses such a header: never read a prefix
             raise ItemFormatError(f"{chunk.length} bytes stored for shape {list(chunk.sizes)} of {dtype}, "
