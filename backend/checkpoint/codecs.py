@@ -15,7 +15,7 @@ and one that produces more is cut off there.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .dtypes import ITEMSIZE, contiguous_strides
@@ -113,13 +113,6 @@ class ItemCodec:
     def transforms_of(self, file: str, offset: int) -> tuple[str, ...]:
         """The stream transforms the item at ``offset`` of ``file`` was written through (none: ``()``)."""
         return self.transforms.get((file, offset), ()) if self.transforms else ()
-
-    def unknown(self) -> Iterable[tuple[str, int, str]]:
-        """(file, item offset, descriptor) of each item whose transforms Shardscope cannot decode."""
-        for (file, offset), descs in sorted(self.transforms.items()):
-            bad = check_descriptors(descs)
-            if bad is not None:
-                yield file, offset, bad
 
     def stored(self, reader: ItemReader, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
         """Where the chunk's values are (its item range already checked against the file)."""
