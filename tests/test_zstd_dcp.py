@@ -105,6 +105,23 @@ def test_deep_verify_checks_the_decoded_bytes(saved, tmp_path):
     assert isinstance(torch_state(saved[0]), dict)
 
 
+def test_a_zstd_frames_content_checksum_is_checked(saved, tmp_path):
+    """torch's writer stores no content checksum; a frame that has one (another zstd writer) is checked: a byte
+    changed in the compressed bytes of a tensor and of a non-tensor entry is corrupt, naming each."""
+    import zstandard
+
+    _, pairs = items(saved[0])
+    new = {}
+    for i, (key, raw) in enumerate(pairs):
+        if key.fqn in ("model.w", "step"):
+            frame = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(decompress(raw)))
+            frame[-1] ^= 1  # the checksum's last byte
+            new[i] = bytes(frame)
+    problems = verify(open_checkpoint(rebuild(saved[0], tmp_path / "sum", new), use_cache=False), deep=True)
+    assert sorted((p.kind, p.fqn) for p in problems) == [("corrupt", "model.w"), ("corrupt", "step")], problems
+    assert all("content checksum" in p.message for p in problems)
+
+
 def test_a_transform_shardscope_does_not_know_is_named_in_one_line(saved, tmp_path):
     folder = rebuild(saved[0], tmp_path / "lz4", {}, ["stream.lz4/1"])
     ckpt = open_checkpoint(folder, use_cache=False)

@@ -255,6 +255,8 @@ class ChunkReader(RunReads):
             data = self.decoded_item(chunk.file, chunk.offset, chunk.length,
                                      self.codec.transforms_of(chunk.file, chunk.offset),
                                      self.codec.item_limit(chunk, st.dtype))
+        except RecordCrcError as exc:
+            raise self._error(fqn, chunk, f"{exc}: the bytes changed on disk.", CorruptChunkError) from None
         except ItemFormatError as exc:
             raise self._error(fqn, chunk, f"item cannot be decoded ({exc}).") from None
         return memoryview(data)[st.data_offset:st.data_offset + st.nbytes]
@@ -414,6 +416,9 @@ class ChunkReader(RunReads):
                 data = bytes(decode(data, transforms, MAX_OBJECT_BYTES))
             except ItemFormatError as exc:
                 where = self.handles.where(obj.file)
+                if isinstance(exc, RecordCrcError):
+                    raise CorruptChunkError(f"{where} (entry {obj.fqn}): {exc}: the bytes changed on disk.",
+                                            path=where, fqn=obj.fqn) from None
                 raise CheckpointError(f"{where} (entry {obj.fqn}): cannot be decoded ({exc}).", path=where,
                                       fqn=obj.fqn) from None
         if data[:4] == ZIP_LOCAL:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .dtypes import ITEMSIZE, contiguous_strides
-from .items import ZIP_LOCAL, InMemory, ItemFormatError, StoredTensor, parse_torch_item
+from .items import ZIP_LOCAL, InMemory, ItemFormatError, RecordCrcError, StoredTensor, parse_torch_item
 
 if TYPE_CHECKING:
     from .model import Chunk
@@ -93,6 +93,8 @@ def _zstd(data: bytes | bytearray, limit: int) -> bytearray:
                 if len(out) > limit:
                     raise ItemFormatError(f"its zstd stream holds more than the {limit} bytes the item can hold")
     except zstandard.ZstdError as exc:
+        if "checksum" in str(exc):  # the frame stores a checksum of its content (torch's writer stores none)
+            raise RecordCrcError("its zstd frame fails its content checksum") from None
         raise ItemFormatError(f"its zstd stream cannot be decoded ({str(exc)[:120]})") from None
     return out  # NOTE: not bytes(out): a copy would double the peak of a large item
 
