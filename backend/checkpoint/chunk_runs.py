@@ -22,6 +22,7 @@ from .layout import coverage
 from .model import ITEMSIZE, Chunk, TensorEntry, contiguous_strides
 
 if TYPE_CHECKING:
+    from .codecs import ItemCodec
     from .model import Checkpoint
 
 COPY_BLOCK = 16 << 20
@@ -44,6 +45,7 @@ class RunReads:
     """The fast paths over whole tensors; the reader's ranges, handles, locating and CRC32 errors are its own."""
 
     ckpt: Checkpoint
+    codec: ItemCodec
     handles: Any
     _columns: tuple[list, ...] | None
     _owners: dict[tuple[str, int], tuple[str, tuple[int, ...]]]
@@ -55,7 +57,7 @@ class RunReads:
         300,000 small tensors is a few dozen reads, not 300,000). None for an entry that is not one whole
         chunk stored contiguously in at most ``limit`` bytes (read it with :meth:`read_tensor`)."""
         cols = None
-        if self.ckpt.raw_values or self.ckpt.located is not None:
+        if self.codec.raw_values or self.ckpt.located is not None:
             cols = self._columns
             if cols is None:  # once per reader: an export asks for a few tensors at a time, thousands of times
                 cols = self._columns = self._raw_columns()

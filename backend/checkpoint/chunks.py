@@ -23,7 +23,7 @@ from ..crc import crc32
 from ..errors import CheckpointError
 from ..progress import Progress
 from .chunk_runs import COPY_BLOCK, RunReads, thread_buffer
-from .codecs import MAX_OBJECT_BYTES, RAW_VALUES, STORED_ITEMS, compressed_bound, decode
+from .codecs import MAX_OBJECT_BYTES, STORED_ITEMS, compressed_bound, decode
 from .dtypes import torch_dtype
 from .items import ZIP_LOCAL, ItemFormatError, RecordCrcError, StoredTensor, check_object_archive
 from .layout import coverage
@@ -83,7 +83,7 @@ class ChunkReader(RunReads):
         if not self.handles.local:  # remote: a read inside an item fetches the whole item (one request)
             t = ckpt.chunk_table
             self.handles.plan_table([f.name for f in ckpt.files], t.file, t.byte_offset, t.length)
-        self.codec = ckpt.codec if ckpt.codec is not None else RAW_VALUES if ckpt.raw_values else STORED_ITEMS
+        self.codec = ckpt.codec if ckpt.codec is not None else STORED_ITEMS
         self._located: dict[tuple[str, int, str], StoredTensor] = {}
         self._blobs: dict[tuple[str, int], SafetensorsHeader] = {}
         self._sizes: dict[str, int] = {}

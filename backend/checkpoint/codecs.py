@@ -109,6 +109,8 @@ class ItemCodec:
     ``SerializationFormat.SAFETENSORS``) where the file's safetensors blob starts; ``transforms`` names the
     stream transforms of the items that have any, by (file, item offset)."""
 
+    raw_values = False  # True: each chunk's byte range is its raw values (the reader's columnar fast path)
+
     def __init__(self, transforms: dict[tuple[str, int], tuple[str, ...]] | None = None) -> None:
         self.transforms = transforms or {}
 
@@ -162,6 +164,8 @@ class ItemCodec:
 
 class RawValues(ItemCodec):
     """Each chunk's byte range is the raw values themselves (a safetensors file's data, an HF storage folder)."""
+
+    raw_values = True
 
     def stored(self, reader: ItemReader, fqn: str, chunk: Chunk, dtype: str) -> StoredTensor:
         need = math.prod(chunk.sizes) * max(1, ITEMSIZE.get(dtype, 1))
