@@ -86,9 +86,11 @@ def test_commands_take_it_like_any_dcp_folder(saved, oracle, capsys, tmp_path):
     assert same(state["model"]["h"], oracle["model.h"]) and state["step"] == 11 and "pair" not in state
     rc, out, _ = cli(capsys, "diff", src, plain)
     assert rc == 0 and " 0 changed" in out, out
-    assert cli(capsys, "reshard", "--ranks", "2", src, tmp_path / "r2")[0] == 0
-    resharded = torch_state(tmp_path / "r2")
-    assert isinstance(resharded, dict) and all(same(resharded[k], oracle[k]) for k in oracle)
+    for command in (["reshard", "--ranks", "2"], ["import"]):  # written uncompressed, read back by dcp.load
+        assert cli(capsys, *command, src, tmp_path / command[0])[0] == 0
+        written = torch_state(tmp_path / command[0])
+        assert isinstance(written, dict) and written.keys() == oracle.keys(), written
+        assert all(same(written[k], oracle[k]) for k in oracle), command
 
 
 def test_deep_verify_checks_the_decoded_bytes(saved, tmp_path):
