@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from .model import Chunk
     from .safetensors_items import SafetensorsHeader
 
+MAX_OBJECT_BYTES = 1 << 30  # a non-tensor entry (an optimizer step, an lr) is small; refuse a 1 GiB pickle
+ITEM_OVERHEAD = 1 << 20  # a one-tensor torch.save archive's records beside its values are ~1 KiB
+ZSTD = "stream.zstd"  # torch.distributed.checkpoint._extension.ZStandard.registry_name()
+MAX_WINDOW = 1 << 27  # libzstd's own default limit: a frame may not ask for a larger window
+_BLOCK = 1 << 20
+
 
 class ItemReader(Protocol):
     """What a codec reads through: the chunk reader's handles, its safetensors header cache and its decoded items."""
@@ -39,12 +45,6 @@ class ItemReader(Protocol):
                      ) -> bytes | bytearray:
         """The item's bytes with its transforms undone, at most ``limit`` bytes."""
         ...
-
-MAX_OBJECT_BYTES = 1 << 30  # a non-tensor entry (an optimizer step, an lr) is small; refuse a 1 GiB pickle
-ITEM_OVERHEAD = 1 << 20  # a one-tensor torch.save archive's records beside its values are ~1 KiB
-ZSTD = "stream.zstd"  # torch.distributed.checkpoint._extension.ZStandard.registry_name()
-MAX_WINDOW = 1 << 27  # libzstd's own default limit: a frame may not ask for a larger window
-_BLOCK = 1 << 20
 
 
 class UnknownTransform(ItemFormatError):
