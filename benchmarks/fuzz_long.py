@@ -5,7 +5,8 @@ torch's own DCP loader as the oracle) "healthy" verdicts on folders torch cannot
 from torch's. Two more kinds with an oracle: ``order``, the same Metadata pickled in another order (an extra
 attribute placed first, or storage_data dropped: torch's loader the oracle, a problem where it reads is a
 failure too), and ``safetensors``, ``save_file`` outputs with holes, names twice, tails and overlaps
-(``safetensors.safe_open`` the oracle).
+(``safetensors.safe_open`` the oracle), and ``zstd``, torch's own ZStandard DCP with an item mutated inside or
+outside its frame or a frame lying about its size (``tests/fuzz/zstd_files.py``; torch's loader the oracle).
 
     python benchmarks/fuzz_long.py --metadata 100000 --distcp 20000 --workers 1 [--minutes M]
     python benchmarks/fuzz_long.py --metadata 0 --distcp 0 --order 2000 --safetensors 20000   # the new kinds only
@@ -37,7 +38,8 @@ sys.path.insert(0, str(TESTS))
 
 CHECKPOINTS = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "nopg", "fsdp_safetensors_r2", "fsdp_nocoll_r2", "lightning_r2"]
 BATCH = 250
-KINDS = ("metadata", "distcp", "order", "safetensors")
+KINDS = ("metadata", "distcp", "order", "safetensors", "zstd")
+ZSTD_SEED = "zstd_dcp"  # written beside the fixtures by torch's FileSystemWriter with ZStandard
 
 
 _SEEDS: dict[str, list] = {}
@@ -57,6 +59,7 @@ def _load_corpus(fixtures: str, isolated: bool = False) -> None:
     _SEEDS["order"] = [s for s in _SEEDS["metadata"] if s.target == ".metadata" and torch_reads(s.checkpoint)]
     with tempfile.TemporaryDirectory(prefix="fuzz-st-") as tmp:
         _SEEDS["safetensors"] = safetensors_corpus(Path(tmp))
+    _SEEDS["zstd"] = [Path(fixtures) / ZSTD_SEED]
 
 
 def _case(kind: str, seed: object, case: int, timeout: float, tmp: Path) -> tuple[bytes, str, object]:
@@ -66,6 +69,12 @@ def _case(kind: str, seed: object, case: int, timeout: float, tmp: Path) -> tupl
     from fuzz.safetensors_files import NAME, exercise_safetensors
     from fuzz.safetensors_files import mutated_file as mutated_safetensors
 
+    if kind == "zstd":
+        from fuzz.zstd_files import mutated_items, rebuild
+
+        folder = rebuild(seed, tmp / "case", mutated_items(seed, case))  # the .distcp and its .metadata
+        data = next(folder.glob("*.distcp"))
+        return data.read_bytes(), data.name, run_case(folder, timeout, oracle=True)
     if kind == "safetensors":
         folder = tmp / "case"
         folder.mkdir(exist_ok=True)
@@ -118,6 +127,10 @@ def _batch(args: tuple[str, str, list[int], float, str]) -> dict:
 def _fixtures(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, str(TESTS / "make_fixtures.py"), str(path)], check=True)
+    if not (path / ZSTD_SEED / ".metadata").is_file():
+        from fuzz.zstd_files import write_zstd_checkpoint
+
+        write_zstd_checkpoint(path / ZSTD_SEED)
     return path
 
 
@@ -127,13 +140,13 @@ def _jobs(args: argparse.Namespace, fixtures: Path) -> list[tuple]:
               "distcp": args.start if args.start_distcp is None else args.start_distcp}
     per_kind = {}
     for kind, n in (("metadata", args.metadata), ("distcp", args.distcp), ("order", args.order),
-                    ("safetensors", args.safetensors)):
+                    ("safetensors", args.safetensors), ("zstd", args.zstd)):
         first = starts.get(kind, args.start)
         cases = list(range(first, first + n))
         per_kind[kind] = [(str(fixtures), kind, cases[i:i + BATCH], args.timeout, args.out) for i in range(0, n, BATCH)]
     meta_jobs, data_jobs = per_kind["metadata"], per_kind["distcp"]
     ratio = max(1, len(meta_jobs) // max(1, len(data_jobs)))
-    others = [per_kind["order"], per_kind["safetensors"]]
+    others = [per_kind["order"], per_kind["safetensors"], per_kind["zstd"]]
     order = []
     while meta_jobs or data_jobs or any(others):
         order += meta_jobs[:ratio] + data_jobs[:1] + [jobs.pop(0) for jobs in others if jobs]
@@ -215,6 +228,7 @@ def main() -> int:
     ap.add_argument("--distcp", type=int, default=20_000, help="mutated .distcp cases")
     ap.add_argument("--order", type=int, default=2_000, help=".metadata cases pickled in another order (torch oracle)")
     ap.add_argument("--safetensors", type=int, default=20_000, help="mutated .safetensors cases (library oracle)")
+    ap.add_argument("--zstd", type=int, default=2_000, help="torch ZStandard DCP items mutated (torch oracle)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=30.0, help="per-case limit in seconds (a hang)")
     ap.add_argument("--start", type=int, default=0, help="first case number of both kinds (to continue a run)")

@@ -19,6 +19,7 @@ from fuzz.mutators import metadata_attribute_order, planner_paths
 from fuzz.safetensors_files import NAME as SAFETENSORS_NAME
 from fuzz.safetensors_files import exercise_safetensors, safetensors_corpus
 from fuzz.safetensors_files import mutated_file as mutated_safetensors
+from fuzz.zstd_files import mutated_items, rebuild, write_zstd_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,7 @@ SAFETENSORS_CASES = 300
 DEEPSPEED_CASES = 400
 DEEPSPEED_SAVES = ["z2-bf16-2r", "z3-bf16-3r", "z1-fp32-2r"]
 MEGATRON_CASES = 200
+ZSTD_CASES = 60
 CASE_TIMEOUT = 30.0
 
 
@@ -117,6 +119,20 @@ def test_mutated_safetensors_files_read_as_the_library_reads_them(tmp_path):
 
     check()
     assert outcomes["ok"] > 0 and outcomes["error"] > 0, outcomes
+
+
+def test_mutated_zstd_items_give_answers_or_clean_errors(tmp_path):
+    """Issue 32, item 1: torch's ZStandard DCP (written here by torch's FileSystemWriter) with one item's archive
+    mutated inside its frame, its compressed bytes mutated, or a frame lying about its size (declaring 2**40 bytes
+    and more, or holding 64 MiB): the codec's answers or clean errors, memory bounded, torch's loader the oracle."""
+    source = write_zstd_checkpoint(tmp_path / "zstd")
+    outcomes: Counter = Counter()
+    for case in range(ZSTD_CASES):
+        folder = rebuild(source, tmp_path / "case", mutated_items(source, case))
+        out = run_case(folder, CASE_TIMEOUT, oracle=True)
+        outcomes[out.kind] += 1
+        assert out.kind not in ("crash", "hang", "memory", "unsound"), f"zstd #{case}: {out.kind}\n{out.detail}"
+    assert outcomes["problems"] > 0 and outcomes["ok"] > 0, outcomes  # both decoded and refused items reached
 
 
 def test_mutated_planner_data_gives_answers_or_clean_errors(seeds, tmp_path):

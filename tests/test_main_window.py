@@ -227,3 +227,18 @@ def test_the_demos_closing_hint_goes_when_another_tab_is_shown(qtbot, window, fi
     window.show_note(HINT, guide.view)
     window.training_panel()  # the Training tab (another run) comes to the front
     assert window.statusBar().currentMessage() == ""
+
+
+def test_window_shows_the_tensors_of_torchs_zstd_dcp(qtbot, window, tmp_path):
+    """Issue 32, item 1: a DCP folder torch compressed (FileSystemWriter(_extensions=[ZStandard()])) opens like any
+    other: its tensors in the tree, no problems, a tensor's statistics read through the codec."""
+    from fuzz.zstd_files import write_zstd_checkpoint
+    from gui_support import leaf_paths
+
+    folder = write_zstd_checkpoint(tmp_path / "zstd")
+    view = window.open_path(str(folder))
+    wait_loaded(qtbot, view)
+    assert view.data.problems == []
+    assert {"model.w", "model.b", "model.h", "extra.t"} <= set(leaf_paths(view.tree.model()))
+    with qtbot.waitSignal(view.statsReady, timeout=SLOW):
+        assert view.select_path("model.w")

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .codecs import ItemCodec
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .storage import Folder
 
 log = logging.getLogger(__name__)
-FORMAT = 4  # 2: written only after the metadata passed validate.py; 3: planner_data checked as a tree; 4: an
-# unreferenced data file has no rank
+FORMAT = 5  # 2: written only after the metadata passed validate.py; 3: planner_data checked as a tree; 4: an
+# unreferenced data file has no rank; 5: the items' stream transforms (the DCP codec's)
 ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
 
 
@@ -51,13 +52,14 @@ def load(key: str, path: str) -> Checkpoint | None:
         if head.get("format_version") != FORMAT:
             return None
         arrays = {a: np.load(d / f"{a}.npy", allow_pickle=False) for a in ARRAYS}
-    except (OSError, ValueError, KeyError):
+        codec = ItemCodec.from_json(head["transforms"])
+    except (OSError, ValueError, KeyError, TypeError):
         log.debug("metadata cache miss for %s", path, exc_info=True)
         return None
     files = [FileInfo(n, r, b, k) for n, r, b, k in head["files"]]
     ckpt = Checkpoint(path, head["format"], head["version"], files, [], [], ChunkTable(**arrays),
                       save_id=head["save_id"], metadata_files=head["metadata_files"],
-                      extra_files=head["extra_files"])
+                      extra_files=head["extra_files"], codec=codec)
     ckpt.tensors = [TensorEntry(f, dt, tuple(s), a, b, ckpt) for f, dt, s, a, b in head["tensors"]]
     ckpt.objects = [ObjectEntry(*o) for o in head["objects"]]
     ckpt.planner_data = {k: tuple(v) for k, v in head["planner_data"].items()}
@@ -84,6 +86,7 @@ def store(key: str, ckpt: Checkpoint) -> None:
             "problems": [{"kind": p.kind, "message": p.message, "fqn": p.fqn, "file": p.file}
                          for p in ckpt.problems],
             "metadata_files": ckpt.metadata_files, "extra_files": ckpt.extra_files,
+            "transforms": ckpt.codec.to_json() if isinstance(ckpt.codec, ItemCodec) else [],
         }
         (tmp / "head.json").write_text(json.dumps(head))
         final = root / key

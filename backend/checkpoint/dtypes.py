@@ -3,6 +3,10 @@ numpy): the probes a listing runs use these without importing the checkpoint mod
 
 from __future__ import annotations
 
+from typing import Any
+
+from ..errors import CheckpointError
+
 ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex32": 4, "complex64": 8,
     "complex128": 16, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "int8": 1, "int16": 2,
@@ -43,3 +47,13 @@ def contiguous_strides(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= s
     return tuple(reversed(stride))
+
+
+def torch_dtype(name: str) -> Any:
+    """The ``torch.dtype`` for a short dtype name, or a CheckpointError when this torch lacks it."""
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"dtype {name} is not known to this torch ({torch.__version__}).")
+    return dt

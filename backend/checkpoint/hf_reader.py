@@ -20,6 +20,7 @@ from ..filenames import MAX_INDEX_BYTES, METADATA, hf_shard_rank, is_safetensors
 from ..filenames import SAFETENSORS_INDEX as INDEX
 from ..format import count
 from .chunks import safe_name
+from .codecs import RAW_VALUES
 from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize
 from .safetensors_items import SafetensorsTable, parse_safetensors_file
 from .storage import Folder, why_absent
@@ -44,7 +45,8 @@ def open_hf_folder(folder: Folder, listing: dict[str, int], weight_map: dict[str
             tables.append((table, _sharding_info(table.metadata, name, problems)))
     if not any(len(t) for t, _ in tables):
         raise CheckpointError(f"{folder.path}: safetensors files hold no tensors.", path=folder.path)
-    ckpt = Checkpoint(folder.path, "hf-safetensors", version, files, [], [], ChunkTable.empty(), raw_values=True)
+    ckpt = Checkpoint(folder.path, "hf-safetensors", version, files, [], [], ChunkTable.empty(),
+                      codec=RAW_VALUES)
     whole = len(tables) == 1 or len({k for t, _ in tables for k in t.names}) == sum(len(t) for t, _ in tables)
     pieces = None
     if whole and not any(sharding for _, sharding in tables):  # every tensor stored whole, in one file

@@ -58,8 +58,8 @@ class RecordCrcError(ItemFormatError):
 
 @dataclass(frozen=True, slots=True)
 class StoredTensor:
-    """Where one item's tensor values are: ``nbytes`` raw bytes at ``data_offset`` in the file,
-    viewed with ``shape``/``stride``/``storage_offset`` (in elements)."""
+    """Where one item's tensor values are: ``nbytes`` raw bytes at ``data_offset`` in the file (in the decoded
+    item when ``encoded``), viewed with ``shape``/``stride``/``storage_offset`` (in elements)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -68,6 +68,8 @@ class StoredTensor:
     data_offset: int  # absolute, in the file
     nbytes: int  # bytes of the whole storage record
     crc32: int | None  # from the zip directory; None for safetensors
+    # the values lie in the item's decoded bytes (a compressed item), not in the file: never copied byte for byte
+    encoded: bool = False
 
     @property
     def contiguous(self) -> bool:
@@ -312,7 +314,9 @@ class InMemory:
     def read(self, name: str, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > len(self.data):
             raise ItemFormatError(f"the archive needs bytes {offset}..{offset + length} of {len(self.data)}")
-        return self.data[offset:offset + length]
+        part = self.data[offset:offset + length] if isinstance(self.data, bytes) else \
+            bytes(memoryview(self.data)[offset:offset + length])  # a decoded item (bytearray): bytes, hashable
+        return part
 
     def where(self, name: str) -> str:
         return self.label or name

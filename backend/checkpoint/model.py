@@ -177,11 +177,12 @@ class Checkpoint:
     extra_files: dict[str, str] = field(default_factory=dict)  # e.g. {"meta.pt": "meta.pt"}
     metadata_files: list[str] = field(default_factory=list)
     folder: Any = field(default=None, repr=False)  # the storage.Folder it was opened from (set once)
-    # how the chunk reader finds a chunk's values: False, a stored item (a torch.save archive or a safetensors
-    # blob) at the chunk's byte range; True, the raw values themselves (a safetensors file's data)
-    raw_values: bool = False
     # tensors whose values the format already located (a torch file's storage records): fqn -> StoredTensor
     located: dict[tuple[str, str, int], Any] | None = field(default=None, repr=False)  # (fqn, file, offset) ->
+    # how the chunk reader finds a chunk's values (a .codecs.ItemCodec the format's open attaches): DCP's stored
+    # items (a torch.save archive or a safetensors blob at the chunk's byte range) with their stream transforms;
+    # RAW_VALUES, the byte range is the raw values (a safetensors file's data); None: DCP's, untransformed
+    codec: Any = field(default=None, repr=False)
     notes: list[str] = field(default_factory=list)  # what the format wants said (which tag of a save folder)
     format_data: Any = field(default=None, repr=False)  # what the format keeps for its own deep checks
     _by_fqn: dict[str, TensorEntry] = field(default_factory=dict, repr=False)

@@ -19,6 +19,7 @@ from ..filenames import DATA_SUFFIX, LIGHTNING_META, METADATA, METADATA_TMP, RAN
 from ..format import count
 from ..progress import Progress
 from . import cache, validate
+from .codecs import ItemCodec, check_descriptors
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .reader_process import load_metadata_pickle
 from .safe_pickle import (
@@ -194,11 +195,27 @@ def _build(folder: str, sdm: dict, ev: Events, version: str | None, storage_meta
     ckpt.chunk_table = _chunk_table(tensor_of_chunk, pos, ev, {p: i for i, p in enumerate(paths)})
     problems += _unstored(ckpt, pos, ev)
     problems += _objects(ckpt, sdm, ev, object_positions, where)
-    if ev.transformed:
-        problems.append(Problem("unreadable", "items are stored with stream transforms (compression or "
-                                "encryption extensions), which Shardscope cannot decode yet."))
+    ckpt.codec = _codec(ev, where, problems)
     _finish(ckpt, listing, meta_names, storage_meta, planner_data, problems)
     return ckpt
+
+
+def _codec(ev: Events, where: str, problems: list[Problem]) -> ItemCodec:
+    """DCP's items with the stream transforms each was written through (``_StorageInfo.transform_descriptors``,
+    validated); a problem per file and transform Shardscope cannot decode, naming the first entry it holds."""
+    transforms: dict[tuple[str, int], tuple[str, ...]] = {}
+    unknown: dict[tuple[str, str], list[str]] = {}
+    for i, descs in ev.transforms.items():
+        fqn, path = ev.index_fqn[i], ev.info_path[i]
+        transforms[(path, int(ev.info_offset[i]))] = checked = validate.transforms(descs, where, fqn)
+        bad = check_descriptors(checked)
+        if bad is not None:
+            unknown.setdefault((path, bad), []).append(fqn)
+    for (path, desc), names in sorted(unknown.items()):
+        problems.append(Problem("unreadable", f"{path}: {count(len(names), 'entry', 'entries')} (first: {names[0]}) "
+                                f"stored through stream transform {desc!r}, which Shardscope cannot decode (it "
+                                "decodes stream.zstd/1, torch's ZStandard).", fqn=names[0], file=path))
+    return ItemCodec(transforms)
 
 
 def _chunk_table(tensor_of_chunk: np.ndarray, pos: np.ndarray, ev: Events, file_ids: dict[str, int]) -> ChunkTable:
@@ -351,7 +368,8 @@ def _storage_event(ev: Events, key: Any, info: Any, where: str) -> None:
     ev.info_path.append(validate.as_path(info.get("relative_path"), where, fqn))
     ev.info_offset.append(validate.as_index(info.get("offset"), where, "offset", fqn))
     ev.info_length.append(validate.as_index(info.get("length"), where, "length", fqn))
-    ev.transformed = ev.transformed or bool(info.get("transform_descriptors"))
+    if info.get("transform_descriptors"):  # torch's stream transforms (ZStandard), checked in _build
+        ev.transforms[len(ev.info_path) - 1] = info.get("transform_descriptors")
 
 
 def build_checkpoint(folder: str, parsed: list[Any], listing: dict[str, int],

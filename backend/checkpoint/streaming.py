@@ -37,7 +37,7 @@ class Events:
         self.info_length = array("q")
         # id() of each stand-in object, per row above: pickle's memo keeps them all alive, so ids are unique
         self.chunk_ids, self.index_ids, self.info_ids = array("Q"), array("Q"), array("Q")
-        self.transformed = False
+        self.transforms: dict[int, Any] = {}  # storage row -> its transform_descriptors as unpickled
         self.broken: str | None = None
         self.max_dims = 1 << 62  # chunk offsets+sizes a file of this size can plausibly hold
         self.tensors: list[tuple] | None = None  # compact loads: (properties, size, chunk count) per tensor
@@ -104,8 +104,8 @@ def _hooks(ev: Events) -> dict[str, Any]:
                 ev.info_path.append(state["relative_path"])
                 ev.info_offset.append(state["offset"])
                 ev.info_length.append(state["length"])
-                if state.get("transform_descriptors"):
-                    ev.transformed = True
+                if state.get("transform_descriptors"):  # torch's stream transforms (ZStandard), checked in _build
+                    ev.transforms[len(ev.info_path) - 1] = state["transform_descriptors"]
                 state.clear()
             except (TypeError, KeyError, AttributeError, OverflowError):
                 fail("storage info state")

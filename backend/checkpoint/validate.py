@@ -67,6 +67,14 @@ def as_path(value: Any, where: str, fqn: str | None = None) -> str:
     return value
 
 
+def transforms(value: Any, where: str, fqn: str) -> tuple[str, ...]:
+    """An item's ``transform_descriptors``: a short list of short strings (``stream.zstd/1``)."""
+    if not isinstance(value, list | tuple) or len(value) > 8 or \
+            not all(isinstance(v, str) and 0 < len(v) <= 200 for v in value):
+        raise bad(where, f"the stream transforms of an item are {_short(value)}, not a list of at most 8 names", fqn)
+    return tuple(value)
+
+
 def optional_str(value: Any, where: str, what: str) -> str | None:
     """A string field that may be missing (version, save id)."""
     if value is not None and not isinstance(value, str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from ..format import count
 from ..progress import Progress
 from .chunks import ChunkReader, CorruptChunkError, SharedStorageError, StoredTensor
 from .layout import coverage_problems
-from .model import Checkpoint, Problem
+from .model import Checkpoint, Chunk, Problem
 from .storage import why_absent
 from .values import read_lightning_meta
 
@@ -136,14 +137,15 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
         # remote: every item read once, in fixed segments planned before the first read (the same GETs every run)
         reader.plan_reads((c for _, c in chunks if c.file not in missing),
                           (o for o in ckpt.objects if o.file not in missing), files_at_once=1)
-        items = [(e.fqn, c.file, partial(reader.check_chunk, e.fqn, c)) for e, c in chunks]
-        items += [(o.fqn, o.file, partial(reader.read_object, o)) for o in ckpt.objects]
+        items: list[tuple[str, Any, Any, Chunk | None]] = [
+            (e.fqn, c.file, partial(reader.check_chunk, e.fqn, c), c) for e, c in chunks]
+        items += [(o.fqn, o.file, partial(reader.read_object, o), None) for o in ckpt.objects]
         if not reader.handles.local:  # one file after the other, front to back: one planned segment held at a time
             where = [c.offset for _, c in chunks] + [o.offset for o in ckpt.objects]
             order = sorted(range(len(items)), key=lambda i: (items[i][1] or "", where[i], i))
             items = [items[i] for i in order]
         unopenable: dict[str, list] = {}  # file -> [the error, entries not checked]: one problem per file
-        for fqn, file, check in items:
+        for fqn, file, check, chunk in items:
             if progress:
                 progress.advance(1, fqn)
             if not file or file in missing:
@@ -165,8 +167,9 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
             except CheckpointError as exc:
                 problems.append(Problem("unreadable", str(exc), fqn=fqn, file=file))
             else:
-                if isinstance(st, StoredTensor) and st.nbytes:
-                    located.append((file, st.data_offset, st.data_offset + st.nbytes, fqn))
+                if isinstance(st, StoredTensor) and st.nbytes:  # an encoded item's values lie in its decoded bytes
+                    lo, n = (chunk.offset, chunk.length) if st.encoded and chunk else (st.data_offset, st.nbytes)
+                    located.append((file, lo, lo + n, fqn))
     problems += [Problem("unreadable", f"{why}; {count(n, 'entry', 'entries')} stored in it not checked", file=f)
                  for f, (why, n) in unopenable.items()]
     if ckpt.located is None:  # a format that located the values itself shares records on purpose (tied weights)

@@ -93,13 +93,17 @@ def torch_reads(checkpoint: Path) -> bool:
     return (checkpoint / ".metadata").is_file() and isinstance(torch_state(checkpoint), dict)
 
 
-def _same(a: object, b: object) -> bool:
+def same_value(a: object, b: object) -> bool:
+    """Equal as torch's loader gives them: tensors by dtype, shape and bits; tuples and lists item by item (a
+    non-tensor entry may hold tensors)."""
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
             a.shape == b.shape and bool(torch.equal(a, b) or (a.is_floating_point() and
                                         torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+    if isinstance(a, tuple | list):
+        return type(a) is type(b) and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, io.BytesIO) and isinstance(b, io.BytesIO):
         return a.getvalue() == b.getvalue()
     return type(a) is type(b) and a == b
@@ -121,7 +125,7 @@ def exercise(folder: Path, oracle: bool = False) -> str:
                 value = read()
             except ShardscopeError:
                 continue
-            if reference is not None and not _same(value, reference.get(fqn)):
+            if reference is not None and not same_value(value, reference.get(fqn)):
                 return f"unsound: {fqn} reads {str(value)[:80]}; torch's loader gives {str(reference.get(fqn))[:80]}"
         nest_for_torch_export(ckpt, reader)
     return "problems" if problems else "ok"
