@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 from damaged_metadata import FQN, clean, index_of, run_measured, save_metadata
 from shardscope.backend.checkpoint.chunks import ChunkReader, CorruptChunkError
-from shardscope.backend.checkpoint.verify import verify, verify_contents
+from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import CheckpointError
 from shardscope.backend.formats import open_checkpoint
 from shardscope.backend.progress import Progress
@@ -146,5 +146,5 @@ def test_flipped_bit_is_an_error_on_every_read(copy_of, tmp_path):
         proc = run_cli("export", ckpt, tmp_path / dst, "--strip-prefix=")
         assert proc.returncode != 0 and "verified" not in proc.stdout, proc.stdout
         assert "Traceback" not in proc.stderr and not (tmp_path / dst).exists()
-    kinds = [p.kind for p in verify_contents(ck, Progress())]
+    kinds = [p.kind for p in verify(ck, deep=True, progress=Progress())]
     assert kinds == ["corrupt"]

@@ -1,4 +1,4 @@
-"""verify and verify_contents (backend/checkpoint/verify.py) on damaged checkpoints: truncated and missing
+"""verify, quick and deep (backend/checkpoint/verify.py) on damaged checkpoints: truncated and missing
 shards, bit rot, leftover temporary files, two chunks reading the same bytes, a data file deleted after opening."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 from conftest import run_cli
 from damaged_metadata import FQN, clean, index_of, save_metadata
 from shardscope.backend.checkpoint.chunks import ChunkReader
-from shardscope.backend.checkpoint.verify import verify, verify_contents
+from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.formats import open_checkpoint
 from torch_reference import torch_metadata
 
@@ -87,7 +87,7 @@ def test_a_data_file_deleted_after_opening_is_one_problem_not_one_per_entry(copy
     entries += sum(1 for o in ckpt.objects if o.file == "__1_0.distcp")
     assert entries > 10
     os.remove(path / "__1_0.distcp")
-    found = [p for p in verify_contents(ckpt) if p.file == "__1_0.distcp"]
+    found = [p for p in verify(ckpt, deep=True) if p.file == "__1_0.distcp"]
     assert len(found) == 1, [p.message for p in found]
     assert "__1_0.distcp" in found[0].message and f"{entries:,} entries stored in it not checked" in found[0].message
 

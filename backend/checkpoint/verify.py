@@ -36,12 +36,6 @@ def verify(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = Non
     return problems
 
 
-def verify_contents(ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:
-    """The window's "Verify contents": every check of :func:`verify` plus every item read once with its
-    CRC32 checked. Honours ``progress.check()`` (raises Cancelled)."""
-    return verify(ckpt, deep=True, progress=progress)
-
-
 def _metadata_ranges(ckpt: Checkpoint) -> list[tuple[str, int, int, str]]:
     """(file, start, end, entry) of every stored item, as the metadata gives them."""
     t = ckpt.chunk_table

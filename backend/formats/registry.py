@@ -159,9 +159,9 @@ def deep_checks(ckpt: Any, progress: Any = None) -> list[Any]:
 def verify_contents(ckpt: Any, progress: Any = None) -> list[Any]:
     """``verify --deep`` and the window's Verify contents: every check of the checkpoint, every chunk and entry
     read once with its stored checksum checked, and the format's own checks of the bytes around them."""
-    from ..checkpoint.verify import verify_contents as checked
+    from ..checkpoint.verify import verify
 
-    return checked(ckpt, progress) + deep_checks(ckpt, progress)
+    return verify(ckpt, deep=True, progress=progress) + deep_checks(ckpt, progress)
 
 
 def verify_sealed(ckpt: Any, deep: bool = False, progress: Any = None, seal_progress: Any = None
