@@ -15,7 +15,8 @@ from .hf_transforms import Step, Transform
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 QK_NORM_TYPES = ("qwen3",)  # HF models with q_norm/k_norm per head
-LEFT_OUT_BUFFERS = re.compile(r"(^|\.)(inv_freq|_extra_state)$|\._extra_state\.|(^|\.)rotary_emb\.")
+# (Megatron's local layers save ``_extra_state`` as one ShardedObject per rank: ``..._extra_state/shard_0_2``)
+LEFT_OUT_BUFFERS = re.compile(r"(^|\.)(inv_freq|_extra_state)$|\._extra_state[./]|(^|\.)rotary_emb\.")
 
 
 class HfModelError(ShardscopeError):

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..filenames import HF_CONFIG
 from ..progress import Progress
+from .hf_config import check_megatron_args, config_from_megatron_args, megatron_args
 from .hf_model import LEFT_OUT_BUFFERS, HfConfig, HfModelError, interleaved_rotary, map_names, recognise_scheme
 from .plan import ExportError, ExportItem, ExportPlan
 from .safetensors_writer import header_metadata, write_folder
@@ -34,15 +35,19 @@ def read_config(path: str) -> dict[str, Any]:
 def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
     """``base`` (the model's weights, keys as the model names them) as a Hugging Face model: every tensor named,
     transformed and shape-checked against the config (``hf_model.map_names``) before anything is written."""
-    if config_path is None:
+    args = megatron_args(base.ckpt)
+    if config_path is None and args is None:
         raise ExportError(f"{base.ckpt.path}: the checkpoint records no Hugging Face config; give the HF config.json "
                           "of the model it trains (head counts, rotary base and norm epsilon are not in the weights).")
-    doc = read_config(config_path)
+    recorded = f"{base.ckpt.path}: common.pt's args"
     try:
-        cfg = HfConfig.from_json(doc, config_path)
+        if args is not None:  # what the model computes, whichever config is given
+            check_megatron_args(args, recorded)
+        doc = read_config(config_path) if config_path else config_from_megatron_args(args or {}, recorded)
+        cfg = HfConfig.from_json(doc, config_path or recorded)
         shapes = {it.key: it.entry.shape for it in base.items}
         scheme = recognise_scheme(list(shapes))
-        mapping = map_names(shapes, scheme, cfg, interleaved_rotary(scheme, cfg))
+        mapping = map_names(shapes, scheme, cfg, interleaved_rotary(scheme, cfg, args))
     except HfModelError as exc:
         raise ExportError(str(exc)) from None
     by_key = {it.key: it for it in base.items}
@@ -54,6 +59,7 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
                                         else "not a tensor; a Hugging Face model folder holds only its weights"))
     architecture = f"{scheme} names -> Hugging Face {ARCHITECTURES[cfg.model_type]}"
     notes = [*base.notes, f"architecture: {architecture}",
+             "config: " + (config_path or "from Megatron's arguments in common.pt (no --config given)"),
              "transforms: " + ("; ".join(mapping.transforms) or "none (names only)")]
     if "architectures" not in doc:
         doc = {**doc, "architectures": [ARCHITECTURES[cfg.model_type]]}
