@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..filenames import MEGATRON_COMMON
 from .hf_model import HfModelError
 
 MEGATRON_ARGS = "common.args"
@@ -35,6 +36,11 @@ def megatron_args(ckpt: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         return None
     return {k: v for k, v in value.items() if k != "__class__"}
+
+
+def unread_args(ckpt: Any) -> str | None:
+    """Why ``common.pt`` (and so Megatron's arguments) could not be read, as the checkpoint's problem says; None."""
+    return next((p.message for p in ckpt.problems if p.file == MEGATRON_COMMON and p.kind == "unreadable"), None)
 
 
 def check_megatron_args(args: dict[str, Any], where: str) -> None:
@@ -103,4 +109,4 @@ def config_from_megatron_args(args: dict[str, Any], where: str) -> dict[str, Any
     return doc
 
 
-__all__ = ["MEGATRON_ARGS", "check_megatron_args", "config_from_megatron_args", "megatron_args"]
+__all__ = ["MEGATRON_ARGS", "check_megatron_args", "config_from_megatron_args", "megatron_args", "unread_args"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..filenames import HF_CONFIG
 from ..progress import Progress
-from .hf_config import check_megatron_args, config_from_megatron_args, megatron_args
+from .hf_config import check_megatron_args, config_from_megatron_args, megatron_args, unread_args
 from .hf_model import LEFT_OUT_BUFFERS, HfConfig, HfModelError, interleaved_rotary, map_names, recognise_scheme
 from .plan import ExportError, ExportItem, ExportPlan
 from .safetensors_writer import header_metadata, write_folder
@@ -37,6 +37,9 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
     transformed and shape-checked against the config (``hf_model.map_names``) before anything is written."""
     args = megatron_args(base.ckpt)
     if config_path is None and args is None:
+        unread = unread_args(base.ckpt)
+        if unread:
+            raise ExportError(f"{base.ckpt.path}: {unread}; give the model's HF config with --config.")
         raise ExportError(f"{base.ckpt.path}: the checkpoint records no Hugging Face config; give the HF config.json "
                           "of the model it trains (head counts, rotary base and norm epsilon are not in the weights).")
     recorded = f"{base.ckpt.path}: common.pt's args"
