@@ -14,7 +14,8 @@ arguments as Megatron-LM records them), ``iteration``, ``checkpoint_version``),
 The models: ``GPTModel`` with the local layer spec, swiglu, RMSNorm, rotary embeddings, GQA (query groups < heads),
 a vocabulary padded past the tokenizer's (``make_vocab_size_divisible_by``); ``llama``: no bias, untied output
 layer, head_dim = hidden/heads; ``qwen2``: q/k/v biases, tied output layer, head_dim != hidden/heads;
-``interleaved``: rotary embeddings on adjacent pairs (``rotary_interleaved``), as many query groups as heads.
+``interleaved``: rotary embeddings on adjacent pairs (``rotary_interleaved``), as many query groups as heads;
+``biased``: a bias on every linear layer (``add_bias_linear``).
 Megatron-Core's CPU workarounds are make_megatron_fixtures.py's (its docstring says why).
 """
 
@@ -38,7 +39,9 @@ ROPE_BASE, NORM_EPS = 10000, 1e-5
 VARIANTS = {"llama": {"heads": 4, "groups": 2, "kv_channels": 16, "qkv_bias": False, "tied": False},
             "qwen2": {"heads": 8, "groups": 2, "kv_channels": 12, "qkv_bias": True, "tied": True},
             "interleaved": {"heads": 4, "groups": 4, "kv_channels": 16, "qkv_bias": False, "tied": False,
-                            "rotary_interleaved": True}}
+                            "rotary_interleaved": True},
+            "biased": {"heads": 4, "groups": 2, "kv_channels": 16, "qkv_bias": True, "tied": False,
+                       "bias_linear": True}}
 RUN_TIMEOUT = 300
 
 
@@ -63,7 +66,8 @@ def megatron_args(variant: dict, tp: int):
         rotary_base=ROPE_BASE, rotary_interleaved=variant.get("rotary_interleaved", False), use_rope_scaling=False,
         normalization="RMSNorm", norm_epsilon=NORM_EPS, swiglu=True,
         untie_embeddings_and_output_weights=not variant["tied"],
-        add_bias_linear=False, add_qkv_bias=variant["qkv_bias"], qk_layernorm=False, num_experts=None,
+        add_bias_linear=variant.get("bias_linear", False), add_qkv_bias=variant["qkv_bias"], qk_layernorm=False,
+        num_experts=None,
         multi_latent_attention=False, apply_layernorm_1p=False, tokenizer_type="NullTokenizer",
         vocab_size=VOCAB_BEFORE_EOD, make_vocab_size_divisible_by=DIVISIBLE_BY, padded_vocab_size=padded_vocab(tp),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, transformer_impl="local",
@@ -82,7 +86,8 @@ def build(variant: dict, tp: int):
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=variant["heads"],
         num_query_groups=variant["groups"], kv_channels=variant["kv_channels"], normalization="RMSNorm",
-        layernorm_epsilon=NORM_EPS, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        layernorm_epsilon=NORM_EPS, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=variant.get("bias_linear", False),
         add_qkv_bias=variant["qkv_bias"], tensor_model_parallel_size=tp, use_cpu_initialization=True,
         params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,

@@ -51,7 +51,7 @@ def _reference(src: Path, tmp_path: Path, vocab: int = VOCAB) -> Path:
 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("variant,architecture", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-                                                  ("interleaved", "LlamaForCausalLM")])
+                                                  ("interleaved", "LlamaForCausalLM"), ("biased", "LlamaForCausalLM")])
 def test_megatron_gpt_exports_without_a_config_and_runs_as_megatron_did(megatron_gpt, tmp_path, tp, variant,
                                                                         architecture):
     src = megatron_gpt / f"tp{tp}" / variant
@@ -65,12 +65,19 @@ def test_megatron_gpt_exports_without_a_config_and_runs_as_megatron_did(megatron
     assert "fused QKV split by KV groups" in out, out
     assert "linear_qkv._extra_state/shard_0_2: a buffer Hugging Face's model does not load" in out, out
     config = json.loads((dst / "config.json").read_text())
-    heads, groups, head_dim = {"llama": (4, 2, 16), "qwen2": (8, 2, 12), "interleaved": (4, 4, 16)}[variant]
+    heads, groups, head_dim = {"llama": (4, 2, 16), "qwen2": (8, 2, 12), "interleaved": (4, 4, 16),
+                               "biased": (4, 2, 16)}[variant]
     assert (config["vocab_size"], config["num_attention_heads"], config["num_key_value_heads"],
             config["head_dim"]) == (VOCAB, heads, groups, head_dim), config
     written = _tensors(dst)
     assert written["model.embed_tokens.weight"].shape == (VOCAB, 64)
     assert ("lm_head.weight" in written) == (variant != "qwen2")  # qwen2's output layer is the embedding (tied)
+    biases = {n.split(".", 3)[3] for n in written if n.endswith(".bias") and n.startswith("model.layers.1.")}
+    assert biases == {"biased": {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                                 "self_attn.o_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
+                                 "mlp.down_proj.bias"},
+                      "qwen2": {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
+                      }.get(variant, set()), biases
     _check_logits(_load(dst), _reference(src, tmp_path))
     sidecar = json.loads(Path(str(dst) + ".shardscope.json").read_text())
     assert sidecar["model"]["source_names"] == "Megatron-Core"

@@ -1,5 +1,6 @@
 """The Hugging Face config a checkpoint records: Megatron-LM's training arguments (``args`` in ``common.pt``, read by
-the allow-list archive reader into the ``common.args`` entry) as the HF config of the model they built, so that
+the allow-list archive reader into the ``common.args`` entry) as the HF config of the model they built (a Llama, with
+biases where ``add_bias_linear`` puts them; a Qwen2 where only q/k/v have biases), so that
 ``export --hf`` needs no ``--config``. Only what the arguments state is used; an argument whose model no HF class
 computes (learned positions, LayerNorm, partial rotary, MoE, ...) is one line naming it, whatever the config."""
 
@@ -17,7 +18,6 @@ _SUPPORTED: dict[str, tuple[Any, Any, str]] = {
     "normalization": ("LayerNorm", "RMSNorm", "RMSNorm"),
     "swiglu": (False, True, "a SwiGLU MLP (swiglu)"),
     "rotary_percent": (1.0, 1.0, "rotary embeddings over the whole head (rotary_percent 1.0)"),
-    "add_bias_linear": (True, False, "no bias on the linear layers but q/k/v's (add_bias_linear False)"),
     "use_rope_scaling": (False, False, "no rotary scaling (use_rope_scaling False)"),
     "apply_layernorm_1p": (False, False, "norm weights as stored (apply_layernorm_1p False)"),
     "qk_layernorm": (False, False, "no q/k norm (qk_layernorm False)"),
@@ -85,8 +85,9 @@ def _vocab(args: dict[str, Any], where: str) -> int:
 
 
 def config_from_megatron_args(args: dict[str, Any], where: str) -> dict[str, Any]:
-    """The HF config (``config.json``'s content) of the GPT model Megatron's arguments built: a Llama, or a Qwen2
-    where q/k/v have biases (``add_qkv_bias``). :class:`HfModelError` naming the first value the arguments lack."""
+    """The HF config (``config.json``'s content) of the GPT model Megatron's arguments built: a Llama (with biases on
+    every linear layer: ``add_bias_linear``), or a Qwen2 where only q/k/v have biases (``add_qkv_bias``).
+    :class:`HfModelError` naming the first value the arguments lack."""
     check_megatron_args(args, where)
     heads = _positive(args, "num_attention_heads", where)
     hidden = _positive(args, "hidden_size", where)
@@ -94,7 +95,7 @@ def config_from_megatron_args(args: dict[str, Any], where: str) -> dict[str, Any
     head_dim = _positive(args, "kv_channels", where) if args.get("kv_channels") is not None else hidden // heads
     positions = args.get("max_position_embeddings") or args.get("seq_length")
     doc: dict[str, Any] = {
-        "model_type": "qwen2" if args.get("add_qkv_bias") else "llama",
+        "model_type": "qwen2" if args.get("add_qkv_bias") and not args.get("add_bias_linear", True) else "llama",
         "hidden_size": hidden, "num_hidden_layers": _positive(args, "num_layers", where),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "intermediate_size": _positive(args, "ffn_hidden_size", where), "vocab_size": _vocab(args, where),
@@ -104,8 +105,9 @@ def config_from_megatron_args(args: dict[str, Any], where: str) -> dict[str, Any
     if positions is not None:
         doc["max_position_embeddings"] = _positive({"max_position_embeddings": positions},
                                                    "max_position_embeddings", where)
-    if doc["model_type"] == "llama":
-        doc.update(attention_bias=False, mlp_bias=False)
+    if doc["model_type"] == "llama":  # Megatron's default: a bias on every linear layer (add_bias_linear)
+        biased = bool(args.get("add_bias_linear", True))
+        doc.update(attention_bias=biased, mlp_bias=biased)
     return doc
 
 

@@ -70,6 +70,8 @@ class HfConfig:
                  "model.norm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
                  "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                 "self_attn.o_proj.bias": (h,), "mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,),
+                 "mlp.down_proj.bias": (h,),
                  "self_attn.q_norm.weight": (self.head_dim,), "self_attn.k_norm.weight": (self.head_dim,),
                  "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
@@ -161,14 +163,14 @@ MEGATRON: list[Rule] = [
     (re.compile(_MG_LAYER + r"self_attention\.linear_qkv\.(?P<k>weight|bias)$"), _megatron_qkv("{k}")),
     (re.compile(_MG_LAYER + r"(self_attention\.linear_qkv\.layer_norm_weight|input_layernorm\.weight)$"),
      _one(_L + "input_layernorm.weight")),
-    (re.compile(_MG_LAYER + r"self_attention\.linear_proj\.weight$"), _one(_L + "self_attn.o_proj.weight")),
+    (re.compile(_MG_LAYER + r"self_attention\.linear_proj\.(?P<k>weight|bias)$"), _one(_L + "self_attn.o_proj.{k}")),
     (re.compile(_MG_LAYER + r"self_attention\.q_layernorm\.weight$"), _one(_L + "self_attn.q_norm.weight")),
     (re.compile(_MG_LAYER + r"self_attention\.k_layernorm\.weight$"), _one(_L + "self_attn.k_norm.weight")),
     (re.compile(_MG_LAYER + r"(mlp\.linear_fc1\.layer_norm_weight|pre_mlp_layernorm\.weight)$"),
      _one(_L + "post_attention_layernorm.weight")),
-    (re.compile(_MG_LAYER + r"mlp\.linear_fc1\.weight$"),
-     _halves(_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight")),
-    (re.compile(_MG_LAYER + r"mlp\.linear_fc2\.weight$"), _one(_L + "mlp.down_proj.weight")),
+    (re.compile(_MG_LAYER + r"mlp\.linear_fc1\.(?P<k>weight|bias)$"),
+     _halves(_L + "mlp.gate_proj.{k}", _L + "mlp.up_proj.{k}")),
+    (re.compile(_MG_LAYER + r"mlp\.linear_fc2\.(?P<k>weight|bias)$"), _one(_L + "mlp.down_proj.{k}")),
 ]
 
 _HF_NAME = re.compile(r"^(model\.(embed_tokens|norm|layers\.\d+)\.|lm_head\.)")
