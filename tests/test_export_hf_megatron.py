@@ -110,6 +110,26 @@ def test_a_given_config_wins_and_is_checked_against_the_shapes(megatron_gpt, tmp
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("variant,changes,words", [
+    ("biased", {"attention_bias": False}, ("decoder.layers.self_attention.linear_", ".bias: becomes model.layers.0."
+                                           "self_attn.", "a bias the config's llama model does not have")),
+    ("biased", {"mlp_bias": False}, ("decoder.layers.mlp.linear_fc", ".bias: becomes model.layers.0.mlp.",
+                                     "a bias the config's llama model does not have")),
+    ("llama", {"attention_bias": True}, ("model.layers.0.self_attn.q_proj.bias: no source tensor makes it",)),
+])
+def test_a_config_whose_biases_are_not_the_checkpoints_is_one_line_exit_2(megatron_gpt, tmp_path, variant, changes,
+                                                                          words):
+    """Biases the config's model lacks would be unexpected keys, biases it has and the checkpoint lacks missing
+    ones: both refused before anything is written."""
+    src = megatron_gpt / "tp2" / variant / "run"
+    run_cli("export", src, tmp_path / "derived", "--hf", check=True)
+    proc = run_cli("export", src, tmp_path / "hf", "--hf", "--config", _config(tmp_path / "derived", tmp_path,
+                                                                                 **changes))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert all(w in proc.stderr for w in words), proc.stderr
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize("changes,words", [
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type is 'learned_absolute'; the Hugging "
                                                       "Face export writes models with rotary position embeddings"),

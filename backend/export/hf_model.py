@@ -37,6 +37,7 @@ class HfConfig:
     vocab: int
     tied: bool
     doc: dict
+    biases: tuple[str, ...] = ()  # the per-layer biases HF's model has (``self_attn.q_proj.bias``, ...)
 
     @classmethod
     def from_json(cls, doc: dict, where: str) -> HfConfig:
@@ -61,7 +62,7 @@ class HfConfig:
         if heads % kv:
             raise HfModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}.")
         return cls(model_type, hidden, need("num_hidden_layers"), heads, kv, head_dim, need("intermediate_size"),
-                   need("vocab_size"), bool(doc.get("tie_word_embeddings", False)), doc)
+                   need("vocab_size"), bool(doc.get("tie_word_embeddings", False)), doc, _biases(model_type, doc))
 
     def expected_shape(self, hf_name: str) -> tuple[int, ...] | None:
         """The shape HF's model has for ``hf_name`` (None: a name the check does not know)."""
@@ -79,14 +80,30 @@ class HfConfig:
         return table.get(m.group(1) if m else hf_name)
 
     def required_names(self) -> list[str]:
-        """Every tensor HF's model loads (biases aside: checked when the source has them)."""
-        per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        """Every tensor HF's model loads."""
+        per_layer = [*self.biases, "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                      "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                      "input_layernorm.weight", "post_attention_layernorm.weight"]
         if self.model_type in QK_NORM_TYPES:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         return (["model.embed_tokens.weight", "model.norm.weight"] + ([] if self.tied else ["lm_head.weight"])
                 + [f"model.layers.{i}.{p}" for i in range(self.layers) for p in per_layer])
+
+
+_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def _biases(model_type: str, doc: dict) -> tuple[str, ...]:
+    """The per-layer biases transformers' model of ``model_type`` builds for the config ``doc``: Qwen2's q/k/v always;
+    Llama's and Qwen3's attention with ``attention_bias``, Llama's MLP with ``mlp_bias``; Mistral's none."""
+    if model_type == "qwen2":
+        return _QKV_BIASES
+    out: tuple[str, ...] = ()
+    if model_type in ("llama", "qwen3") and doc.get("attention_bias"):
+        out += (*_QKV_BIASES, "self_attn.o_proj.bias")
+    if model_type == "llama" and doc.get("mlp_bias"):
+        out += ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +291,9 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
                 transform = Transform(steps + padding)
                 shaped = transform.shape(shape)
             want = cfg.expected_shape(hf_name)
+            if hf_name.endswith(".bias") and hf_name.split(".", 3)[-1] not in cfg.biases:
+                raise HfModelError(f"{name}: becomes {hf_name}, a bias the config's {cfg.model_type} model does not "
+                                   "have (attention_bias, mlp_bias); check the config against the checkpoint.")
             if want is None or shaped != want:
                 why = "a name HF's model does not have" if want is None else f"the config says {list(want)}"
                 raise HfModelError(f"{name}: becomes {hf_name} of shape {list(shaped)}, but {why}; check the "
