@@ -48,7 +48,7 @@ def check_megatron_args(args: dict[str, Any], where: str) -> None:
     for key, (default, want, words) in _SUPPORTED.items():
         value = args.get(key, default)
         if value != want and not (want is False and value is None):
-            raise HfModelError(f"{where}: {key} is {value!r}; the Hugging Face export writes models with {words}.")
+            raise HfModelError(f"{where}: {key} is {value!r:.80}; the Hugging Face export writes models with {words}.")
 
 
 def _positive(args: dict[str, Any], key: str, where: str) -> int:
@@ -56,7 +56,7 @@ def _positive(args: dict[str, Any], key: str, where: str) -> int:
     if value is None:
         raise HfModelError(f"{where}: gives no {key}; give the model's HF config with --config.")
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise HfModelError(f"{where}: {key} is {value!r}, not a positive whole number.")
+        raise HfModelError(f"{where}: {key} is {value!r:.80}, not a positive whole number.")
     return value
 
 
@@ -65,7 +65,7 @@ def _number(args: dict[str, Any], key: str, default: float, where: str) -> float
     if value is None:
         value = default
     if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-        raise HfModelError(f"{where}: {key} is {value!r}, not a positive number.")
+        raise HfModelError(f"{where}: {key} is {value!r:.80}, not a positive number.")
     return value
 
 
