@@ -15,7 +15,8 @@ from .hf_transforms import Step, Transform
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # HF models with q_norm/k_norm per head
-LEFT_OUT_BUFFERS = re.compile(r"(^|\.)(inv_freq|_extra_state)$|\._extra_state\.|(^|\.)rotary_emb\.")
+# (Megatron's local layers save ``_extra_state`` as one ShardedObject per rank: ``..._extra_state/shard_0_2``)
+LEFT_OUT_BUFFERS = re.compile(r"(^|\.)(inv_freq|_extra_state)$|\._extra_state[./]|(^|\.)rotary_emb\.")
 
 
 class HfModelError(ShardscopeError):
@@ -39,6 +40,7 @@ class HfConfig:
     experts: int = 0  # a MoE's routed experts per MoE layer (0: a dense model)
     moe_intermediate: int = 0
     moe_layers: frozenset[int] = frozenset()  # the layers whose MLP is the experts (HF's decoder_sparse_step rule)
+    biases: tuple[str, ...] = ()  # the per-layer biases HF's model has (``self_attn.q_proj.bias``, ...)
 
     @classmethod
     def from_json(cls, doc: dict, where: str) -> HfConfig:
@@ -63,7 +65,8 @@ class HfConfig:
         if heads % kv:
             raise HfModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}.")
         cfg = cls(model_type, hidden, need("num_hidden_layers"), heads, kv, head_dim, need("intermediate_size"),
-                  need("vocab_size"), bool(doc.get("tie_word_embeddings", False)), doc)
+                  need("vocab_size"), bool(doc.get("tie_word_embeddings", False)), doc,
+                  biases=_biases(model_type, doc))
         return _with_experts(cfg, need, where) if model_type == "qwen3_moe" else cfg
 
     def expected_shape(self, hf_name: str) -> tuple[int, ...] | None:
@@ -73,6 +76,8 @@ class HfConfig:
                  "model.norm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
                  "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                 "self_attn.o_proj.bias": (h,), "mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,),
+                 "mlp.down_proj.bias": (h,),
                  "self_attn.q_norm.weight": (self.head_dim,), "self_attn.k_norm.weight": (self.head_dim,),
                  "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
@@ -87,8 +92,8 @@ class HfConfig:
         return table.get(part)
 
     def required_names(self) -> list[str]:
-        """Every tensor HF's model loads (biases aside: checked when the source has them)."""
-        per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        """Every tensor HF's model loads."""
+        per_layer = [*self.biases, "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                      "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
         if self.model_type in QK_NORM_TYPES:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
@@ -127,6 +132,22 @@ def _moe_shape(cfg: HfConfig, part: str) -> tuple[int, ...] | None:
         return None
     f, h = cfg.moe_intermediate, cfg.hidden
     return (h, f) if m.group(2) == "down_proj" else (f, h)
+
+
+_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def _biases(model_type: str, doc: dict) -> tuple[str, ...]:
+    """The per-layer biases transformers' model of ``model_type`` builds for the config ``doc``: Qwen2's q/k/v always;
+    Llama's and Qwen3's attention with ``attention_bias``, Llama's MLP with ``mlp_bias``; Mistral's none."""
+    if model_type == "qwen2":
+        return _QKV_BIASES
+    out: tuple[str, ...] = ()
+    if model_type in ("llama", "qwen3") and doc.get("attention_bias"):
+        out += (*_QKV_BIASES, "self_attn.o_proj.bias")
+    if model_type == "llama" and doc.get("mlp_bias"):
+        out += ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,14 +241,14 @@ MEGATRON: list[Rule] = [
     (re.compile(_MG_LAYER + r"self_attention\.linear_qkv\.(?P<k>weight|bias)$"), _megatron_qkv("{k}")),
     (re.compile(_MG_LAYER + r"(self_attention\.linear_qkv\.layer_norm_weight|input_layernorm\.weight)$"),
      _one(_L + "input_layernorm.weight")),
-    (re.compile(_MG_LAYER + r"self_attention\.linear_proj\.weight$"), _one(_L + "self_attn.o_proj.weight")),
+    (re.compile(_MG_LAYER + r"self_attention\.linear_proj\.(?P<k>weight|bias)$"), _one(_L + "self_attn.o_proj.{k}")),
     (re.compile(_MG_LAYER + r"self_attention\.q_layernorm\.weight$"), _one(_L + "self_attn.q_norm.weight")),
     (re.compile(_MG_LAYER + r"self_attention\.k_layernorm\.weight$"), _one(_L + "self_attn.k_norm.weight")),
     (re.compile(_MG_LAYER + r"(mlp\.linear_fc1\.layer_norm_weight|pre_mlp_layernorm\.weight)$"),
      _one(_L + "post_attention_layernorm.weight")),
-    (re.compile(_MG_LAYER + r"mlp\.linear_fc1\.weight$"),
-     _halves(_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight")),
-    (re.compile(_MG_LAYER + r"mlp\.linear_fc2\.weight$"), _one(_L + "mlp.down_proj.weight")),
+    (re.compile(_MG_LAYER + r"mlp\.linear_fc1\.(?P<k>weight|bias)$"),
+     _halves(_L + "mlp.gate_proj.{k}", _L + "mlp.up_proj.{k}")),
+    (re.compile(_MG_LAYER + r"mlp\.linear_fc2\.(?P<k>weight|bias)$"), _one(_L + "mlp.down_proj.{k}")),
 ]
 
 _HF_NAME = re.compile(r"^(model\.(embed_tokens|norm|layers\.\d+)\.|lm_head\.)")
@@ -357,6 +378,9 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
                 transform = Transform(steps + padding)
                 shaped = transform.shape(shape)
             want = cfg.expected_shape(hf_name)
+            if hf_name.endswith(".bias") and hf_name.split(".", 3)[-1] not in cfg.biases:
+                raise HfModelError(f"{name}: becomes {hf_name}, a bias the config's {cfg.model_type} model does not "
+                                   "have (attention_bias, mlp_bias); check the config against the checkpoint.")
             if want is None or shaped != want:
                 why = "a name HF's model does not have" if want is None else f"the config says {list(want)}"
                 raise HfModelError(f"{name}: becomes {hf_name} of shape {list(shaped)}, but {why}; check the "

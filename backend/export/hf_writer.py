@@ -12,6 +12,7 @@ from typing import Any
 
 from ..filenames import HF_CONFIG
 from ..progress import Progress
+from .hf_config import check_megatron_args, config_from_megatron_args, megatron_args, unread_args
 from .hf_model import (
     LEFT_OUT_BUFFERS,
     ROUTING_BIAS,
@@ -60,19 +61,27 @@ def hf_container(keys: list[str]) -> str:
 def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
     """``base`` (the model's weights, keys as the model names them) as a Hugging Face model: every tensor named,
     transformed and shape-checked against the config (``hf_model.map_names``) before anything is written."""
-    own = config_path is None  # a Trainer's checkpoint-N/ (and save_pretrained) holds the model's config.json
-    config_path = config_path or transformers_config_path(base.ckpt.path)
-    if config_path is None:
+    args = megatron_args(base.ckpt)
+    own = config_path is None and args is None  # a Trainer's checkpoint-N/ (and save_pretrained) holds config.json
+    if own:
+        config_path = transformers_config_path(base.ckpt.path)
+    if config_path is None and args is None:
+        unread = unread_args(base.ckpt)
+        if unread:
+            raise ExportError(f"{base.ckpt.path}: {unread}; give the model's HF config with --config.")
         raise ExportError(f"{base.ckpt.path}: the checkpoint records no Hugging Face config; give the HF config.json "
                           "of the model it trains (head counts, rotary base and norm epsilon are not in the weights).")
-    doc = read_config(config_path)
+    recorded = f"{base.ckpt.path}: common.pt's args"
     try:
-        cfg = HfConfig.from_json(doc, config_path)
+        if args is not None:  # what the model computes, whichever config is given
+            check_megatron_args(args, recorded)
+        doc = read_config(config_path) if config_path else config_from_megatron_args(args or {}, recorded)
+        cfg = HfConfig.from_json(doc, config_path or recorded)
         container = hf_container([it.key for it in base.items])
         by_key = {it.key.removeprefix(container): it for it in base.items}
         shapes = {key: it.entry.shape for key, it in by_key.items()}
         scheme = recognise_scheme(list(shapes))
-        mapping = map_names(shapes, scheme, cfg, interleaved_rotary(scheme, cfg))
+        mapping = map_names(shapes, scheme, cfg, interleaved_rotary(scheme, cfg, args))
     except HfModelError as exc:
         raise ExportError(str(exc)) from None
     items = tuple(ExportItem(t.name, by_key[t.source].entry, by_key[t.source].dtype, t.transform)
@@ -83,7 +92,8 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
                                         else "not a tensor; a Hugging Face model folder holds only its weights"))
     architecture = f"{scheme} names -> Hugging Face {ARCHITECTURES[cfg.model_type]}"
     notes = [*base.notes, f"architecture: {architecture}",
-             *([f"config: {config_path} (the checkpoint's own)"] if own else []),
+             "config: " + (f"{config_path} (the checkpoint's own)" if own else config_path
+                           or "from Megatron's arguments in common.pt (no --config given)"),
              *([f"Hugging Face names under the container '{container}' (removed)"] if container else []),
              "transforms: " + ("; ".join(describe_transforms(mapping.tensors)) or "none (names only)")]
     if "architectures" not in doc:

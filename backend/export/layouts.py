@@ -18,8 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..checkpoint.model import Checkpoint
-from ..filenames import ACCELERATE_MODEL_DIR, LIGHTNING_META, METADATA, is_url
+from ..filenames import ACCELERATE_MODEL_DIR, LIGHTNING_META, MEGATRON_LATEST, METADATA, is_url
 from ..formats.hf_trainer import model_folders
+from ..formats.megatron import latest_folder
 
 TRAINING_STATE_ROOTS = frozenset({
     "optimizer", "optimizers", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -239,9 +240,14 @@ def model_keys(ckpt: Checkpoint) -> list[str]:
 
 def find_model_folder(path: str) -> tuple[str, str | None]:
     """For an HF Trainer/accelerate checkpoint folder (``checkpoint-500/`` holding
-    ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; else ``path``."""
+    ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; for a Megatron save
+    dir, the iteration its ``latest_checkpointed_iteration.txt`` names and a note; else ``path``."""
     if "://" in path or os.path.exists(os.path.join(path, METADATA)) or not os.path.isdir(path):
         return path, None
+    latest = latest_folder(path)
+    if latest is not None:
+        return latest, (f"Megatron save dir: exporting {os.path.basename(latest)}/ (the iteration "
+                        f"{MEGATRON_LATEST} names)")
     models = model_folders(path)
     if not models:
         return path, None

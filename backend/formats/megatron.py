@@ -123,6 +123,16 @@ def latest_iteration(save_dir: str) -> int | None:
     return int(text)
 
 
+def latest_folder(save_dir: str) -> str | None:
+    """The ``iter_0000100/`` folder of a local save dir that its ``latest_checkpointed_iteration.txt`` names (what a
+    resume loads), or None (no such file, ``release``, or no such folder)."""
+    step = latest_iteration(save_dir)
+    if step is None:
+        return None
+    folder = os.path.join(save_dir, f"iter_{step:07d}")  # Megatron-LM's get_checkpoint_name
+    return folder if os.path.isdir(folder) else None
+
+
 def _pinned(path: str, step: int | None) -> str:
     """Why a prune must keep the iter folder at ``path``: the save dir's pointer names its iteration."""
     if step is None or latest_iteration(os.path.dirname(os.path.abspath(path))) != step:
