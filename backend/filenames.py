@@ -105,7 +105,7 @@ STEP_RES = (
 def is_url(path: str | os.PathLike) -> bool:
     """True for ``scheme://...`` other than ``file://``."""
     m = URL_RE.match(str(path))
-    return bool(m) and m.group(1) != "file"
+    return m is not None and m.group(1) != "file"
 
 
 def basename(path: str) -> str:

@@ -32,10 +32,11 @@ def setup_logging(verbose: bool = False) -> Path | None:
         return log_file()
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     root.propagate = False
-    path: Path | None = log_file()
+    file = log_file()
+    path: Path | None = file
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handler: logging.Handler = logging.handlers.RotatingFileHandler(path, maxBytes=5_000_000, backupCount=2,
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.handlers.RotatingFileHandler(file, maxBytes=5_000_000, backupCount=2,
                                                                        encoding="utf-8")
         handler.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(handler)
@@ -46,5 +47,6 @@ def setup_logging(verbose: bool = False) -> Path | None:
         err.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         err.setLevel(logging.DEBUG)
         root.addHandler(err)
+    # a marker on the stdlib's logger, whose class declares no such attribute
     root._shardscope_configured = True  # type: ignore[attr-defined]
     return path

@@ -283,7 +283,8 @@ class ChunkReader(RunReads):
 
     def _corrupt(self, fqn: str, chunk: Chunk, st: StoredTensor, crc: int) -> CorruptChunkError:
         return self._error(fqn, chunk, f"fails its CRC32 check (stored {st.crc32:08x}, read {crc:08x}): the "
-                                       "bytes changed on disk.", CorruptChunkError)  # type: ignore[return-value]
+                                       "bytes changed on disk.",
+                           CorruptChunkError)  # type: ignore[return-value]  # _error makes the class it is given
 
     def read_chunk(self, fqn: str, chunk: Chunk, dtype: str) -> Any:
         """The chunk as a torch tensor of ``chunk.sizes``; its CRC32 checked in the same pass as the read."""

@@ -332,8 +332,8 @@ def _state(reader: _Reader, folder: str, tag: str, stage: int, world: int, mp_ra
         else:
             reader.problem("missing", f"tied parameter {describe(alias)} names {describe(source)}, which the "
                            "checkpoint lacks", alias)
-    trained = [n for g in model["param_shapes"] for n in g]
-    model_dtype = next((module[n].dtype for n in trained if n in module), None)
+    params = [n for g in model["param_shapes"] for n in g]
+    model_dtype = next((module[n].dtype for n in params if n in module), None)
     ranks = tuple(RankFiles(r, models.get(r if stage == 3 else None), optims.get(r)) for r in range(world))
     counters = model["counters"]
     return DeepSpeedState(folder, tag, stage, world, counters["mp_world_size"] or 1, mp_rank, model_dtype,

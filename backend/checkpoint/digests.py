@@ -81,7 +81,7 @@ def hash_file(full: str, ranges: Iterable[tuple[Any, int, int]] = (), progress: 
             if progress:
                 progress.advance(n)
     return FileHash(pos, h.hexdigest(), {k: x.hexdigest() for k, x in hashers.items()
-                                         if not isinstance(k, RangeSink)})
+                                         if not isinstance(x, RangeSink)})
 
 
 def hash_files(root: str, is_folder: bool, names: Iterable[str], ranges: dict[str, list[tuple[Any, int, int]]],

@@ -34,7 +34,7 @@ from .storage import Folder, open_folder, outside_link
 from .streaming import Events, NotStreamable, join_storage, max_dims, stream_metadata
 
 
-def open_checkpoint(path: str | os.PathLike, progress: Progress | None = None,
+def open_checkpoint(path: str | os.PathLike[str] | Folder, progress: Progress | None = None,
                     use_cache: bool = True) -> Checkpoint:
     """Read a DCP checkpoint folder's metadata (never its tensor data) into a :class:`Checkpoint`."""
     folder = open_folder(path)

@@ -151,8 +151,8 @@ def run_isolated(func: Any, data: Any, source: str) -> Any:
     with _as_file(data) as (fd, pos):
         for _attempt in range(2):
             with _IDLE_LOCK:
-                helper = _IDLE.pop() if _IDLE else None
-            helper = helper or _Helper()
+                idle = _IDLE.pop() if _IDLE else None
+            helper = idle or _Helper()
             # NOTE: the load cannot check for a cancel while it waits on the helper: a cancel kills the helper
             # (a 50 MB .metadata kept loading, and its helper kept its memory, after the tab was closed)
             stop = operation.on_cancel(helper.kill) if operation is not None else None
@@ -175,12 +175,13 @@ def run_isolated(func: Any, data: Any, source: str) -> Any:
                 break
             helper.close()  # a waiting helper that had ended meanwhile: once more with a new one
         helper.fresh = False
+    kept = False
     if stays and blob is not None:
         with _IDLE_LOCK:
             if len(_IDLE) < MAX_IDLE:
                 _IDLE.append(helper)
-                helper = None
-    code, tail = helper.close() if helper is not None else (0, "")
+                kept = True
+    code, tail = (0, "") if kept else helper.close()
     if blob is None:
         return _no_reply(code, source, tail)
     with gc_paused():
@@ -227,7 +228,7 @@ def _reply_value(reply: Any, source: str) -> Any:
 
 
 # ---------------------------------------------------------------- what crosses the socket
-def _rebuild_record(cls: type, state: dict) -> Record:
+def _rebuild_record(cls: type[Record], state: dict) -> Record:
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
     return obj

@@ -82,6 +82,14 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
+def url_protocol(url: str) -> str:
+    """The scheme of a URL (``s3`` of ``s3://bucket/key``); CheckpointError for a path that is not a URL."""
+    m = URL_RE.match(url)
+    if m is None:
+        raise CheckpointError(f"{url}: not a URL (scheme://...).", path=url)
+    return m.group(1)
+
+
 def fs_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """The fsspec filesystem and path for ``url``; a missing backend package is named."""
     try:
@@ -89,7 +97,7 @@ def fs_for(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any
     except ImportError:
         raise CheckpointError(f"{url}: opening URLs needs the fsspec package (pip install fsspec).",
                               path=url) from None
-    protocol = URL_RE.match(url).group(1)  # type: ignore[union-attr]
+    protocol = url_protocol(url)
     options = merge_options(default_options(protocol), storage_options)
     try:
         return fsspec.core.url_to_fs(url, **options)
@@ -114,4 +122,4 @@ def call(where: str, fn: Any, *args: Any, doing: str = "cannot read it", **kwarg
         raise remote_error(where, exc, doing) from None
 
 
-__all__ = ["TMP_PREFIX", "URL_RE", "call", "fs_for", "is_remote_error", "is_url", "remote_error"]
+__all__ = ["TMP_PREFIX", "URL_RE", "call", "fs_for", "is_remote_error", "is_url", "remote_error", "url_protocol"]

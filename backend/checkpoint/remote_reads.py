@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -99,7 +99,7 @@ class _Fetch:
             for r in wanted:
                 self.pending[r] = self.pending.get(r, 0) + 1
         self.sticky = sticky  # part of a small file read whole: its headers are read again, keep it
-        self.data: bytes | None = None
+        self.data = b""  # the bytes fetched, once ``done`` is set without an error
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.served: list[list[int]] = []  # merged [a, b) ranges handed out so far
@@ -114,7 +114,7 @@ class _Fetch:
         planned item's start."""
         a, b = max(a, self.start), min(b, self.end)
         if b > a:
-            if self.unread is not None:
+            if self.unread is not None and self.item_starts is not None:  # set together
                 self.unread[np.searchsorted(self.item_starts, a):np.searchsorted(self.item_starts, b)] = False
             merged = []
             for r in self.served:
@@ -128,7 +128,7 @@ class _Fetch:
                 and self.served[0][1] >= self.end - SERVE_SLACK and (self.unread is None or not self.unread.any()))
 
 
-def _segment(start: int, end: int, wanted: list[tuple[int, int]]) -> _Fetch:
+def _segment(start: int, end: int, wanted: list[tuple[int, int]] | None) -> _Fetch:
     """A planned segment, not fetched yet, held once fetched until each of its wanted ranges is released."""
     return _Fetch(start, end, cached=False, wanted=wanted)
 
@@ -159,7 +159,7 @@ class RequestStats:
 class RemoteHandles:
     """Planned, cached byte-range reads from one folder on an fsspec filesystem; thread-safe."""
 
-    local = False
+    local: Literal[False] = False  # a tag: `if handles.local` tells the two kinds of handles apart
 
     def __init__(self, fs: Any, root: str, url: str, sizes: dict[str, int] | None = None,
                  budget: int = CACHE_BUDGET) -> None:
@@ -258,13 +258,14 @@ class RemoteHandles:
             while i < len(f.segments) and f.segments[i].start < end:
                 seg = f.segments[i]
                 i += 1
-                left = seg.pending.get((start, end), 0) if seg.pending is not None else 0
-                if not left:
+                pending = seg.pending
+                left = pending.get((start, end), 0) if pending is not None else 0
+                if not left or pending is None:
                     continue
                 if left == 1:
-                    del seg.pending[(start, end)]  # type: ignore[union-attr]
+                    del pending[(start, end)]
                 else:
-                    seg.pending[(start, end)] = left - 1  # type: ignore[index]
+                    pending[(start, end)] = left - 1
                 if not seg.pending and id(seg) in self._planned:
                     self._drop_planned(id(seg))
 
@@ -277,8 +278,8 @@ class RemoteHandles:
         if f is not None and f.start <= offset and f.end >= offset + length:
             self._served(name, pieces, offset, offset + length)
             if f.start == offset and f.end == offset + length:
-                return f.data  # type: ignore[return-value]
-            return f.data[offset - f.start:offset - f.start + length]  # type: ignore[index]
+                return f.data
+            return f.data[offset - f.start:offset - f.start + length]
         buf = bytearray(length)
         self._copy_into(name, offset, memoryview(buf), pieces)
         return bytes(buf)
@@ -547,7 +548,7 @@ class RemoteHandles:
 
     def _settle(self, name: str, fetch: _Fetch) -> None:
         """A fetch shorter than asked means the file ends there; keep it if it fits the budget."""
-        got = fetch.start + len(fetch.data)  # type: ignore[arg-type]
+        got = fetch.start + len(fetch.data)
         if got < fetch.end:
             f = self._file(name)
             if f.size is None or f.size > got:
@@ -584,7 +585,7 @@ class RemoteHandles:
             a, b = pos, min(end, f.end)
             if b <= a:
                 continue
-            view[a - offset:b - offset] = memoryview(f.data)[a - f.start:b - f.start]  # type: ignore[arg-type]
+            view[a - offset:b - offset] = memoryview(f.data)[a - f.start:b - f.start]
             pos = b
         if pos < end:
             raise CheckpointError(f"{self.where(name)}: file ends before byte {end} (read at {offset}, "

@@ -55,6 +55,7 @@ class _CompactRecord(Record):
     def get(self, name: str, default: Any = None) -> Any:
         return getattr(self, name, default)
 
+    # the fields as a dict, as a plain record's __dict__ is: a property where object declares an attribute
     @property
     def __dict__(self) -> dict:  # type: ignore[override]
         return {n: getattr(self, n, None) for n in self._fields}
@@ -81,6 +82,10 @@ class MetadataIndexRecord(_CompactRecord):
     __slots__ = ("fqn", "index", "offset")
     _fields = ("fqn", "offset", "index")
     kind = "MetadataIndex"
+    # as the file pickled them (checked where they are used): a name, a chunk's offsets, an index or None
+    fqn: Any
+    offset: Any
+    index: Any
 
     @classmethod
     def probe(cls, fqn: str, offset: Any) -> MetadataIndexRecord:

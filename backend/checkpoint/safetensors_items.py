@@ -8,7 +8,7 @@ import json
 import re
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import CheckpointError
 from ..format import count
@@ -161,6 +161,9 @@ def _check_layout(names: list[str], start: Any, end: Any) -> None:
     """The entries' byte ranges (relative to the data section) must tile it from its first byte, without a hole
     or an overlap: the safetensors library refuses any other layout. Lists (a listing's probe, which imports no
     numpy) are sorted in Python, numpy columns in numpy."""
+    order: Any  # as start and end: lists or numpy columns
+    s: Any
+    e: Any
     if isinstance(start, list):
         order = sorted(range(len(start)), key=lambda i: (start[i], end[i]))
         s, e = [start[i] for i in order], [end[i] for i in order]
@@ -267,8 +270,11 @@ def _canonical_table(raw: bytes, base: int, data_limit: int) -> SafetensorsTable
     if _lone_surrogate(text):
         return None
     head = _META.match(text)
+    if head is None:  # not after the '{"' checked above; the JSON parser says what is wrong
+        return None
     pos = head.end()
-    match = _ENTRIES.scanner(text, pos).match
+    # CPython's Pattern.scanner (matches one after the other from pos), which typeshed does not declare
+    match = _ENTRIES.scanner(text, pos).match  # type: ignore[attr-defined]
     first = last = match()
     count = 1
     if first is None:
@@ -310,7 +316,8 @@ def _canonical_table(raw: bytes, base: int, data_limit: int) -> SafetensorsTable
     except ItemFormatError:
         return None
     meta = json.loads(meta_text) if meta_text else {}
-    return SafetensorsTable(names, dtypes, ndim, dims, base + a, b - a, meta, max(base, base + int(b.max())))
+    return SafetensorsTable(names, cast(list[str], dtypes), ndim, dims, base + a, b - a, meta,  # no None: checked
+                            max(base, base + int(b.max())))
 
 
 def _ints(text: str) -> np.ndarray:

@@ -3,6 +3,7 @@ see :mod:`..formats`): tensors are read one at a time through the chunk reader."
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ class Source:
     def __enter__(self) -> Source:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: builtins.object) -> None:
         self.close()
 
 
@@ -97,6 +98,7 @@ class CheckpointSource(Source):
         import's memory); the source is not used afterwards. Closing twice is harmless."""
         if self.reader is not None:
             self.reader.close()
+        # let the model go: typed as never None, since nothing uses a closed source
         self.reader = self.ckpt = None  # type: ignore[assignment]
 
 

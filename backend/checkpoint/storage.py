@@ -9,7 +9,7 @@ import stat
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import CheckpointError
 from ..filenames import is_metadata_name
@@ -61,7 +61,7 @@ def open_regular(path: str, root: str | None = None) -> int:
 class LocalHandles:
     """Open files of one local folder, shared by threads (reads use ``os.pread``)."""
 
-    local = True
+    local: Literal[True] = True  # a tag: `if handles.local` tells the two kinds of handles apart
 
     def __init__(self, folder: str, confined: bool = True) -> None:
         self.folder = folder
@@ -162,11 +162,12 @@ class Folder:
         return os.path.join(self.path, name) if self.local else f"{self.path.rstrip('/')}/{name}"
 
     def _key(self, name: str) -> str:
-        return f"{self.root.rstrip('/')}/{name}"  # type: ignore[union-attr]
+        return f"{(self.root or '').rstrip('/')}/{name}"  # root: set for a remote folder, the only one keyed
 
-    def _set_listing(self, entries: list[dict[str, Any]]) -> None:
-        self._listing = {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
-                         for d in entries if d.get("type") == "file"}
+    def _set_listing(self, entries: list[dict[str, Any]]) -> dict[str, int]:
+        self._listing = listing = {os.path.basename(d["name"].rstrip("/")): int(d.get("size") or 0)
+                                   for d in entries if d.get("type") == "file"}
+        return listing
 
     def listing(self) -> dict[str, int]:
         """Regular files of the folder and their sizes (one listing request when remote)."""
@@ -181,9 +182,11 @@ class Folder:
             except OSError as exc:
                 raise CheckpointError(f"{self.path}: cannot list the folder ({exc.strerror}).",
                                       path=self.path) from None
-        if self._listing is None:
-            self._set_listing(call(self.path, self.fs.ls, self.root, detail=True, doing="cannot list the folder"))
-        return dict(self._listing)  # type: ignore[arg-type]
+        listing = self._listing
+        if listing is None:
+            listing = self._set_listing(call(self.path, self.fs.ls, self.root, detail=True,
+                                             doing="cannot list the folder"))
+        return dict(listing)
 
     def open(self, name: str) -> Any:
         """A binary file object (metadata pickles are read as a stream)."""

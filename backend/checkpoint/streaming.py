@@ -131,6 +131,7 @@ def _hooks(ev: Events) -> dict[str, Any]:
 
     if ev.tensors is not None:
         shared = object.__new__(Tensor)
+        # every record of the class is the one shared object: a patch of __new__ that typing does not describe
         Tensor.__new__ = lambda cls, *args: shared  # type: ignore[method-assign,assignment]
     return {"ChunkStorageMetadata": Chunk, "MetadataIndex": Index, "_StorageInfo": Info,
             "TensorStorageMetadata": Tensor}

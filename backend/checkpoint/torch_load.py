@@ -158,8 +158,7 @@ def _flattened(data: Any, name: str, budget: int, tensors: Any = None) -> tuple[
     if tensors is not None and any(_HIDDEN in n for n in leaves):
         raise _Fallback("a tensor or storage is a key")  # torch names it by its values
     if len(leaves) != len(flat):  # torch's flatten_state_dict refuses these too
-        seen: set[str] = set()  # NOTE: one pass; a scan of the names before each one was quadratic
-        twice = next(n for n in names if n in seen or seen.add(n))
+        twice = _first_repeat(names)
         raise CheckpointError(f"{name}: two entries are both named {twice!r} once flattened "
                               "(a key with a dot next to a nested one).", path=name, fqn=twice)
     return leaves, paths
@@ -190,7 +189,7 @@ def _torch_load(path: str, name: str, budget: int) -> tuple[dict[str, Any], dict
         if isinstance(v, torch.Tensor):
             storage = v.untyped_storage()
             leaves[k] = TensorView(str(v.dtype).removeprefix("torch."), tuple(v.shape), tuple(v.stride()),
-                                   v.storage_offset(), storage.data_ptr(), storage.nbytes())
+                                   int(v.storage_offset()), storage.data_ptr(), storage.nbytes())
     return leaves, paths
 
 
@@ -269,6 +268,17 @@ def _opaque(value: Any) -> bool:
         elif not (torch is not None and isinstance(v, torch.Size | torch.device | torch.dtype)):
             return True
     return False
+
+
+def _first_repeat(names: list[str]) -> str:
+    """The first name that comes a second time (the caller knows one does). NOTE: one pass; a scan of the names
+    before each one was quadratic."""
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            return n
+        seen.add(n)
+    raise ValueError("no name comes twice")
 
 
 __all__ = ["TensorView", "TorchFileLoad"]

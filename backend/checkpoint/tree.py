@@ -54,7 +54,8 @@ def build_tree(ckpt: Checkpoint) -> TreeNode:
             index[path] = node
         return node
 
-    for entry in [*ckpt.tensors, *ckpt.objects]:
+    entries: list[TensorEntry | ObjectEntry] = [*ckpt.tensors, *ckpt.objects]
+    for entry in entries:
         node = node_for(entry.fqn)
         node.entry = entry
     _aggregate(root, ckpt, _tensor_ranks(ckpt))

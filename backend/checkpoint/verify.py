@@ -5,8 +5,8 @@ rot that ``torch.load`` would never notice)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import numpy as np
 
@@ -83,7 +83,7 @@ def _file_problems(ckpt: Checkpoint) -> list[Problem]:
     t = ckpt.chunk_table
     ends = t.byte_offset + t.length
     by_file = _chunks_by_file(ckpt)
-    objects_of: dict[str, list] = {}
+    objects_of: dict[str | None, list] = {}
     for o in ckpt.objects:
         objects_of.setdefault(o.file, []).append(o)
     none = np.zeros(0, np.int64)
@@ -98,7 +98,7 @@ def _file_problems(ckpt: Checkpoint) -> list[Problem]:
             names = ", ".join(users or [o.fqn for o in objects[:3]])
             entries = count(len(tids) + len(objects), "entry", "entries")
             problems.append(Problem("missing_file", f"{f.name} {why_absent(ckpt.path, f.name)}; {entries} with data "
-                                    f"in it (e.g. {names}).", fqn=(users or [None])[0], file=f.name))
+                                    f"in it (e.g. {names}).", fqn=users[0] if users else None, file=f.name))
             continue
         need = max([int(ends[used].max()) if len(used) else 0] + [o.offset + o.length for o in objects])
         if need > f.bytes:
@@ -126,12 +126,17 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
         chunks = [(e, c) for e in ckpt.tensors for c in e.chunks]
         if ckpt.located is not None:  # tied weights share one located record: read and report it once
             seen: set[tuple[str, int]] = set()
-            chunks = [(e, c) for e, c in chunks if not c.length or not ((c.file, c.offset) in seen
-                                                                         or seen.add((c.file, c.offset)))]
+            kept = []
+            for e, c in chunks:
+                if not c.length or (c.file, c.offset) not in seen:
+                    kept.append((e, c))
+                    if c.length:
+                        seen.add((c.file, c.offset))
+            chunks = kept
         # remote: every item read once, in fixed segments planned before the first read (the same GETs every run)
         reader.plan_reads((c for _, c in chunks if c.file not in missing),
                           (o for o in ckpt.objects if o.file not in missing), files_at_once=1)
-        items: list[tuple[str, Any, Any, Chunk | None]] = [
+        items: list[tuple[str, str | None, Callable[[], object], Chunk | None]] = [
             (e.fqn, c.file, partial(reader.check_chunk, e.fqn, c), c) for e, c in chunks]
         items += [(o.fqn, o.file, partial(reader.read_object, o), None) for o in ckpt.objects]
         if not reader.handles.local:  # one file after the other, front to back: one planned segment held at a time

@@ -114,7 +114,7 @@ def compare_pair(path_a: str, path_b: str, rtol: float = 0.0, atol: float = 0.0,
         changes = [c for c in result.changed if c.kind != "layout"]
         if rtol or atol:
             changes = [c for c in changes if c.kind != "values" or c.rel_l2 is None or
-                       _beyond(a.tensor(c.fqn_a), b.tensor(c.fqn_b), rtol, atol)]
+                       _beyond(a.tensor(c.fqn_a or c.fqn), b.tensor(c.fqn_b or c.fqn), rtol, atol)]
     changes.sort(key=lambda c: -(math.inf if c.rel_l2 is None or c.rel_l2 != c.rel_l2 else c.rel_l2))
     return PairDifference(changes, result.only_a, result.only_b, result.by_digest)
 

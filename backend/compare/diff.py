@@ -124,6 +124,7 @@ class BlockStats:
             d.masked_fill_(both_nan, 0.0)
         del both_nan
         lo, hi = (float(v) for v in torch.aminmax(d))  # NaN if any is NaN
+        top: float | None
         if math.isfinite(lo) and math.isfinite(hi):
             top, inf, d2 = max(abs(lo), abs(hi)), False, float(d.square_().sum())
         else:
@@ -247,8 +248,9 @@ def _read_both(read_a: Callable[[str], Any], read_b: Callable[[str], Any], key: 
 
 def _compare_pair(a: Source, b: Source, key: str, na: str, nb: str, x: EntryInfo, y: EntryInfo) -> Change | None:
     """How one paired entry differs (None: it does not)."""
-    def change(kind: str, *stats: float, detail: str = "") -> Change:
-        return Change(key, kind, *stats, detail=detail, fqn_a=na, fqn_b=nb)
+    def change(kind: str, max_abs: float | None = None, rel: float | None = None, frac: float | None = None,
+               detail: str = "") -> Change:
+        return Change(key, kind, max_abs, rel, frac, detail=detail, fqn_a=na, fqn_b=nb)
 
     if x.kind != y.kind:
         return change("shape", detail=f"{x.kind} vs {y.kind}")

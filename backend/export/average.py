@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..checkpoint.chunks import ChunkReader, torch_dtype
@@ -87,10 +88,10 @@ def combine(values: list[Any], recipe: Recipe, fqn: str, paths: list[str]) -> An
             continue
         x = t.to(torch.complex128 if t.is_complex() else torch.float64)
         if recipe.beta is not None:
-            acc = x.clone() if i == 0 else acc.mul_(recipe.beta).add_(x, alpha=1.0 - recipe.beta)
+            acc = x.clone() if acc is None else acc.mul_(recipe.beta).add_(x, alpha=1.0 - recipe.beta)
         else:
             w = recipe.weights[i]
-            acc = x * w if i == 0 else acc.add_(x, alpha=w)
+            acc = x * w if acc is None else acc.add_(x, alpha=w)  # None: the first input
     if recipe.beta is None and acc is not None and (acc.is_floating_point() or acc.is_complex()):
         acc.div_(sum(recipe.weights))
     return acc
@@ -224,7 +225,7 @@ def average_dcp(paths: list[str], dst: str, recipe: Recipe, ranks: int = 1, pref
             values = [src.tensor(names[item.key]) for src, names in zip(sources, inputs, strict=True)]
             return combine(values, recipe, item.entry.fqn, paths).to(torch_dtype(item.dtype)).contiguous()
 
-        tensors = [TensorIn(f"{pre}.{it.key}" if pre else it.key, it.dtype, it.shape, lambda it=it: load(it))
+        tensors = [TensorIn(f"{pre}.{it.key}" if pre else it.key, it.dtype, it.shape, partial(load, it))
                    for it in plans[0].items]
         planner = {t.fqn: (pre, it.key) for t, it in zip(tensors, plans[0].items, strict=True)} if pre else None
         lineage = average_lineage(paths, [c.format for c in ckpts], recipe, DCP_OUTPUT)

@@ -18,7 +18,7 @@ import os
 import pickle
 import struct
 from array import array
-from typing import Any
+from typing import Any, Protocol, cast
 
 from ..checkpoint.model import DTYPE_NAMES
 from ..filenames import METADATA
@@ -109,6 +109,24 @@ def _path_part(p: Any) -> bytes:
     raise TypeError(f"a key path part of type {type(p).__name__}")
 
 
+class _Framer(Protocol):
+    def start_framing(self) -> None: ...
+    def commit_frame(self) -> None: ...
+    def end_framing(self) -> None: ...
+
+
+class _PicklerInternals(Protocol):
+    """What the emitter uses of the pure-Python ``pickle._Pickler``: its internals, which typeshed does not declare
+    (``memo``: id -> (memo index, object))."""
+
+    framer: _Framer
+    memo: dict[int, tuple[int, Any]]
+
+    def write(self, data: bytes) -> None: ...
+    def save(self, obj: Any) -> None: ...
+    def get(self, i: int) -> bytes: ...
+
+
 class _Emitter:
     """The standard library's pure-Python pickler for the shared objects (memoised there), and raw opcodes for
     the per-entry ones, written through its framer so frames and memo references stay consistent."""
@@ -126,7 +144,7 @@ class _Emitter:
         )
 
         self.torch = torch
-        self.p = _P._Pickler(f, protocol=4)
+        self.p = cast(_PicklerInternals, _P._Pickler(f, protocol=4))
         self.p.write(_P.PROTO + bytes((4,)))
         self.p.framer.start_framing()
         self.cls = {c.__name__: c for c in (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,

@@ -14,6 +14,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..checkpoint.chunks import ChunkReader
@@ -81,6 +82,8 @@ class _Template:
                                                      len(self.bytes))  # what the reader finds
         self.stored = st
         self.data_start, self.nbytes = st.data_offset, st.nbytes
+        if st.crc32 is None:  # torch.save's zip writer stores one for every record
+            raise ExportError("a torch.save archive written here has no CRC32 for its storage record.")
         self.local_crc, self.central_crc = _crc_fields(self.bytes, st.data_offset, st.nbytes, st.crc32)
         self.first: tuple[int, int] | None = None  # (file, offset) of the first item written from it
 
@@ -401,13 +404,13 @@ def import_file(src: str, dst: str, ranks: int = 1, prefix: str | None = None, f
             def tensors() -> Iterator[TensorIn]:
                 # small tensors come with their bytes, read many at a time (memory: one block); others one by one
                 for e, raw in source.small_values(ckpt.tensors, SMALL_TENSOR):
-                    yield TensorIn(key(e.fqn), e.dtype, e.shape, lambda k=e.fqn: source.tensor(k), raw)
+                    yield TensorIn(key(e.fqn), e.dtype, e.shape, partial(source.tensor, e.fqn), raw)
 
             def release() -> None:
                 """The source is read: free its model before the verification (whose peak would add to it)."""
                 nonlocal ckpt
                 source.close()
-                ckpt = None  # type: ignore[assignment]
+                ckpt = None  # type: ignore[assignment]  # let the model go: nothing reads it after this
                 gc.collect()  # the model's entries refer back to it: a cycle
 
             origins = {key(e.fqn): Origin(e.fqn) for e in ckpt.tensors}
@@ -440,7 +443,7 @@ def reshard(src: str, dst: str, ranks: int, force: bool = False, verify: bool = 
     require_nesting(ckpt)  # its planner_data would be copied, or lost, into the new .metadata
     reader = ChunkReader(ckpt)
     try:
-        tensors = [TensorIn(t.fqn, t.dtype, t.shape, lambda t=t: reader.read_tensor(t)) for t in ckpt.tensors]
+        tensors = [TensorIn(t.fqn, t.dtype, t.shape, partial(reader.read_tensor, t)) for t in ckpt.tensors]
         objects = [ObjectIn(o.fqn, _saved(o.value) if o.inline else reader.read_object_bytes(o))
                    for o in ckpt.objects if o.file or o.inline]
         return write_dcp(tensors, objects, dst, ranks, dict(ckpt.planner_data), force, verify, progress,

@@ -176,9 +176,9 @@ def _megatron_qkv(kind: str) -> Callable:
     def parts(cfg: HfConfig, interleaved: bool) -> list[tuple[str, tuple[Step, ...]]]:
         g = cfg.heads // cfg.kv_heads
         n_kv, d = cfg.kv_heads, cfg.head_dim
-        out = []
+        out: list[tuple[str, tuple[Step, ...]]] = []
         for proj, (a, b), heads in (("q", (0, g), cfg.heads), ("k", (g, g + 1), n_kv), ("v", (g + 1, g + 2), 0)):
-            steps = (Step("groups", (n_kv, g + 2, d, a, b)),)
+            steps: tuple[Step, ...] = (Step("groups", (n_kv, g + 2, d, a, b)),)
             if interleaved and heads:
                 steps += (Step("rotary", (heads,)),)
             out.append((f"{_L}self_attn.{proj}_proj.{kind}", steps))

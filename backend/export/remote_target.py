@@ -18,10 +18,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..checkpoint.remote import call, fs_for, is_remote_error, remote_error
+from ..checkpoint.remote import call, fs_for, is_remote_error, remote_error, url_protocol
 from ..crc import crc32_b64, crc32_combine
 from ..errors import CheckpointError
-from ..filenames import LEFTOVER_RE, TMP_PREFIX, URL_RE
+from ..filenames import LEFTOVER_RE, TMP_PREFIX
 from ..procs import pid_alive
 from .upload_check import Sent, UploadCheck
 
@@ -116,7 +116,7 @@ class RemoteTarget:
         self.url = url.rstrip("/")
         self.fs, root = fs_for(self.url, storage_options)
         self.root = root.rstrip("/")
-        self.protocol = URL_RE.match(self.url).group(1)  # type: ignore[union-attr]
+        self.protocol = url_protocol(self.url)
         # S3: our own PUTs and parts, each with a CRC32 that the server checks (s3fs sends none of its own)
         self.s3 = self.protocol in ("s3", "s3a") and hasattr(self.fs, "call_s3")
         self.report = UploadCheck(checksummed=self.s3)
@@ -294,9 +294,10 @@ class RemoteTarget:
                 raise
             return False
         times = [_modified(info) for info in found.values()]
-        if not times or None in times:
+        known = [t for t in times if t is not None]
+        if not known or len(known) < len(times):
             return False  # no time to go by: never remove another machine's upload
-        return time.time() - max(times) > stale_seconds()  # type: ignore[type-var]
+        return time.time() - max(known) > stale_seconds()
 
     def _abort_dead_uploads(self, parent: str) -> list[str]:
         bucket, _, prefix = parent.partition("/")

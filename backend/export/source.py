@@ -8,8 +8,8 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
 
 from ..checkpoint.chunks import ChunkReader, StoredTensor, torch_dtype
 from ..checkpoint.model import Chunk, itemsize
@@ -124,7 +124,7 @@ class TensorSource:
                     n, read = self.reader.copy_range(item.entry.fqn, c, fd, base + dst, progress,
                                                      check_crc=not self.kernel_copy)
                     # part: the CRC32 stored with the record; read: taken as the bytes were read (none stored)
-                    crc = crc32_combine(crc, part if part is not None else read, n)
+                    crc = crc32_combine(crc, _copied_crc(item.entry.fqn, part, read), n)
                 if self.kernel_copy and all(part is not None for _, _, part in ranges):
                     self.kernel_copied.add(item.key)  # set.add is atomic under the GIL
                 return crc
@@ -280,13 +280,13 @@ class TensorSource:
         combined from its chunks' once they are all copied. An item of another layout is written whole in the
         same order, where its first chunk lies. Returns the jobs left to write item by item (a row-band item
         with a chunk whose stored bytes cannot be copied as they are)."""
-        bands = [row_bands(item) for item, _, _ in jobs]
+        bands = [row_bands(item) or [] for item, _, _ in jobs]
         parts: list[list[tuple[int, int] | None]] = [[None] * len(b) if b else [] for b in bands]
         failed: set[int] = set()
 
         def copy(i: int, k: int) -> None:
             item, fd, base = jobs[i]
-            chunk, dst = bands[i][k]  # type: ignore[index]
+            chunk, dst = bands[i][k]
             try:
                 st = self._copyable(item.entry.fqn, chunk, item.dtype)
                 if st is None:
@@ -298,7 +298,7 @@ class TensorSource:
                     raise
                 raise CheckpointError(f"{exc} (while exporting tensor {item.entry.fqn})", path=exc.path,
                                       fqn=item.entry.fqn) from None
-            parts[i][k] = (st.crc32 if st.crc32 is not None else read, n)  # type: ignore[assignment]
+            parts[i][k] = (_copied_crc(item.entry.fqn, st.crc32, read), n)
 
         def whole(i: int) -> None:  # an item of another layout, written at once where its first chunk lies
             item, fd, base = jobs[i]
@@ -324,13 +324,23 @@ class TensorSource:
                 continue
             item, fd, base = jobs[i]
             crc = 0
-            for part_crc, n in parts[i]:  # type: ignore[misc]
+            # every band copied: a failed copy raised in run_parallel, an uncopyable one is in `failed`
+            for part_crc, n in cast(list[tuple[int, int]], parts[i]):
                 crc = crc32_combine(crc, part_crc, n)
             out[i] = crc
             start_writeback(fd, base, item.nbytes)
             if path is not None and self.verifier is not None:
                 self.verifier.submit(path, base, item.nbytes, crc, item.key)
         return left
+
+
+def _copied_crc(fqn: str, stored: int | None, read: int | None) -> int:
+    """The CRC32 of a copied range: the one stored with its record, else the one taken as it was read (copy_range
+    gives one whenever none is stored)."""
+    crc = stored if stored is not None else read
+    if crc is None:
+        raise CheckpointError(f"tensor {fqn}: no CRC32 stored or read for its copied bytes.", fqn=fqn)
+    return crc
 
 
 def row_bands(item: ExportItem) -> list[tuple[Chunk, int]] | None:
@@ -378,7 +388,7 @@ def run_parallel(calls: list[tuple[Callable, tuple]], progress: Progress | None,
                  budget: ByteBudget | None = None) -> list[Any]:
     """Run calls on the export thread pool; the first error cancels the rest and is raised."""
     with ThreadPoolExecutor(io_threads(), thread_name_prefix="export") as pool:
-        futures = []
+        futures: list[Future[Any]] = []
         try:  # NOTE: submitting is inside: stopped half-way (Ctrl-C), what was queued is cancelled, not run
             futures.extend(pool.submit(fn, *args) for fn, args in calls)
             return [f.result() for f in futures]

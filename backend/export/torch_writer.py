@@ -98,7 +98,7 @@ def pickle_state(root: dict, items: tuple[ExportItem, ...]) -> tuple[bytes, list
     def rebuild(dtype: str, shape: tuple, what: Any) -> Any:
         rec = StorageRef(str(len(storages)), math.prod(shape), dtype)
         storages.append((rec, what))
-        args = (rec, 0, shape, contiguous_strides(shape), False, OrderedDict())
+        args: tuple[Any, ...] = (rec, 0, shape, contiguous_strides(shape), False, OrderedDict())
         if torch_dtype(dtype) in storage_types:
             return (torch._utils._rebuild_tensor_v2, args)
         # float8, uint16/32/64 have no typed storage class: torch.save writes bytes and names the dtype (v3)
@@ -116,6 +116,8 @@ def pickle_state(root: dict, items: tuple[ExportItem, ...]) -> tuple[bytes, list
 
         def persistent_id(self, obj: Any) -> Any:
             if isinstance(obj, StorageRef):
+                if obj.dtype is None:  # rebuild names every storage's dtype
+                    raise ExportError(f"storage {obj.key}: no dtype to write it with.")
                 tdtype = torch_dtype(obj.dtype)
                 if tdtype not in storage_types:  # an untyped storage counts bytes
                     return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * tdtype.itemsize)

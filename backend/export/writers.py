@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from ..checkpoint.chunks import ChunkReader
 from ..checkpoint.storage import why_absent
@@ -17,7 +17,7 @@ from .atomic import AtomicOutput
 from .lineage import lineage_for
 from .output_seal import Origin
 from .plan import ExportItem, ExportPlan
-from .registry import writer
+from .registry import WriteFn, writer
 from .result import ExportResult
 from .source import TensorSource
 from .verify import WHAT, Expectation, Verifier, check_written
@@ -45,6 +45,7 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
     average: ``sources`` then lists every checkpoint it reads, ``lineage`` its sidecar's document)."""
     t0 = time.monotonic()
     w = writer(plan.format)  # ExportError for a name no plan writer is registered under
+    write = cast(WriteFn, w.write)  # not None: writer() refuses a format written apart from plans (DCP)
     progress = progress or Progress()  # its cancel flag stops the writer threads when one of them fails
     check_sources(plan)
     total = plan.total_bytes
@@ -65,10 +66,12 @@ def export(plan: ExportPlan, dst: str, force: bool = False, verify: bool = True,
             # Each tensor is re-read from the written file and checked as soon as it is written, while the next
             # ones are written. --no-verify still re-reads what the kernel copied: that is where its stored CRC32
             # is checked.
-            source.verifier = verifier = Verifier(progress, want=None if verify else
-                                                  (lambda e: e.name in source.kernel_copied))
+            def kernel_copied(e: Expectation) -> bool:
+                return e.name in source.kernel_copied
+
+            source.verifier = verifier = Verifier(progress, want=None if verify else kernel_copied)
             try:
-                names, expect = w.write(plan, out.path, dst, source, progress, left_out)
+                names, expect = write(plan, out.path, dst, source, progress, left_out)
                 out.hold_for_tests("written")
                 for e in expect:  # what a writer wrote without handing it over as it went (none for safetensors)
                     if (e.file, e.offset) not in verifier.submitted:

@@ -9,12 +9,23 @@ Detecting and probing import neither numpy nor torch (``ls`` lists thousands of 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:  # the model imports numpy: only for annotations here
     from ..checkpoint.model import Checkpoint, Problem
+    from ..checkpoint.storage import Folder
     from ..progress import Progress
+
+# The door's own types. A folder's file names as a listing has them: a set of names, or a listing that maps each
+# name to its size (``Folder.listing()``); detecting asks only ``in`` and iterates.
+FileNames: TypeAlias = Collection[str]
+# What a format's ``open`` is given (``registry.resolve`` says which): a local path or URL, or a folder on a URL
+# already listed with its storage options (so it is listed once).
+Target: TypeAlias = "str | Folder"
+# fsspec's keyword arguments for a URL's file system (credentials, endpoint, ...): passed through as they are.
+StorageOptions: TypeAlias = dict[str, Any]
 
 RESUMABLE = "resumable"  # a run can resume from it: optimizer or trainer state beside the weights
 WEIGHTS = "weights"  # a consolidated or exported model: often the deliverable, never a run's resume point
@@ -53,7 +64,7 @@ class Format:
     integrity_manifest = False
 
     # ------------------------------------------------------------ names only
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         """True when a folder with these file and subfolder names is a checkpoint of this format."""
         return False
 
@@ -61,7 +72,7 @@ class Format:
         """True when a file of this name is a checkpoint of this format."""
         return False
 
-    def opens_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def opens_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         """True for a folder this format opens when named, though a listing does not list it as a checkpoint
         (a plain folder of safetensors files; a DeepSpeed save folder, whose ``latest`` tag is opened)."""
         return False
@@ -79,7 +90,7 @@ class Format:
         return Facts(self.name, "complete", kind=self.kind)
 
     # ------------------------------------------------------------ reading
-    def open(self, path: str, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
              progress: Progress | None = None) -> Checkpoint:
         """The checkpoint model (metadata or headers only; no tensor values are read)."""
         raise NotImplementedError

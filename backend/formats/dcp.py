@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..filenames import (
     DATA_FILE_RE,
@@ -15,10 +15,24 @@ from ..filenames import (
     METADATA_TMP,
     RANK_METADATA_RE,
 )
-from .base import RESUMABLE, WEIGHTS, Facts, Format, first_byte_and_optimizer, head
+from .base import (
+    RESUMABLE,
+    WEIGHTS,
+    Facts,
+    FileNames,
+    Format,
+    StorageOptions,
+    Target,
+    first_byte_and_optimizer,
+    head,
+)
+
+if TYPE_CHECKING:
+    from ..checkpoint.model import Checkpoint
+    from ..progress import Progress
 
 
-def has_dcp_files(files: dict[str, Any] | set[str]) -> bool:
+def has_dcp_files(files: FileNames) -> bool:
     """Names a DCP save writes (data files, its metadata, or the metadata's temporary)."""
     return METADATA in files or METADATA_TMP in files or any(n.endswith(DATA_SUFFIX) for n in files) or \
         any(RANK_METADATA_RE.match(n) for n in files)
@@ -101,14 +115,14 @@ class DcpFolder(Format):
     name = "dcp"
     label = "PyTorch DCP"
 
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return has_dcp_files(files)
 
     def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
         return dcp_folder_facts(self.name, path, names, local)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.reader import open_checkpoint
         from ..checkpoint.storage import open_folder
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..filenames import (
     DS_LATEST,
@@ -24,7 +24,12 @@ from ..filenames import (
     is_deepspeed_step_folder,
     parse_ds_latest,
 )
-from .base import RESUMABLE, Facts, Format, head
+from .base import RESUMABLE, Facts, FileNames, Format, StorageOptions, Target, head
+
+if TYPE_CHECKING:
+    from ..checkpoint.deepspeed_state import DeepSpeedState
+    from ..checkpoint.model import Checkpoint, Problem
+    from ..progress import Progress
 
 OPTIMIZER_ROOT = "optimizer.state."  # where the optimizer's per-parameter state sits in the tree
 VALUES_ROOT = "deepspeed."  # the save's config, step and versions (training state: not exported by default)
@@ -35,10 +40,10 @@ class DeepSpeedFolder(Format):
     label = "DeepSpeed ZeRO checkpoint"
     kind = RESUMABLE
 
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return is_deepspeed_step_folder(files)
 
-    def opens_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def opens_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         """The save folder: a listing walks into it (it is the run), but opening it opens its ``latest`` tag."""
         return is_deepspeed_save_dir(files, dirs)
 
@@ -54,14 +59,14 @@ class DeepSpeedFolder(Format):
         if gaps:
             return Facts(self.name, "incomplete", f"no optimizer-states file of rank(s) {gaps}", ranks, RESUMABLE,
                          pinned=pinned)
-        zero3 = models - {None}
+        zero3 = {r for r in models if r is not None}
         if zero3 and sorted(zero3) != optim:
             return Facts(self.name, "incomplete", f"model-states files of ranks {sorted(zero3)} but optimizer-states "
                          f"files of ranks {optim}", ranks, RESUMABLE, pinned=pinned)
         return Facts(self.name, "complete", "", ranks, RESUMABLE, pinned=pinned)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.deepspeed_state import read_deepspeed_state
         from ..errors import CheckpointError
         from ..filenames import is_url
@@ -72,7 +77,7 @@ class DeepSpeedFolder(Format):
         state = read_deepspeed_state(str(path))
         return to_checkpoint(state, str(path))
 
-    def deep_checks(self, ckpt: Any, progress: Any = None) -> list[Any]:
+    def deep_checks(self, ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:
         """Every zip record no chunk reads (the pickles, the bf16 module weights, the padding's records) read once
         and its CRC32 checked; the records chunks read are checked as they are read."""
         from ..checkpoint.deepspeed_read import check_record
@@ -129,7 +134,7 @@ def flat_boxes(shape: tuple[int, ...], start: int, count: int) -> list[tuple[tup
     return out
 
 
-def to_checkpoint(state: Any, opened: str) -> Any:
+def to_checkpoint(state: DeepSpeedState, opened: str) -> Checkpoint:
     """The one checkpoint model of a read DeepSpeed state: chunks at the pieces' boxes, located in their records."""
     import numpy as np
 
@@ -138,7 +143,7 @@ def to_checkpoint(state: Any, opened: str) -> Any:
     from ..checkpoint.model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, TensorEntry
 
     names = sorted({n for r in state.ranks for n in (r.model_file, r.optim_file) if n})
-    rank_of = {}
+    rank_of: dict[str, int | None] = {}
     for r in state.ranks:
         if r.optim_file:
             rank_of[r.optim_file] = r.rank
@@ -148,7 +153,7 @@ def to_checkpoint(state: Any, opened: str) -> Any:
     file_index = {f.name: i for i, f in enumerate(files)}
     ckpt = Checkpoint(state.folder, DEEPSPEED.name, state.ds_version, files, [], [], ChunkTable.empty())
     cols: dict[str, list[int]] = {k: [] for k in ("tensor", "file", "offset", "length", "dim_start", "dims")}
-    located: dict[tuple[str, str, int], Any] = {}
+    located: dict[tuple[str, str, int], StoredTensor] = {}
     covered: set[tuple[str, str]] = set()
 
     def add(fqn: str, shape: tuple[int, ...], dtype: str, pieces: tuple) -> None:

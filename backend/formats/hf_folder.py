@@ -4,10 +4,14 @@ files. Only JSON headers are read (:mod:`..checkpoint.hf_reader`); safetensors s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..filenames import HF_SHARD_RE, METADATA, hf_shard_rank, is_safetensors_file
-from .base import CHECKSUMS_NONE, WEIGHTS, Facts, Format
+from .base import CHECKSUMS_NONE, WEIGHTS, Facts, FileNames, Format, StorageOptions, Target
+
+if TYPE_CHECKING:
+    from ..checkpoint.model import Checkpoint
+    from ..progress import Progress
 
 
 class HfSafetensorsFolder(Format):
@@ -16,10 +20,10 @@ class HfSafetensorsFolder(Format):
     kind = WEIGHTS
     checksums = CHECKSUMS_NONE
 
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return any(HF_SHARD_RE.match(n) for n in files)
 
-    def opens_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def opens_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         """A folder opened by name (not found by a listing): any folder of safetensors files without a pickled
         ``.metadata`` (the storage writer's is JSON; the reader checks)."""
         return self.detect_folder("", files, []) or (METADATA not in files and any(map(is_safetensors_file, files)))
@@ -28,8 +32,8 @@ class HfSafetensorsFolder(Format):
         ranks = sorted({r for n in names if (r := hf_shard_rank(n)) is not None})
         return Facts(self.name, "complete", "", ranks, WEIGHTS)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.hf_reader import open_hf_folder
         from ..checkpoint.storage import open_folder
 

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from ..filenames import BIN_INDEX, HF_INDEXES, MAX_INDEX_BYTES, SAFETENSORS_INDEX
-from .base import CHECKSUMS_NONE, WEIGHTS, Facts, Format
+from .base import CHECKSUMS_NONE, WEIGHTS, Facts, FileNames, Format, StorageOptions, Target
+
+if TYPE_CHECKING:
+    from ..checkpoint.model import Checkpoint
+    from ..checkpoint.storage import Folder
+    from ..progress import Progress
 
 
 class HfIndexFolder(Format):
@@ -20,7 +25,7 @@ class HfIndexFolder(Format):
     kind = WEIGHTS
     checksums = CHECKSUMS_NONE
 
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return any(n in files for n in HF_INDEXES)
 
     def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
@@ -39,8 +44,8 @@ class HfIndexFolder(Format):
                          f"(e.g. {missing[0]})", kind=WEIGHTS)
         return Facts(self.name, "complete", kind=WEIGHTS)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.hf_reader import index_weight_map, open_hf_folder
         from ..checkpoint.storage import open_folder
 
@@ -51,8 +56,9 @@ class HfIndexFolder(Format):
                                   "one of them, or its model's safetensors.", path=folder.join(BIN_INDEX))
         refused: CheckpointError | None = None
         try:
-            weight_map: dict[str, str] | None = index_weight_map(folder)
-            named = set(weight_map.values())  # type: ignore[union-attr]
+            found = index_weight_map(folder)
+            weight_map: dict[str, str] | None = found
+            named = set(found.values())
         except CheckpointError as exc:
             weight_map, refused = None, exc  # the reader reports the broken index
             named = {n for n in listing if n.endswith(".safetensors")}
@@ -70,7 +76,7 @@ class HfIndexFolder(Format):
         return ckpt
 
 
-def _no_shard(folder: Any, weight_map: dict[str, str]) -> CheckpointError:
+def _no_shard(folder: Folder, weight_map: dict[str, str]) -> CheckpointError:
     """The error for an index none of whose shards can be opened: the first one, why, and a tensor it holds."""
     from ..checkpoint.storage import why_absent
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from ..filenames import (
@@ -19,7 +19,11 @@ from ..filenames import (
     SAFETENSORS_SUFFIX,
 )
 from . import dcp, hf_folder, hf_index
-from .base import RESUMABLE, Facts, Format
+from .base import RESUMABLE, Facts, FileNames, Format, StorageOptions, Target
+
+if TYPE_CHECKING:
+    from ..checkpoint.model import Checkpoint
+    from ..progress import Progress
 
 MAX_STATE_BYTES = 64 << 20
 
@@ -28,7 +32,7 @@ class HfTrainerFolder(Format):
     name = "hf-trainer"
     label = "Hugging Face Trainer checkpoint"
 
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return HF_TRAINER_STATE in files or bool(HF_TRAINER_RE.match(name) and (files or dirs))
 
     def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
@@ -43,8 +47,8 @@ class HfTrainerFolder(Format):
                          ranks, RESUMABLE, step)
         return Facts(self.name, "complete", "", ranks, RESUMABLE, step)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.storage import open_folder
 
         folder = open_folder(path, storage_options)

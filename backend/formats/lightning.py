@@ -3,26 +3,30 @@ callbacks). The DCP part is read as any DCP folder; ``meta.pt`` is kept as a fil
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..filenames import LIGHTNING_META
-from .base import RESUMABLE, Facts, Format
+from .base import RESUMABLE, Facts, FileNames, Format, StorageOptions, Target
 from .dcp import dcp_folder_facts, has_dcp_files
+
+if TYPE_CHECKING:
+    from ..checkpoint.model import Checkpoint
+    from ..progress import Progress
 
 
 class LightningFolder(Format):
     name = "lightning"
     label = "Lightning/Fabric (DCP + meta.pt)"
 
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return LIGHTNING_META in files and has_dcp_files(files)
 
     def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
         facts = dcp_folder_facts(self.name, path, names, local, RESUMABLE)  # meta.pt: trainer state
         return Facts(facts.format, facts.state, facts.reason, facts.ranks, RESUMABLE)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.reader import open_checkpoint
         from ..checkpoint.storage import open_folder
 

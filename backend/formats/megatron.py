@@ -15,12 +15,17 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..filenames import MEGATRON_COMMON, MEGATRON_CONFIG, MEGATRON_ITER_RE, MEGATRON_LATEST, basename
-from .base import RESUMABLE, Facts, Format
+from .base import RESUMABLE, Facts, FileNames, Format, StorageOptions, Target
 from .dcp import dcp_folder_facts, has_dcp_files
+
+if TYPE_CHECKING:
+    from ..checkpoint.items import ByteSource
+    from ..checkpoint.model import Checkpoint, Problem
+    from ..progress import Progress
 
 TORCH_DIST = "torch_dist"  # the sharded backend whose tensors are a DCP checkpoint
 MAX_CONFIG_BYTES = 64 << 10  # Megatron writes ~120 bytes
@@ -36,7 +41,7 @@ class MegatronFolder(Format):
     kind = RESUMABLE  # common.pt holds the args, iteration and RNG a run resumes with
     integrity_manifest = True  # seal writes integrity.json (Megatron-Core's verify_integrity_manifest reads it)
 
-    def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
+    def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         config, common = MEGATRON_CONFIG in files, MEGATRON_COMMON in files
         return (config and common) or ((config or common) and has_dcp_files(files))
 
@@ -58,8 +63,8 @@ class MegatronFolder(Format):
             state, reason = "incomplete", "no common.pt (args, iteration, RNG): Megatron cannot resume from it"
         return Facts(self.name, state, reason, facts.ranks, RESUMABLE, step, pinned)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.model import FileInfo, ObjectEntry, Problem
         from ..checkpoint.reader import open_checkpoint
         from ..checkpoint.storage import open_folder, why_absent
@@ -155,7 +160,7 @@ def read_backend(path: str) -> tuple[str, str]:
     return config["sharded_backend"], ""
 
 
-def _read_config(src: Any, size: int) -> dict[str, Any] | str:
+def _read_config(src: ByteSource, size: int) -> dict[str, Any] | str:
     """``metadata.json`` (file ``MEGATRON_CONFIG`` of ``src``, ``size`` bytes): a JSON object naming its
     ``sharded_backend``, or why it is not one, in words."""
     if size > MAX_CONFIG_BYTES:
@@ -178,7 +183,7 @@ def _refuse_other_backend(where: str, config: dict[str, Any]) -> None:
                               "backend; only torch_dist (PyTorch DCP) ones can be read.", path=where)
 
 
-def common_entries(src: Any, size: int) -> dict[str, Any]:
+def common_entries(src: ByteSource, size: int) -> dict[str, Any]:
     """The entries of ``common.pt`` (file ``MEGATRON_COMMON`` of ``src``): its nested dicts flattened to dotted
     names under ``common.`` as DCP names entries, each leaf as plain data (``common.args``: the training
     arguments as a dict). Read by the allow-list archive reader; CheckpointError when it cannot be read safely."""

@@ -7,7 +7,7 @@ and one line here; nothing else in Shardscope decides what a path is."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from ..errors import CheckpointError
 from ..filenames import (
@@ -19,7 +19,17 @@ from ..filenames import (
     is_url,
 )
 from . import dcp, deepspeed, hf_folder, hf_index, hf_trainer, lightning, megatron, safetensors_file, torch_file
-from .base import Facts, Format
+from .base import Facts, FileNames, Format, StorageOptions, Target
+
+if TYPE_CHECKING:  # the model and the readers import numpy: only for annotations here
+    from ..checkpoint.model import Checkpoint, Problem
+    from ..checkpoint.seal import SealCheck
+    from ..checkpoint.sources import CheckpointSource
+    from ..checkpoint.storage import Folder
+    from ..progress import Progress
+
+# What the door opens: a path or URL as the user names it, or a folder on a URL already opened with its options.
+Openable: TypeAlias = "str | os.PathLike[str] | Folder"
 
 FOLDER_FORMATS: tuple[Format, ...] = (deepspeed.FORMAT, lightning.FORMAT, megatron.FORMAT, hf_folder.FORMAT, dcp.FORMAT,
                                       hf_trainer.FORMAT, hf_index.FORMAT)
@@ -45,7 +55,7 @@ def label_of(name: str) -> str:
         return name
 
 
-def detect_folder(name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> Format | None:
+def detect_folder(name: str, files: FileNames, dirs: list[str]) -> Format | None:
     """The format of a folder from its name and its files' and subfolders' names, or None (names only)."""
     return next((f for f in FOLDER_FORMATS if f.detect_folder(name, files, dirs)), None)
 
@@ -57,7 +67,7 @@ def detect_file(name: str) -> Format | None:
     return next((f for f in FILE_FORMATS if f.detect_file(name)), None)
 
 
-def resolve(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> tuple[Format, str]:
+def resolve(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> tuple[Format, Target]:
     """The format of what ``path`` names and what to open: a folder, a checkpoint file, a DCP ``.metadata`` (its
     folder), an HF index file (its folder), local or on a URL. Bad input names the path."""
     text = str(path)
@@ -97,7 +107,7 @@ def _folder_format(name: str, files: set[str], dirs: list[str]) -> Format:
     return found or dcp.FORMAT  # the DCP reader says what is missing (and names DCP subfolders)
 
 
-def _resolve_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Format, str]:
+def _resolve_url(url: str, storage_options: StorageOptions | None) -> tuple[Format, Target]:
     """A URL: a file by its name (nothing is requested), else a folder (one listing)."""
     base = basename(url)
     if is_metadata_name(base) or base in HF_INDEXES:
@@ -112,13 +122,15 @@ def _resolve_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Form
     listing = folder.listing()
     if not listing:
         raise CheckpointError(f"{url}: no such file or folder, or an empty one.", path=url)
-    return _folder_format(basename(url), set(listing), []), folder  # type: ignore[return-value]
+    return _folder_format(basename(url), set(listing), []), folder
 
 
-def probe(path: str | os.PathLike) -> Facts | None:
+def probe(path: str | os.PathLike[str]) -> Facts | None:
     """What a listing learns of one local checkpoint (state, writer ranks, kind) without reading it; None for a
     file its format does not take. Bad input names the path."""
     fmt, target = resolve(path)
+    if not isinstance(target, str):  # a folder on a URL: a listing probes local checkpoints only
+        raise CheckpointError(f"{path}: only a local checkpoint is probed.", path=str(path))
     if not fmt.is_folder:
         return fmt.probe_file(target, os.path.getsize(target))
     with os.scandir(target) as it:
@@ -127,8 +139,8 @@ def probe(path: str | os.PathLike) -> Facts | None:
     return fmt.probe_folder(target, files, [e.name for e in entries if e.is_dir()])
 
 
-def open_checkpoint(path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-                    progress: Any = None) -> Any:
+def open_checkpoint(path: Openable, storage_options: StorageOptions | None = None, use_cache: bool = True,
+                    progress: Progress | None = None) -> Checkpoint:
     """The checkpoint model of whatever ``path`` names (see :func:`resolve`): what the window, ``inspect``,
     ``verify``, ``show``, ``export``, ``diff``, ``import`` and ``reshard`` open. Metadata and headers only."""
     from ..checkpoint.storage import Folder
@@ -140,14 +152,14 @@ def open_checkpoint(path: Any, storage_options: dict[str, Any] | None = None, us
     return fmt.open(target, storage_options, use_cache, progress)
 
 
-def open_source(path: Any, storage_options: dict[str, Any] | None = None) -> Any:
+def open_source(path: Openable, storage_options: StorageOptions | None = None) -> CheckpointSource:
     """What diff and import read one tensor at a time: the opened checkpoint behind the one Source."""
     from ..checkpoint.sources import CheckpointSource
 
     return CheckpointSource(open_checkpoint(path, storage_options))
 
 
-def deep_checks(ckpt: Any, progress: Any = None) -> list[Any]:
+def deep_checks(ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:
     """The format's checks of bytes no chunk covers (Verify contents adds them)."""
     try:
         fmt = format_named(ckpt.format)
@@ -156,7 +168,7 @@ def deep_checks(ckpt: Any, progress: Any = None) -> list[Any]:
     return fmt.deep_checks(ckpt, progress)
 
 
-def verify_contents(ckpt: Any, progress: Any = None) -> list[Any]:
+def verify_contents(ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:
     """``verify --deep`` and the window's Verify contents: every check of the checkpoint, every chunk and entry
     read once with its stored checksum checked, and the format's own checks of the bytes around them."""
     from ..checkpoint.verify import verify
@@ -164,8 +176,8 @@ def verify_contents(ckpt: Any, progress: Any = None) -> list[Any]:
     return verify(ckpt, deep=True, progress=progress) + deep_checks(ckpt, progress)
 
 
-def verify_sealed(ckpt: Any, deep: bool = False, progress: Any = None, seal_progress: Any = None
-                  ) -> tuple[list[Any], Any]:
+def verify_sealed(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = None,
+                  seal_progress: Progress | None = None) -> tuple[list[Problem], SealCheck]:
     """What ``verify`` and the window's Verify contents check, each once: the quick check (``deep``: every check of
     :func:`verify_contents`), then the checkpoint against its manifest whenever it has one (every file's SHA-256;
     ``deep``: every tensor's digest too; ``seal_progress`` counts its bytes, else ``progress`` does). Returns

@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ShardscopeError
 from ..filenames import is_safetensors_file, is_url
-from .base import CHECKSUMS_NONE, WEIGHTS, Facts, FileBytes, Format, head
+from .base import CHECKSUMS_NONE, WEIGHTS, Facts, FileBytes, Format, StorageOptions, Target, head
+
+if TYPE_CHECKING:
+    from ..checkpoint.model import Checkpoint
+    from ..progress import Progress
 
 MAX_PROBED_HEADER = 1 << 20  # a listing parses headers up to this; longer ones are only length-checked
 OBJECTS_KEY = "shardscope_objects"  # header metadata: the non-tensor entries of an export, as JSON
@@ -34,8 +38,8 @@ class SafetensorsFile(Format):
         state, reason = _state(path, size)
         return Facts(self.name, state, reason, kind=WEIGHTS)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.hf_reader import open_hf_folder
         from ..checkpoint.model import ObjectEntry
         from ..checkpoint.safetensors_items import parse_safetensors_file

@@ -12,11 +12,30 @@ from __future__ import annotations
 
 import os
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..filenames import is_torch_file, is_url
-from .base import CHECKSUMS_RECORDS, RESUMABLE, WEIGHTS, Facts, FileBytes, Format, head, names_optimizer
+from .base import (
+    CHECKSUMS_RECORDS,
+    RESUMABLE,
+    WEIGHTS,
+    Facts,
+    FileBytes,
+    Format,
+    StorageOptions,
+    Target,
+    head,
+    names_optimizer,
+)
+
+if TYPE_CHECKING:
+    from ..checkpoint.download import Download
+    from ..checkpoint.model import Checkpoint, ChunkTable, Problem
+    from ..checkpoint.remote_reads import RemoteHandles
+    from ..checkpoint.storage import Folder, LocalHandles
+    from ..checkpoint.torch_load import TensorView
+    from ..progress import Progress
 
 MAX_KIND_PROBE = 16 << 20  # bytes of a torch file's pickle read to tell its kind
 BLOCK = 16 << 20
@@ -40,8 +59,8 @@ class TorchFile(Format):
             return None
         return Facts(self.name, state, reason, kind=torch_file_kind(path, size) if state == "complete" else WEIGHTS)
 
-    def open(self, path: Any, storage_options: dict[str, Any] | None = None, use_cache: bool = True,
-             progress: Any = None) -> Any:
+    def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
+             progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.download import Download
 
         text = str(path)
@@ -56,7 +75,7 @@ class TorchFile(Format):
         ckpt.format_data = _CopyKeeper(copy)  # the copy lives as long as the checkpoint read from it
         return ckpt
 
-    def deep_checks(self, ckpt: Any, progress: Any = None) -> list[Any]:
+    def deep_checks(self, ckpt: Checkpoint, progress: Progress | None = None) -> list[Problem]:
         """The records no tensor's chunk covers (``data.pkl``, ``version``, ...) read once and their CRC32 checked
         (the tensors' records are checked as their chunks are read)."""
         from ..checkpoint.items import ItemFormatError, zip_records
@@ -90,14 +109,14 @@ class _CopyKeeper:
     """Holds a downloaded copy for as long as the checkpoint read from it is alive (the chunk reader reads the
     copy's records); removed when the checkpoint goes (a kill -9's copy: by the next download)."""
 
-    def __init__(self, copy: Any) -> None:
+    def __init__(self, copy: Download) -> None:
         self.copy = copy
 
     def __del__(self) -> None:
         self.copy.__exit__()
 
 
-def _open_local(path: str, shown: str) -> Any:
+def _open_local(path: str, shown: str) -> Checkpoint:
     """The checkpoint model of a local torch file: one chunk per tensor at its storage record."""
     from ..checkpoint.safe_pickle import gc_paused
 
@@ -105,7 +124,7 @@ def _open_local(path: str, shown: str) -> Any:
         return _model(path, shown)
 
 
-def _model(path: str, shown: str) -> Any:
+def _model(path: str, shown: str) -> Checkpoint:
     import numpy as np
 
     from ..checkpoint.items import StoredTensor
@@ -139,7 +158,8 @@ def _model(path: str, shown: str) -> Any:
     return ckpt
 
 
-def _one_chunk_each(shapes: list[tuple[int, ...]], ranges: list[tuple[int, int, int]], np: Any) -> Any:
+def _one_chunk_each(shapes: list[tuple[int, ...]], ranges: list[tuple[int, int, int | None]], np: Any
+                    ) -> ChunkTable:
     """A chunk table with one whole-tensor chunk per shape, all in file 0, at the given byte ranges."""
     from ..checkpoint.model import ChunkTable
 
@@ -154,8 +174,8 @@ def _one_chunk_each(shapes: list[tuple[int, ...]], ranges: list[tuple[int, int, 
     return ChunkTable(np.arange(n, dtype=np.int32), np.zeros(n, np.int32), offsets, lengths, dim_start, dims)
 
 
-def _locate_records(folder: Any, name: str, size: int, tensors: dict[str, Any],
-                    records: dict[str, tuple[int, int, int]] | None = None) -> dict[int, tuple[int, int, int]]:
+def _locate_records(folder: Folder, name: str, size: int, tensors: dict[str, TensorView],
+                    records: dict[str, tuple[int, int, int]] | None = None) -> dict[int, tuple[int, int, int | None]]:
     """For a file torch.load memory-mapped (:class:`..checkpoint.torch_load.TorchFileLoad`'s fallback): storage
     address -> (offset, length, CRC32) of its record in the file, or {} unless every non-empty storage sits at its
     own record's offset from one base address and has that record's size. ``records``: the file's zip records
@@ -176,13 +196,13 @@ def _locate_records(folder: Any, name: str, size: int, tensors: dict[str, Any],
     base = ptrs[0] - stored[0][0]
     if any(p - base != r[0] or storages[p] != r[1] for p, r in zip(ptrs, stored, strict=True)):
         return {}
-    located = dict(zip(ptrs, stored, strict=True))
+    located: dict[int, tuple[int, int, int | None]] = dict(zip(ptrs, stored, strict=True))
     for p in storages:  # an empty storage: no bytes to read, nothing to check
-        located.setdefault(p, (0, 0, None))  # type: ignore[arg-type]
+        located.setdefault(p, (0, 0, None))
     return located
 
 
-def _record_users(ckpt: Any) -> dict[int, list[str]]:
+def _record_users(ckpt: Checkpoint) -> dict[int, list[str]]:
     """Record offset -> the tensors stored in it."""
     out: dict[int, list[str]] = {}
     t = ckpt.chunk_table
@@ -192,7 +212,8 @@ def _record_users(ckpt: Any) -> dict[int, list[str]]:
     return out
 
 
-def _record_crc(handles: Any, name: str, offset: int, length: int, progress: Any) -> int:
+def _record_crc(handles: LocalHandles | RemoteHandles, name: str, offset: int, length: int, progress: Progress
+                ) -> int:
     """CRC32 of ``length`` bytes of file ``name`` from ``offset``, read in blocks (cancellable)."""
     import zlib
 

@@ -83,9 +83,10 @@ class CheckpointRecord:
         """The record as a JSON-ready dict (path, run, step, format, ranks, bytes, mtime, state, pinned); an
         export with a lineage sidecar adds its source (``source``, ``source_changed``, ``source_missing``, ...),
         a checkpoint that has exports adds ``exports``."""
-        out = {"path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
-               "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state,
-               "pinned": self.pinned, "seal": self.seal or None}
+        out: dict[str, Any] = {
+            "path": self.path, "run": self.run, "step": self.step, "format": self.format, "kind": self.kind,
+            "ranks": list(self.ranks), "bytes": self.bytes, "mtime": self.mtime, "state": self.state,
+            "pinned": self.pinned, "seal": self.seal or None}
         if self.lineage is not None:
             out.update(self.lineage.to_json())
         if self.exports:
@@ -151,7 +152,8 @@ class Listing:
         """The part of the listing in these runs (by path): their checkpoints and interrupted prunes."""
         inside = tuple(os.path.join(r, "") for r in runs)
         return Listing(list(self.roots), [r for r in self.runs if r.path in runs],
-                       [lo for lo in self.leftovers if lo.original.startswith(inside)], list(self.unreachable))
+                       [lo for lo in self.leftovers if lo.original.startswith(inside)],
+                       [s for s in self.strays if s[0].startswith(inside)], list(self.unreachable))
 
     def find(self, path: str) -> CheckpointRecord | None:
         """The checkpoint at exactly ``path``, or None."""

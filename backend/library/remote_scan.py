@@ -5,6 +5,7 @@ objects' sizes, times their last-modified stamps."""
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 import json
 import logging
@@ -85,7 +86,7 @@ class RemoteTree:
         f = fmt.probe_file(path, size, local=False)  # names only: an object's bytes cost a request
         return None if f is None else FileFacts(f.format, f.state, f.reason, size, mtime, f.kind, f.pinned)
 
-    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: builtins.list[str]) -> FolderFacts:
         f = fmt.probe_folder(path, set(files), dirs, local=False)
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind,
                            f.pinned)

@@ -9,6 +9,7 @@ else the folder that holds them (the one above a ``checkpoints/`` folder). The w
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import json
 import os
@@ -79,7 +80,7 @@ class LocalTree:
         return FileFacts(facts.format, facts.state, facts.reason, disk_bytes(st), st.st_mtime, facts.kind,
                          facts.pinned)
 
-    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: builtins.list[str]) -> FolderFacts:
         f = fmt.probe_folder(path, set(files), dirs)
         step = step_from_name(os.path.basename(path))
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step if step is not None else f.step, f.kind,
@@ -100,7 +101,7 @@ class LocalTree:
     def seal_state(self, path: str, is_folder: bool) -> str:
         return seal_state(path, is_folder)
 
-    def usage(self, path: str, files: dict[str, os.DirEntry], dirs: list[str]) -> tuple[int, float, int]:
+    def usage(self, path: str, files: dict[str, os.DirEntry], dirs: builtins.list[str]) -> tuple[int, float, int]:
         """Bytes on disk, newest mtime and file count of a checkpoint folder (its subfolders too; no symlinks)."""
         total, count = 0, 0
         try:

@@ -6,6 +6,7 @@ checkpoint's own files, nor into hidden or skipped folders."""
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,10 +71,10 @@ class Tree(Protocol):
     def file_facts(self, path: str, info: Any, fmt: Format) -> FileFacts | None:
         """A single-file checkpoint's state and kind (its format's probe); None when it is not a checkpoint."""
 
-    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: list[str]) -> FolderFacts:
+    def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: builtins.list[str]) -> FolderFacts:
         """A checkpoint folder's state, ranks, kind and step (its format's probe; the format made precise)."""
 
-    def usage(self, path: str, files: dict[str, Any], dirs: list[str]) -> tuple[int, float, int]:
+    def usage(self, path: str, files: dict[str, Any], dirs: builtins.list[str]) -> tuple[int, float, int]:
         """Bytes, newest modification time and file count of everything in a folder."""
 
     def lineage(self, sidecar: str) -> Lineage | None:

@@ -73,9 +73,9 @@ def export_step(c: CheckpointRecord, dst: str, state: WatchState, listed: set[st
         return ExportStep(c, VERIFIED, dst, "its export is verified", record=record)
     if is_url(dst) and listed is not None and dst in listed:
         return ExportStep(c, EXISTS, dst, f"{dst} exists (on a URL the watch's record is not read)", record=record)
-    ours = bool(record) and record["export"] == dst
+    ours = record is not None and bool(record) and record["export"] == dst
     if not is_url(dst) and os.path.lexists(dst):
-        same = ours and record.get("identity") == identity(c)
+        same = ours and record is not None and record.get("identity") == identity(c)
         if not ours and not made_from(dst, c):  # the Export dialog's export of this very checkpoint
             return ExportStep(c, ADOPTED, dst, "its lineage names this checkpoint as it is now", record=record)
         why = made_from(dst, c, as_it_is=same) if ours else "this watch did not write it"

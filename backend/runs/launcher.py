@@ -239,7 +239,7 @@ def stop_run(run_dir: str | os.PathLike, grace: float = 10.0, timeout: float = S
             break
         time.sleep(0.1)
     if status.get("state") not in FINAL_STATES:  # the supervisor is gone, or does not answer: end it all here
-        if process_running(supervisor, status.get("supervisor_started")):
+        if supervisor is not None and process_running(supervisor, status.get("supervisor_started")):
             send_signal(supervisor, signal.SIGKILL)  # torchrun gets its parent-death signal
             _wait_gone({k: status.get(k) for k in ("supervisor_pid", "supervisor_started")}, grace)
         status = settle_abandoned(run_dir, grace)

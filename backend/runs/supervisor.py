@@ -103,7 +103,8 @@ def settle_abandoned(run_dir: str | os.PathLike, grace: float = GRACE) -> dict[s
         if status.get("state") not in ACTIVE_STATES or not run_gone(status):
             return status
         pid = status.get("pid")
-        if process_running(pid, status.get("pid_started")):  # torchrun, still ending (its parent-death signal)
+        # torchrun, still ending (its parent-death signal)
+        if pid is not None and process_running(pid, status.get("pid_started")):
             terminate_tree(pid, grace)
         return settle(run_dir, status, None, gone=gone_explanation(status))
 

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
     torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.width, args.depth, args.heads, args.seq_len).to(device)
+    tiny = TinyLM(args.vocab, args.width, args.depth, args.heads, args.seq_len).to(device)
+    model: nn.Module = tiny  # DDP wraps it; fully_shard changes it in place
     if args.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for b in model.blocks:
+        for b in tiny.blocks:
             fully_shard(b)
         fully_shard(model)
     else:
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     start = 0
     if args.resume:
         msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optimizer": osd, "step": 0}
+        state: dict[str, Any] = {"model": msd, "optimizer": osd, "step": 0}
         dcp.load(state, checkpoint_id=args.resume)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         start = int(state["step"])

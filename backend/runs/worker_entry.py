@@ -61,7 +61,7 @@ def main() -> None:
     tb = ""
     try:
         if argv[0] == "--builtin":
-            from shardscope.backend.runs.trainer import main as trainer_main
+            from .trainer import main as trainer_main
 
             code = trainer_main(argv[1:]) or 0
         else:

@@ -104,9 +104,9 @@ class Unpickler:
                 stack.append(memo[_UNPACK_UI(data, i)[0]])
                 i += 4
             elif op == 0x74:  # TUPLE
-                items = tuple(stack)
+                made_tuple = tuple(stack)
                 stack = metastack.pop()
-                stack.append(items)
+                stack.append(made_tuple)
             elif op == 0x85:  # TUPLE1
                 stack[-1] = (stack[-1],)
             elif op == 0x86:  # TUPLE2
@@ -235,10 +235,12 @@ class Unpickler:
 
     def _storage(self, pid: Any) -> StorageRef:
         """``persistent_load`` of a storage: ('storage', kind, key, location, numel), as torch.save writes it."""
-        if type(pid) is not tuple and type(pid) is not int:
-            raise self.budget.refused("names a persistent id that is neither a tuple nor a number")
-        tag = pid[0] if type(pid) is tuple and pid else None
-        if type(pid) is int or (tag != "storage" and tag != b"storage"):
+        if type(pid) is not tuple:
+            if type(pid) is not int:
+                raise self.budget.refused("names a persistent id that is neither a tuple nor a number")
+            raise self.budget.refused(f"loads a persistent object {describe(None)} that is not a storage")
+        tag = pid[0] if pid else None
+        if tag != "storage" and tag != b"storage":
             raise self.budget.refused(f"loads a persistent object {describe(tag)} that is not a storage")
         if len(pid) != 5:
             raise NotBuilt("data.pkl names a storage in a form torch.save does not write")
@@ -341,6 +343,7 @@ def _made_real(value: Any) -> Any:
     if isinstance(value, BytesIOStandIn):
         out = io.BytesIO(value.args[0] if value.args and value.args[0] is not None else b"")
         if value.state is not None:
-            out.__setstate__((bytes(value.state[0]), value.state[1], None))  # checked when built
+            # checked when built; BytesIO.__setstate__ is C's, which typeshed does not declare
+            out.__setstate__((bytes(value.state[0]), value.state[1], None))  # type: ignore[attr-defined]
         return out
     return value

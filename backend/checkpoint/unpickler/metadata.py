@@ -47,6 +47,7 @@ class FrozenCall:
     """A function a pickle may call, with nothing to set on it (BUILD on a plain function sets its attributes)."""
 
     __slots__ = ("_fn",)
+    _fn: Callable[..., Any]
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         object.__setattr__(self, "_fn", fn)
@@ -120,7 +121,7 @@ def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
     return cls.__new__(cls)
 
 
-_CHECKPOINT_CLASSES: dict[str, type] = {
+_CHECKPOINT_CLASSES: dict[str, Callable[..., Any]] = {
     "Metadata": MetadataRecord,
     "TensorStorageMetadata": TensorStorageRecord,
     "ChunkStorageMetadata": ChunkRecord,
@@ -128,10 +129,11 @@ _CHECKPOINT_CLASSES: dict[str, type] = {
     "MetadataIndex": MetadataIndexRecord,
     "TensorProperties": TensorPropertiesRecord,
     "StorageMeta": StorageMetaRecord,
-    "_MEM_FORMAT_ENCODING": _mem_format_encoding,  # type: ignore[dict-item]
+    "_MEM_FORMAT_ENCODING": _mem_format_encoding,
 }
 
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {}
+_cls: Callable[..., Any]  # the classes and functions a metadata pickle may call
 for _module in ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata"):
     for _name, _cls in _CHECKPOINT_CLASSES.items():
         METADATA_GLOBALS[(_module, _name)] = _cls

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, cast
 
 from ...errors import RefusedPickleError
 from ..dtypes import ITEMSIZE, MAX_INDEX, MAX_NDIM
@@ -49,6 +49,10 @@ class Builder:
     (a storage kind's dtype, a tensor type, a numpy class)."""
 
     __slots__ = ("call", "kind", "name", "new")
+    name: str
+    call: Callable[..., Any] | None
+    new: Callable[..., Any] | None
+    kind: Any  # a tag of any type the builders compare (DTypeName, TensorType, a stand-in class)
 
     def __init__(self, name: str, call: Callable[..., Any] | None, new: Callable[..., Any] | None = None,
                  kind: Any = None) -> None:
@@ -73,6 +77,8 @@ class StandIn:
 
     __slots__ = ("args", "state")
     qualname: ClassVar[str] = ""
+    args: tuple[Any, ...]
+    state: Any  # what BUILD gave, as the pickle chose it
 
     def __init__(self, *args: Any) -> None:
         self.args, self.state = args, None
@@ -121,7 +127,8 @@ def stand_in(qualname: str) -> type[StandIn]:
 NUMPY_NUMBER_CODES = {"b1": "Bool", "i1": "Int8", "i2": "Int16", "i4": "Int32", "i8": "Int64", "u1": "UInt8",
                       "u2": "UInt16", "u4": "UInt32", "u8": "UInt64", "f2": "Float16", "f4": "Float32",
                       "f8": "Float64"}
-_NUMPY_ORDERS = ("<", ">", "|", "=")
+ByteOrder = Literal["<", ">", "|", "="]
+_NUMPY_ORDERS: tuple[ByteOrder, ...] = ("<", ">", "|", "=")
 
 
 class NumpyDType(StandIn):
@@ -135,8 +142,9 @@ class NumpyDType(StandIn):
         return self.args[0] if self.args and self.args[0] in NUMPY_NUMBER_CODES else None
 
     @property
-    def order(self) -> str:
-        return self.state[1] if isinstance(self.state, tuple) and len(self.state) > 1 else "="
+    def order(self) -> ByteOrder:
+        # build let only one of _NUMPY_ORDERS in
+        return cast(ByteOrder, self.state[1]) if isinstance(self.state, tuple) and len(self.state) > 1 else "="
 
     def build(self, state: Any, budget: Budget) -> None:
         # numpy keeps a number dtype's size and alignment whatever the state says (only its byte order is set)
@@ -162,7 +170,7 @@ class NumpyArray(StandIn):
                 and type(state[2]) is stand_in("numpy.dtype") and state[2].state is not None
                 and type(state[3]) is bool and type(state[4]) is bytes):
             raise budget.refused(f"builds a numpy array from {describe(state)}")
-        shape, dtype, raw = state[1], state[2], state[4]
+        shape, dtype, raw = state[1], cast(NumpyDType, state[2]), state[4]  # its type checked above
         if len(shape) > MAX_NDIM or not all(type(d) is int and 0 <= d < MAX_INDEX for d in shape) or \
                 math.prod(shape) * dtype.itemsize != len(raw):
             raise budget.refused(f"builds a numpy array of shape {describe(shape)} from {len(raw)} bytes")

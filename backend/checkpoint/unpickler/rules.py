@@ -172,7 +172,7 @@ class Rules:
     def _from_type(self, func: Any, new_type: Any, args: Any, state: Any) -> TensorRef:
         """A tensor saved with attributes (ZeRO-3 gives its flat groups a ``ds_id``): ``func(*args)`` of a rebuild,
         as a plain tensor; the attributes are dropped where the rules are lenient."""
-        if not (isinstance(func, Builder) and func.call in _TENSOR_REBUILDS.values()) or \
+        if not (isinstance(func, Builder) and func.call is not None and func.call in _TENSOR_REBUILDS.values()) or \
                 not (isinstance(new_type, Builder) and isinstance(new_type.kind, TensorType)) or \
                 type(args) is not tuple or not (self.lenient or _empty(state) or new_type.kind != "torch.Tensor"):
             raise NotBuilt("a tensor is rebuilt from a type, with attributes")

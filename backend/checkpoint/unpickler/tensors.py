@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,5 +145,6 @@ class DTypeName(str):
     """A torch dtype (``torch.float32``) by its short name."""
 
 
-_TENSOR_REBUILDS = {"_rebuild_tensor": _rebuild_tensor, "_rebuild_tensor_v2": _rebuild_tensor_v2,
-                    "_rebuild_tensor_v3": _rebuild_tensor_v3, "_rebuild_parameter": _rebuild_parameter}
+_TENSOR_REBUILDS: dict[str, Callable[..., TensorRef]] = {
+    "_rebuild_tensor": _rebuild_tensor, "_rebuild_tensor_v2": _rebuild_tensor_v2,
+    "_rebuild_tensor_v3": _rebuild_tensor_v3, "_rebuild_parameter": _rebuild_parameter}
