@@ -22,6 +22,7 @@ from .layout import coverage
 from .model import ITEMSIZE, Chunk, TensorEntry, contiguous_strides
 
 if TYPE_CHECKING:
+    from .chunks import CorruptChunkError
     from .codecs import ItemCodec
     from .model import Checkpoint
 
@@ -49,6 +50,10 @@ class RunReads:
     handles: Any
     _columns: tuple[list, ...] | None
     _owners: dict[tuple[str, int], tuple[str, tuple[int, ...]]]
+    # the reader's own, declared for the type checker (``ChunkReader`` defines them)
+    _size: Callable[[str], int]
+    locate: Callable[[str, Chunk], StoredTensor]
+    _corrupt: Callable[[str, Chunk, StoredTensor, int], CorruptChunkError]
 
     def whole_values(self, entries: list[TensorEntry], limit: int, block: int = 16 << 20
                      ) -> Iterator[tuple[TensorEntry, memoryview | None]]:

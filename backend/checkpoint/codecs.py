@@ -138,7 +138,7 @@ class ItemCodec:
         data = reader.decoded_item(chunk.file, chunk.offset, chunk.length, descs, self.item_limit(chunk, dtype))
         if data[:4] != ZIP_LOCAL:  # torch writes a safetensors blob untransformed (only its framing is)
             raise ItemFormatError("the decoded item is not a torch.save archive")
-        st = parse_torch_item(InMemory(data), chunk.file, 0, len(data))
+        st = parse_torch_item(InMemory(bytes(data)), chunk.file, 0, len(data))
         return StoredTensor(st.dtype, st.shape, st.stride, st.storage_offset, st.data_offset, st.nbytes, st.crc32,
                             encoded=True)
 

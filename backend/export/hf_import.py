@@ -10,6 +10,8 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 from ..filenames import HF_CONFIG
 from ..formats import open_source
@@ -22,6 +24,11 @@ from .lineage import lineage_for
 from .output_seal import Origin
 from .plan import ExportError
 from .result import ExportResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..checkpoint.sources import CheckpointSource
 
 # what ``--as`` names -> the HF architectures it takes (torchtitan's Llama 3: its state_dict_adapter's from_hf)
 IMPORT_TARGETS = {"torchtitan": ("LlamaForCausalLM",)}
@@ -181,10 +188,10 @@ def import_hf(src: str, dst: str, target: str = "torchtitan", ranks: int = 1, pr
                 e = entries[t.source]
                 if t.transform is None:
                     raw = next(plain)[1]
-                    yield TensorIn(key(t.name), e.dtype, tuple(e.shape), lambda e=e: source.tensor(e.fqn), raw)
+                    yield TensorIn(key(t.name), e.dtype, tuple(e.shape), partial(source.tensor, e.fqn), raw)
                 else:
-                    yield TensorIn(key(t.name), e.dtype, tuple(e.shape),
-                                   lambda e=e, f=t.transform: f.apply(source.tensor(e.fqn)))
+                    yield TensorIn(key(t.name), e.dtype, tuple(e.shape), partial(_transformed, t.transform, source,
+                                                                                  e.fqn))
 
         total = sum(entries[t.source].numel * itemsize(entries[t.source].dtype) for t in plan)
         model = _lineage_model(f"Hugging Face {arch} -> {target} names", target, cfg, plan, left_out, key)
@@ -198,6 +205,12 @@ def import_hf(src: str, dst: str, target: str = "torchtitan", ranks: int = 1, pr
                     "transforms: " + ("; ".join(model["transforms"]) or "none (names only)")]
     result.left_out = [*result.left_out, *left_out]
     return result
+
+
+
+def _transformed(transform: Transform, source: CheckpointSource, fqn: str) -> torch.Tensor:
+    """One source tensor read and transformed (what a transformed import tensor's bytes are made from)."""
+    return transform.apply(source.tensor(fqn))
 
 
 __all__ = ["IMPORT_TARGETS", "ImportTensor", "import_hf", "torchtitan_names"]
