@@ -26,9 +26,9 @@ def write_checkpoint(folder: Path, mb: int) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    n = max(1, mb // 64)
+    n = max(1, mb // 64)  # tensors of 64 MiB each: fp32 4096 x 4096 and bf16 4096 x 8192, alternating
     g = torch.Generator().manual_seed(0)
-    state = {f"model.layers.{i}.weight": torch.randn(4096, 4096 if i % 2 else 2048, generator=g)
+    state = {f"model.layers.{i}.weight": torch.randn(4096, 4096 if i % 2 else 8192, generator=g)
              .to(torch.float32 if i % 2 else torch.bfloat16) for i in range(n)}
     dcp.save(state, checkpoint_id=str(folder), no_dist=True)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import zlib
 from typing import Any
 
+from ..crc import crc32
 from ..errors import CheckpointError
 from .digests import RangeSink
 from .model import TensorEntry, itemsize
@@ -92,13 +92,16 @@ class _RunSink(RangeSink):
 
 
 class _CrcSink(RangeSink):
-    """A stored record's CRC32, computed over its bytes as they pass."""
+    """A stored record's CRC32, computed over its bytes as they pass (on the file hash's lane: ISA-L's CRC32 is
+    about 5x as fast as SHA-256)."""
+
+    lane = 0
 
     def __init__(self, expected: int) -> None:
         self.expected, self.crc, self.ok = expected, 0, False
 
     def update(self, data: memoryview) -> None:
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
 
     def close(self) -> None:
         self.ok = self.crc == self.expected
