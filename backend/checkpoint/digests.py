@@ -54,12 +54,29 @@ class RangeSink:
         raise NotImplementedError
 
 
+@dataclass(frozen=True, slots=True)
+class TensorKey:
+    """The range key of a tensor stored as one run of its row-major bytes: its logical digest is that range's
+    SHA-256, hashed on lane 2 unless a chunk range is the very same bytes (one SHA-256 for both)."""
+
+    fqn: str
+    lane = 2
+
+
 class _Lane:
-    """Ranges of one file (and, for lane 0, the whole file's SHA-256) fed block after block, in file order."""
+    """Ranges of one file (and, for lane 0, the whole file's SHA-256) fed block after block, in file order: each
+    a :class:`RangeSink`, or a list of keys whose range is the same bytes (one SHA-256 for them all)."""
 
     def __init__(self, ranges: list[tuple[Any, int, int]], whole: Any = None) -> None:
-        self.todo = sorted(ranges, key=lambda r: r[1])
-        self.hashers = {key: key if isinstance(key, RangeSink) else hashlib.sha256() for key, _, _ in self.todo}
+        self.results: dict[Any, Any] = {}  # key -> its hasher
+        todo = []
+        for target, off, length in ranges:
+            if not isinstance(target, RangeSink):
+                h = hashlib.sha256()
+                self.results.update((key, h) for key in target)
+                target = h
+            todo.append((target, off, length))
+        self.todo = sorted(todo, key=lambda r: r[1])
         self.whole = whole
         self.active: list[tuple[Any, int, int]] = []
         self.nxt = 0
@@ -72,25 +89,32 @@ class _Lane:
         while self.nxt < len(todo) and todo[self.nxt][1] < end:
             active.append(todo[self.nxt])
             self.nxt += 1
-        for key, off, length in active:
+        for target, off, length in active:
             lo, hi = max(off, pos), min(off + length, end)
             if lo < hi:
-                self.hashers[key].update(view[lo - pos:hi - pos])
-        for key, off, length in active:
-            if off + length <= end and isinstance(key, RangeSink):
-                key.close()
+                target.update(view[lo - pos:hi - pos])
+        for target, off, length in active:
+            if off + length <= end and isinstance(target, RangeSink):
+                target.close()
         self.active = [r for r in active if r[1] + r[2] > end]
 
 
 def hash_file(full: str, ranges: Iterable[tuple[Any, int, int]] = (), progress: Progress | None = None) -> FileHash:
-    """SHA-256 of the file at ``full`` and of each (key, offset, length) range in it, in one front-to-back read;
-    a key that is a :class:`RangeSink` is fed the range's bytes instead (and left out of the result). The file's
+    """SHA-256 of the file at ``full`` and of each (key, offset, length) range in it, in one front-to-back read
+    (keys of the same range share one SHA-256); a key that is a :class:`RangeSink` is fed the range's bytes instead
+    (and left out of the result). The file's
     own SHA-256, the ranges' SHA-256s and the sinks are three lanes, each on a thread of its own while this one
     reads (hashlib and reads let go of the GIL), so the hashes of the same bytes run on several cores at once."""
     whole = hashlib.sha256()
     groups: dict[int, list[tuple[Any, int, int]]] = {0: [], 1: [], 2: []}
-    for r in ranges:
-        groups[r[0].lane if isinstance(r[0], RangeSink) else 1].append(r)
+    same: dict[tuple[int, int], list[Any]] = {}  # plain keys by their byte range
+    for key, off, length in ranges:
+        if isinstance(key, RangeSink):
+            groups[key.lane].append((key, off, length))
+        else:
+            same.setdefault((off, length), []).append(key)
+    for (off, length), keys in same.items():  # a range alone keeps its key's lane; shared ones go to lane 1
+        groups[getattr(keys[0], "lane", 1) if len(keys) == 1 else 1].append((keys, off, length))
     lanes = [_Lane(groups[0], whole)] + [_Lane(groups[k]) for k in (1, 2) if groups[k]]
     with open(full, "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size <= BLOCK:  # one block: no threads
@@ -104,8 +128,7 @@ def hash_file(full: str, ranges: Iterable[tuple[Any, int, int]] = (), progress: 
                     progress.advance(n)
         else:
             pos = _pipeline(f, lanes, progress)
-    return FileHash(pos, whole.hexdigest(), {k: x.hexdigest() for lane in lanes for k, x in lane.hashers.items()
-                                             if not isinstance(k, RangeSink)})
+    return FileHash(pos, whole.hexdigest(), {k: h.hexdigest() for lane in lanes for k, h in lane.results.items()})
 
 
 def _pipeline(f: Any, lanes: list[_Lane], progress: Progress | None) -> int:

@@ -90,7 +90,7 @@ def compute_manifest(ckpt: Checkpoint, progress: Progress | None = None) -> Mani
         if progress:
             progress.start(sum(names.values()), f"sealing {ckpt.path}")
         fh = hash_files(ckpt.path, is_folder, list(names), ranges, progress)
-        digests = streamed.digests()
+        digests = streamed.digests(fh)
         rest = [e for e in ckpt.tensors if e.fqn not in digests]
         if progress and rest:
             progress.start(sum(e.nbytes for e in rest), f"sealing {ckpt.path}: tensors in other layouts")
