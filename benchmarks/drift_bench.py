@@ -31,8 +31,8 @@ def timed(func) -> float:
 
 
 def main() -> None:
+    from shardscope.backend.compare.averaging import average_checkpoints
     from shardscope.backend.compare.drift import run_drift
-    from shardscope.backend.export.average import average_checkpoints
 
     ap = argparse.ArgumentParser()
     ap.add_argument("workdir", type=Path)

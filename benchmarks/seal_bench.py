@@ -26,9 +26,9 @@ def write_checkpoint(folder: Path, mb: int) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    n = max(1, mb // 64)
+    n = max(1, mb // 64)  # tensors of 64 MiB each: fp32 4096 x 4096 and bf16 4096 x 8192, alternating
     g = torch.Generator().manual_seed(0)
-    state = {f"model.layers.{i}.weight": torch.randn(4096, 4096 if i % 2 else 2048, generator=g)
+    state = {f"model.layers.{i}.weight": torch.randn(4096, 4096 if i % 2 else 8192, generator=g)
              .to(torch.float32 if i % 2 else torch.bfloat16) for i in range(n)}
     dcp.save(state, checkpoint_id=str(folder), no_dist=True)
 
@@ -113,12 +113,12 @@ def main() -> None:
     diff_sealed = timed([*cli, "diff", str(src), str(copy)])
     size = sum(os.path.getsize(f) for f in files)
     print(f"checkpoint: {size / 1e9:.2f} GB in {len(files)} files; cold cache: {'yes' if dropped else 'NO (not root)'}"
-          f"; CPUs: {os.cpu_count()}; medians of {a.rounds}")
-    print("| step | seconds (median) | × sha256sum |\n|---|---|---|")
+          f"; CPUs: {os.cpu_count()}; load {os.getloadavg()[0]:.1f}; medians of {a.rounds}")
+    print("| step | seconds (median; runs) | × sha256sum |\n|---|---|---|")
     base = statistics.median(times["sha256sum"])
     for name, ts in times.items():
         m = statistics.median(ts)
-        print(f"| {name} | {m:.2f} | {m / base:.2f} |")
+        print(f"| {name} | {m:.2f} ({', '.join(f'{t:.2f}' for t in ts)}) | {m / base:.2f} |")
     print(f"| diff of unsealed copies | {diff_unsealed:.2f} | |\n| diff of sealed copies | {diff_sealed:.2f} | "
           f"{diff_sealed / diff_unsealed:.2f}× unsealed |")
     print(json.dumps({k: statistics.median(v) for k, v in times.items()}))

@@ -674,3 +674,32 @@ def test_upload_to_storage_without_checksums_says_it_checked_sizes_only(tmp_path
     assert target.report.describe() == ("2 objects; each final object's size equals the staged file's (the uploaded "
                                         "bytes themselves were not checked)")
     fs.rm("/upload-check", recursive=True)
+
+
+def test_verify_on_s3_checks_the_manifest_beside_the_export(s3, tmp_path):
+    """An export to a URL puts its manifest beside it; ``verify URL`` checks every file against it (sealed, exit
+    0), and one flipped byte or a file the manifest lacks is exit 1 naming the file (fail closed)."""
+    server, fs, _ = s3
+    url = f"s3://{BUCKET}/sealed/model.safetensors"
+    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/fsdp2_r4", url)
+    assert proc.returncode == 0, proc.stderr
+    ok, _ = shardscope(server, "verify", url)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "sealed: 1 file SHA-256 checked against model.safetensors.shardscope-manifest.json" in ok.stdout, ok.stdout
+    data = bytearray(fs.cat(f"{BUCKET}/sealed/model.safetensors"))
+    data[-1] ^= 0x01  # the last tensor's last byte: no stored checksum in a safetensors file sees it
+    fs.pipe(f"{BUCKET}/sealed/model.safetensors", bytes(data))
+    bad, _ = shardscope(server, "verify", url)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "model.safetensors: its SHA-256 differs from the manifest's; it holds" in bad.stdout, bad.stdout
+
+    folder = f"s3://{BUCKET}/sealed/sharded"
+    proc, _ = shardscope(server, "export", f"s3://{BUCKET}/fsdp2_r4", folder, "--max-shard-size", "4KB")
+    assert proc.returncode == 0, proc.stderr
+    ok, _ = shardscope(server, "verify", folder, "--json")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    seal = json.loads(ok.stdout)["seal"]
+    assert seal["state"] == "sealed" and seal["files_checked"] == len(fs.ls(f"{BUCKET}/sealed/sharded")) - 1
+    fs.pipe(f"{BUCKET}/sealed/sharded/notes.txt", b"written after the seal")
+    bad, _ = shardscope(server, "verify", folder)
+    assert bad.returncode == 1 and "notes.txt is not in the manifest: unverified" in bad.stdout, bad.stdout

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QSpinBox, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSpinBox, QVBoxLayout, QWidget
 
 from ..backend.compare.drift import DriftResult, module_rows, run_drift
 from .plot_style import CategoryAxis, themed_plot
-from .workers import run_in_background
+from .workers import Worker, run_in_background
 
 FLOOR = 1e-12  # relative changes below this (and exact zeros) are drawn at it
 
@@ -29,6 +29,7 @@ class DriftView(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.result: DriftResult | None = None
+        self.worker: Worker | None = None  # the drift being computed
         self.rows: list[list[int]] = []
         self.labels: list[str] = []
         self.status = QLabel("")
@@ -53,8 +54,13 @@ class DriftView(QWidget):
         self.plot.addItem(self.marker)
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.plot.scene().sigMouseClicked.connect(self._clicked)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setToolTip("Stop reading the checkpoints (after the tensor being read)")
+        self.cancel_button.setVisible(False)
+        self.cancel_button.clicked.connect(self.cancel)
         top = QHBoxLayout()
         top.addWidget(self.status, 1)
+        top.addWidget(self.cancel_button)
         top.addWidget(self.depth)
         layout = QVBoxLayout(self)
         layout.addLayout(top)
@@ -62,9 +68,24 @@ class DriftView(QWidget):
 
     def load(self, paths: list[str]) -> None:
         """Compute the drift of a run (or checkpoints) in the background, then draw it."""
+        self.cancel()
         self.status.setText("reading the checkpoints…")
-        run_in_background(run_drift, list(paths), owner=self, on_result=self.show_result, on_error=self._failed,
-                          on_progress=self._progress)
+        self.cancel_button.setVisible(True)
+        self.worker = run_in_background(run_drift, list(paths), owner=self, on_result=self.show_result,
+                                        on_error=self._failed, on_progress=self._progress,
+                                        on_cancelled=self._cancelled, on_finished=self._finished)
+
+    def cancel(self) -> None:
+        """Ask the drift being computed to stop (at its next tensor); the view stays usable."""
+        if self.worker is not None:
+            self.worker.quit()
+
+    def _cancelled(self) -> None:
+        self.status.setText("cancelled: nothing drawn (\"Drift of the run…\" in the Library reads it again)")
+
+    def _finished(self) -> None:
+        self.worker = None
+        self.cancel_button.setVisible(False)
 
     def _progress(self, done: int, total: int, message: str) -> None:
         self.status.setText(f"reading the checkpoints… {done}/{total}")

@@ -294,12 +294,13 @@ class ChunkReader(RunReads):
         tdtype = torch_dtype(dtype)
         if st.nbytes % tdtype.itemsize:
             raise self._error(fqn, chunk, f"item storage of {st.nbytes} bytes is not a whole number of {dtype}.")
-        buf = bytearray(st.nbytes)
-        self._read_checked(fqn, chunk, st, memoryview(buf))
-        self._release(chunk)
         if not st.nbytes:
+            self._release(chunk)
             return torch.empty(st.shape, dtype=tdtype)
-        return torch.frombuffer(buf, dtype=tdtype).as_strided(st.shape, st.stride, st.storage_offset)
+        raw = torch.empty(st.nbytes, dtype=torch.uint8)  # NOTE: not a bytearray, which is zero-filled first
+        self._read_checked(fqn, chunk, st, memoryview(raw.numpy()))  # type: ignore[arg-type]  # an ndarray is a buffer
+        self._release(chunk)
+        return raw.view(tdtype).as_strided(st.shape, st.stride, st.storage_offset)
 
     def read_tensor(self, entry: TensorEntry, progress: Progress | None = None) -> Any:
         """The whole tensor assembled from its chunks (reads only this tensor's items)."""
@@ -312,9 +313,15 @@ class ChunkReader(RunReads):
         chunks = entry.chunks
         for c in chunks:  # every chunk's bytes exist before the tensor is allocated
             self.locate(entry.fqn, c)
-        out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         if progress:
             progress.start(len(chunks), f"reading {entry.fqn}")
+        if len(chunks) == 1:  # the whole tensor (coverage is exact): its stored values, copied only if strided
+            t = self.read_chunk(entry.fqn, chunks[0], entry.dtype)
+            if progress:
+                progress.advance(1)
+            return t if t.is_contiguous() and tuple(t.shape) == tuple(entry.shape) else t.contiguous().reshape(
+                entry.shape)
+        out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
         for c in chunks:
             t = self.read_chunk(entry.fqn, c, entry.dtype)
             out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))].copy_(t)

@@ -142,6 +142,16 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     return Manifest(fmt, files, tensors, objects, written)
 
 
+def manifest_beside(path: str) -> str | None:
+    """The manifest beside the single-file checkpoint at ``path`` when it is one of ours, else None: it goes where
+    the checkpoint goes (prune moves and removes it with the checkpoint)."""
+    mpath = manifest_path(path, False)
+    try:
+        return mpath if read_manifest_files(mpath) is not None else None
+    except ManifestError:
+        return None  # not ours: left as it is
+
+
 def read_manifest_files(path: str) -> dict[str, FileDigest] | None:
     """Only the files the manifest at ``path`` lists (None when there is none; ManifestError when it is not one):
     what a listing compares with the disk. A manifest in the order Shardscope writes it is parsed only up to its

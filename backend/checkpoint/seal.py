@@ -28,7 +28,6 @@ from .manifest import (
     checkpoint_files,
     megatron_integrity,
     read_manifest,
-    read_manifest_files,
     read_megatron_integrity,
     seal_state,
     write_manifest,
@@ -91,7 +90,7 @@ def compute_manifest(ckpt: Checkpoint, progress: Progress | None = None) -> Mani
         if progress:
             progress.start(sum(names.values()), f"sealing {ckpt.path}")
         fh = hash_files(ckpt.path, is_folder, list(names), ranges, progress)
-        digests = streamed.digests()
+        digests = streamed.digests(fh)
         rest = [e for e in ckpt.tensors if e.fqn not in digests]
         if progress and rest:
             progress.start(sum(e.nbytes for e in rest), f"sealing {ckpt.path}: tensors in other layouts")
@@ -164,16 +163,6 @@ def quick_seal_summary(path: str) -> str:
                      "names it)"}[seal_state(path, os.path.isdir(path))]
 
 
-def remove_manifest_beside(path: str) -> None:
-    """After a single-file checkpoint at ``path`` was removed (prune): its manifest beside it, when it is one."""
-    mpath = manifest_path(path, False)
-    try:
-        if read_manifest_files(mpath) is not None:
-            os.unlink(mpath)
-    except (ManifestError, OSError):
-        pass  # not ours, or gone: left as it is
-
-
 def unchanged_manifest(ckpt: Checkpoint) -> Manifest | None:
     """The checkpoint's manifest when, by the file system's word, its files are the ones sealed (:func:`seal_state`
     is ``sealed``); else None. What ``diff`` trusts to skip reading tensors whose digests are equal; ``verify``
@@ -192,9 +181,12 @@ def unchanged_manifest(ckpt: Checkpoint) -> Manifest | None:
 def check_seal(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = None) -> SealCheck:
     """The checkpoint checked against its manifest (and a Megatron ``integrity.json``), whenever it has one:
     missing, extra, resized and changed files, the tensors they hold and (``deep``) every tensor's digest.
-    A checkpoint without either is "unsealed" with no problems; a URL is not checked (unsealed)."""
+    A checkpoint without either is "unsealed" with no problems; on a URL, the manifest beside it
+    (:mod:`.seal_remote`)."""
     if is_url(ckpt.path):
-        return SealCheck(None)
+        from .seal_remote import check_remote_seal
+
+        return check_remote_seal(ckpt, deep, progress)
     is_folder = is_folder_checkpoint(ckpt)
     path = manifest_path(ckpt.path, is_folder)
     integrity = os.path.join(ckpt.path, MEGATRON_INTEGRITY) if is_folder else None
@@ -266,7 +258,9 @@ def _first(manifest: Manifest, rel: str) -> str | None:
 
 def _changed_chunks(root: str, is_folder: bool, manifest: Manifest, rel: str) -> list[str]:
     """``fqn bytes a..b`` of every chunk stored in ``rel`` whose stored bytes differ from the manifest's (the
-    file read once more, only when its digest differs)."""
+    file read once more, only when its digest differs; not on a URL, where the tensors it holds are named)."""
+    if is_url(root):
+        return []
     ranges = [((fqn, k), c.offset, c.length) for fqn, t in manifest.tensors.items()
               for k, c in enumerate(t.chunks) if c.file == rel]
     if not ranges:

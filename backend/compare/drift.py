@@ -5,19 +5,23 @@ the first checkpoint and tensor where a value is not finite.
 
 The checkpoints are opened together (their metadata) and read tensor by tensor: one tensor through every
 checkpoint in step order, the previous checkpoint's value held, so every checkpoint's bytes are read once and
-memory holds about two of the largest tensor (and float64 blocks of :data:`.diff.BLOCK` elements)."""
+memory holds about three of the largest tensor (the previous value, the current one, and the next one read on a
+thread while the statistics run) and cache-sized float64 blocks of :data:`STATS_BLOCK` elements."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.sources import EntryInfo, Source
+from ..checkpoint.sources import EntryInfo
 from ..errors import ShardscopeError
 from ..progress import Progress
-from .diff import BLOCK, value_change
+from .diff import value_change
 from .series import SeriesPoint, step_labels
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # an Adam-like optimizer's moment tensors, by the last part of their name
@@ -71,26 +75,59 @@ def _number(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
+STATS_BLOCK = 1 << 15  # elements per block: float64 temporaries stay in the CPU's cache, and each op runs on one
+# thread (torch splits work above 32,768 elements; on a loaded machine that costs more than it gains)
+_FAST = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")  # dtypes with the fast change
+
+
 def tensor_stats(t: Any, moment: bool) -> tuple[float, int, int, int]:
     """(L2 norm of the finite elements, NaN/Inf count, zeros, negatives) of a tensor, in float64 blocks;
-    zeros and negatives are counted only for a ``moment`` (else 0)."""
+    zeros and negatives are counted only for a ``moment`` (else 0). A block's sum of squares is one float64
+    ``vector_norm`` of its values (cast as it reads; not BLAS's ``dot``, whose threads stall a loaded machine);
+    only a block whose sum is not finite is looked at element by element."""
     import torch
 
     flat = t.reshape(-1)
     s2, nonfinite, zeros, negatives = 0.0, 0, 0, 0
-    for s in range(0, flat.numel(), BLOCK):
-        x = flat[s:s + BLOCK].to(torch.float64)
-        lo, hi = (float(v) for v in torch.aminmax(x)) if x.numel() else (0.0, 0.0)
-        if math.isfinite(lo) and math.isfinite(hi):
-            s2 += float(torch.dot(x, x))
-        else:
+    for s in range(0, flat.numel(), STATS_BLOCK):
+        blk = flat[s:s + STATS_BLOCK]
+        v = float(torch.linalg.vector_norm(blk, dtype=torch.float64)) ** 2
+        if math.isfinite(v):
+            s2 += v
+        else:  # a NaN or Inf in the block (or a float64 square beyond its range)
+            x = blk.to(torch.float64)
             finite = torch.isfinite(x)
             nonfinite += int(x.numel() - int(finite.sum()))
             s2 += float(x[finite].square().sum())
         if moment:
-            zeros += int((x == 0).sum())
-            negatives += int((x < 0).sum())
+            zeros += int(torch.count_nonzero(blk == 0))
+            negatives += int(torch.count_nonzero(blk < 0))
     return math.sqrt(s2), nonfinite, zeros, negatives
+
+
+def rel_change(prev: Any, cur: Any, prev_norm: float) -> float | None:
+    """``||cur - prev|| / ||prev||`` in float64 (:func:`.diff.value_change`'s relative L2; ``prev_norm``: prev's
+    norm from :func:`tensor_stats`): 0.0 for equal values; from all zeros to anything else inf. Floating
+    tensors are compared in float64 blocks of :data:`STATS_BLOCK` elements, one norm per block; a difference
+    that is not finite (NaN, Inf) hands the pair to :func:`.diff.value_change`, which says what NaN equals."""
+    import torch
+
+    fa, fb = prev.reshape(-1), cur.reshape(-1)
+    if fa.numel() == 0:
+        return 0.0
+    if str(fa.dtype) not in _FAST:
+        change = value_change(prev, cur)
+        return 0.0 if change is None else change[1]
+    d2 = 0.0
+    for s in range(0, fa.numel(), STATS_BLOCK):
+        d = fb[s:s + STATS_BLOCK].to(torch.float64, copy=True)  # NOTE: a copy: float64 inputs are not changed
+        torch.sub(fa[s:s + STATS_BLOCK].to(torch.float64), d, out=d)
+        v = float(torch.linalg.vector_norm(d)) ** 2
+        if not math.isfinite(v):
+            change = value_change(prev, cur)
+            return 0.0 if change is None else change[1]
+        d2 += v
+    return math.sqrt(d2) / prev_norm if prev_norm > 0 else (0.0 if d2 == 0 else math.inf)
 
 
 def _tensor_names(entries: list[dict[str, EntryInfo]]) -> list[str]:
@@ -103,31 +140,44 @@ def _tensor_names(entries: list[dict[str, EntryInfo]]) -> list[str]:
     return list(names)
 
 
-def _follow(sources: list[Source], entries: list[dict[str, EntryInfo]], fqn: str,
-            progress: Progress | None) -> TensorDrift:
-    """One tensor through every checkpoint in order, the previous value held."""
-    n = len(sources)
+def _follow(n: int, fqn: str, values: Iterator[tuple[int, Any]], progress: Progress | None) -> TensorDrift:
+    """One tensor through the series: ``values`` gives (checkpoint index, its value) in step order for the
+    checkpoints that hold it; the previous value is held for the change."""
     moment = is_moment(fqn)
     d = TensorDrift([None] * n, [None] * n, [None] * n, [None] * n if moment else None,
                     [None] * n if moment else None)
-    prev = None
-    for i, src in enumerate(sources):
-        info = entries[i].get(fqn)
-        if info is None or info.kind != "tensor":
-            prev = None
-            continue
-        cur = src.tensor(fqn)
+    prev, prev_i, prev_norm = None, -2, 0.0
+    for i, cur in values:
         norm, d.nonfinite[i], zeros, negatives = tensor_stats(cur, moment)
         d.norm[i] = norm
         if d.zeros is not None and d.negatives is not None:
             d.zeros[i], d.negatives[i] = zeros, negatives
-        if prev is not None and prev.shape == cur.shape and prev.dtype == cur.dtype:
-            change = value_change(prev, cur)
-            d.rel_change[i] = 0.0 if change is None else change[1]
-        prev = cur
+        if prev is not None and prev_i == i - 1 and prev.shape == cur.shape and prev.dtype == cur.dtype:
+            d.rel_change[i] = rel_change(prev, cur, prev_norm)
+        prev, prev_i, prev_norm = cur, i, norm
         if progress:
             progress.advance(1, fqn)
     return d
+
+
+def _read_ahead(jobs: list[tuple[str, int]], read: Callable[[str, int], Any]
+                ) -> Generator[tuple[str, int, Any], None, None]:
+    """(fqn, checkpoint index, value) of every job in order; the next value is read on a thread of its own while
+    the caller works on this one (reads and torch's arithmetic let go of the GIL), so reading and the statistics
+    overlap. NOTE: so up to three tensors are held: the previous, the current and the one being read."""
+    if not jobs:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="drift-read") as pool:
+        nxt: Future[Any] | None = pool.submit(read, *jobs[0])
+        try:
+            for k, (fqn, i) in enumerate(jobs):
+                assert nxt is not None  # set for every job but after the last
+                cur = nxt.result()
+                nxt = pool.submit(read, *jobs[k + 1]) if k + 1 < len(jobs) else None
+                yield fqn, i, cur
+        finally:
+            if nxt is not None:
+                nxt.cancel()
 
 
 def drift(series: list[SeriesPoint], storage_options: dict | None = None,
@@ -144,8 +194,12 @@ def drift(series: list[SeriesPoint], storage_options: dict | None = None,
         names = _tensor_names(entries)
         if progress:
             progress.start(len(names) * len(sources), "reading")
-        for fqn in names:
-            result.tensors[fqn] = _follow(sources, entries, fqn, progress)
+        jobs = [(fqn, i) for fqn in names for i in range(len(sources))
+                if (info := entries[i].get(fqn)) is not None and info.kind == "tensor"]
+        # NOTE: closed before the sources (the stack unwinds in reverse): the read in flight ends first
+        reads = stack.enter_context(contextlib.closing(_read_ahead(jobs, lambda fqn, i: sources[i].tensor(fqn))))
+        for fqn, group in itertools.groupby(reads, key=lambda r: r[0]):
+            result.tensors[fqn] = _follow(len(sources), fqn, ((i, v) for _, i, v in group), progress)
     result.first_nonfinite = _first_nonfinite(result)
     return result
 
@@ -176,4 +230,5 @@ def module_rows(names: list[str], depth: int) -> tuple[list[str], list[list[int]
     for i, n in enumerate(names):
         groups.setdefault(".".join(n.split(".")[:depth]), []).append(i)
     return list(groups), list(groups.values())
-__all__ = ["MOMENTS", "DriftResult", "TensorDrift", "drift", "is_moment", "module_rows", "run_drift", "tensor_stats"]
+__all__ = ["MOMENTS", "DriftResult", "TensorDrift", "drift", "is_moment", "module_rows", "rel_change", "run_drift",
+           "tensor_stats"]

@@ -73,28 +73,45 @@ def make_recipe(count: int, weights: list[float] | None = None, ema: float | Non
     return Recipe(tuple(float(w) for w in weights))
 
 
-def combine(values: list[Any], recipe: Recipe, fqn: str, paths: list[str]) -> Any:
-    """The combined tensor (float64 for floating-point inputs; the common value for integer and bool ones)."""
+BLOCK = 1 << 15  # elements combined at a time: the float64 accumulator stays in the CPU's cache, one thread per op
+
+
+def combine(values: list[Any], recipe: Recipe, fqn: str, paths: list[str], dtype: Any) -> Any:
+    """The combined tensor in ``dtype`` (a torch dtype), C-contiguous: floating-point inputs accumulated in
+    float64 (:func:`_accumulate`) and rounded once; integer and bool inputs must be equal, and are the result."""
     import torch
 
-    acc = None
+    exact = [t for t in values if not (t.is_floating_point() or t.is_complex())]
     for i, t in enumerate(values):
-        if not (t.is_floating_point() or t.is_complex()):
-            if acc is None:
-                acc = t
-            elif not torch.equal(acc, t):
-                raise ShardscopeError(f"{paths[i]}: tensor {fqn} ({t.dtype}) differs from {paths[0]}'s; integer "
-                                      "and bool tensors are not averaged and must be equal in every input.")
-            continue
-        x = t.to(torch.complex128 if t.is_complex() else torch.float64)
-        if recipe.beta is not None:
-            acc = x.clone() if acc is None else acc.mul_(recipe.beta).add_(x, alpha=1.0 - recipe.beta)
-        else:
-            w = recipe.weights[i]
-            acc = x * w if acc is None else acc.add_(x, alpha=w)  # None: the first input
-    if recipe.beta is None and acc is not None and (acc.is_floating_point() or acc.is_complex()):
-        acc.div_(sum(recipe.weights))
-    return acc
+        if exact and not torch.equal(exact[0], t):
+            raise ShardscopeError(f"{paths[i]}: tensor {fqn} ({t.dtype}) differs from {paths[0]}'s; integer "
+                                  "and bool tensors are not averaged and must be equal in every input.")
+    if exact:
+        return exact[0].to(dtype).contiguous()
+    if any(t.is_complex() for t in values):  # rare: accumulated whole, as complex128
+        return _accumulate([t.to(torch.complex128, copy=True).reshape(-1) for t in values], recipe) \
+            .to(dtype).reshape(values[0].shape)
+    flat = [t.reshape(-1) for t in values]
+    out = torch.empty(flat[0].numel(), dtype=dtype)
+    for s in range(0, out.numel(), BLOCK):  # NOTE: block by block: float64 temporaries the size of a cache
+        out[s:s + BLOCK].copy_(_accumulate([t[s:s + BLOCK].to(torch.float64, copy=True) for t in flat], recipe))
+    return out.reshape(values[0].shape)
+
+
+def _accumulate(wide: list[Any], recipe: Recipe) -> Any:
+    """The recipe's combination of the inputs' values (float64 or complex128 copies, changed in place), in input
+    order, each product rounded before it is added (``beta * e + (1 - beta) * w``, ``w0 * x0 + w1 * x1 + ...``):
+    the float64 result as written, whatever torch's kernels fuse (``add_(x, alpha=w)`` may round ``acc + w * x``
+    once, as an FMA does, and then differ from it in the last bit)."""
+    if recipe.beta is not None:
+        acc = wide[0]
+        for x in wide[1:]:
+            acc.mul_(recipe.beta).add_(x.mul_(1.0 - recipe.beta))
+        return acc
+    acc = wide[0].mul_(recipe.weights[0])
+    for x, w in zip(wide[1:], recipe.weights[1:], strict=True):
+        acc.add_(x.mul_(w))
+    return acc.div_(sum(recipe.weights))
 
 
 class AveragedValues(TensorSource):
@@ -112,8 +129,7 @@ class AveragedValues(TensorSource):
         """The combined output tensor, cast (rounded once) to the item's dtype, contiguous."""
         values = [self.reader.read_tensor(item.entry)]
         values += [src.tensor(fqn) for src, fqn in (o[item.key] for o in self.others)]
-        out = combine(values, self.recipe, item.entry.fqn, self.paths)
-        return out.to(torch_dtype(item.dtype)).contiguous()
+        return combine(values, self.recipe, item.entry.fqn, self.paths, torch_dtype(item.dtype))
 
     def _write(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> int:
         # the inputs in memory: each as read, and the float64 sum
@@ -223,7 +239,7 @@ def average_dcp(paths: list[str], dst: str, recipe: Recipe, ranks: int = 1, pref
 
         def load(item: ExportItem) -> Any:
             values = [src.tensor(names[item.key]) for src, names in zip(sources, inputs, strict=True)]
-            return combine(values, recipe, item.entry.fqn, paths).to(torch_dtype(item.dtype)).contiguous()
+            return combine(values, recipe, item.entry.fqn, paths, torch_dtype(item.dtype))
 
         tensors = [TensorIn(f"{pre}.{it.key}" if pre else it.key, it.dtype, it.shape, partial(load, it))
                    for it in plans[0].items]

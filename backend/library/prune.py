@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic_file import fsync_folder
-from ..checkpoint.seal import remove_manifest_beside
+from ..checkpoint.manifest import manifest_beside
 from ..errors import ShardscopeError
 from ..filenames import is_url, lineage_sidecar
 from ..format import count, human_bytes
@@ -346,9 +346,9 @@ def _dispose(path: str, mode: str) -> None:
 
 def finish_leftovers(leftovers: list[Leftover]) -> list[Outcome]:
     """Finish what interrupted prunes left, as their records prove it (read again now): each entry still the very
-    file its prune moved is trashed or deleted as was asked (an export's sidecar left at its own name by a kill
-    between the two renames too); anything else is left as it is. A record whose rename never happened is only
-    forgotten."""
+    file its prune moved is trashed or deleted as was asked (an export's sidecar or manifest left at its own name
+    by a kill between the renames too); anything else is left as it is. A record whose rename never happened is
+    only forgotten."""
     out = []
     for x in leftovers:
         read = read_record(x.record)
@@ -369,7 +369,7 @@ def finish_leftovers(leftovers: list[Leftover]) -> list[Outcome]:
 
 def _finish_move(folder: str, move: Move, mode: str, may_be_unmoved: bool) -> bool:
     """Remove what one recorded move left, when it is that very file: at its prune name, or (``may_be_unmoved``:
-    the sidecar, renamed after its export) still at its own name."""
+    the sidecar or manifest, renamed after its export) still at its own name."""
     for name in (move.hidden, move.source) if may_be_unmoved else (move.hidden,):
         path = os.path.join(folder, name)
         if same_file(path, move):
@@ -405,9 +405,9 @@ def _pause_for_tests(hidden: str) -> None:
         time.sleep(float(pause))
 
 
-def _move_aside(c: CheckpointRecord, mode: str, sidecar: str | None) -> tuple[str, str | None, str] | Outcome:
-    """Record the moves, then rename the checkpoint (and its export's sidecar, after it) to its prune name:
-    (hidden name, hidden sidecar, the record), or the failed :class:`Outcome` (left as it was)."""
+def _move_aside(c: CheckpointRecord, mode: str, companions: list[str]) -> tuple[str, str] | Outcome:
+    """Record the moves, then rename the checkpoint (and its export's sidecar and manifest, after it) to its prune
+    name: (hidden name, the record), or the failed :class:`Outcome` (left as it was)."""
     parent = os.path.dirname(c.path)
     hidden = os.path.join(parent, hidden_name(mode, c.name))
     if os.path.lexists(hidden):
@@ -416,7 +416,7 @@ def _move_aside(c: CheckpointRecord, mode: str, sidecar: str | None) -> tuple[st
         if os.path.lexists(hidden):
             return Outcome(c.path, "failed", 0, f"{hidden} is in the way (no record of a Shardscope prune names it)")
     try:  # NOTE: before the rename: only a prune's own record lets a later run finish (or take) what it moved
-        record, _ = write_record(parent, mode, [c.name] + ([os.path.basename(sidecar)] if sidecar else []))
+        record, _ = write_record(parent, mode, [c.name] + [os.path.basename(p) for p in companions])
     except OSError as exc:
         return Outcome(c.path, "failed", 0, f"cannot record the removal ({exc.strerror or exc}); left as it was")
     try:
@@ -424,17 +424,16 @@ def _move_aside(c: CheckpointRecord, mode: str, sidecar: str | None) -> tuple[st
     except OSError as exc:
         remove_record(record)
         return Outcome(c.path, "failed", 0, f"cannot rename it out of the way ({exc.strerror}); left as it was")
-    # NOTE: an export's sidecar follows it, after it (a kill between the renames leaves the export gone and its
-    # sidecar at its name: finish_leftovers removes that one with the export), never before it (an export
-    # without its lineage)
-    hidden_sidecar = lineage_sidecar(hidden, False) if sidecar is not None else None
-    if sidecar is not None and hidden_sidecar is not None:
+    # NOTE: an export's sidecar and manifest follow it, after it (a kill between the renames leaves the export gone
+    # and them at their names: finish_leftovers removes them with the export), never before it (an export
+    # without its lineage or its proof)
+    for companion in companions:
         _pause_for_tests(hidden)
         with contextlib.suppress(OSError):  # left at its name: the next prune or ls removes it with the leftover
-            os.rename(sidecar, hidden_sidecar)
+            os.rename(companion, os.path.join(parent, hidden_name(mode, os.path.basename(companion))))
     with contextlib.suppress(OSError):  # the rename is done: a folder that cannot be synced keeps it anyway
         fsync_folder(parent)
-    return hidden, hidden_sidecar, record
+    return hidden, record
 
 
 def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: bool = False) -> Outcome:
@@ -445,7 +444,8 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
     sidecar = sidecar_of(c)
     if sidecar is not None and read_sidecar(sidecar) is None:
         sidecar = None  # gone since the listing, or no longer ours: left as it is
-    if mode == "trash" and sidecar is None and _trash_is_a_rename(c.path):
+    companions = [p for p in (sidecar, manifest_beside(c.path) if c.is_file else None) if p is not None]
+    if mode == "trash" and not companions and _trash_is_a_rename(c.path):
         # NOTE: the trash on this device takes it in one rename (atomic): whole or gone without our own rename
         # first, and the trash entry keeps the checkpoint's name (Restore brings back `step_100`, not a hidden one)
         try:
@@ -454,10 +454,10 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
             return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
                            "(--delete removes it for good)")
         return Outcome(c.path, "trashed", c.bytes)
-    moved = _move_aside(c, mode, sidecar)
+    moved = _move_aside(c, mode, companions)
     if isinstance(moved, Outcome):
         return moved
-    hidden, hidden_sidecar, record = moved
+    hidden, record = moved
     _pause_for_tests(hidden)
     try:
         _dispose(hidden, mode)
@@ -465,8 +465,10 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
         if mode == "trash":
             try:
                 os.rename(hidden, c.path)
-                if sidecar is not None and hidden_sidecar is not None and os.path.lexists(hidden_sidecar):
-                    os.rename(hidden_sidecar, sidecar)
+                for companion in companions:
+                    moved_to = os.path.join(os.path.dirname(c.path), hidden_name(mode, os.path.basename(companion)))
+                    if os.path.lexists(moved_to):
+                        os.rename(moved_to, companion)
                 remove_record(record)
                 return Outcome(c.path, "failed", 0, f"cannot move it to the trash ({exc}); left as it was "
                                "(--delete removes it for good)")
@@ -474,7 +476,7 @@ def remove_one(c: CheckpointRecord, mode: str, roots: list[str], running_ok: boo
                 pass
         return Outcome(c.path, "failed", 0, f"stopped half-way ({exc}); the rest is in {hidden}, which the next "
                        "prune removes")
-    # the sidecar, wherever the renames left it, then the record (a failure leaves it to the next prune or ls)
+    # the sidecar and manifest, wherever the renames left them, then the record (a failure: the next prune or ls)
     finish_leftovers([Leftover(hidden, c.path, mode, record)])
     return Outcome(c.path, "trashed" if mode == "trash" else "deleted", c.bytes)
 
@@ -493,8 +495,6 @@ def execute(plan: Plan, delete: bool = False, progress: Progress | None = None) 
     roots = [resolve_root(r) for r in plan.roots]
     for d in todo:
         result.outcomes.append(remove_one(d.checkpoint, result.mode, roots, plan.running_ok))
-        if d.checkpoint.is_file and result.outcomes[-1].result in ("trashed", "deleted"):
-            remove_manifest_beside(d.checkpoint.path)  # its manifest beside it goes with it
         if progress:
             progress.advance(1, d.checkpoint.name)
     return result

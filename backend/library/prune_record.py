@@ -1,12 +1,12 @@
 """A prune's own record of what it moved out of the way, and the only proof that lets a later ``prune``, ``watch``
 or ``ls`` finish an interrupted removal.
 
-Before a checkpoint (and its export's lineage sidecar) is renamed to ``.shardscope-prune-<mode>-<name>``, a record
-``<that name>.prune-record.json`` is written beside it, naming each move (from, to) with the file's identity
-(device and inode, which a rename keeps). An entry with a prune's name is finished only when its record names it
-and it is still that very file; anything else of such a name (a user's folder, a copy, a stale record's
-namesake) is kept and named. NOTE: ``ls`` once deleted any folder named ``.shardscope-prune-delete-<anything>``.
-"""
+Before a checkpoint (and its export's lineage sidecar and manifest) is renamed to
+``.shardscope-prune-<mode>-<name>``, a record ``<that name>.prune-record.json`` is written beside it, naming each
+move (from, to) with the file's identity (device and inode, which a rename keeps). An entry with a prune's name is
+finished only when its record names it and it is still that very file; anything else of such a name (a user's
+folder, a copy, a stale record's namesake) is kept and named. NOTE: ``ls`` once deleted any folder named
+``.shardscope-prune-delete-<anything>``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Leftover:
     original: str  # where the checkpoint was
     mode: str  # "trash" or "delete"
     record: str = ""  # the prune's record of it
-    moves: tuple[Move, ...] = ()  # the checkpoint first, then its lineage sidecar
+    moves: tuple[Move, ...] = ()  # the checkpoint first, then its sidecar and manifest
 
 
 def hidden_name(mode: str, name: str) -> str:
@@ -69,7 +69,7 @@ def same_file(path: str, move: Move) -> bool:
 
 def write_record(folder: str, mode: str, names: list[str]) -> tuple[str, tuple[Move, ...]]:
     """Record, durably and before any rename, that ``names`` (entries of ``folder``: the checkpoint, then its
-    sidecar) are about to be moved to their prune names; the record's path and its moves."""
+    sidecar and manifest) are about to be moved to their prune names; the record's path and its moves."""
     moves = []
     for name in names:
         st = os.lstat(os.path.join(folder, name))
