@@ -13,6 +13,7 @@ from .registry import (
     detect_folder,
     format_named,
     label_of,
+    model_folder,
     open_checkpoint,
     open_source,
     probe,
@@ -21,5 +22,5 @@ from .registry import (
 )
 
 __all__ = ["FILE_FORMATS", "FOLDER_FORMATS", "FORMATS", "RESUMABLE", "WEIGHTS", "Facts", "Format", "deep_checks",
-           "detect_file", "detect_folder", "format_named", "label_of", "open_checkpoint", "open_source", "probe",
-           "resolve", "verify_contents"]
+           "detect_file", "detect_folder", "format_named", "label_of", "model_folder", "open_checkpoint",
+           "open_source", "probe", "resolve", "verify_contents"]

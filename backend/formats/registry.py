@@ -115,6 +115,16 @@ def _resolve_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Form
     return _folder_format(basename(url), set(listing), []), folder  # type: ignore[return-value]
 
 
+def model_folder(path: str) -> tuple[str, str | None]:
+    """The folder the door opens for a local ``path`` when that is one inside it (an HF Trainer or accelerate
+    checkpoint's ``pytorch_model_fsdp_0/``), and a note naming it and what is left out; (``path``, None) when the
+    door opens ``path`` itself. What ``export`` and ``watch`` export: the folder ``inspect`` shows."""
+    if is_url(path) or not os.path.isdir(path):
+        return path, None
+    fmt, target = resolve(path)
+    return fmt.model_folder(target)
+
+
 def probe(path: str | os.PathLike) -> Facts | None:
     """What a listing learns of one local checkpoint (state, writer ranks, kind) without reading it; None for a
     file its format does not take. Bad input names the path."""
@@ -179,5 +189,5 @@ def verify_sealed(ckpt: Any, deep: bool = False, progress: Any = None, seal_prog
 
 
 __all__ = ["FILE_FORMATS", "FOLDER_FORMATS", "FORMATS", "METADATA", "NOT_A_CHECKPOINT", "deep_checks",
-           "detect_file", "detect_folder", "format_named", "label_of", "open_checkpoint", "open_source", "resolve",
-           "verify_contents", "verify_sealed"]
+           "detect_file", "detect_folder", "format_named", "label_of", "model_folder", "open_checkpoint",
+           "open_source", "resolve", "verify_contents", "verify_sealed"]
