@@ -194,6 +194,29 @@ def test_hf_cache_snapshot_links_open_and_other_links_do_not(tmp_path, paths):
 
 
 # ---------------------------------------------------------------- the door stays the only one
+def test_lightning_meta_pt_is_its_formats_file(capsys, tmp_path):
+    """meta.pt is listed, read and checked by formats.lightning alone: a file of the opened checkpoint, shown by
+    inspect, and a meta.pt that does not load is a deep check's problem naming it (exit 1), not a crash."""
+    import torch.distributed.checkpoint as dcp
+    from shardscope.backend.formats.lightning import has_trainer_state, trainer_state
+
+    folder = tmp_path / "epoch=0-step=3.ckpt"
+    dcp.save({"model": {"w": torch.ones(2, 2)}}, checkpoint_id=folder)
+    torch.save({"epoch": 0, "global_step": 3}, folder / "meta.pt")
+    ckpt = open_checkpoint(folder, use_cache=False)
+    assert ckpt.format == "lightning" and has_trainer_state(ckpt)
+    assert [f.kind for f in ckpt.files if f.name == "meta.pt"] == ["meta.pt"]
+    assert trainer_state(ckpt) == {"epoch": 0, "global_step": 3}
+    assert formats.verify_contents(ckpt) == []
+    rc, out, _ = cli(capsys, "inspect", folder)
+    assert rc == 0 and "meta.pt    epoch 0, global_step 3" in out
+    (folder / "meta.pt").write_bytes(b"PK not a torch file")
+    problems = formats.verify_contents(open_checkpoint(folder, use_cache=False))
+    assert [(p.kind, p.file) for p in problems] == [("unreadable", "meta.pt")]
+    rc, out, err = cli(capsys, "verify", folder, "--deep")
+    assert rc == 1 and "meta.pt" in out + err and "Traceback" not in err
+
+
 FORMAT_NAMES = {f.name for f in formats.FORMATS} | {"dcp-safetensors", "torch-file"}
 OUTSIDE = [p for d in ("backend", "app", "widgets") for p in (ROOT / d).rglob("*.py")
            if "formats" not in p.relative_to(ROOT).parts]
