@@ -120,6 +120,16 @@ def rank_of_file(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def dcp_data_file(rank: int, n: int = 0) -> str:
+    """The name ``FileSystemWriter`` gives rank ``rank``'s ``n``-th data file: ``__<rank>_<n>.distcp``."""
+    return f"__{rank}_{n}{DATA_SUFFIX}"
+
+
+def hf_shard_file(i: int, n: int) -> str:
+    """``save_pretrained``'s name of shard ``i`` of ``n`` (from 1): ``model-0000i-of-0000n.safetensors``."""
+    return f"model-{i:05d}-of-{n:05d}{SAFETENSORS_SUFFIX}"
+
+
 def hf_shard_rank(name: str) -> int | None:
     """The writer rank of a ``shard-0000K-…safetensors`` name (K-1), or None."""
     m = HF_SHARD_RE.match(name)

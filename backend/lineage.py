@@ -3,28 +3,27 @@ identity when it was read (sizes and times of the files that describe it, and a 
 small JSON sidecar next to the export (``filenames.lineage_sidecar``), never inside the exported file.
 
 The library reads sidecars (format-neutral: any checkpoint may have one) and compares the identity recorded
-there with the source's identity now: ``same``, ``changed`` or ``missing``. Standard library only, names
-from :mod:`.filenames`: ``ls`` reads these and must stay cheap.
+there with the source's identity now: ``same``, ``changed`` or ``missing``. Names from :mod:`.filenames`, a
+file's identifying header from its format (:meth:`~.formats.base.Format.identity_piece`; no numpy, no torch):
+``ls`` reads these and must stay cheap.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from .filenames import describes_checkpoint, is_safetensors_file, is_torch_file, is_url
+from .filenames import describes_checkpoint, is_url
+from .formats.registry import FILE_FORMATS
 
 SCHEMA = "shardscope-lineage/1"
 MAX_SIDECAR_BYTES = 1 << 20  # a sidecar names one source; far larger is not one of ours
 MAX_DESCRIBING_BYTES = 64 << 20  # of a describing file (.metadata), at most this much is checksummed
-TORCH_TAIL_BYTES = 1 << 20  # a torch.save archive's end: its central directory, with every record's CRC32
-MAX_SAFETENSORS_HEADER = 100 << 20
 
 SAME, CHANGED, MISSING, UNKNOWN = "same", "changed", "missing", "unknown"
 REMOVED = "removed by watch"  # missing, and the watch record beside the export says a watch removed it by its rules
@@ -37,13 +36,9 @@ def _piece(path: str, name: str, size: int) -> tuple[int, int] | None:
     """(offset, length) of the part of a file that identifies its contents cheaply, or None for none."""
     if describes_checkpoint(name):
         return 0, min(size, MAX_DESCRIBING_BYTES)
-    if is_safetensors_file(name) and size >= 8:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-        return (0, 8 + n) if n <= min(size - 8, MAX_SAFETENSORS_HEADER) else (0, 8)
-    if is_torch_file(name):
-        return max(0, size - TORCH_TAIL_BYTES), min(size, TORCH_TAIL_BYTES)
-    return None
+    # the file formats by name alone (a hidden name too: registry.detect_file would skip a writer's temporary)
+    fmt = next((f for f in FILE_FORMATS if f.detect_file(name)), None)
+    return None if fmt is None else fmt.identity_piece(path, size)
 
 
 def _piece_crc(path: str, name: str, st: os.stat_result) -> int | None:

@@ -60,6 +60,31 @@ def test_inspect_takes_a_trainer_checkpoint_holding_an_fsdp_model_folder_as_expo
     assert "exporting pytorch_model_fsdp_0/" in exported.stdout
 
 
+def test_inspect_and_export_agree_on_an_accelerate_save_state_folder(tmp_path):
+    """accelerate's save_state folder (any name, no trainer_state.json) holding pytorch_model_fsdp_0/ and
+    optimizer_0/: `export` took it (to its model folder) while `inspect` refused it; both ask the door now."""
+    import torch.distributed.checkpoint as dcp
+    from conftest import run_cli
+    from shardscope.backend.formats import model_folder
+
+    ckpt = tmp_path / "run" / "checkpoint"
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=ckpt / "pytorch_model_fsdp_0")
+    dcp.save({"optimizer": {"state": {"w": {"exp_avg": torch.zeros(2, 3)}}}}, checkpoint_id=ckpt / "optimizer_0")
+    (ckpt / "random_states_0.pkl").write_bytes(b"not read")
+    target, note = model_folder(str(ckpt))
+    assert target == str(ckpt / "pytorch_model_fsdp_0") and "left out optimizer_0, random_states_0.pkl" in note
+    assert open_checkpoint(ckpt).path == target
+    shown = run_cli("inspect", ckpt, "--tensors")
+    assert shown.returncode == 0, shown.stderr
+    assert "pytorch_model_fsdp_0" in shown.stdout.splitlines()[0] and "model.w  float32 [2, 3]" in shown.stdout
+    exported = run_cli("export", ckpt, tmp_path / "w.safetensors")
+    assert exported.returncode == 0, exported.stderr
+    assert "exporting pytorch_model_fsdp_0/" in exported.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert model_folder(str(empty)) == (str(empty), None)  # nothing inside to point to: the folder itself
+
+
 def test_inspect_names_the_architecture_a_torchtitan_checkpoint_holds(tmp_path, fixtures):
     """``inspect`` says which architecture the weights' names are (what ``export --hf`` will do with them), in its
     text and its JSON; a checkpoint whose names fit no scheme says nothing of it."""

@@ -194,6 +194,29 @@ def test_hf_cache_snapshot_links_open_and_other_links_do_not(tmp_path, paths):
 
 
 # ---------------------------------------------------------------- the door stays the only one
+def test_lightning_meta_pt_is_its_formats_file(capsys, tmp_path):
+    """meta.pt is listed, read and checked by formats.lightning alone: a file of the opened checkpoint, shown by
+    inspect, and a meta.pt that does not load is a deep check's problem naming it (exit 1), not a crash."""
+    import torch.distributed.checkpoint as dcp
+    from shardscope.backend.formats.lightning import has_trainer_state, trainer_state
+
+    folder = tmp_path / "epoch=0-step=3.ckpt"
+    dcp.save({"model": {"w": torch.ones(2, 2)}}, checkpoint_id=folder)
+    torch.save({"epoch": 0, "global_step": 3}, folder / "meta.pt")
+    ckpt = open_checkpoint(folder, use_cache=False)
+    assert ckpt.format == "lightning" and has_trainer_state(ckpt)
+    assert [f.kind for f in ckpt.files if f.name == "meta.pt"] == ["meta.pt"]
+    assert trainer_state(ckpt) == {"epoch": 0, "global_step": 3}
+    assert formats.verify_contents(ckpt) == []
+    rc, out, _ = cli(capsys, "inspect", folder)
+    assert rc == 0 and "meta.pt    epoch 0, global_step 3" in out
+    (folder / "meta.pt").write_bytes(b"PK not a torch file")
+    problems = formats.verify_contents(open_checkpoint(folder, use_cache=False))
+    assert [(p.kind, p.file) for p in problems] == [("unreadable", "meta.pt")]
+    rc, out, err = cli(capsys, "verify", folder, "--deep")
+    assert rc == 1 and "meta.pt" in out + err and "Traceback" not in err
+
+
 FORMAT_NAMES = {f.name for f in formats.FORMATS} | {"dcp-safetensors", "torch-file"}
 OUTSIDE = [p for d in ("backend", "app", "widgets") for p in (ROOT / d).rglob("*.py")
            if "formats" not in p.relative_to(ROOT).parts]
@@ -213,16 +236,32 @@ def _is_format_of(node: ast.AST) -> bool:
         (isinstance(node, ast.Name) and node.id in ("fmt", "format"))
 
 
+def _chosen(node: ast.AST) -> list[ast.AST]:
+    """What an assigned value may be: itself, or either branch of ``a if c else b`` / ``a or b`` (not what a call
+    is given)."""
+    if isinstance(node, ast.IfExp):
+        return _chosen(node.body) + _chosen(node.orelse)
+    if isinstance(node, ast.BoolOp):
+        return [n for v in node.values for n in _chosen(v)]
+    return [node]
+
+
 def test_no_module_outside_formats_compares_a_format_name():
+    """Nor assigns one: ``fmt = "megatron" if ... else ...`` decides a format outside the door too."""
     found = []
     for path in OUTSIDE:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
+            sides: list[ast.AST] = []
             if isinstance(node, ast.Compare) and any(map(_is_format_of, (node.left, *node.comparators))):
-                for side in (node.left, *node.comparators):
-                    hit = [c for c in _constants(side) if c in FORMAT_NAMES]
-                    if hit:
-                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {hit}")
+                sides = [node.left, *node.comparators]
+            elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None and \
+                    any(map(_is_format_of, node.targets if isinstance(node, ast.Assign) else [node.target])):
+                sides = _chosen(node.value)
+            for side in sides:
+                hit = [c for c in _constants(side) if c in FORMAT_NAMES]
+                if hit:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {hit}")
     # NOTE: an export's output format is the writer registry's business (safetensors, torch, dcp outputs)
     found = [f for f in found if "export/" not in f and "export_dialog" not in f and "cli/export" not in f]
     assert not found, "format names compared outside backend/formats:\n" + "\n".join(found)
@@ -230,20 +269,84 @@ def test_no_module_outside_formats_compares_a_format_name():
 
 FILE_RULES = {".metadata", ".distcp", "meta.pt", "model.safetensors.index.json", "pytorch_model.bin.index.json",
               ".shardscope-tmp-", "trainer_state.json", ".metadata.tmp"}
+# NOTE: a run folder's config.json is the run's (RunDir's) name, not a checkpoint's; "latest" and the like are words
+NOT_FILE_RULES = {"config.json"}
+
+
+def _filename_rules() -> set[str]:
+    """Every file name, suffix and prefix filenames.py spells (its string constants that name a file: a dot in
+    them, not a regular expression), and :data:`FILE_RULES`."""
+    found = set(FILE_RULES)
+    for node in ast.walk(ast.parse((ROOT / "backend" / "filenames.py").read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            v = node.value
+            if "." in v.strip(".") or (v.startswith(".") and len(v) > 2):
+                if not any(c in v for c in "^$\\()[]*? ") and v not in NOT_FILE_RULES:
+                    found.add(v)
+    return found
+
+
+def _spelled(text: str, rules: set[str], loose: bool) -> str | None:
+    """The rule ``text`` spells: equal to one, a path ending in one (``sub/meta.pt``), and, ``loose`` (a piece
+    of an f-string, what ``endswith``/``startswith`` or ``in`` test), any name ending in one (``_0.distcp``,
+    ``_model_states.pt``) or starting with a temporary's prefix. Text with a space is a message, not a name."""
+    if not text or any(c.isspace() for c in text):
+        return None
+    for rule in rules:
+        if text == rule or text.endswith("/" + rule):
+            return rule
+        if loose and (text.endswith(rule) or (rule.endswith("-") and text.startswith(rule))):
+            return rule
+    return None
+
+
+def _loose_strings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are pieces of f-strings, arguments of ``endswith``/``startswith``, or
+    what ``in`` looks for: where a file name is spelled in parts."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            out.update(id(v) for v in node.values if isinstance(v, ast.Constant))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("endswith", "startswith", "removesuffix", "removeprefix"):
+            out.update(id(c) for a in node.args for c in ast.walk(a) if isinstance(c, ast.Constant))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, ast.In | ast.NotIn) for op in node.ops):
+            out.update(id(c) for c in ast.walk(node.left) if isinstance(c, ast.Constant))
+    return out
 
 
 def test_file_name_rules_are_spelled_once():
-    """Checkpoint file names and patterns live in backend/filenames.py (messages may mention them)."""
+    """Checkpoint file names and patterns live in backend/filenames.py (messages may mention them): as constants,
+    in f-strings (``f"__{rank}_0.distcp"``), in ``endswith``/``startswith`` and ``in`` tests."""
+    rules = _filename_rules()
     found = []
     for path in OUTSIDE:
         if path.name == "filenames.py":
             continue
         tree = ast.parse(path.read_text())
+        loose = _loose_strings(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 v = node.value
-                if v in FILE_RULES or ("distcp" in v and v.startswith("^")):
+                rule = _spelled(v, rules, id(node) in loose)
+                if rule or ("distcp" in v and v.startswith("^")):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {v!r}")
             if isinstance(node, ast.Tuple) and {".pt", ".safetensors"} & set(_constants(node)):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {_constants(node)}")
     assert not found, "file-name rules outside backend/filenames.py:\n" + "\n".join(found)
+
+
+def test_the_file_name_guard_sees_names_spelled_in_parts():
+    """The guard above is not blind: an f-string, an ``endswith`` and an ``in`` test of a file name are caught;
+    a message that mentions one, and a module path ending like a name, are not."""
+    rules = _filename_rules()
+    assert {".distcp", "meta.pt", ".safetensors", ".pt", "trainer_state.json"} <= rules
+    source = ('names = [f"__{r}_0.distcp" for r in ranks]\n'
+              'ok = name.endswith("_model_states.pt") or "/meta.pt" in name or f"{d}/.metadata"\n'
+              'msg = f"{path}: no .metadata: the save did not finish"\n'
+              'mod = "torch.distributed.checkpoint.metadata"\n')
+    tree = ast.parse(source)
+    loose = _loose_strings(tree)
+    hits = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and _spelled(n.value, rules, id(n) in loose)]
+    assert sorted(hits) == ["/.metadata", "/meta.pt", "_0.distcp", "_model_states.pt"]

@@ -14,10 +14,10 @@ import torch
 from conftest import run_cli
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.layout import coverage
-from shardscope.backend.checkpoint.values import read_lightning_meta
 from shardscope.backend.checkpoint.verify import verify
 from shardscope.backend.errors import CheckpointError
 from shardscope.backend.formats import open_checkpoint
+from shardscope.backend.formats.lightning import trainer_state
 from torch_reference import flatten, torch_consolidated, torch_flat_tensors
 
 TORCH_READABLE = ["fsdp2_r2", "fsdp2_r4", "ddp_r2", "nopg", "lightning_r2"]
@@ -86,7 +86,7 @@ def test_safetensors_serialized_distcp(fixtures):
 def test_lightning_folder(fixtures):
     ckpt = open_checkpoint(fixtures["lightning_r2"])
     assert ckpt.format == "lightning"
-    assert read_lightning_meta(ckpt) == {"epoch": 1, "global_step": 2, "hparams": {"lr": 0.01}}
+    assert trainer_state(ckpt) == {"epoch": 1, "global_step": 2, "hparams": {"lr": 0.01}}
     proc = run_cli("inspect", fixtures["lightning_r2"], "--tensors")
     assert proc.returncode == 0 and "  meta.pt    epoch 1, global_step 2, hparams {'lr': 0.01}" in proc.stdout
     assert "1 chunk, ranks 0" in proc.stdout

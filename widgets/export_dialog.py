@@ -48,6 +48,7 @@ from shardscope.backend.export.destination import (
     missing_folders,
     write_into_new_folders,
 )
+from shardscope.backend.filenames import SAFETENSORS_SUFFIX, is_safetensors_file
 from shardscope.backend.format import count, human_bytes
 
 from .export_model import ArchitectureLine, ConfigField, model_summary
@@ -306,7 +307,7 @@ class ExportDialog(QDialog):
             return
         name = self.format.currentData()
         w = WRITERS[name] if name is not None else None
-        suffix = export_suffix(w) if w is not None and w.model else ".safetensors"
+        suffix = export_suffix(w) if w is not None and w.model else SAFETENSORS_SUFFIX
         self._proposed = default_export_path(self.ckpt.path, self._stem, suffix)
         self.dst.setText(self._proposed)
 
@@ -395,7 +396,7 @@ class ExportDialog(QDialog):
         self.message.setText("Exporting …")
         if self.resharding:
             # a single safetensors file is no DCP folder to reshard: it is imported (the same DCP writer)
-            job = import_file if self.ckpt.path.endswith(".safetensors") else reshard
+            job = import_file if is_safetensors_file(self.ckpt.path) else reshard
             # the destination's folder is made when missing (the default, RUN/exports/, often is), and removed
             # again if the export fails
             self._worker = run_in_background(write_into_new_folders, job, self.ckpt.path, dst, self.ranks.value(),

@@ -30,6 +30,8 @@ from PySide6.QtWidgets import (
 
 from ..backend.compare.averaging import average_checkpoints
 from ..backend.compare.bisect import BisectResult, run_bisect
+from ..backend.export.destination import export_suffix
+from ..backend.export.registry import WRITERS
 from ..backend.format import escape_name
 from .workers import Worker, run_in_background
 
@@ -139,7 +141,8 @@ class BisectDialog(_BackgroundDialog):
         self.compareRequested.emit(*self.result.paths, self.result.changes[row].fqn)
 
 
-FORMATS = {"safetensors": ".safetensors", "torch": ".pt", "dcp": ""}  # the output's name suffix per format
+# the output's name suffix per format, as the export registry names it (a DCP checkpoint is a folder: none)
+FORMATS = {name: export_suffix(WRITERS[name]) for name in ("safetensors", "torch", "dcp")}
 
 
 class AverageDialog(_BackgroundDialog):

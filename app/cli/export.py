@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from shardscope.backend.export import ExportError, check_request, export, parse_shard_size, plan_export
-    from shardscope.backend.export.layouts import find_model_folder
+    from shardscope.backend.formats import model_folder, open_checkpoint
 
     options = {"only": args.only, "strip_prefix": args.strip_prefix, "dtype": args.dtype,
                "max_shard_size": parse_shard_size(args.max_shard_size), "exclude": args.exclude,
@@ -82,9 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.hf and args.format not in (None, "hf"):
         raise ExportError(f"--hf writes a Hugging Face model folder, not {args.format}; give one of them.")
     writer = check_request(args.dst, "hf" if args.hf else args.format, **options)  # before anything is read
-    src, note = find_model_folder(args.src)
-    from shardscope.backend.formats import open_checkpoint
-
+    src, note = model_folder(args.src)  # what inspect opens (an HF Trainer checkpoint's model folder)
     ckpt = open_checkpoint(src, storage_options(args))  # any checkpoint the window opens
     plan = plan_export(ckpt, writer.name, **options)
     with TerminalProgress(unit="bytes") as progress:

@@ -66,11 +66,11 @@ def inspect_json(ckpt: Any, problems: list, with_tensors: bool = True) -> dict:
 def lightning_meta(ckpt: Any) -> dict:
     """A Lightning/Fabric folder's ``meta.pt`` (epoch, global_step, hparams, ...); {} when absent or
     unreadable (verify reports why)."""
-    from shardscope.backend.checkpoint.values import read_lightning_meta
     from shardscope.backend.errors import ShardscopeError
+    from shardscope.backend.formats.lightning import trainer_state
 
     try:
-        return read_lightning_meta(ckpt)
+        return trainer_state(ckpt)
     except ShardscopeError:
         return {}
 

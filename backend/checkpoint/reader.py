@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..filenames import DATA_SUFFIX, LIGHTNING_META, METADATA, METADATA_TMP, RANK_METADATA_RE, rank_of_file
+from ..filenames import DATA_SUFFIX, METADATA, METADATA_TMP, RANK_METADATA_RE, rank_of_file
 from ..format import count
 from ..progress import Progress
 from . import cache, validate
@@ -273,7 +273,8 @@ def _objects(ckpt: Checkpoint, sdm: dict, ev: Events, object_positions: list[int
 
 def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], storage_meta: Any,
             planner_data: Any, problems: list[Problem]) -> None:
-    """What both builders add after the chunks: unreferenced files, metadata, Lightning, ids."""
+    """What both builders add after the chunks: unreferenced files, metadata, ids (formats.lightning adds its
+    ``meta.pt``)."""
     files = ckpt.files
     known = {f.name for f in files}
     for name in sorted(listing):
@@ -283,9 +284,6 @@ def _finish(ckpt: Checkpoint, listing: dict[str, int], meta_names: list[str], st
             files.append(FileInfo(name, None if listing[name] else rank_of_file(name), listing[name]))
     for name in meta_names:
         files.append(FileInfo(name, None, listing.get(name), "metadata"))
-    if LIGHTNING_META in listing:  # Lightning's trainer state: a file of the checkpoint (see formats.lightning)
-        ckpt.extra_files[LIGHTNING_META] = LIGHTNING_META
-        files.append(FileInfo(LIGHTNING_META, None, listing[LIGHTNING_META], LIGHTNING_META))
     if storage_meta is not None:
         where = os.path.join(ckpt.path, meta_names[0])
         ckpt.save_id = validate.optional_str(validate.record(storage_meta, where, "storage_meta").get("save_id"),

@@ -1,5 +1,4 @@
-"""Tensor values: value statistics of a tensor read through the chunk reader, and ``meta.pt``
-decoded only through ``torch.load(weights_only=True)``."""
+"""Tensor values: value statistics of a tensor read through the chunk reader, and small values in words."""
 
 from __future__ import annotations
 
@@ -11,27 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
-from ..filenames import LIGHTNING_META
 from ..progress import Progress
-from .chunks import ChunkReader, load_weights_only
-from .model import Checkpoint
 
 BLOCK = 1 << 22  # elements per float64 block: statistics stay in bounded memory
-
-
-def read_lightning_meta(ckpt: Checkpoint) -> dict[str, Any]:
-    """The ``meta.pt`` of a Lightning/Fabric folder, loaded with ``weights_only=True``."""
-    name = ckpt.extra_files.get(LIGHTNING_META)
-    if not name:
-        return {}
-    with ChunkReader(ckpt) as reader:
-        path = reader.handles.where(name)
-        data = reader.read_file(name)
-    meta = load_weights_only(data, path, path=path)
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: does not hold a dict.", path=path)
-    return meta
 
 
 def small_value_repr(value: Any, limit: int = 80) -> str:

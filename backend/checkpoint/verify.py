@@ -11,14 +11,12 @@ from functools import partial
 import numpy as np
 
 from ..errors import CheckpointError
-from ..filenames import LIGHTNING_META
 from ..format import count
 from ..progress import Progress
 from .chunks import ChunkReader, CorruptChunkError, SharedStorageError, StoredTensor
 from .layout import coverage_problems
 from .model import Checkpoint, Chunk, Problem
 from .storage import why_absent
-from .values import read_lightning_meta
 
 log = logging.getLogger(__name__)
 MAX_OVERLAP_REPORTS = 20
@@ -173,9 +171,4 @@ def _deep_problems(ckpt: Checkpoint, progress: Progress | None) -> list[Problem]
                  for f, (why, n) in unopenable.items()]
     if ckpt.located is None:  # a format that located the values itself shares records on purpose (tied weights)
         problems += overlap_problems(located, same_start=True)
-    if ckpt.extra_files.get(LIGHTNING_META):
-        try:
-            read_lightning_meta(ckpt)
-        except CheckpointError as exc:
-            problems.append(Problem("unreadable", str(exc), file=LIGHTNING_META))
     return problems

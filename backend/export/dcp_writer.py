@@ -19,7 +19,7 @@ from typing import Any
 
 from ..checkpoint.chunks import ChunkReader
 from ..crc import crc32
-from ..filenames import METADATA
+from ..filenames import METADATA, dcp_data_file
 from ..formats import open_checkpoint as open_any
 from ..formats import open_source
 from ..progress import Progress
@@ -263,7 +263,7 @@ def write_dcp(tensors: Iterable[TensorIn], objects: list[ObjectIn], dst: str, ra
         raise ExportError("the number of ranks must be at least 1.")
     t0 = time.monotonic()
     progress = progress or Progress()  # its cancel flag is how a signal stops the writing
-    names = [f"__{r}_0.distcp" for r in range(ranks)]
+    names = [dcp_data_file(r) for r in range(ranks)]
     need = total_bytes + sum(len(o.data) for o in objects) + 4096 * ranks + (1 << 20)
     if lineage is None and sources:
         lineage = lineage_for(sources[0], "dcp", source_format)

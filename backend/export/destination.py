@@ -15,7 +15,14 @@ from typing import Any
 
 from ..checkpoint.remote import fs_for
 from ..checkpoint.storage import is_url
-from ..filenames import CHECKPOINT_HOLDERS, MAX_INDEX_BYTES, SAFETENSORS_INDEX, lineage_sidecar, within
+from ..filenames import (
+    CHECKPOINT_HOLDERS,
+    MAX_INDEX_BYTES,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SUFFIX,
+    lineage_sidecar,
+    within,
+)
 from ..lineage import read_sidecar, written_files
 from .plan import ExportError
 
@@ -156,7 +163,7 @@ def export_suffix(w: Any) -> str:
     return w.suffixes[0] if w.suffixes else ("-hf" if w.model else "")
 
 
-def default_export_path(ckpt_path: str, stem: str, suffix: str = ".safetensors") -> str:
+def default_export_path(ckpt_path: str, stem: str, suffix: str = SAFETENSORS_SUFFIX) -> str:
     """The Export dialog's proposal: ``RUN/exports/<stem><suffix>`` for a checkpoint in ``RUN/checkpoints/``,
     else ``exports/`` beside the checkpoint. NOTE: it once proposed ``RUN/checkpoints/<name>.safetensors``,
     and a weights file among a run's checkpoints is easily taken for one of them."""

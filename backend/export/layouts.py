@@ -18,9 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..checkpoint.model import Checkpoint
-from ..filenames import ACCELERATE_MODEL_DIR, LIGHTNING_META, MEGATRON_LATEST, METADATA, is_url
-from ..formats.hf_trainer import model_folders
-from ..formats.megatron import latest_folder
+from ..filenames import ACCELERATE_MODEL_DIR, is_url
+from ..formats.lightning import has_trainer_state
 
 TRAINING_STATE_ROOTS = frozenset({
     "optimizer", "optimizers", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -90,7 +89,7 @@ def is_training_state(root: str) -> bool:
 def recognise_layout(ckpt: Checkpoint) -> Layout:
     """The layout of a checkpoint, from its keys, its folder name and its extra files."""
     return layout_of_names([t.fqn for t in ckpt.tensors], os.path.basename(ckpt.path.rstrip("/")),
-                           bool(ckpt.extra_files.get(LIGHTNING_META)), has_transformers_config(ckpt.path))
+                           has_trainer_state(ckpt), has_transformers_config(ckpt.path))
 
 
 def has_transformers_config(path: str) -> bool:
@@ -238,25 +237,5 @@ def model_keys(ckpt: Checkpoint) -> list[str]:
     return [model_key(t.fqn, layout.container)[0] for t in ckpt.tensors if layout.keeps_tensor(t.fqn)]
 
 
-def find_model_folder(path: str) -> tuple[str, str | None]:
-    """For an HF Trainer/accelerate checkpoint folder (``checkpoint-500/`` holding
-    ``pytorch_model_fsdp_0/`` and ``optimizer_0/``), the model's DCP subfolder and a note; for a Megatron save
-    dir, the iteration its ``latest_checkpointed_iteration.txt`` names and a note; else ``path``."""
-    if "://" in path or os.path.exists(os.path.join(path, METADATA)) or not os.path.isdir(path):
-        return path, None
-    latest = latest_folder(path)
-    if latest is not None:
-        return latest, (f"Megatron save dir: exporting {os.path.basename(latest)}/ (the iteration "
-                        f"{MEGATRON_LATEST} names)")
-    models = model_folders(path)
-    if not models:
-        return path, None
-    others = sorted(n for n in os.listdir(path) if n not in models and not n.startswith("."))
-    note = (f"accelerate FSDP folder: exporting {models[0]}/"
-            + (f"; left out {', '.join(others[:6])}{' ...' if len(others) > 6 else ''}" if others else "")
-            + (f"; other models: {', '.join(models[1:])}" if len(models) > 1 else ""))
-    return os.path.join(path, models[0]), note
-
-
-__all__ = ["Layout", "checkpoint_kind", "find_model_folder", "is_training_state", "layout_of_names",
+__all__ = ["Layout", "checkpoint_kind", "is_training_state", "layout_of_names",
            "model_keys", "optimizer_shaped_roots", "recognise_layout", "transformers_config_path", "unwrap_key"]

@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 
 from ..checkpoint.model import FLOAT_DTYPES, Checkpoint, TensorEntry
-from ..filenames import LIGHTNING_META
 from ..format import count
+from ..formats.lightning import has_trainer_state
 from .hf_model import rotary_trap
 from .hf_writer import hf_plan
 from .layouts import Layout, model_key, recognise_layout
@@ -154,7 +154,7 @@ def plan_export(ckpt: Checkpoint, fmt: str, only: list[str] | None = None, strip
     trap = None if w.model or not rules else rotary_trap([(it.entry.fqn, it.key) for it in items])
     notes += [trap] if trap else []
     plan = ExportPlan(ckpt, fmt, tuple(items), tuple(objects), layout, sel.left_out, tuple(notes),
-                      max_shard_size, w.nested and bool(ckpt.extra_files.get(LIGHTNING_META)) and not only,
+                      max_shard_size, w.nested and has_trainer_state(ckpt) and not only,
                       renamed, _read_config(config), record_source=record_source)
     return hf_plan(plan, plan.config_file) if w.model else plan
 

@@ -12,7 +12,7 @@ from typing import Any
 from ..checkpoint.chunks import ChunkReader
 from ..checkpoint.model import SAFETENSORS_CODES
 from ..errors import CheckpointError
-from ..filenames import HF_CONFIG, HF_WEIGHTS
+from ..filenames import HF_CONFIG, HF_WEIGHTS, hf_shard_file
 from ..filenames import SAFETENSORS_INDEX as INDEX_NAME
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
@@ -127,7 +127,7 @@ def write_folder(out_path: str, items: list[ExportItem], meta: dict[str, str], s
     expect: list[Expectation] = []
     names = []
     for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        name = hf_shard_file(i, n)
         expect += write_file(os.path.join(out_path, name), shard, meta, source, progress)
         weight_map.update({it.key: name for it in shard})
         names.append(name)

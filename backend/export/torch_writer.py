@@ -16,12 +16,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint.chunks import ChunkReader, load_weights_only, torch_dtype
+from ..checkpoint.chunks import ChunkReader, torch_dtype
 from ..checkpoint.flatten import dotted, flatten
 from ..checkpoint.items import StorageRef
 from ..checkpoint.model import contiguous_strides
 from ..checkpoint.unpickler import allow_torch_safe_globals
-from ..filenames import LIGHTNING_META
+from ..formats.lightning import trainer_state
 from ..progress import Progress
 from .plan import ExportError, ExportItem, ExportPlan
 from .source import TensorSource, pwrite_all, run_parallel, tensor_bytes, write_buffer
@@ -77,13 +77,8 @@ def nested_state(plan: ExportPlan, reader: ChunkReader) -> dict:
         place(it.entry.fqn, it.key, _Placeholder(i))
     for key, o in plan.objects:
         place(o.fqn, key, reader.read_object(o))
-    name = plan.ckpt.extra_files.get(LIGHTNING_META)
-    if plan.include_meta and name:
-        where = os.path.join(plan.ckpt.path, name)
-        meta = load_weights_only(reader.read_file(name), where, path=where)
-        if not isinstance(meta, dict):
-            raise ExportError(f"{where}: does not hold a dict.")
-        for k, v in meta.items():
+    if plan.include_meta:  # Lightning's meta.pt merged at the top level, as its own consolidation does
+        for k, v in trainer_state(plan.ckpt, reader).items():
             root.setdefault(k, v)
     return root
 

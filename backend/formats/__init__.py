@@ -15,6 +15,7 @@ from .registry import (
     detect_folder,
     format_named,
     label_of,
+    model_folder,
     open_checkpoint,
     open_source,
     probe,
@@ -24,4 +25,4 @@ from .registry import (
 
 __all__ = ["FILE_FORMATS", "FOLDER_FORMATS", "FORMATS", "RESUMABLE", "WEIGHTS", "Facts", "FileNames", "Format",
            "Openable", "StorageOptions", "Target", "deep_checks", "detect_file", "detect_folder", "format_named",
-           "label_of", "open_checkpoint", "open_source", "probe", "resolve", "verify_contents"]
+           "label_of", "model_folder", "open_checkpoint", "open_source", "probe", "resolve", "verify_contents"]

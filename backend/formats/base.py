@@ -89,7 +89,17 @@ class Format:
                          kind=self.kind)
         return Facts(self.name, "complete", kind=self.kind)
 
+    def identity_piece(self, path: str, size: int) -> tuple[int, int] | None:
+        """(offset, length) of the bytes of a local file of this format that identify its contents cheaply (a
+        header, an archive's central directory): what an export's lineage checksums; None when none does."""
+        return None
+
     # ------------------------------------------------------------ reading
+    def model_folder(self, path: str) -> tuple[str, str | None]:
+        """What :meth:`open` reads of the local folder ``path`` when that is a folder inside it (an HF Trainer
+        checkpoint's ``pytorch_model_fsdp_0/``), and a note saying so; (``path``, None) when it reads ``path``."""
+        return path, None
+
     def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
              progress: Progress | None = None) -> Checkpoint:
         """The checkpoint model (metadata or headers only; no tensor values are read)."""

@@ -38,6 +38,12 @@ def has_dcp_files(files: FileNames) -> bool:
         any(RANK_METADATA_RE.match(n) for n in files)
 
 
+def is_finished_save(path: str | os.PathLike) -> bool:
+    """True when a local folder holds what ``dcp.load`` reads first: the ``.metadata`` the coordinator writes
+    last, when a save finished (what a run may resume from)."""
+    return os.path.isfile(os.path.join(path, METADATA))
+
+
 def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool, kind: str | None = None) -> Facts:
     """A DCP folder's state and ranks from its names (and, ``local``, the first byte of ``.metadata``); its kind
     ``kind``, or, when the format does not know it, from the metadata's keys (``weights`` when no optimizer state

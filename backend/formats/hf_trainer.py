@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
@@ -35,6 +36,11 @@ class HfTrainerFolder(Format):
     def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return HF_TRAINER_STATE in files or bool(HF_TRAINER_RE.match(name) and (files or dirs))
 
+    def opens_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
+        """accelerate's ``save_state`` folder (no ``trainer_state.json``, any name): its model's DCP folder
+        ``pytorch_model_fsdp_0/`` beside ``optimizer_0/``."""
+        return any(ACCELERATE_MODEL_DIR.match(d) for d in dirs)
+
     def probe_folder(self, path: str, names: set[str], dirs: list[str], local: bool = True) -> Facts:
         ranks = _nested_ranks(path, dirs) if local else []
         step = trainer_state_step(os.path.join(path, HF_TRAINER_STATE)) \
@@ -55,15 +61,32 @@ class HfTrainerFolder(Format):
         listing = folder.listing()
         if SAFETENSORS_INDEX in listing:
             ckpt = hf_index.FORMAT.open(folder, storage_options, use_cache, progress)
-        elif any(n.endswith(SAFETENSORS_SUFFIX) for n in listing):
+        elif _has_safetensors(listing):
             ckpt = hf_folder.FORMAT.open(folder, storage_options, use_cache, progress)
-        elif models := model_folders(folder.path):  # with FSDP: the model's DCP folder, as export takes it
-            return dcp.FORMAT.open(os.path.join(folder.path, models[0]), storage_options, use_cache, progress)
+        elif (model := self.model_folder(folder.path)[0]) != folder.path:  # with FSDP: the model's DCP folder
+            return dcp.FORMAT.open(model, storage_options, use_cache, progress)
         else:
             raise CheckpointError(f"{folder.path}: a Trainer checkpoint without safetensors weights here: open "
                                   "the DCP folder or the file inside it that holds what you want.", path=folder.path)
         ckpt.format = self.name
         return ckpt
+
+    def model_folder(self, path: str) -> tuple[str, str | None]:
+        """With FSDP (no safetensors weights beside it): the model's DCP folder, and a note naming what is left
+        out (the optimizer's folder, random states) and any other model's folder."""
+        models = model_folders(path)
+        if not models or _has_safetensors(os.listdir(path)):
+            return path, None
+        others = sorted(n for n in os.listdir(path) if n not in models and not n.startswith("."))
+        note = (f"accelerate FSDP folder: exporting {models[0]}/"
+                + (f"; left out {', '.join(others[:6])}{' ...' if len(others) > 6 else ''}" if others else "")
+                + (f"; other models: {', '.join(models[1:])}" if len(models) > 1 else ""))
+        return os.path.join(path, models[0]), note
+
+
+def _has_safetensors(names: Iterable[str]) -> bool:
+    """Weights this format opens in place: an index or safetensors files."""
+    return any(n == SAFETENSORS_INDEX or n.endswith(SAFETENSORS_SUFFIX) for n in names)
 
 
 def model_folders(path: str) -> list[str]:

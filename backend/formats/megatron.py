@@ -18,7 +18,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
-from ..filenames import MEGATRON_COMMON, MEGATRON_CONFIG, MEGATRON_ITER_RE, MEGATRON_LATEST, basename
+from ..filenames import MEGATRON_COMMON, MEGATRON_CONFIG, MEGATRON_ITER_RE, MEGATRON_LATEST, basename, is_url
 from .base import RESUMABLE, Facts, FileNames, Format, StorageOptions, Target
 from .dcp import dcp_folder_facts, has_dcp_files
 
@@ -63,12 +63,25 @@ class MegatronFolder(Format):
             state, reason = "incomplete", "no common.pt (args, iteration, RNG): Megatron cannot resume from it"
         return Facts(self.name, state, reason, facts.ranks, RESUMABLE, step, pinned)
 
+    def opens_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
+        """A save dir (``latest_checkpointed_iteration.txt`` beside its ``iter_*/`` folders): the iteration it names
+        is opened, as a resume loads it."""
+        return MEGATRON_LATEST in files and any(MEGATRON_ITER_RE.fullmatch(d) for d in dirs)
+
+    def model_folder(self, path: str) -> tuple[str, str | None]:
+        latest = latest_folder(path) if os.path.isdir(path) else None
+        if latest is None:
+            return path, None
+        return latest, (f"Megatron save dir: {os.path.basename(latest)}/, the iteration {MEGATRON_LATEST} names")
+
     def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
              progress: Progress | None = None) -> Checkpoint:
         from ..checkpoint.model import FileInfo, ObjectEntry, Problem
         from ..checkpoint.reader import open_checkpoint
         from ..checkpoint.storage import open_folder, why_absent
 
+        if isinstance(path, str) and not is_url(path):
+            path = self.model_folder(path)[0]  # a save dir: the iteration a resume loads
         folder = open_folder(path, storage_options)
         listing = folder.listing()
         handles = folder.handles()

@@ -125,6 +125,17 @@ def _resolve_url(url: str, storage_options: StorageOptions | None) -> tuple[Form
     return _folder_format(basename(url), set(listing), []), folder
 
 
+def model_folder(path: str) -> tuple[str, str | None]:
+    """The folder the door opens for a local ``path`` when that is one inside it (an HF Trainer or accelerate
+    checkpoint's ``pytorch_model_fsdp_0/``, the iteration a Megatron save dir names), and a note naming it and what
+    is left out; (``path``, None) when the door opens ``path`` itself. What ``export`` and ``watch`` export: the
+    folder ``inspect`` shows."""
+    if is_url(path) or not os.path.isdir(path):
+        return path, None
+    fmt, target = resolve(path)
+    return fmt.model_folder(target) if isinstance(target, str) else (path, None)
+
+
 def probe(path: str | os.PathLike[str]) -> Facts | None:
     """What a listing learns of one local checkpoint (state, writer ranks, kind) without reading it; None for a
     file its format does not take. Bad input names the path."""
@@ -191,5 +202,5 @@ def verify_sealed(ckpt: Checkpoint, deep: bool = False, progress: Progress | Non
 
 
 __all__ = ["FILE_FORMATS", "FOLDER_FORMATS", "FORMATS", "METADATA", "NOT_A_CHECKPOINT", "deep_checks",
-           "detect_file", "detect_folder", "format_named", "label_of", "open_checkpoint", "open_source", "resolve",
-           "verify_contents", "verify_sealed"]
+           "detect_file", "detect_folder", "format_named", "label_of", "model_folder", "open_checkpoint",
+           "open_source", "resolve", "verify_contents", "verify_sealed"]

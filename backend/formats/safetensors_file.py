@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ..progress import Progress
 
 MAX_PROBED_HEADER = 1 << 20  # a listing parses headers up to this; longer ones are only length-checked
+IDENTITY_HEADER_LIMIT = 100 << 20  # a longer header is not checksummed for lineage (its length prefix is)
 OBJECTS_KEY = "shardscope_objects"  # header metadata: the non-tensor entries of an export, as JSON
 
 
@@ -37,6 +38,14 @@ class SafetensorsFile(Format):
             return super().probe_file(path, size, local)
         state, reason = _state(path, size)
         return Facts(self.name, state, reason, kind=WEIGHTS)
+
+    def identity_piece(self, path: str, size: int) -> tuple[int, int] | None:
+        """The header: its length prefix and JSON (only the prefix when the length is implausible)."""
+        if size < 8:
+            return None
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        return (0, 8 + n) if n <= min(size - 8, IDENTITY_HEADER_LIMIT) else (0, 8)
 
     def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
              progress: Progress | None = None) -> Checkpoint:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 MAX_KIND_PROBE = 16 << 20  # bytes of a torch file's pickle read to tell its kind
 BLOCK = 16 << 20
+IDENTITY_TAIL_BYTES = 1 << 20  # a torch.save archive's end: its central directory, with every record's CRC32
 
 
 class TorchFile(Format):
@@ -58,6 +59,10 @@ class TorchFile(Format):
         if not is_torch:
             return None
         return Facts(self.name, state, reason, kind=torch_file_kind(path, size) if state == "complete" else WEIGHTS)
+
+    def identity_piece(self, path: str, size: int) -> tuple[int, int] | None:
+        """The archive's end: its central directory, which holds every record's CRC32."""
+        return max(0, size - IDENTITY_TAIL_BYTES), min(size, IDENTITY_TAIL_BYTES)
 
     def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
              progress: Progress | None = None) -> Checkpoint:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from ..checkpoint.manifest import DAMAGED, MODIFIED, SEALED, UNSEALED
 from ..filenames import LINEAGE_FILE_SUFFIX, MP_RANK_RE, step_from_name
-from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder
+from ..formats import RESUMABLE, WEIGHTS, Format, detect_file, detect_folder, megatron
 from ..lineage import Lineage
 from ..progress import Progress
 from .names import CHECKPOINT_HOLDERS, MAX_DEPTH, RUN_SKIP_DIRS, SKIP_DIRS, WRITING_SECONDS
@@ -224,7 +224,7 @@ class Walker:
         formats = {c.format for c in parts}
         # Megatron-LM's legacy torch layout (iter_N/mp_rank_NN/model_optim_rng.pt) is listed under the megatron
         # format's name; its dist layout (torch_dist: DCP + common.pt) is a folder formats.megatron detects
-        fmt = "megatron" if mp_ranks else formats.pop() if len(formats) == 1 else "mixed"
+        fmt = megatron.FORMAT.name if mp_ranks else formats.pop() if len(formats) == 1 else "mixed"
         ranks = sorted(set().union(mp_ranks, *(c.ranks for c in parts)))
         state = next((s for s in ("writing", "incomplete", "unreadable") if any(c.state == s for c in parts)),
                      "complete")

@@ -22,10 +22,9 @@ from ..errors import Cancelled, ShardscopeError
 from ..export import ExportPlan, ExportResult, check_request, export, plan_export
 from ..export.atomic import clean_leftovers
 from ..export.destination import EXPORTS_FOLDER, export_suffix
-from ..export.layouts import find_model_folder
 from ..filenames import is_url, within
 from ..format import count, human_bytes
-from ..formats import RESUMABLE, open_checkpoint
+from ..formats import RESUMABLE, model_folder, open_checkpoint
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, default_runs_root, read_config, run_state
 from .prune import Decision, Plan, Rules, execute, make_plan, rules_text
@@ -292,7 +291,7 @@ class Watcher:
 
     def _plan(self, c: CheckpointRecord) -> ExportPlan:
         """The plan of a checkpoint's export: the model's weights, by ``export``'s layout rules."""
-        src, _ = find_model_folder(c.path)
+        src, _ = model_folder(c.path)
         ckpt = open_checkpoint(src)
         only = None if self.writer.weights_only else model_prefixes(ckpt)
         return plan_export(ckpt, self.writer.name, only=only, config=self.config)

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ShardscopeError
-from ..filenames import METADATA, step_from_name
+from ..filenames import step_from_name
 from ..format import count
 from ..formats import probe
+from ..formats.dcp import is_finished_save
 from ..procs import process_running, process_started, send_signal, terminate_tree
 from . import slurm
 from .report import ENV_RUN_DIR
@@ -101,7 +102,7 @@ class RunConfig:
                 out["checkpoint_every"] = "must be 0 (never) or more"
             if self.strategy not in ("fsdp", "ddp"):
                 out["strategy"] = f"unknown strategy {self.strategy!r} (fsdp or ddp)"
-        if self.resume and not (Path(self.resume) / METADATA).is_file():
+        if self.resume and not is_finished_save(self.resume):
             out["resume"] = f"{self.resume}: not a DCP checkpoint (no .metadata)"
         if self.on not in ("local", "slurm"):
             out["on"] = f"unknown place to run {self.on!r} (local or slurm)"
