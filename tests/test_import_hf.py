@@ -86,7 +86,7 @@ def test_an_architecture_it_does_not_name_is_one_line_exit_2(imported, tmp_path)
                                                     "model_type": "qwen3"}))
     proc = run_cli("import", folder, tmp_path / "tt", "--as", "torchtitan")
     assert proc.returncode == 2, proc.stderr
-    assert "Qwen3ForCausalLM is not an architecture import --as torchtitan names (it takes LlamaForCausalLM)" in \
+    assert "Qwen3ForCausalLM cannot be imported in torchtitan's names (the import takes LlamaForCausalLM)" in \
         proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     (folder / "config.json").write_text(json.dumps({**doc, "num_hidden_layers": 3}))
     proc = run_cli("import", folder, tmp_path / "tt", "--as", "torchtitan")

@@ -128,7 +128,7 @@ def _target_config(doc: dict, where: str, target: str) -> tuple[str, HfConfig]:
         arch = next((a for a in wanted if _MODEL_TYPES[a] == doc.get("model_type")), None)
         said = f"model_type {doc.get('model_type')!r}"
     if arch is None or doc.get("model_type") != _MODEL_TYPES[arch]:
-        raise ExportError(f"{where}: {said} is not an architecture import --as {target} names (it takes "
+        raise ExportError(f"{where}: {said} cannot be imported in {target}'s names (the import takes "
                           f"{', '.join(wanted)}).")
     return arch, HfConfig.from_json(doc, where)
 
