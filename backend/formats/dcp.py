@@ -100,6 +100,7 @@ def _serialisation(fmt: str, path: str, names: set[str]) -> str:
 class DcpFolder(Format):
     name = "dcp"
     label = "PyTorch DCP"
+    probe_reads_own_files = True
 
     def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
         return has_dcp_files(files)

@@ -13,6 +13,7 @@ from .dcp import dcp_folder_facts, has_dcp_files
 class LightningFolder(Format):
     name = "lightning"
     label = "Lightning/Fabric (DCP + meta.pt)"
+    probe_reads_own_files = True
 
     def detect_folder(self, name: str, files: dict[str, Any] | set[str], dirs: list[str]) -> bool:
         return LIGHTNING_META in files and has_dcp_files(files)

@@ -25,6 +25,7 @@ BLOCK = 16 << 20
 class TorchFile(Format):
     name = "torch"
     label = "torch.save file (loaded weights_only)"
+    probe_reads_own_files = True
     kind = WEIGHTS
     is_folder = False
     checksums = CHECKSUMS_RECORDS
