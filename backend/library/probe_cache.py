@@ -53,17 +53,18 @@ class ProbeCache:
     def key(self, fmt: str, files: dict[str, Any]) -> str | None:
         """The identity of these files (``DirEntry`` or ``stat_result`` by name) for format ``fmt``; None when
         one cannot be stat'ed or changed too recently to be trusted."""
-        parts = [f"v{VERSION}", fmt]
-        for name in sorted(files):
-            info = files[name]
+        parts: list[Any] = [VERSION, fmt]
+        settled = self.settled_ns
+        for name, info in files.items():  # in listing order: another order is only a miss
             try:
-                st = info.stat(follow_symlinks=False) if isinstance(info, os.DirEntry) else info
+                st = info.stat(follow_symlinks=False) if type(info) is not os.stat_result else info
             except OSError:
                 return None
-            if st.st_ctime_ns > self.settled_ns or st.st_mtime_ns > self.settled_ns:
+            if st.st_ctime_ns > settled or st.st_mtime_ns > settled:
                 return None
-            parts.append(f"{name}/{st.st_size}/{st.st_mtime_ns}/{st.st_ctime_ns}/{st.st_ino}/{st.st_dev}")
-        return hashlib.blake2b("\0".join(parts).encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+            parts.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
+        # repr: names quoted and escaped, so no two lists of files spell the same text
+        return hashlib.blake2b(repr(parts).encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
 
     def get(self, path: str, key: str) -> Facts | None:
         """The probe cached for ``path`` under ``key``; None when none (or another key) is."""

@@ -136,7 +136,8 @@ class LocalTree:
             except OSError:
                 continue
             total += disk_bytes(st)
-            newest = max(newest, st.st_mtime)
+            if st.st_mtime > newest:
+                newest = st.st_mtime
             count += 1
         for d in dirs:
             sub = os.path.join(path, d)
