@@ -6,8 +6,10 @@ atomically when the listing found anything new. An entry is the format's :class:
 checkpoint, keyed by the identity of every file the probe could read: name, size, mtime, ctime, inode and device
 from the ``stat`` the listing takes anyway (any write, rename or ``touch`` changes the key). A folder with
 subfolders is not cached (a probe may look inside them), nor one whose files changed within the last
-:data:`SETTLE_SECONDS` (a second write within the same clock tick would keep the key). The file is our own but
-read as untrusted: bounded, every entry checked; a damaged one is ignored with one line in the log.
+:data:`SETTLE_SECONDS` (a second write within the same clock tick would keep the key), nor an unreadable one (the
+error may pass: an NFS hiccup, a permission fixed), nor a format whose probe reads other files too
+(``Format.probe_reads_own_files``). The file is our own but read as untrusted: bounded, every entry checked; a
+damaged one is ignored with one line in the log.
 """
 
 from __future__ import annotations

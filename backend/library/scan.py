@@ -102,7 +102,7 @@ class LocalTree:
         if key is not None and (hit := self.probes.get(path, key)) is not None:
             return hit
         facts = read()
-        if key is not None and facts is not None:
+        if key is not None and facts is not None and facts.state != "unreadable":  # a read error may pass
             self.probes.put(path, key, facts)
         return facts
 
