@@ -245,3 +245,19 @@ def parse_ds_latest(text: bytes) -> str | None:
             any(c in tag for c in "/\\\x00"):
         return None
     return tag
+
+
+# ------------------------------------------------------------------ Shardscope's own caches (never in a checkpoint)
+def cache_folder() -> str:
+    """Where Shardscope caches what it parsed (metadata, a listing's probes): ``$SHARDSCOPE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/shardscope/metadata``."""
+    base = os.environ.get("SHARDSCOPE_CACHE_DIR")
+    if base:
+        return base
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "shardscope", "metadata")
+
+
+def cache_enabled() -> bool:
+    """False under ``--no-cache`` (``SHARDSCOPE_NO_CACHE``): no cache is read or written."""
+    return not os.environ.get("SHARDSCOPE_NO_CACHE")

@@ -73,6 +73,11 @@ def test_a_missing_command_module_fails_loudly(monkeypatch):
     _parser, names = cli_main.build_parser()
     assert names.keys() >= {"inspect", "verify", "show", "export", "diff", "import", "reshard", "ls", "prune",
                             "train", "gui"}
+    # a command line naming a command imports only its module: the map says which, for every command
+    assert cli_main.COMMAND_MODULE_OF.keys() == names.keys()
+    for module in cli_main.COMMAND_MODULES:
+        _parser, only = cli_main.build_parser((module,))
+        assert only.keys() == {c for c, m in cli_main.COMMAND_MODULE_OF.items() if m == module}, module
     monkeypatch.setattr(cli_main, "COMMAND_MODULES", (*cli_main.COMMAND_MODULES, "no_such_command"))
     with pytest.raises(ModuleNotFoundError, match="no_such_command"):
         cli_main.build_parser()

@@ -24,10 +24,16 @@ log = logging.getLogger("shardscope.cli")
 GLOBAL_FLAGS = ("-v", "--verbose", "--no-cache")  # options given before the subcommand
 COMMAND_MODULES = ("inspect", "verify", "show", "gui", "export", "diff", "convert", "train", "runs", "follow",
                    "stop", "demo", "library", "watch", "drift", "bisect", "average", "seal")
+# the module that registers each subcommand: a command line that names one imports only that module (every
+# module costs `ls` its imports); tests/test_cli_contract.py holds this equal to what the modules register
+COMMAND_MODULE_OF = {**{m: m for m in COMMAND_MODULES if m not in ("convert", "library")},
+                     "import": "convert", "reshard": "convert", "ls": "library", "prune": "library"}
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The full parser and its subcommands' parsers by name."""
+def build_parser(modules: Iterable[str] | None = None
+                 ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The full parser (``modules``: with only those modules' subcommands) and its subcommands' parsers by
+    name."""
     parser = argparse.ArgumentParser(
         prog="shardscope",
         description="Browse, train and export PyTorch distributed (DCP) checkpoints. "
@@ -35,11 +41,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         epilog="Exit codes: 0 ok, 1 problems found, 2 bad input, 3 internal error (see the log), 130 interrupted.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
     parser.add_argument("--no-cache", dest="no_cache_global", action="store_true",
-                        help="neither read nor write the metadata cache, for every command and the window (same as "
-                             "SHARDSCOPE_NO_CACHE=1; the cache lives in $SHARDSCOPE_CACHE_DIR, default "
+                        help="neither read nor write the metadata cache (nor ls's probe cache), for every command "
+                             "and the window (same as SHARDSCOPE_NO_CACHE=1; the cache lives in "
+                             "$SHARDSCOPE_CACHE_DIR, default "
                              "~/.cache/shardscope/metadata)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in COMMAND_MODULES if modules is None else modules:
         # NOTE: a missing or broken command module fails here, loudly: skipping it once hid a subcommand
         # from every user of a wheel that lacked the module
         importlib.import_module(f"{__package__}.{name}").register(sub)
@@ -63,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from shardscope.backend.log import setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, commands = build_parser()
     first = next((a for a in argv if a not in GLOBAL_FLAGS), None)
+    parser, commands = build_parser((COMMAND_MODULE_OF[first],) if first in COMMAND_MODULE_OF else None)
     if first is None or (first not in commands and not first.startswith("-")):
         if first is not None and (unknown := unknown_command(first, commands)):
             err(unknown)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..filenames import cache_enabled, cache_folder
 from .codecs import ItemCodec
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
 from .storage import Folder
@@ -27,16 +28,12 @@ ARRAYS = ("tensor", "file", "byte_offset", "length", "dim_start", "dims")
 
 def cache_dir() -> Path:
     """Where parsed metadata is cached (``SHARDSCOPE_CACHE_DIR`` or the XDG cache folder)."""
-    base = os.environ.get("SHARDSCOPE_CACHE_DIR")
-    if base:
-        return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "shardscope" / "metadata"
+    return Path(cache_folder())
 
 
 def key_for(folder: Folder, meta_names: list[str]) -> str | None:
     """The cache key of these metadata files, or None when caching is off or their identity is unknown."""
-    if os.environ.get("SHARDSCOPE_NO_CACHE"):
+    if not cache_enabled():
         return None
     ident = folder.identity(meta_names)
     if ident is None:

@@ -62,6 +62,9 @@ class Format:
     # the framework's own file manifest, in its own format, that ``seal`` writes beside its manifest (Megatron-Core's
     # integrity.json); checked by ``verify`` wherever one lies in a folder, whatever the format
     integrity_manifest = False
+    # its probe reads nothing but the checkpoint's own files, so a listing may reuse it while they are unchanged
+    # (library.probe_cache); False where it reads elsewhere too (DeepSpeed's ``latest`` beside the folder)
+    probe_reads_own_files = False
 
     # ------------------------------------------------------------ names only
     def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:

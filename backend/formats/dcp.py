@@ -16,6 +16,8 @@ from ..filenames import (
     RANK_METADATA_RE,
 )
 from .base import (
+    FIRST_BLOCK,
+    OPTIMIZER_MARKS,
     RESUMABLE,
     WEIGHTS,
     Facts,
@@ -56,8 +58,17 @@ def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool, kind: st
         if not local:
             return Facts(fmt, "complete", "", ranks, RESUMABLE)
         meta = os.path.join(path, METADATA)
-        # one open for both questions when the kind is asked (a listing of 10,000 checkpoints opens 10,000 fewer)
-        first, optim = first_byte_and_optimizer(meta) if kind is None else (head(meta, 1), None)
+        # most metadata a listing meets is small: read whole at once, it answers every question below (one open
+        # of it, not three); a larger one is read in blocks for the first two and searched mapped for the third
+        whole = head(meta, FIRST_BLOCK)
+        first: bytes | None
+        optim: bool | None
+        if whole is not None and len(whole) < FIRST_BLOCK:
+            first, optim = whole[:1], any(m in whole for m in OPTIMIZER_MARKS)
+        else:
+            whole = None
+            # one open for both questions when the kind is asked
+            first, optim = first_byte_and_optimizer(meta) if kind is None else (head(meta, 1), None)
         if first is None:
             return Facts(fmt, "unreadable", ".metadata cannot be read", ranks)
         if first not in (b"\x80", b"{"):
@@ -67,7 +78,7 @@ def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool, kind: st
             # or it cannot be read): resumable, as every DCP folder was judged before
             kind = WEIGHTS if optim is False else RESUMABLE
         # writer ranks are those the metadata references, not a stale file's (verify names that file)
-        stale = unreferenced_data_files(path, names)
+        stale = unreferenced_data_files(path, names, whole)
         ranks = sorted({int(m.group(1)) for n in names if n not in stale and (m := DATA_FILE_RE.match(n))})
         return Facts(_serialisation(fmt, path, names), "complete", "", ranks, kind)
     if meta_ranks:
@@ -79,19 +90,22 @@ def dcp_folder_facts(fmt: str, path: str, names: set[str], local: bool, kind: st
     return Facts(fmt, "incomplete", "no .metadata: the save did not finish (the coordinator writes it last)", ranks)
 
 
-def unreferenced_data_files(path: str, names: set[str]) -> list[str]:
+def unreferenced_data_files(path: str, names: set[str], meta: bytes | None = None) -> list[str]:
     """The ``__R_N.distcp`` files of a local DCP folder that its ``.metadata`` does not name (a stale file of an
     earlier save with more ranks): DCP pickles each file's relative path into the metadata, so a name whose bytes
-    are not in it holds nothing of this save. A search of the mapped file, not a parse: cheap enough for a listing.
-    An empty unnamed file is kept (a rank left with nothing to write writes one); [] when it cannot be read."""
+    are not in it holds nothing of this save. A search of the mapped file (or of ``meta``, its bytes when already
+    read), not a parse: cheap enough for a listing. An empty unnamed file is kept (a rank left with nothing to
+    write writes one); [] when it cannot be read."""
     data = [n for n in names if DATA_FILE_RE.match(n)]
     if not data:
         return []
+    if meta is not None:
+        return sorted(n for n in data if meta.rfind(n.encode()) < 0 and _size(os.path.join(path, n)) != 0)
     try:
         with open(os.path.join(path, METADATA), "rb") as f, \
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as meta:
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             # the last ranks' names sit at the end of the file (storage_data is pickled last): search backwards
-            absent = [n for n in data if meta.rfind(n.encode()) < 0]
+            absent = [n for n in data if mapped.rfind(n.encode()) < 0]
     except (OSError, ValueError):  # unreadable, or empty (mmap refuses a 0-byte file)
         return []
     return sorted(n for n in absent if _size(os.path.join(path, n)) != 0)
@@ -120,6 +134,7 @@ def _serialisation(fmt: str, path: str, names: set[str]) -> str:
 class DcpFolder(Format):
     name = "dcp"
     label = "PyTorch DCP"
+    probe_reads_own_files = True
 
     def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return has_dcp_files(files)

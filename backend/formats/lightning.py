@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class LightningFolder(Format):
     name = "lightning"
     label = "Lightning/Fabric (DCP + meta.pt)"
+    probe_reads_own_files = True
 
     def detect_folder(self, name: str, files: FileNames, dirs: list[str]) -> bool:
         return LIGHTNING_META in files and has_dcp_files(files)

@@ -26,6 +26,7 @@ OBJECTS_KEY = "shardscope_objects"  # header metadata: the non-tensor entries of
 class SafetensorsFile(Format):
     name = "safetensors"
     label = "safetensors file"
+    probe_reads_own_files = True
     kind = WEIGHTS
     is_folder = False
     checksums = CHECKSUMS_NONE

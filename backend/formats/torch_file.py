@@ -45,6 +45,7 @@ IDENTITY_TAIL_BYTES = 1 << 20  # a torch.save archive's end: its central directo
 class TorchFile(Format):
     name = "torch"
     label = "torch.save file (loaded weights_only)"
+    probe_reads_own_files = True
     kind = WEIGHTS
     is_folder = False
     checksums = CHECKSUMS_RECORDS

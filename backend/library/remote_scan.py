@@ -91,7 +91,7 @@ class RemoteTree:
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step_from_name(posixpath.basename(path)), f.kind,
                            f.pinned)
 
-    def seal_state(self, path: str, is_folder: bool) -> str:
+    def seal_state(self, path: str, is_folder: bool, files: dict[str, Any] | None = None) -> str:
         return ""  # a URL's manifest is not read by a listing (verify reads it)
 
     def lineage(self, sidecar: str) -> Lineage | None:

@@ -14,17 +14,19 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..checkpoint.manifest import seal_state
+from ..checkpoint.manifest import UNSEALED, seal_state
 from ..errors import ShardscopeError
-from ..filenames import LINEAGE_FILE_SUFFIX, WATCH_STATE, is_url, step_from_name
+from ..filenames import LINEAGE_FILE_SUFFIX, MANIFEST_NAME, WATCH_STATE, is_url, step_from_name
 from ..formats import Format
+from ..formats.base import Facts
 from ..lineage import MISSING, REMOVED, Lineage, read_lineage
 from ..progress import Progress
 from ..runs.rundir import run_state
 from .names import WRITING_SECONDS
+from .probe_cache import ProbeCache
 from .records import CheckpointRecord, Listing, RunRecord, order_key
 from .remote_scan import list_url
 from .walk import FileFacts, FolderFacts, Walker
@@ -49,6 +51,10 @@ class LocalTree:
 
     sep = os.sep
 
+    def __init__(self, probes: ProbeCache | None = None) -> None:
+        self.probes = probes
+        self.odd: set[str] = set()  # folders listed with an entry neither file nor folder (a symlink, a fifo)
+
     def list(self, path: str) -> tuple[dict[str, os.DirEntry], list[str]] | None:
         files: dict[str, os.DirEntry] = {}
         dirs: list[str] = []
@@ -59,6 +65,8 @@ class LocalTree:
                         files[e.name] = e
                     elif e.is_dir(follow_symlinks=False):
                         dirs.append(e.name)
+                    else:
+                        self.odd.add(path)
         except OSError:
             return None
         return files, dirs
@@ -74,17 +82,34 @@ class LocalTree:
 
     def file_facts(self, path: str, info: os.DirEntry | os.stat_result, fmt: Format) -> FileFacts | None:
         st = info.stat(follow_symlinks=False) if isinstance(info, os.DirEntry) else info
-        facts = fmt.probe_file(path, st.st_size)
+        facts = self.probe(path, fmt, {os.path.basename(path): st}, lambda: fmt.probe_file(path, st.st_size))
         if facts is None:
             return None
         return FileFacts(facts.format, facts.state, facts.reason, disk_bytes(st), st.st_mtime, facts.kind,
                          facts.pinned)
 
     def folder_facts(self, path: str, fmt: Format, files: dict[str, Any], dirs: builtins.list[str]) -> FolderFacts:
-        f = fmt.probe_folder(path, set(files), dirs)
+        f = self.probe(path, fmt, None if dirs else files, lambda: fmt.probe_folder(path, set(files), dirs))
+        if f is None:  # a folder probe always answers
+            raise AssertionError(f"{path}: the {fmt.name} probe gave no facts")
         step = step_from_name(os.path.basename(path))
         return FolderFacts(f.format, f.state, f.reason, f.ranks, step if step is not None else f.step, f.kind,
                            f.pinned)
+
+    def probe(self, path: str, fmt: Format, files: dict[str, Any] | None, read: Callable[[], Facts | None]
+              ) -> Facts | None:
+        """``read()`` (a format's probe of ``files``), or what it returned for the same files at an earlier listing;
+        ``files`` None: not cached (see :mod:`.probe_cache`)."""
+        probes = self.probes
+        if probes is None or files is None or not fmt.probe_reads_own_files:
+            return read()
+        key = probes.key(fmt.name, files)
+        if key is not None and (hit := probes.get(path, key)) is not None:
+            return hit
+        facts = read()
+        if key is not None and facts is not None and facts.state != "unreadable":  # a read error may pass
+            probes.put(path, key, facts)
+        return facts
 
     def lineage(self, sidecar: str) -> Lineage | None:
         """The sidecar's lineage; a missing source that a watch removed by its rules (the watch record beside the
@@ -98,7 +123,9 @@ class LocalTree:
             return dataclasses.replace(found, state=REMOVED)
         return found
 
-    def seal_state(self, path: str, is_folder: bool) -> str:
+    def seal_state(self, path: str, is_folder: bool, files: dict[str, Any] | None = None) -> str:
+        if files is not None and MANIFEST_NAME not in files and path not in self.odd:
+            return UNSEALED  # the folder as listed has no manifest: nothing to open (10,000 failed opens saved)
         return seal_state(path, is_folder)
 
     def usage(self, path: str, files: dict[str, os.DirEntry], dirs: builtins.list[str]) -> tuple[int, float, int]:
@@ -114,7 +141,8 @@ class LocalTree:
             except OSError:
                 continue
             total += disk_bytes(st)
-            newest = max(newest, st.st_mtime)
+            if st.st_mtime > newest:
+                newest = st.st_mtime
             count += 1
         for d in dirs:
             sub = os.path.join(path, d)
@@ -185,11 +213,14 @@ def scan(roots: Iterable[str | os.PathLike], now: float | None = None, writing_s
             raise ShardscopeError(f"{root}: no such file or folder.")
         if path not in resolved:
             resolved.append(path)
-            walkers.append(Walker(LocalTree(), now, writing_seconds, progress))
+            probes = ProbeCache.for_root(path)
+            walkers.append(Walker(LocalTree(probes), now, writing_seconds, progress))
             if os.path.isfile(path):
                 walkers[-1].walk_file(path, os.lstat(path))
             else:
                 walkers[-1].walk(path)
+            if probes is not None:
+                probes.save()
     run_states = {p: s for w in walkers for p, s in w.run_states.items()}
     seen: set[str] = set()
     runs: dict[str, RunRecord] = {}

@@ -80,8 +80,9 @@ class Tree(Protocol):
     def lineage(self, sidecar: str) -> Lineage | None:
         """The lineage an export's sidecar at ``sidecar`` records, its source compared with now; None for none."""
 
-    def seal_state(self, path: str, is_folder: bool) -> str:
-        """The checkpoint's seal by its manifest and the file system (checkpoint.seal.seal_state); '' unlooked."""
+    def seal_state(self, path: str, is_folder: bool, files: dict[str, Any] | None = None) -> str:
+        """The checkpoint's seal by its manifest and the file system (checkpoint.seal.seal_state); '' unlooked.
+        ``files``: a folder's files as listed (no manifest among them: nothing to read)."""
 
 
 def join(tree: Tree, path: str, name: str) -> str:
@@ -206,7 +207,7 @@ class Walker:
                                total, newest, f.state, f.reason, False, count, f.kind, f.pinned)
         if sidecar:
             self.add_lineage(rec, path.rstrip(self.tree.sep) + LINEAGE_FILE_SUFFIX)
-        rec.seal = self.tree.seal_state(path, True)
+        rec.seal = self.tree.seal_state(path, True, files)
         self.add(rec)
 
     def add_lineage(self, rec: CheckpointRecord, sidecar: str) -> None:
