@@ -136,7 +136,7 @@ def test_a_config_whose_biases_are_not_the_checkpoints_is_one_line_exit_2(megatr
     ({"normalization": "LayerNorm"}, "normalization is 'LayerNorm'"),
     ({"rotary_percent": 0.5}, "rotary_percent is 0.5"),
     ({"tokenizer_type": "HuggingFaceTokenizer"}, "records the padded vocabulary (128) but not the "
-                                                 "HuggingFaceTokenizer's vocab_size; give the model's HF config"),
+                                                 "HuggingFaceTokenizer's vocab_size; give the HF config.json"),
     ({"num_query_groups": None}, "gives no num_query_groups"),
     ({"num_layers": 3}, "is not 3 stacked layers (the config's num_hidden_layers)"),
     ({"hook": print}, "common.pt: cannot be read safely"),  # a global the allow-list refuses: no args at all

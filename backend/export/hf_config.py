@@ -54,7 +54,7 @@ def check_megatron_args(args: dict[str, Any], where: str) -> None:
 def _positive(args: dict[str, Any], key: str, where: str) -> int:
     value = args.get(key)
     if value is None:
-        raise HfModelError(f"{where}: gives no {key}; give the model's HF config with --config.")
+        raise HfModelError(f"{where}: gives no {key}; give the HF config.json of the model it trains.")
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise HfModelError(f"{where}: {key} is {value!r:.80}, not a positive whole number.")
     return value
@@ -76,8 +76,8 @@ def _vocab(args: dict[str, Any], where: str) -> int:
     tokenizer = args.get("tokenizer_type")
     if tokenizer != "NullTokenizer" or args.get("vocab_size") is None:
         raise HfModelError(f"{where}: records the padded vocabulary ({padded}) but not the "
-                           f"{tokenizer or 'tokenizer'}'s vocab_size; give the model's HF config (its vocab_size) "
-                           "with --config.")
+                           f"{tokenizer or 'tokenizer'}'s vocab_size; give the HF config.json of the model it trains "
+                           "(its vocab_size).")
     vocab = _positive(args, "vocab_size", where) + 1  # NullTokenizer: vocab_size plus its EOD token
     if vocab > padded:
         raise HfModelError(f"{where}: vocab_size {vocab} is more than padded_vocab_size {padded}.")

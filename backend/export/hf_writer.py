@@ -68,7 +68,7 @@ def hf_plan(base: ExportPlan, config_path: str | None) -> ExportPlan:
     if config_path is None and args is None:
         unread = unread_args(base.ckpt)
         if unread:
-            raise ExportError(f"{base.ckpt.path}: {unread}; give the model's HF config with --config.")
+            raise ExportError(f"{base.ckpt.path}: {unread}; give the HF config.json of the model it trains.")
         raise ExportError(f"{base.ckpt.path}: the checkpoint records no Hugging Face config; give the HF config.json "
                           "of the model it trains (head counts, rotary base and norm epsilon are not in the weights).")
     recorded = f"{base.ckpt.path}: common.pt's args"
