@@ -25,9 +25,9 @@ from PySide6.QtWidgets import (
 
 from ..backend.checkpoint.storage import is_url
 from ..backend.filenames import is_index_name, is_metadata_name
-from ..backend.format import count
 from ..backend.library.names import run_name
 from ..backend.runs.rundir import default_runs_root
+from ..backend.text import count
 from ..widgets.checkpoint_view import CheckpointView
 from ..widgets.compare_view import CompareView
 from ..widgets.export_dialog import ExportDialog

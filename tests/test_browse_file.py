@@ -18,8 +18,8 @@ from conftest import run_cli_peak
 from hostile_torch_files import uni, with_pickle
 from safetensors.torch import save_file
 from shardscope.backend.checkpoint.verify import verify
-from shardscope.backend.format import escape_name
 from shardscope.backend.formats import open_checkpoint
+from shardscope.backend.text import escape_name
 
 
 def bad_input(rc: int, err: str, path) -> None:

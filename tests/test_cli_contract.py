@@ -59,7 +59,7 @@ def test_help_exits_ok(argv):
 
 
 def test_names_are_escaped_on_terminals():
-    from shardscope.backend.format import escape_name
+    from shardscope.backend.text import escape_name
 
     assert escape_name("layer\nweight\u202e") == "layer\\x0aweight\\u202e"
     assert "\n" not in escape_name("a\r\nb") and escape_name("model.w") == "model.w"

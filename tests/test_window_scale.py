@@ -11,7 +11,7 @@ import pytest
 from PySide6.QtCore import QPoint, QPointF, QRect, QSettings, Qt, QThreadPool
 from PySide6.QtWidgets import QApplication
 from scale_checkpoint import write_scale_checkpoint
-from shardscope.backend.format import byte_unit, natural_key
+from shardscope.backend.text import byte_unit, natural_key
 from shardscope.widgets.checkpoint_view import CheckpointView, summary_html
 from shardscope.widgets.plot_style import CategoryAxis, nice_step
 

@@ -24,8 +24,8 @@ from ..backend.checkpoint.browse import BrowseData
 from ..backend.checkpoint.model import Problem, TensorEntry
 from ..backend.checkpoint.tree import TreeNode
 from ..backend.compare.browse_file import analyse_any, load_any, stats_any, verify_contents_any
-from ..backend.format import count, human_bytes, rich_name
 from ..backend.formats import format_named, label_of
+from ..backend.text import count, human_bytes, rich_name
 from .health_panel import CHECKSUMS_WHERE_STORED, HealthPanel
 from .inspector_view import InspectorView
 from .map_caption import NOTHING_SHARDED, map_caption

@@ -39,8 +39,8 @@ from PySide6.QtWidgets import (
 )
 from shardscope.backend.compare import diff
 from shardscope.backend.compare.diff import Change, DiffResult, difference_histogram
-from shardscope.backend.format import count
 from shardscope.backend.formats import open_source
+from shardscope.backend.text import count
 
 from .plot_style import themed_plot
 from .shard_map import ShardMapView

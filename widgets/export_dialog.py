@@ -49,7 +49,7 @@ from shardscope.backend.export.destination import (
     write_into_new_folders,
 )
 from shardscope.backend.filenames import SAFETENSORS_SUFFIX, is_safetensors_file
-from shardscope.backend.format import count, human_bytes
+from shardscope.backend.text import count, human_bytes
 
 from .export_model import ArchitectureLine, ConfigField, model_summary
 from .form_wheel import wheel_only_when_focused

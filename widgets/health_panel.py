@@ -6,11 +6,11 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QListView, QListWidget, QListWidgetItem
 
 from ..backend.checkpoint.model import Problem
-from ..backend.format import count
 
 # What Verify contents proves about the bytes: each format says (torch.save items store a CRC32, safetensors none)
 from ..backend.formats.base import CHECKSUMS_NONE as NO_CHECKSUMS
 from ..backend.formats.base import CHECKSUMS_STORED as CHECKSUMS_WHERE_STORED
+from ..backend.text import count
 
 MAX_LISTED = 2000
 

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.checkpoint.model import TensorEntry
-from ..backend.format import escape_name, human_bytes, plain_tooltip, rich_name
+from ..backend.text import escape_name, human_bytes, plain_tooltip, rich_name
 from .palette import rank_color
 from .plot_style import themed_plot
 

@@ -9,10 +9,10 @@ from typing import Any
 from PySide6.QtCore import QAbstractItemModel, QModelIndex, QPersistentModelIndex, Qt
 from PySide6.QtGui import QColor
 
-from ..backend.format import human_bytes, ranks_text
 from ..backend.library.records import CheckpointRecord, RunRecord
 from ..backend.library.snapshot import LibrarySnapshot
 from ..backend.runs.follow import LOSS_LABEL
+from ..backend.text import human_bytes, ranks_text
 
 NAME_SAMPLE = "run-20261126-133538"  # a run's name as `shardscope train` makes it: shown whole at 1280x720
 COLUMNS = ("checkpoint", "step", "modified", "size", "ranks", "kind", "format", "state", "loss", "lineage")

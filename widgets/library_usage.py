@@ -21,10 +21,10 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.filenames import is_url
-from ..backend.format import count, human_bytes
 from ..backend.library.prune import Plan, Rules
 from ..backend.library.records import RunRecord
 from ..backend.library.snapshot import LibrarySnapshot
+from ..backend.text import count, human_bytes
 from .library_model import NAME_SAMPLE, ObjectRole
 from .rows_table import RowsTableModel
 

@@ -33,10 +33,10 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.filenames import is_url
-from ..backend.format import count, human_bytes
 from ..backend.library.prune import Rules
 from ..backend.library.records import CheckpointRecord, RunRecord
 from ..backend.library.snapshot import LibrarySnapshot, take_snapshot
+from ..backend.text import count, human_bytes
 from .drift_view import DriftView
 from .library_model import NAME_SAMPLE, SIZE_COLUMN, LibraryModel, SortRole
 from .library_usage import DiskUsagePanel, SizeBarDelegate

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..backend.checkpoint.model import Checkpoint, TensorEntry
 from ..backend.checkpoint.tree import TreeNode
-from ..backend.format import count, rich_name
+from ..backend.text import count, rich_name
 from .shard_map import grid_shape, legend_html, stacked_entries
 
 NOTHING_SHARDED = "Nothing is sharded here: no shard map to draw."

@@ -28,9 +28,9 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.errors import ShardscopeError
-from ..backend.format import count, human_bytes
 from ..backend.library.prune import Plan, PruneResult, Rules, execute, make_plan, parse_age
 from ..backend.library.records import Listing
+from ..backend.text import count, human_bytes
 from .form_wheel import wheel_only_when_focused
 from .rows_table import RowsTableModel
 from .workers import Rerun, Worker, run_in_background

@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.checkpoint.model import Checkpoint
-from ..backend.format import byte_unit, count, human_bytes, natural_key
+from ..backend.text import byte_unit, count, human_bytes, natural_key
 from .palette import rank_color
 from .plot_style import CategoryAxis, themed_plot
 

@@ -20,10 +20,10 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.errors import ShardscopeError
-from ..backend.format import count
 from ..backend.runs import slurm
 from ..backend.runs.launcher import SCRIPT_CONTRACT, RunConfig
 from ..backend.runs.slurm import Partition, SlurmOptions
+from ..backend.text import count
 
 LOCAL, SLURM = "this machine", "SLURM"
 

@@ -32,7 +32,7 @@ from ..backend.compare.averaging import average_checkpoints
 from ..backend.compare.bisect import BisectResult, run_bisect
 from ..backend.export.destination import export_suffix
 from ..backend.export.registry import WRITERS
-from ..backend.format import escape_name
+from ..backend.text import escape_name
 from .workers import Worker, run_in_background
 
 TABLE_ROWS = 500  # differing entries listed (most changed first)

@@ -16,7 +16,7 @@ from PySide6.QtGui import QBrush, QColor, QFont, QHelpEvent, QPainter, QPen, QWh
 from PySide6.QtWidgets import QGraphicsRectItem, QGraphicsScene, QGraphicsSimpleTextItem, QGraphicsView, QToolTip
 from shardscope.backend.checkpoint.layout import Coverage, Region, coverage
 from shardscope.backend.checkpoint.model import Checkpoint, Chunk, TensorEntry
-from shardscope.backend.format import count, plain_tooltip
+from shardscope.backend.text import count, plain_tooltip
 
 from .palette import rank_color
 

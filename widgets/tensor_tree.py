@@ -15,7 +15,7 @@ from PySide6.QtCore import (
 from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem, QTreeView
 from shardscope.backend.checkpoint.model import ObjectEntry, TensorEntry
 from shardscope.backend.checkpoint.tree import TreeNode
-from shardscope.backend.format import count, escape_name, human_bytes, plain_tooltip, ranks_text
+from shardscope.backend.text import count, escape_name, human_bytes, plain_tooltip, ranks_text
 
 NodeRole = Qt.ItemDataRole.UserRole + 1  # the TreeNode itself
 SortRole = Qt.ItemDataRole.UserRole + 2  # numeric sort keys

@@ -26,7 +26,6 @@ from PySide6.QtWidgets import (
 )
 
 from ..backend.export import export_formats
-from ..backend.format import count
 from ..backend.library.prune import Decision, Rules
 from ..backend.library.watch import (
     BLOCKED,
@@ -39,6 +38,7 @@ from ..backend.library.watch import (
     plan_watch,
     rules_text,
 )
+from ..backend.text import count
 from .export_model import ConfigField
 from .form_wheel import wheel_only_when_focused
 from .prune_dialog import plan_table, rule_check, rule_spin

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
-from shardscope.backend.format import escape_name
+from shardscope.backend.text import escape_name
 
 from .output import TerminalProgress, add_command
 from .storage_options import add_storage_options, apply_to_fsspec, storage_options

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
-from shardscope.backend.format import count, ranks_text
+from shardscope.backend.text import count, ranks_text
 
 from .gui import no_display
 from .output import add_command

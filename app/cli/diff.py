@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 from shardscope.backend.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PROBLEMS
-from shardscope.backend.format import escape_name
+from shardscope.backend.text import escape_name
 
 from .output import TerminalProgress, add_command, err
 from .storage_options import add_storage_options, storage_options

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK
-from shardscope.backend.format import count, escape_name, human_bytes, ranks_text
+from shardscope.backend.text import count, escape_name, human_bytes, ranks_text
 
 from .output import add_command, print_problems
 from .storage_options import add_storage_options, storage_options

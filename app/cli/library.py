@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
-from shardscope.backend.format import count, escape_name, human_bytes, ranks_text
+from shardscope.backend.text import count, escape_name, human_bytes, ranks_text
 
 from .output import TerminalProgress, add_command, err
 from .storage_options import add_storage_options, apply_to_fsspec

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardscope.backend.errors import Cancelled
-from shardscope.backend.format import count, escape_name, human_bytes, human_duration
 from shardscope.backend.progress import Progress
+from shardscope.backend.text import count, escape_name, human_bytes, human_duration
 
 
 def err(msg: str) -> None:

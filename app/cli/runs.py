@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, ShardscopeError
-from shardscope.backend.format import escape_name
+from shardscope.backend.text import escape_name
 
 from .output import add_command
 

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK
-from shardscope.backend.format import count, escape_name
+from shardscope.backend.text import count, escape_name
 
 from .output import TerminalProgress, add_command
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, CheckpointError
-from shardscope.backend.format import count, escape_name, human_bytes, ranks_text
+from shardscope.backend.text import count, escape_name, human_bytes, ranks_text
 
 from .output import add_command
 from .storage_options import add_storage_options, storage_options

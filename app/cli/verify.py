@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from shardscope.backend.errors import EXIT_OK, EXIT_PROBLEMS
-from shardscope.backend.format import count, escape_name
+from shardscope.backend.text import count, escape_name
 
 from .output import TerminalProgress, add_command, print_problems
 from .storage_options import add_storage_options, storage_options

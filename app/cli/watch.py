@@ -13,7 +13,7 @@ from typing import Any
 
 from shardscope.backend.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PROBLEMS, ShardscopeError
 from shardscope.backend.filenames import is_url
-from shardscope.backend.format import escape_name
+from shardscope.backend.text import escape_name
 
 from .export import ExportFormats
 from .library import add_keep_rules, rules_of

@@ -12,8 +12,8 @@ from typing import Any
 
 from ..errors import Cancelled, CheckpointError
 from ..filenames import DOWNLOAD_RE, TMP_PREFIX
-from ..format import human_bytes
 from ..procs import orphaned
+from ..text import human_bytes
 from .remote import call, fs_for
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..filenames import MAX_INDEX_BYTES, METADATA, hf_shard_rank, is_safetensors_file
 from ..filenames import SAFETENSORS_INDEX as INDEX
-from ..format import count
+from ..text import count
 from .chunks import safe_name
 from .codecs import RAW_VALUES
 from .model import MAX_INDEX, Checkpoint, ChunkTable, FileInfo, Problem, TensorEntry, itemsize

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format import count
+from ..text import count
 from .model import Checkpoint, Problem, TensorEntry, itemsize
 
 MAX_GRID_CELLS = 4_000_000

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..filenames import DATA_SUFFIX, METADATA, METADATA_TMP, RANK_METADATA_RE, rank_of_file
-from ..format import count
 from ..progress import Progress
+from ..text import count
 from . import cache, validate
 from .codecs import ItemCodec, check_descriptors
 from .model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry

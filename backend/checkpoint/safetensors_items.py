@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import CheckpointError
-from ..format import count
+from ..text import count
 from .dtypes import MAX_INDEX, MAX_NDIM, SAFETENSORS_DTYPES, contiguous_strides
 from .items import ByteSource, ItemFormatError, StoredTensor, checked_dims
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, ShardscopeError
 from ..filenames import MEGATRON_INTEGRITY, SIGNATURE_NAME, is_url, manifest_path, signature_path
-from ..format import count
 from ..progress import Progress
+from ..text import count
 from .digests import FileHash, chunk_ranges, hash_files, object_digest, tensor_digests
 from .manifest import (
     DAMAGED,

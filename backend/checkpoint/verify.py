@@ -11,8 +11,8 @@ from functools import partial
 import numpy as np
 
 from ..errors import CheckpointError
-from ..format import count
 from ..progress import Progress
+from ..text import count
 from .chunks import ChunkReader, CorruptChunkError, SharedStorageError, StoredTensor
 from .layout import coverage_problems
 from .model import Checkpoint, Chunk, Problem

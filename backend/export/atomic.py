@@ -48,10 +48,10 @@ from ..filenames import (
     lineage_sidecar,
     manifest_path,
 )
-from ..format import human_bytes
 from ..lineage import read_sidecar, sidecar_bytes, with_written_files
 from ..procs import orphaned
 from ..progress import Progress
+from ..text import human_bytes
 from .destination import check_destination, index_files, replaceable
 from .output_seal import Origin, check_against_source, output_manifest, seal_kept, source_manifest
 from .plan import ExportError as OutputError

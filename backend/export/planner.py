@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 
 from ..checkpoint.model import FLOAT_DTYPES, Checkpoint, TensorEntry
-from ..format import count
 from ..formats.lightning import has_trainer_state
+from ..text import count
 from .hf_model import rotary_trap
 from .hf_writer import hf_plan
 from .layouts import Layout, model_key, recognise_layout

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..filenames import SAFETENSORS_SUFFIX, TORCH_SUFFIXES
-from ..format import parse_size
 from ..progress import Progress
+from ..text import parse_size
 from . import hf_writer, safetensors_writer, torch_writer
 from .plan import ExportError, ExportPlan
 from .source import TensorSource

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..format import count, human_bytes
+from ..text import count, human_bytes
 
 
 @dataclass

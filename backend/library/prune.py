@@ -26,11 +26,11 @@ from ..atomic_file import fsync_folder
 from ..checkpoint.manifest import manifest_beside
 from ..errors import ShardscopeError
 from ..filenames import is_url, lineage_sidecar
-from ..format import count, human_bytes
 from ..formats.base import RESUMABLE, WEIGHTS
 from ..lineage import read_sidecar
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, run_state
+from ..text import count, human_bytes
 from .names import within
 from .prune_record import (
     RECORD_SUFFIX,

@@ -23,10 +23,10 @@ from ..export import ExportPlan, ExportResult, check_request, export, plan_expor
 from ..export.atomic import clean_leftovers
 from ..export.destination import EXPORTS_FOLDER, export_suffix
 from ..filenames import is_url, within
-from ..format import count, human_bytes
 from ..formats import RESUMABLE, model_folder, open_checkpoint
 from ..progress import Progress
 from ..runs.rundir import ACTIVE_STATES, default_runs_root, read_config, run_state
+from ..text import count, human_bytes
 from .prune import Decision, Plan, Rules, execute, make_plan, rules_text
 from .records import CheckpointRecord, Listing, RunRecord, order_key
 from .scan import is_shardscope_run, scan

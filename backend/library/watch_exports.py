@@ -9,8 +9,8 @@ from typing import Any
 from ..errors import ShardscopeError
 from ..export import ExportPlan
 from ..export.layouts import recognise_layout
-from ..format import count
 from ..formats import open_checkpoint
+from ..text import count
 
 
 def model_prefixes(ckpt: Any) -> list[str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..filenames import is_url
-from ..format import count
+from ..text import count
 from .prune import Decision, Rules, rules_text
 from .records import CheckpointRecord, Leftover, RunRecord
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShardscopeError
-from ..format import step_rate
+from ..text import step_rate
 from .launcher import run_status
 from .metric_logs import CsvLogSource, EventFileSource, open_metric_log, read_rank_metrics
 from .metrics import FIELDS, Series, field_text, records_to_columns

@@ -19,10 +19,10 @@ from typing import Any
 
 from ..errors import CheckpointError, ShardscopeError
 from ..filenames import step_from_name
-from ..format import count
 from ..formats import probe
 from ..formats.dcp import is_finished_save
 from ..procs import process_running, process_started, send_signal, terminate_tree
+from ..text import count
 from . import slurm
 from .report import ENV_RUN_DIR
 from .rundir import (
