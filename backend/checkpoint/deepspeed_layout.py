@@ -38,7 +38,7 @@ class Part:
 
 
 @dataclass(slots=True)
-class Layout:
+class ZeroLayout:
     """The tensors the partitions hold (trainable, and ZeRO-3's frozen ones), the master weights' dtype and the
     optimizer states found."""
 
@@ -121,7 +121,7 @@ def _flat_ranges(world: int, g: int, parts: dict[int, Part], report: Report) -> 
 
 
 def flat_layout(world: int, param_shapes: list[dict[str, tuple[int, ...]]], parts: dict[int, Part],
-                report: Report) -> Layout:
+                report: Report) -> ZeroLayout:
     """ZeRO-1/2: each trainable parameter's pieces in its group's flat vector."""
     for part in parts.values():
         if len(part.groups) != len(param_shapes):
@@ -152,7 +152,7 @@ def flat_layout(world: int, param_shapes: list[dict[str, tuple[int, ...]]], part
             exact = all(p.paddings is not None for p in parts.values())  # saved, the ends agree exactly
             if offset != held if exact else -(-offset // align) != -(-held // align):
                 report("size", f"group {g}: the parameters take {offset} elements; the partitions hold {held}")
-    return Layout(_report_incomplete(tensors, report), dtype, states)
+    return ZeroLayout(_report_incomplete(tensors, report), dtype, states)
 
 
 def _report_incomplete(tensors: dict[str, DeepSpeedTensor], report: Report) -> dict[str, DeepSpeedTensor]:
@@ -165,7 +165,7 @@ def _report_incomplete(tensors: dict[str, DeepSpeedTensor], report: Report) -> d
 
 def zero3_layout(world: int, param_shapes: list[dict[str, tuple[int, ...]]], parts: dict[int, Part],
                  frozen_shapes: dict[str, tuple[int, ...]] | None,
-                 fragments: dict[int, dict[str, tuple[TorchArchive, StoredArray]]], report: Report) -> Layout:
+                 fragments: dict[int, dict[str, tuple[TorchArchive, StoredArray]]], report: Report) -> ZeroLayout:
     """ZeRO-3: each parameter's partitions in the ranks' flat groups; frozen ones in the ranks' fragments."""
     sizes = {r: [a.numel for a in p.groups] for r, p in parts.items()}
     if len({tuple(s) for s in sizes.values()}) > 1:
@@ -190,7 +190,7 @@ def zero3_layout(world: int, param_shapes: list[dict[str, tuple[int, ...]]], par
         if offset != s[-1]:
             report("size", f"rank {r}: the parameters take {offset} elements of each partition; it holds {s[-1]}",
                    None, parts[r].archive.file)
-    return Layout(_report_incomplete(tensors, report), dtype, states)
+    return ZeroLayout(_report_incomplete(tensors, report), dtype, states)
 
 
 def _running(values: list[int]) -> list[int]:
@@ -245,4 +245,4 @@ def frozen_tensors(world: int, shapes: dict[str, tuple[int, ...]],
     return out
 
 
-__all__ = ["Layout", "Part", "flat_layout", "frozen_tensors", "zero3_layout"]
+__all__ = ["Part", "ZeroLayout", "flat_layout", "frozen_tensors", "zero3_layout"]

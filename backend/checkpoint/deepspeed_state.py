@@ -16,7 +16,7 @@ from ..filenames import ds_model_file as model_file
 from ..filenames import ds_optim_file as optim_file
 from ..filenames import is_deepspeed_save_dir, is_deepspeed_step_folder
 from ..filenames import parse_ds_latest as parse_latest
-from .deepspeed_layout import Layout, Part, flat_layout, zero3_layout
+from .deepspeed_layout import Part, ZeroLayout, flat_layout, zero3_layout
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles
 from .model import MAX_INDEX, MAX_NDIM, Problem
 from .storage import LocalHandles
@@ -298,7 +298,7 @@ def _whole(reader: _Reader, file: str, archive: TorchArchive, array: StoredArray
 
 
 def _state(reader: _Reader, folder: str, tag: str, stage: int, world: int, mp_rank: int, models: dict,
-           optims: dict, model: dict, layout: Layout, file0: str) -> DeepSpeedState:
+           optims: dict, model: dict, layout: ZeroLayout, file0: str) -> DeepSpeedState:
     tensors: dict[str, DeepSpeedTensor] = {}
     module, archive0 = model["module"], reader.archives[file0]
     for b in model["buffers"]:  # DeepSpeed's order: buffers, frozen, trainable, then the tied names
