@@ -72,7 +72,8 @@ class MegatronFolder(Format):
         latest = latest_folder(path) if os.path.isdir(path) else None
         if latest is None:
             return path, None
-        return latest, (f"Megatron save dir: {os.path.basename(latest)}/, the iteration {MEGATRON_LATEST} names")
+        return latest, (f"Megatron save dir: exporting {os.path.basename(latest)}/ (the iteration {MEGATRON_LATEST} "
+                        "names)")
 
     def open(self, path: Target, storage_options: StorageOptions | None = None, use_cache: bool = True,
              progress: Progress | None = None) -> Checkpoint:
