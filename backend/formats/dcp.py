@@ -131,7 +131,7 @@ def _serialisation(fmt: str, path: str, names: set[str]) -> str:
     return fmt
 
 
-class DcpFolder(Format):
+class DcpFormat(Format):
     name = "dcp"
     label = "PyTorch DCP"
     probe_reads_own_files = True
@@ -150,4 +150,4 @@ class DcpFolder(Format):
         return open_checkpoint(open_folder(path, storage_options), progress, use_cache)
 
 
-FORMAT = DcpFolder()
+FORMAT = DcpFormat()

@@ -35,7 +35,7 @@ OPTIMIZER_ROOT = "optimizer.state."  # where the optimizer's per-parameter state
 VALUES_ROOT = "deepspeed."  # the save's config, step and versions (training state: not exported by default)
 
 
-class DeepSpeedFolder(Format):
+class DeepSpeedFormat(Format):
     name = "deepspeed"
     label = "DeepSpeed ZeRO checkpoint"
     kind = RESUMABLE
@@ -213,5 +213,5 @@ def _size(folder: str, name: str) -> int | None:
         return None
 
 
-DEEPSPEED = DeepSpeedFolder()
+DEEPSPEED = DeepSpeedFormat()
 FORMAT = DEEPSPEED

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..progress import Progress
 
 
-class HfSafetensorsFolder(Format):
+class HfSafetensorsFolderFormat(Format):
     name = "hf-safetensors"
     label = "safetensors files (HF layout)"
     kind = WEIGHTS
@@ -43,4 +43,4 @@ class HfSafetensorsFolder(Format):
         return ckpt
 
 
-FORMAT = HfSafetensorsFolder()
+FORMAT = HfSafetensorsFolderFormat()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..progress import Progress
 
 
-class HfIndexFolder(Format):
+class HfIndexFormat(Format):
     name = "hf-sharded"
     label = "safetensors shards with an HF index"
     kind = WEIGHTS
@@ -88,4 +88,4 @@ def _no_shard(folder: Folder, weight_map: dict[str, str]) -> CheckpointError:
                            f"{key!r} in it, and no shard it names is in the folder.", path=folder.join(name), fqn=key)
 
 
-FORMAT = HfIndexFolder()
+FORMAT = HfIndexFormat()

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 MAX_STATE_BYTES = 64 << 20
 
 
-class HfTrainerFolder(Format):
+class HfTrainerFormat(Format):
     name = "hf-trainer"
     label = "Hugging Face Trainer checkpoint"
 
@@ -122,4 +122,4 @@ def trainer_state_step(path: str) -> int | None:
         return None
 
 
-FORMAT = HfTrainerFolder()
+FORMAT = HfTrainerFormat()

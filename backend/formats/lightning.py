@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..progress import Progress
 
 
-class LightningFolder(Format):
+class LightningFormat(Format):
     name = "lightning"
     label = "Lightning/Fabric (DCP + meta.pt)"
     probe_reads_own_files = True
@@ -81,6 +81,6 @@ def trainer_state(ckpt: Checkpoint, reader: ChunkReader | None = None) -> dict[s
     return meta
 
 
-FORMAT = LightningFolder()
+FORMAT = LightningFormat()
 
-__all__ = ["FORMAT", "LightningFolder", "has_trainer_state", "trainer_state"]
+__all__ = ["FORMAT", "LightningFormat", "has_trainer_state", "trainer_state"]

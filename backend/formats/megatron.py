@@ -35,7 +35,7 @@ COMMON_PREFIX = "common."
 CONFIG_PREFIX = "config."
 
 
-class MegatronFolder(Format):
+class MegatronFormat(Format):
     name = "megatron"
     label = "Megatron-Core dist checkpoint (torch_dist)"
     kind = RESUMABLE  # common.pt holds the args, iteration and RNG a run resumes with
@@ -216,4 +216,4 @@ def common_entries(src: ByteSource, size: int) -> dict[str, Any]:
     return {f"{COMMON_PREFIX}{dotted(k)}": plain(v) for k, v in flat.items()}
 
 
-FORMAT = MegatronFolder()
+FORMAT = MegatronFormat()

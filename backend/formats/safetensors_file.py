@@ -23,7 +23,7 @@ IDENTITY_HEADER_LIMIT = 100 << 20  # a longer header is not checksummed for line
 OBJECTS_KEY = "shardscope_objects"  # header metadata: the non-tensor entries of an export, as JSON
 
 
-class SafetensorsFile(Format):
+class SafetensorsFileFormat(Format):
     name = "safetensors"
     label = "safetensors file"
     probe_reads_own_files = True
@@ -121,4 +121,4 @@ def _state(path: str, size: int) -> tuple[str, str]:
     return ("unreadable", tail) if tail else ("complete", "")
 
 
-FORMAT = SafetensorsFile()
+FORMAT = SafetensorsFileFormat()

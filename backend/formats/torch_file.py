@@ -42,7 +42,7 @@ BLOCK = 16 << 20
 IDENTITY_TAIL_BYTES = 1 << 20  # a torch.save archive's end: its central directory, with every record's CRC32
 
 
-class TorchFile(Format):
+class TorchFileFormat(Format):
     name = "torch"
     label = "torch.save file (loaded weights_only)"
     probe_reads_own_files = True
@@ -274,5 +274,5 @@ def torch_file_kind(path: str, size: int) -> str:
     return RESUMABLE if found else WEIGHTS
 
 
-TORCH_FILE = TorchFile()
+TORCH_FILE = TorchFileFormat()
 FORMAT = TORCH_FILE
