@@ -1,4 +1,4 @@
-"""The long mutation-fuzzing run of the torch-file reader (backend/checkpoint/unpickler/ through torch_load.py):
+"""The long mutation-fuzzing run of the torch-file reader (backend/checkpoint/unpickler/ through torch_file_tree.py):
 N mutated ``data.pkl`` files of a real ``torch.save`` file (bytes flipped, cut, inserted; BUILD/SETITEM/APPEND opcodes
 and memo references inserted at opcode boundaries), each read, with ``torch.load(weights_only=True)`` as the oracle:
 what the reader reads, torch reads to the same names, tensors and values; what it refuses, torch refuses. Failures
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import torch
 from hostile_torch_files import with_pickle
 from shardscope.backend.checkpoint.flatten import dotted, flatten
-from shardscope.backend.checkpoint.torch_load import TorchFileLoad
+from shardscope.backend.checkpoint.torch_file_tree import TorchFileLoad
 from shardscope.backend.checkpoint.unpickler import allow_torch_safe_globals
 from shardscope.backend.errors import CheckpointError
 from test_torch_file_open import _mutated, _same, mutation_seed

@@ -286,7 +286,7 @@ def test_a_training_scripts_extra_state_is_kept_as_plain_data(save_copy, referen
     import numpy as np
     from shardscope.backend.checkpoint.deepspeed_state import plain
     from shardscope.backend.checkpoint.storage import LocalHandles
-    from shardscope.backend.checkpoint.torch_archive import load_torch_archive
+    from shardscope.backend.checkpoint.whole_archive import load_torch_archive
 
     save = save_copy("z1-fp32-2r")
     model = save / TAG / "mp_rank_00_model_states.pt"

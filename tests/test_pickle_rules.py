@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_cli
 from hostile_torch_files import uni, with_pickle
-from shardscope.backend.checkpoint.torch_load import TorchFileLoad
+from shardscope.backend.checkpoint.torch_file_tree import TorchFileLoad
 from shardscope.backend.checkpoint.unpickler import allow_torch_safe_globals
 from shardscope.backend.errors import CheckpointError
 

@@ -1,4 +1,5 @@
-"""Opening a torch.save file without torch.load (backend/checkpoint/torch_load.py): on files torch.save itself wrote,
+"""Opening a torch.save file without torch.load (backend/checkpoint/torch_file_tree.py): on files torch.save
+itself wrote,
 what the reader lists (dotted names, key paths, dtypes, shapes, strides, storage offsets, non-tensor values) and
 the values the chunk reader then reads from the file's records are what ``torch.load(weights_only=True)`` gives;
 what it does not build is left to torch.load (and says so); a global weights_only refuses is refused with one line
@@ -20,7 +21,7 @@ from conftest import run_cli
 from hostile_torch_files import uni, with_pickle
 from shardscope.backend.checkpoint.chunks import ChunkReader
 from shardscope.backend.checkpoint.flatten import dotted, flatten
-from shardscope.backend.checkpoint.torch_load import TorchFileLoad
+from shardscope.backend.checkpoint.torch_file_tree import TorchFileLoad
 from shardscope.backend.checkpoint.unpickler import TORCH_FILE, Budget, NotBuilt
 from shardscope.backend.checkpoint.unpickler import allow_torch_safe_globals as allow_safe_globals
 from shardscope.backend.errors import CheckpointError

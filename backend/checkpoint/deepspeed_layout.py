@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .deepspeed_model import DeepSpeedTensor, Piece, covers
-from .torch_archive import StoredArray, TorchArchive, describe
+from .whole_archive import StoredArray, TorchArchive, describe
 
 Report = Callable[..., None]  # problem(kind, message, fqn=None, file=None)
 

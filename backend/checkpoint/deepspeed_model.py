@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .model import Problem
-from .torch_archive import RecordInfo
+from .whole_archive import RecordInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from ..progress import Progress
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, covers
 from .model import ITEMSIZE, Problem
 from .storage import LocalHandles
-from .torch_archive import RecordInfo, describe
+from .whole_archive import RecordInfo, describe
 
 CRC_BLOCK = 8 << 20  # bytes read at a time while a record's CRC32 is computed
 MASTER = "fp32"  # the name of the master weights among what read_tensor reads

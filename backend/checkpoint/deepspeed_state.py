@@ -20,8 +20,8 @@ from .deepspeed_layout import Part, ZeroLayout, flat_layout, zero3_layout
 from .deepspeed_model import DeepSpeedState, DeepSpeedTensor, Piece, RankFiles
 from .model import MAX_INDEX, MAX_NDIM, Problem
 from .storage import LocalHandles
-from .torch_archive import StoredArray, TorchArchive, load_torch_archive, plain
 from .unpickler import DEEPSPEED_CLASSES, StandIn, describe
+from .whole_archive import StoredArray, TorchArchive, load_torch_archive, plain
 
 MAX_LATEST = 4096  # bytes of a ``latest`` file read
 MAX_WORLD = 1 << 16  # data-parallel ranks a checkpoint may claim

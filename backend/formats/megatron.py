@@ -6,7 +6,7 @@ written last). The save dir beside the iter folders holds ``latest_checkpointed_
 resume loads: a listing pins that one, so no prune removes it.
 
 The DCP part is read by :mod:`..checkpoint.reader`; ``common.pt`` by the allow-list archive reader
-(:mod:`..checkpoint.torch_archive`: nothing in it runs) into non-tensor entries under ``common.``, and
+(:mod:`..checkpoint.whole_archive`: nothing in it runs) into non-tensor entries under ``common.``, and
 ``metadata.json`` into entries under ``config.`` (Megatron's ``CheckpointingConfig``). A save with another sharded
 backend (zarr) is listed, not opened. Detecting and probing read names and a few small files, no numpy or torch."""
 
@@ -191,7 +191,7 @@ def _read_config(src: ByteSource, size: int) -> dict[str, Any] | str:
 def _refuse_other_backend(where: str, config: dict[str, Any]) -> None:
     backend = config["sharded_backend"]
     if backend != TORCH_DIST:
-        from ..checkpoint.torch_archive import describe
+        from ..checkpoint.whole_archive import describe
 
         raise CheckpointError(f"{where}: a Megatron-Core checkpoint saved with the {describe(backend, 40)} sharded "
                               "backend; only torch_dist (PyTorch DCP) ones can be read.", path=where)
@@ -202,8 +202,8 @@ def common_entries(src: ByteSource, size: int) -> dict[str, Any]:
     names under ``common.`` as DCP names entries, each leaf as plain data (``common.args``: the training
     arguments as a dict). Read by the allow-list archive reader; CheckpointError when it cannot be read safely."""
     from ..checkpoint.flatten import FlattenError, dotted, flatten
-    from ..checkpoint.torch_archive import load_torch_archive, plain
     from ..checkpoint.unpickler import MEGATRON_CLASSES
+    from ..checkpoint.whole_archive import load_torch_archive, plain
 
     archive = load_torch_archive(src, MEGATRON_COMMON, size, MEGATRON_CLASSES)
     where = src.where(MEGATRON_COMMON)

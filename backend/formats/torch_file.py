@@ -1,6 +1,6 @@
 """One torch.save file (``.pt``, ``.pth``, ``.bin``, Lightning's ``.ckpt``): its pickle read safely without torch
-(:mod:`..checkpoint.torch_load`: what ``torch.load(weights_only=True)`` accepts, no tensor made), then each tensor
-is one chunk at its storage record's bytes in the zip archive, with the record's stored CRC32, so the one chunk
+(:mod:`..checkpoint.torch_file_tree`: what ``torch.load(weights_only=True)`` accepts, no tensor made), then each
+tensor is one chunk at its storage record's bytes in the zip archive, with the record's stored CRC32, so the one chunk
 reader reads and checks its values like any other checkpoint's. A file that reader leaves to torch is loaded with
 ``weights_only=True`` and memory-mapped as before: torch maps the whole file, so every storage sits at its
 record's offset from one base address; the records are only used when every storage matches one that way.
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..checkpoint.model import Checkpoint, ChunkTable, Problem
     from ..checkpoint.remote_reads import RemoteHandles
     from ..checkpoint.storage import Folder, LocalHandles
-    from ..checkpoint.torch_load import TensorView
+    from ..checkpoint.torch_file_tree import TensorView
     from ..progress import Progress
 
 MAX_KIND_PROBE = 16 << 20  # bytes of a torch file's pickle read to tell its kind
@@ -136,7 +136,7 @@ def _model(path: str, shown: str) -> Checkpoint:
     from ..checkpoint.items import StoredTensor
     from ..checkpoint.model import Checkpoint, ChunkTable, FileInfo, ObjectEntry, Problem, TensorEntry
     from ..checkpoint.storage import open_folder
-    from ..checkpoint.torch_load import TorchFileLoad
+    from ..checkpoint.torch_file_tree import TorchFileLoad
 
     loaded = TorchFileLoad(path, name=shown)
     folder = open_folder(os.path.dirname(os.path.abspath(path)))
@@ -182,7 +182,7 @@ def _one_chunk_each(shapes: list[tuple[int, ...]], ranges: list[tuple[int, int, 
 
 def _locate_records(folder: Folder, name: str, size: int, tensors: dict[str, TensorView],
                     records: dict[str, tuple[int, int, int]] | None = None) -> dict[int, tuple[int, int, int | None]]:
-    """For a file torch.load memory-mapped (:class:`..checkpoint.torch_load.TorchFileLoad`'s fallback): storage
+    """For a file torch.load memory-mapped (:class:`..checkpoint.torch_file_tree.TorchFileLoad`'s fallback): storage
     address -> (offset, length, CRC32) of its record in the file, or {} unless every non-empty storage sits at its
     own record's offset from one base address and has that record's size. ``records``: the file's zip records
     when already read."""

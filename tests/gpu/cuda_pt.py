@@ -19,7 +19,7 @@ model(torch.randint(0, 1000, (4, 8), device=dev)).float().sum().backward()
 opt.step()
 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, f"{out}/gpu.pt")
 
-from shardscope.backend.checkpoint.torch_load import TorchFileLoad  # noqa: E402
+from shardscope.backend.checkpoint.torch_file_tree import TorchFileLoad  # noqa: E402
 
 load = TorchFileLoad(f"{out}/gpu.pt")
 print("native reader:", "yes" if load.fallback is None else f"no, fell back: {load.fallback}")
