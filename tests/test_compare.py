@@ -148,7 +148,7 @@ def test_memory_filesystem_inspects_and_exports_like_disk(fixtures, tmp_path, mo
     for key in ("format", "version", "tensors", "objects", "ranks", "problems"):
         assert mem[key] == disk[key], key
     assert verify(mem_ck, deep=True) == []
-    # reading one tensor fetches only from the files that hold it (small files whole: remote_reads.WHOLE_FILE)
+    # reading one tensor fetches only from the files that hold it (small files whole: remote_plans.WHOLE_FILE)
     fetched = []
     fs_cls = type(fsspec.filesystem("memory"))
     orig = fs_cls.cat_file

@@ -112,7 +112,7 @@ def test_export_from_s3_makes_the_same_planned_requests_every_time(s3, tmp_path)
     listing, one GET of the .metadata and one GET per planned segment of each data file: its size over the
     segment size, rounded up. Before the planned segments, the count changed from run to run (threads raced
     to coalesce, the cache dropped and fetched items again) and exceeded this bound."""
-    from shardscope.backend.checkpoint.remote_reads import SEGMENT
+    from shardscope.backend.checkpoint.remote_plans import SEGMENT
 
     server, fs, _ = s3
     ckpt = model_and_adam_checkpoint(tmp_path / "adam")
@@ -323,7 +323,8 @@ def test_planned_segments_are_fetched_once_whatever_the_thread_order():
     from concurrent.futures import ThreadPoolExecutor
 
     import fsspec
-    from shardscope.backend.checkpoint.remote_reads import SEGMENT, RemoteHandles, plan_segments
+    from shardscope.backend.checkpoint.remote_plans import SEGMENT, plan_segments
+    from shardscope.backend.checkpoint.remote_reads import RemoteHandles
 
     fs = fsspec.filesystem("memory")
     rng = random.Random(11)
