@@ -22,7 +22,6 @@ from .layout import coverage
 from .model import ITEMSIZE, Chunk, TensorEntry, contiguous_strides
 
 if TYPE_CHECKING:
-    from .chunks import CorruptChunkError
     from .codecs import ItemCodec
     from .model import Checkpoint
 
@@ -53,7 +52,7 @@ class RunReads:
     # the reader's own, declared for the type checker (``ChunkReader`` defines them)
     _size: Callable[[str], int]
     locate: Callable[[str, Chunk], StoredTensor]
-    _corrupt: Callable[[str, Chunk, StoredTensor, int], CorruptChunkError]
+    _corrupt: Callable[[str, Chunk, StoredTensor, int], CheckpointError]  # a CorruptChunkError
 
     def whole_values(self, entries: list[TensorEntry], limit: int, block: int = 16 << 20
                      ) -> Iterator[tuple[TensorEntry, memoryview | None]]:

@@ -184,9 +184,7 @@ def check_seal(ckpt: Checkpoint, deep: bool = False, progress: Progress | None =
     A checkpoint without either is "unsealed" with no problems; on a URL, the manifest beside it
     (:mod:`.seal_remote`)."""
     if is_url(ckpt.path):
-        from .seal_remote import check_remote_seal
-
-        return check_remote_seal(ckpt, deep, progress)
+        return _check_remote(ckpt, deep, progress)
     is_folder = is_folder_checkpoint(ckpt)
     path = manifest_path(ckpt.path, is_folder)
     integrity = os.path.join(ckpt.path, MEGATRON_INTEGRITY) if is_folder else None
@@ -216,6 +214,32 @@ def check_seal(ckpt: Checkpoint, deep: bool = False, progress: Progress | None =
             bad = _tensor_problems(ckpt, manifest, progress)
             result.problems += bad
             result.tensors_checked = len(ckpt.tensors) - len({p.fqn for p in bad})
+    return result
+
+
+def _check_remote(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = None) -> SealCheck:
+    """:func:`check_seal` of a checkpoint on a URL: its files read and hashed through :mod:`.seal_remote`."""
+    from .seal_remote import hash_remote_files, read_remote_manifest, remote_files
+
+    try:
+        url, manifest = read_remote_manifest(ckpt)
+    except ManifestError as exc:
+        return SealCheck(exc.path, problems=[Problem("bad_manifest", str(exc), file=exc.path)])
+    if manifest is None:
+        return SealCheck(None)
+    names = remote_files(ckpt)
+    todo = [n for n in names if n in manifest.files]
+    if progress:
+        progress.start(sum(names[n] for n in todo) + (sum(e.nbytes for e in ckpt.tensors) if deep else 0),
+                       f"checking {ckpt.path} against its manifest")
+    fh = hash_remote_files(ckpt, todo, progress)
+    result = SealCheck(url)
+    result.problems += _file_problems(ckpt, manifest, names, fh)
+    result.files_checked = sum(1 for n, want in manifest.files.items() if n in fh and fh[n].sha256 == want.sha256)
+    if deep:
+        bad = _tensor_problems(ckpt, manifest, progress)
+        result.problems += bad
+        result.tensors_checked = len(ckpt.tensors) - len({p.fqn for p in bad})
     return result
 
 

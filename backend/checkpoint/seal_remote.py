@@ -14,7 +14,7 @@ from ..filenames import MANIFEST_FILE_SUFFIX, MANIFEST_NAME, is_own_temporary, i
 from ..progress import Progress
 from .digests import BLOCK, FileHash, parallel
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, parse_manifest
-from .model import Checkpoint, Problem
+from .model import Checkpoint
 from .remote import call
 
 
@@ -78,30 +78,4 @@ def hash_remote_files(ckpt: Checkpoint, names: list[str], progress: Progress | N
     return dict(zip(names, parallel(one, names, progress), strict=True))
 
 
-def check_remote_seal(ckpt: Checkpoint, deep: bool = False, progress: Progress | None = None) -> Any:
-    """:func:`.seal.check_seal` of a checkpoint on a URL (a :class:`.seal.SealCheck`)."""
-    from .seal import SealCheck, _file_problems, _tensor_problems
-
-    try:
-        url, manifest = read_remote_manifest(ckpt)
-    except ManifestError as exc:
-        return SealCheck(exc.path, problems=[Problem("bad_manifest", str(exc), file=exc.path)])
-    if manifest is None:
-        return SealCheck(None)
-    names = remote_files(ckpt)
-    todo = [n for n in names if n in manifest.files]
-    if progress:
-        progress.start(sum(names[n] for n in todo) + (sum(e.nbytes for e in ckpt.tensors) if deep else 0),
-                       f"checking {ckpt.path} against its manifest")
-    fh = hash_remote_files(ckpt, todo, progress)
-    result = SealCheck(url)
-    result.problems += _file_problems(ckpt, manifest, names, fh)
-    result.files_checked = sum(1 for n, want in manifest.files.items() if n in fh and fh[n].sha256 == want.sha256)
-    if deep:
-        bad = _tensor_problems(ckpt, manifest, progress)
-        result.problems += bad
-        result.tensors_checked = len(ckpt.tensors) - len({p.fqn for p in bad})
-    return result
-
-
-__all__ = ["check_remote_seal", "hash_remote_files", "read_remote_manifest", "remote_files"]
+__all__ = ["hash_remote_files", "read_remote_manifest", "remote_files"]
