@@ -126,10 +126,12 @@ class AveragedValues(TensorSource):
         self.paths = paths
 
     def tensor(self, item: ExportItem) -> Any:
-        """The combined output tensor, cast (rounded once) to the item's dtype, contiguous."""
+        """The combined output tensor, cast (rounded once) to the item's dtype, contiguous; then the item's
+        transform (a Hugging Face model's: permutations, splits and slices, which commute with the combination)."""
         values = [self.reader.read_tensor(item.entry)]
         values += [src.tensor(fqn) for src, fqn in (o[item.key] for o in self.others)]
-        return combine(values, self.recipe, item.entry.fqn, self.paths, torch_dtype(item.dtype))
+        out = combine(values, self.recipe, item.entry.fqn, self.paths, torch_dtype(item.dtype))
+        return out if item.transform is None else item.transform.apply(out).contiguous()
 
     def _write(self, item: ExportItem, fd: int, base: int, progress: Progress | None) -> int:
         # the inputs in memory: each as read, and the float64 sum
