@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _measure import drop_caches as cold  # benchmarks/, this script's folder
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 
@@ -72,16 +74,6 @@ def generate(save: Path, layers: int) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "BENCH_LAYERS": str(layers)}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     str(script), str(save)], check=True, env=env, stdout=subprocess.DEVNULL)
-
-
-def cold() -> bool:
-    subprocess.run(["sync"], check=True)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def measure(code: str, save: Path, out: Path) -> dict:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from _measure import drop_caches as cold  # benchmarks/, this script's folder; also drift_bench's
+
 
 def write_checkpoint(folder: Path, mb: int) -> None:
     import torch
@@ -31,16 +33,6 @@ def write_checkpoint(folder: Path, mb: int) -> None:
     state = {f"model.layers.{i}.weight": torch.randn(4096, 4096 if i % 2 else 8192, generator=g)
              .to(torch.float32 if i % 2 else torch.bfloat16) for i in range(n)}
     dcp.save(state, checkpoint_id=str(folder), no_dist=True)
-
-
-def cold() -> bool:
-    subprocess.run(["sync"], check=True)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def megatron_rules(folder: str) -> None:
