@@ -42,44 +42,27 @@ def test_streamed_json_escapes_names_and_unstored_chunks(tmp_path, copy_of):
 def test_inspect_takes_a_trainer_checkpoint_holding_an_fsdp_model_folder_as_export_does(tmp_path):
     """An HF Trainer checkpoint-500/ saved with FSDP holds pytorch_model_fsdp_0/ and optimizer_0/ (DCP):
     `export` took it (to its model folder) while `inspect` refused it."""
-    import torch.distributed.checkpoint as dcp
-    from conftest import run_cli
     from transformers import TrainerState
 
     ckpt = tmp_path / "out" / "checkpoint-500"
     ckpt.mkdir(parents=True)
-    weight = torch.arange(6.0).reshape(2, 3)
-    dcp.save({"model": {"w": weight}}, checkpoint_id=ckpt / "pytorch_model_fsdp_0")
-    dcp.save({"optimizer": {"state": {"w": {"exp_avg": torch.zeros(2, 3)}}}}, checkpoint_id=ckpt / "optimizer_0")
+    _save_fsdp_model_and_optimizer(ckpt)
     TrainerState(global_step=500).save_to_json(str(ckpt / "trainer_state.json"))
-    shown = run_cli("inspect", ckpt, "--tensors")
-    assert shown.returncode == 0, shown.stderr
-    assert "pytorch_model_fsdp_0" in shown.stdout.splitlines()[0] and "model.w  float32 [2, 3]" in shown.stdout
-    exported = run_cli("export", ckpt, tmp_path / "w.safetensors")
-    assert exported.returncode == 0, exported.stderr
-    assert "exporting pytorch_model_fsdp_0/" in exported.stdout
+    _inspect_and_export_take_its_model_folder(ckpt, tmp_path)
 
 
 def test_inspect_and_export_agree_on_an_accelerate_save_state_folder(tmp_path):
     """accelerate's save_state folder (any name, no trainer_state.json) holding pytorch_model_fsdp_0/ and
     optimizer_0/: `export` took it (to its model folder) while `inspect` refused it; both ask the door now."""
-    import torch.distributed.checkpoint as dcp
-    from conftest import run_cli
     from shardscope.backend.formats import model_folder
 
     ckpt = tmp_path / "run" / "checkpoint"
-    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=ckpt / "pytorch_model_fsdp_0")
-    dcp.save({"optimizer": {"state": {"w": {"exp_avg": torch.zeros(2, 3)}}}}, checkpoint_id=ckpt / "optimizer_0")
+    _save_fsdp_model_and_optimizer(ckpt)
     (ckpt / "random_states_0.pkl").write_bytes(b"not read")
     target, note = model_folder(str(ckpt))
     assert target == str(ckpt / "pytorch_model_fsdp_0") and "left out optimizer_0, random_states_0.pkl" in note
     assert open_checkpoint(ckpt).path == target
-    shown = run_cli("inspect", ckpt, "--tensors")
-    assert shown.returncode == 0, shown.stderr
-    assert "pytorch_model_fsdp_0" in shown.stdout.splitlines()[0] and "model.w  float32 [2, 3]" in shown.stdout
-    exported = run_cli("export", ckpt, tmp_path / "w.safetensors")
-    assert exported.returncode == 0, exported.stderr
-    assert "exporting pytorch_model_fsdp_0/" in exported.stdout
+    _inspect_and_export_take_its_model_folder(ckpt, tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert model_folder(str(empty)) == (str(empty), None)  # nothing inside to point to: the folder itself
@@ -117,3 +100,22 @@ def test_the_architecture_is_said_from_the_names_of_each_scheme(tmp_path, names,
     save_file({n: torch.zeros(2) for n in names}, str(tmp_path / "m.safetensors"))
     said = architecture(open_checkpoint(tmp_path / "m.safetensors", use_cache=False))
     assert said == words if words is None else said.startswith(words), said
+
+
+def _save_fsdp_model_and_optimizer(ckpt) -> None:
+    """What accelerate's FSDP save writes in a checkpoint folder: the model's and the optimizer's DCP folders."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=ckpt / "pytorch_model_fsdp_0")
+    dcp.save({"optimizer": {"state": {"w": {"exp_avg": torch.zeros(2, 3)}}}}, checkpoint_id=ckpt / "optimizer_0")
+
+
+def _inspect_and_export_take_its_model_folder(ckpt, tmp_path) -> None:
+    from conftest import run_cli
+
+    shown = run_cli("inspect", ckpt, "--tensors")
+    assert shown.returncode == 0, shown.stderr
+    assert "pytorch_model_fsdp_0" in shown.stdout.splitlines()[0] and "model.w  float32 [2, 3]" in shown.stdout
+    exported = run_cli("export", ckpt, tmp_path / "w.safetensors")
+    assert exported.returncode == 0, exported.stderr
+    assert "exporting pytorch_model_fsdp_0/" in exported.stdout

@@ -21,6 +21,8 @@ import json
 import os
 import sys
 
+from torchtitan_writer import save_reference  # tests/, this script's folder
+
 DIM, LAYERS, VOCAB, HIDDEN, MOE_HIDDEN, SEQ = 64, 2, 128, 96, 32, 12
 HEADS, HEAD_DIM, THETA, EPS = 4, 24, 1000000.0, 1e-6
 EXPERTS, TOP_K = 4, 2
@@ -90,7 +92,6 @@ def forward(model, tokens):
 
 def write(root: str, name: str, kv_heads: int, tied: bool, moe: bool, old: bool, w13: bool) -> None:
     import torch
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
@@ -128,14 +129,7 @@ def write(root: str, name: str, kv_heads: int, tied: bool, moe: bool, old: bool,
             state[p + "w13"] = torch.stack([state.pop(p + "w1.weight"), state.pop(p + "w3.weight")], dim=1)
     if old:
         state = {old_name(k): v for k, v in state.items()}
-    optim_state = {f"state.{i}.{k}": v for i, s in enumerate(optim.state.values()) for k, v in s.items()}
-    dcp.save({**state, "optimizer": optim_state, "train_state": {"step": torch.tensor(1)}},
-             checkpoint_id=os.path.join(out, "ckpt"))
-    save_file({"tokens": tokens}, os.path.join(out, "tokens.safetensors"))
-    save_file({"logits": logits}, os.path.join(out, "logits.safetensors"))
-    save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(out, "to_hf.safetensors"))
-    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(hf_config(kv_heads, tied, moe), fh, indent=2)
+    save_reference(out, state, optim, tokens, logits, hf, hf_config(kv_heads, tied, moe))
     with open(os.path.join(out, "keys.json"), "w", encoding="utf-8") as fh:
         json.dump(sorted(state), fh, indent=1)
 

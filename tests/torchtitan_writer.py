@@ -56,8 +56,6 @@ def old_name(key: str) -> str:
 
 def write(root: str, name: str, heads: int, kv_heads: int, tied: bool, old: bool) -> None:
     import torch
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     torch.manual_seed(len(name))
@@ -80,6 +78,17 @@ def write(root: str, name: str, heads: int, kv_heads: int, tied: bool, old: bool
     os.makedirs(out, exist_ok=True)
     if old:
         state = {old_name(k): v for k, v in state.items()}
+    save_reference(out, state, optim, tokens, logits, hf, hf_config(heads, kv_heads, tied))
+
+
+def save_reference(out: str, state: dict, optim, tokens, logits, hf: dict, config: dict) -> None:
+    """What a test compares an export with, under ``out``: the model and its optimizer's state saved as torchtitan
+    saves them (``ckpt/``, by ``dcp.save``), the tokens and torchtitan's logits, its own ``to_hf`` tensors and the
+    HF config the shapes fit."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
     optim_state = {f"state.{i}.{k}": v for i, s in enumerate(optim.state.values()) for k, v in s.items()}
     dcp.save({**state, "optimizer": optim_state, "train_state": {"step": torch.tensor(1)}},
              checkpoint_id=os.path.join(out, "ckpt"))
@@ -87,7 +96,7 @@ def write(root: str, name: str, heads: int, kv_heads: int, tied: bool, old: bool
     save_file({"logits": logits}, os.path.join(out, "logits.safetensors"))
     save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(out, "to_hf.safetensors"))
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(hf_config(heads, kv_heads, tied), fh, indent=2)
+        json.dump(config, fh, indent=2)
 
 
 def main(root: str) -> None:

@@ -33,11 +33,14 @@ _local = threading.local()
 _KERNEL_COPIES = threading.Lock()
 
 
-def thread_buffer() -> memoryview:
-    """This thread's block buffer (COPY_BLOCK bytes, made once per thread)."""
-    buf = getattr(_local, "buf", None)
+def thread_buffer(size: int = COPY_BLOCK) -> memoryview:
+    """This thread's block buffer of ``size`` bytes (made once per thread and size)."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(size)
     if buf is None:
-        buf = _local.buf = memoryview(bytearray(COPY_BLOCK))
+        buf = buffers[size] = memoryview(bytearray(size))
     return buf
 
 

@@ -54,16 +54,6 @@ def safe_name(name: str) -> bool:
         and name not in (".", "..")
 
 
-_local = threading.local()
-
-
-def _small_buffer() -> memoryview:
-    buf = getattr(_local, "small", None)
-    if buf is None:
-        buf = _local.small = memoryview(bytearray(REMOTE_COPY_BLOCK))
-    return buf
-
-
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     import os
 
@@ -378,7 +368,7 @@ class ChunkReader(RunReads):
                 count: int, progress: Progress | None) -> int | None:
         """Read the storage record block by block: CRC over all of it, bytes [start, start+count) to fd.
         Returns the CRC32 of the bytes written when the record has no stored CRC32, else None."""
-        buf = thread_buffer() if self.handles.local else _small_buffer()
+        buf = thread_buffer() if self.handles.local else thread_buffer(REMOTE_COPY_BLOCK)
         crc = 0
         copied = 0
         pos = 0

@@ -9,7 +9,6 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -17,7 +16,7 @@ from ..filenames import HF_CONFIG
 from ..formats import open_source
 from ..progress import Progress
 from .dcp_writer import SMALL_TENSOR, TensorIn, write_dcp
-from .hf_model import LEFT_OUT_BUFFERS, SCHEMES, HfConfig, HfModelError, _outputs, interleaved_rotary
+from .hf_model import LEFT_OUT_BUFFERS, SCHEMES, HfConfig, HfModelError, HfTensor, interleaved_rotary, outputs_of
 from .hf_transforms import Transform, TransformError
 from .layouts import MAX_HF_CONFIG_BYTES, transformers_config_path
 from .lineage import lineage_for
@@ -65,16 +64,7 @@ def _current_name(pattern: re.Pattern) -> str | None:
     return text
 
 
-@dataclass(frozen=True, slots=True)
-class ImportTensor:
-    """One torchtitan tensor: its name, the HF tensor it is made from and the transform (None: as stored)."""
-
-    name: str
-    source: str
-    transform: Transform | None
-
-
-def torchtitan_names(hf_names: list[str], cfg: HfConfig) -> tuple[list[ImportTensor], list[str]]:
+def torchtitan_names(hf_names: list[str], cfg: HfConfig) -> tuple[list[HfTensor], list[str]]:
     """Every HF tensor (``hf_names``) as the torchtitan tensor the export's rules would make it from, with the
     inverse transform, and what is left out (with why). :class:`HfModelError` naming an HF tensor no rule makes,
     or a tensor the model needs that the folder lacks."""
@@ -88,13 +78,13 @@ def torchtitan_names(hf_names: list[str], cfg: HfConfig) -> tuple[list[ImportTen
             for k in ("weight", "bias") if "{k}" in template else ("weight",):
                 name = template.format(i=i, k=k)
                 try:
-                    made = _outputs(name, (), SCHEMES["torchtitan"], cfg, interleaved)
+                    made = outputs_of(name, (), SCHEMES["torchtitan"], cfg, interleaved)
                 except (HfModelError, TransformError):  # a rule for stacked tensors (experts): not one to one
                     continue
                 if made and len(made) == 1:  # a fused source (w13) is not what the current generation writes
                     hf_name, steps = made[0]
                     inverse.setdefault(hf_name, (name, Transform(steps).inverse() if steps else None))
-    out: list[ImportTensor] = []
+    out: list[HfTensor] = []
     left_out: list[str] = []
     for hf_name in hf_names:
         if LEFT_OUT_BUFFERS.search(hf_name):
@@ -104,11 +94,11 @@ def torchtitan_names(hf_names: list[str], cfg: HfConfig) -> tuple[list[ImportTen
             raise HfModelError(f"{hf_name}: no torchtitan name for this Hugging Face tensor of a "
                                f"{cfg.model_type} model.")
         name, transform = inverse[hf_name]
-        out.append(ImportTensor(name, hf_name, transform))
+        out.append(HfTensor(name, hf_name, transform))
     have = {t.source for t in out}
     if cfg.tied and "lm_head.weight" not in have and "model.embed_tokens.weight" in have:
         # torchtitan ties by sharing the parameter: its state dict (and so dcp.load) still names lm_head.weight
-        out.append(ImportTensor(inverse["lm_head.weight"][0], "model.embed_tokens.weight", None))
+        out.append(HfTensor(inverse["lm_head.weight"][0], "model.embed_tokens.weight", None))
         have.add("lm_head.weight")
     missing = [n for n in cfg.required_names() if n not in have]
     if missing:
@@ -133,7 +123,7 @@ def _target_config(doc: dict, where: str, target: str) -> tuple[str, HfConfig]:
     return arch, HfConfig.from_json(doc, where)
 
 
-def _checked_names(src: str, entries: dict, cfg: HfConfig) -> tuple[list[ImportTensor], list[str]]:
+def _checked_names(src: str, entries: dict, cfg: HfConfig) -> tuple[list[HfTensor], list[str]]:
     """:func:`torchtitan_names` with every source shape checked against the config, before anything is written."""
     try:
         plan, left_out = torchtitan_names(list(entries), cfg)
@@ -148,7 +138,7 @@ def _checked_names(src: str, entries: dict, cfg: HfConfig) -> tuple[list[ImportT
     return plan, left_out
 
 
-def _lineage_model(architecture: str, target: str, cfg: HfConfig, plan: list[ImportTensor], left_out: list[str],
+def _lineage_model(architecture: str, target: str, cfg: HfConfig, plan: list[HfTensor], left_out: list[str],
                    key: Callable[[str], str]) -> dict:
     """The lineage sidecar's ``model``: the architecture and every transform applied, by output tensor."""
     return {"architecture": architecture, "target_names": target, "model_type": cfg.model_type, "left_out": left_out,
@@ -213,4 +203,4 @@ def _transformed(transform: Transform, source: CheckpointSource, fqn: str) -> to
     return transform.apply(source.tensor(fqn))
 
 
-__all__ = ["IMPORT_TARGETS", "ImportTensor", "import_hf", "torchtitan_names"]
+__all__ = ["IMPORT_TARGETS", "import_hf", "torchtitan_names"]

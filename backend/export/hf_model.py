@@ -152,7 +152,8 @@ def _biases(model_type: str, doc: dict) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class HfTensor:
-    """One output tensor: its HF name, the source tensor's key and the transform (None: written as stored)."""
+    """One output tensor: its name (HF's in an export, torchtitan's in an import), the source tensor's key and the
+    transform (None: written as stored)."""
 
     name: str
     source: str
@@ -289,7 +290,7 @@ class HfMapping:
     transforms: tuple[str, ...]  # every kind of transform applied, in words (the notes and the lineage sidecar)
 
 
-def _outputs(name: str, shape: tuple[int, ...], rules: list[Rule], cfg: HfConfig,
+def outputs_of(name: str, shape: tuple[int, ...], rules: list[Rule], cfg: HfConfig,
              interleaved: bool) -> list[tuple[str, tuple[Step, ...]]] | None:
     """The (HF name, steps) a source tensor becomes; None when no rule names it."""
     for pattern, make in rules:
@@ -359,7 +360,7 @@ def map_names(shapes: dict[str, tuple[int, ...]], scheme: str, cfg: HfConfig, in
             left_out.append(f"{name}: torchtitan's load-balancing routing state; Hugging Face's {cfg.model_type} "
                             "router has none (torchtitan's to_hf leaves it out too): it routes as if it were zero")
             continue
-        made = _outputs(name, shape, rules, cfg, interleaved)
+        made = outputs_of(name, shape, rules, cfg, interleaved)
         if made is None:
             raise HfModelError(f"{name}: no {scheme} rule names this tensor for a Hugging Face {cfg.model_type} "
                                "model; leave it out or rename it.")
@@ -467,5 +468,5 @@ def rotary_trap(renamed: list[tuple[str, str]]) -> str | None:
 
 
 __all__ = ["LEFT_OUT_BUFFERS", "ROUTING_BIAS", "SCHEMES", "HfConfig", "HfMapping", "HfModelError", "HfTensor",
-           "describe_architecture", "describe_transforms", "interleaved_rotary", "map_names", "recognise_scheme",
-           "rotary_trap"]
+           "describe_architecture", "describe_transforms", "interleaved_rotary", "map_names", "outputs_of",
+           "recognise_scheme", "rotary_trap"]
